@@ -1,0 +1,31 @@
+"""Per-kind codecs for every mlx-lm cache class, registered on import."""
+
+from __future__ import annotations
+
+from mlx_lm.models import cache as _c
+
+from ..kinds import Codec, register_kind
+from .arrays import ArraysCodec
+from .batch import BatchKVCodec, BatchRotatingKVCodec
+from .cachelist import CacheListCodec
+from .dispatch import check_spec, decode_record, encode_cache, facts_of
+from .kv import ChunkedKVCodec, ConcatKVCodec, KVCodec
+from .quantized import QuantizedKVCodec
+from .rotating import RotatingKVCodec
+
+__all__ = ["encode_cache", "check_spec", "decode_record", "facts_of", "BUILTIN_KINDS"]
+
+BUILTIN_KINDS: dict[str, tuple[type, Codec]] = {
+    "kv": (_c.KVCache, KVCodec()),
+    "concat-kv": (_c.ConcatenateKVCache, ConcatKVCodec()),
+    "rotating-kv": (_c.RotatingKVCache, RotatingKVCodec()),
+    "quantized-kv": (_c.QuantizedKVCache, QuantizedKVCodec()),
+    "chunked-kv": (_c.ChunkedKVCache, ChunkedKVCodec()),
+    "arrays": (_c.ArraysCache, ArraysCodec()),
+    "cache-list": (_c.CacheList, CacheListCodec()),
+    "batch-kv": (_c.BatchKVCache, BatchKVCodec()),
+    "batch-rotating-kv": (_c.BatchRotatingKVCache, BatchRotatingKVCodec()),
+}
+
+for _name, (_cls, _codec) in BUILTIN_KINDS.items():
+    register_kind(_cls, _name, _codec)

@@ -1,0 +1,168 @@
+"""One self-contained file per cache: a drop-in for mlx-lm's save/load_prompt_cache.
+
+``save_file`` streams live tensors into a safetensors file with a msgpack
+manifest in its header and writes atomically (tmp, fsync, rename, fsync the
+directory).  ``load_file`` validates the header and the manifest, refuses
+unknown kinds and newer codecs, then loads and verifies every tensor's
+checksum before it builds a single cache object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from .codecs import check_spec
+from .codecs.base import NAME_TO_MX, dtype_name
+from .errors import CorruptBlobError
+from .identity import ModelIdentity
+from .manifest import Manifest, file_metadata, pack_manifest, tensor_keys, unpack_manifest
+from .records import Record, RecordSpec, TensorSpec, as_bytes
+from .snapshot import capture, rebuild
+from .stfile import checksum, fsync_dir, read_header, write_tensors
+
+__all__ = ["save_file", "load_file", "read_manifest", "Loaded"]
+
+FILE_MODE = 0o600
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What ``load_file`` returns: the live caches and what they cover."""
+
+    cache: list[Any]
+    tokens: list[int] | None
+    metadata: dict[str, str] = field(default_factory=dict)
+    identity: ModelIdentity | None = None
+
+
+def save_file(
+    path: str | os.PathLike[str],
+    cache: Sequence[Any],
+    tokens: Sequence[int] | None = None,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    identity: ModelIdentity | None = None,
+) -> None:
+    """Save a model's cache list (and the tokens it covers) to one file.
+
+    Only live data is written.  With ``tokens`` every layer's offset must
+    equal ``len(tokens)`` (``NotResumableError`` otherwise).
+    """
+    meta = dict(metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise TypeError("metadata must map strings to strings")
+    snap = capture(list(cache), tokens)
+    flat = list(tensor_keys(snap.records))
+    specs = {k: TensorSpec(dtype_name(r.tensors[n]), tuple(r.tensors[n].shape)) for k, r, n in flat}
+    ident = identity.to_dict() if identity is not None else None
+
+    def manifest_meta(sums: dict[str, bytes]) -> dict[str, str]:
+        body = pack_manifest(snap.records, specs, sums, snap.tokens, meta, ident, created)
+        return file_metadata(body)
+
+    created = time.time()
+    items = [(k, specs[k], (lambda a=r.tensors[n]: as_bytes(a))) for k, r, n in flat]
+    _atomic_write(Path(path), lambda f: write_tensors(f, items, manifest_meta))
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        os.fchmod(fd, FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(directory)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Validate a file's header and manifest (kinds included) without loading tensors."""
+    where = str(path)
+    with open(path, "rb") as f:
+        header = read_header(f, where)
+    manifest = unpack_manifest(header, where)
+    for i, spec in enumerate(manifest.layers):
+        _check_layer(spec, i, where)
+    return manifest
+
+
+def _check_layer(spec: RecordSpec, i: int, where: str) -> None:
+    try:
+        check_spec(spec)
+    except CorruptBlobError as e:
+        raise CorruptBlobError(where, f"layer {i}: {e}") from None
+
+
+def load_file(path: str | os.PathLike[str], *, identity: ModelIdentity | None = None) -> Loaded:
+    """Load a file written by ``save_file``; every checksum is verified.
+
+    With ``identity`` a file saved for another model is refused
+    (``IdentityMismatchError`` naming the fields that differ).
+    """
+    where = str(path)
+    manifest = read_manifest(path)
+    saved = _saved_identity(manifest, where)
+    if identity is not None and saved is not None:
+        saved.require_same(identity, f"file {where}")
+    arrays = _load_verified(path, manifest, where)
+    records = _records(manifest, arrays)
+    del arrays
+    cache = rebuild(records)
+    if manifest.tokens is not None:
+        # check_spec validated each record; the snapshot rule is re-checked on
+        # the rebuilt cache so a file cannot pair a cache with other tokens.
+        capture(cache, manifest.tokens)
+    return Loaded(cache, manifest.tokens, manifest.metadata, saved)
+
+
+def _saved_identity(manifest: Manifest, where: str) -> ModelIdentity | None:
+    if manifest.identity is None:
+        return None
+    try:
+        return ModelIdentity.from_dict(manifest.identity)
+    except (ValueError, TypeError) as e:
+        raise CorruptBlobError(where, f"manifest: identity: {e}") from None
+
+
+def _load_verified(path: Any, manifest: Manifest, where: str) -> dict[str, mx.array]:
+    try:
+        arrays = mx.load(str(path))
+    except Exception as e:  # validated above; a race or I/O error still lands here
+        raise CorruptBlobError(where, f"cannot read tensors: {e}") from None
+    if not isinstance(arrays, dict) or set(arrays) != set(manifest.checksums):
+        raise CorruptBlobError(where, "file changed while it was read")
+    for key, want in manifest.checksums.items():
+        a = arrays[key]
+        if NAME_TO_MX.get(manifest.specs[key].dtype) != a.dtype:
+            raise CorruptBlobError(where, f"tensor {key!r} changed dtype while read")
+        if checksum(as_bytes(a)) != want:
+            raise CorruptBlobError(where, f"checksum mismatch in tensor {key!r}")
+    return arrays
+
+
+def _records(manifest: Manifest, arrays: dict[str, mx.array]) -> list[Record]:
+    it = iter(manifest.keys)
+
+    def build(spec: RecordSpec) -> Record:
+        mapping = next(it)
+        tensors = {n: arrays[k] for n, k in mapping.items()}
+        kids = tuple(build(c) for c in spec.children)
+        return Record(spec.kind, spec.version, spec.meta, tensors, kids)
+
+    return [build(s) for s in manifest.layers]

@@ -1,0 +1,214 @@
+"""ModelIdentity: everything that must match for a cached state to mean the same.
+
+A cache is only valid for the exact model that computed it: config (RoPE
+settings included), weights, tokenizer, chat template and the cache
+configuration (kv_bits, group size, quantized_kv_start, max_kv_size).
+Library versions are recorded but are not part of the digest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from .errors import IdentityMismatchError
+from .records import as_bytes
+
+__all__ = ["ModelIdentity", "CACHE_CONFIG_KEYS"]
+
+CACHE_CONFIG_KEYS = ("kv_bits", "kv_group_size", "quantized_kv_start", "max_kv_size")
+DIGEST_FIELDS = ("model_type", "config", "weights", "tokenizer", "chat_template", "cache_config")
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=repr)
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _cache_config(cfg: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    unknown = set(cfg) - set(CACHE_CONFIG_KEYS)
+    if unknown:
+        raise TypeError(
+            f"unknown cache configuration {sorted(unknown)}; known: {list(CACHE_CONFIG_KEYS)}"
+        )
+    out = []
+    for k in CACHE_CONFIG_KEYS:
+        v = cfg.get(k)
+        if v is None:
+            continue
+        if type(v) is not int or v < 0:
+            raise TypeError(f"cache configuration {k} must be a non-negative int, got {v!r}")
+        out.append((k, v))
+    if cfg.get("kv_bits") is None:
+        # Without kv_bits the quantization settings change nothing.
+        out = [(k, v) for k, v in out if k == "max_kv_size"]
+    return tuple(sorted(out))
+
+
+def _weights_digest(model: Any) -> str:
+    from mlx.utils import tree_flatten
+
+    h = xxhash.xxh3_128()
+    params: Any = tree_flatten(model.parameters())
+    for name, arr in sorted(params, key=lambda kv: kv[0]):
+        h.update(f"{name}|{arr.dtype}|{tuple(arr.shape)}|".encode())
+        h.update(as_bytes(arr))
+    return h.hexdigest()
+
+
+def _tokenizer_digests(tokenizer: Any) -> tuple[str, str]:
+    if tokenizer is None:
+        return "none", "none"
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    backend = getattr(inner, "backend_tokenizer", None)
+    if backend is not None:
+        body = backend.to_str()
+    else:
+        body = _canonical(sorted(inner.get_vocab().items()))
+    special = {
+        "special": sorted(getattr(inner, "all_special_tokens", []) or []),
+        "eos": sorted(getattr(tokenizer, "eos_token_ids", None) or []),
+        "bos": getattr(inner, "bos_token", None),
+    }
+    template = getattr(inner, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+    return _sha(body + _canonical(special)), _sha(_canonical(template))
+
+
+def _config_of(model: Any) -> tuple[str, dict[str, Any]]:
+    args = getattr(model, "args", None)
+    if dataclasses.is_dataclass(args) and not isinstance(args, type):
+        cfg = dataclasses.asdict(args)
+    elif args is not None:
+        cfg = dict(vars(args))
+    else:
+        cfg = {"class": f"{type(model).__module__}.{type(model).__qualname__}"}
+    return str(cfg.get("model_type", type(model).__module__)), cfg
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("mlx", "mlx-lm", "mlx-persist"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "unknown"
+    return out
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What must match to resume.  Equal iff every digested field is equal."""
+
+    model_type: str
+    config: str
+    weights: str
+    tokenizer: str
+    chat_template: str
+    cache_config: tuple[tuple[str, int], ...] = ()
+    name: str = field(default="", compare=False)
+    versions: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    @property
+    def digest(self) -> str:
+        return _sha(_canonical({k: getattr(self, k) for k in DIGEST_FIELDS}))
+
+    @classmethod
+    def of(
+        cls, model: Any, tokenizer: Any = None, *, name: str | None = None, **cache_config: Any
+    ) -> ModelIdentity:
+        """The identity of a loaded mlx-lm model (and its tokenizer)."""
+        model_type, cfg = _config_of(model)
+        tok, template = _tokenizer_digests(tokenizer)
+        return cls(
+            model_type=model_type,
+            config=_sha(_canonical(cfg)),
+            weights=_weights_digest(model),
+            tokenizer=tok,
+            chat_template=template,
+            cache_config=_cache_config(cache_config),
+            name=name or model_type,
+            versions=tuple(sorted(_versions().items())),
+        )
+
+    @classmethod
+    def from_path(cls, model_dir: str | os.PathLike[str], **cache_config: Any) -> ModelIdentity:
+        """The identity of the mlx-lm model directory ``model_dir``.
+
+        Loads the model lazily with mlx-lm, so it equals ``of()`` of the same
+        model as mlx-lm loads it (sanitized weights, not raw file bytes).
+        """
+        from mlx_lm import load
+
+        path = Path(model_dir)
+        model, tokenizer = load(str(path), lazy=True)[:2]
+        return cls.of(model, tokenizer, name=path.name, **cache_config)
+
+    def diff(self, other: ModelIdentity) -> list[str]:
+        """The digested fields that differ, by name (cache_config per key)."""
+        out = []
+        for k in DIGEST_FIELDS:
+            if k == "cache_config":
+                mine, theirs = dict(self.cache_config), dict(other.cache_config)
+                out += [
+                    f"cache_config.{c}"
+                    for c in sorted(set(mine) | set(theirs))
+                    if mine.get(c) != theirs.get(c)
+                ]
+            elif getattr(self, k) != getattr(other, k):
+                out.append(k)
+        return out
+
+    def require_same(self, other: ModelIdentity, what: str) -> None:
+        fields = self.diff(other)
+        if fields:
+            raise IdentityMismatchError(what, fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in DIGEST_FIELDS if k != "cache_config"}
+        return {
+            **d,
+            "cache_config": dict(self.cache_config),
+            "name": self.name,
+            "versions": dict(self.versions),
+            "digest": self.digest,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ModelIdentity:
+        """Inverse of ``to_dict``; ValueError on anything malformed."""
+        if not isinstance(d, dict):
+            raise ValueError("identity must be a map")
+        strs: dict[str, str] = {}
+        for k in ("model_type", "config", "weights", "tokenizer", "chat_template", "name"):
+            v = d.get(k)
+            if not isinstance(v, str) or len(v) > 4096:
+                raise ValueError(f"identity field {k} must be a string")
+            strs[k] = v
+        cc, ver = d.get("cache_config"), d.get("versions", {})
+        if not isinstance(cc, dict) or not isinstance(ver, dict):
+            raise ValueError("identity cache_config and versions must be maps")
+        ident = cls(
+            model_type=strs["model_type"],
+            config=strs["config"],
+            weights=strs["weights"],
+            tokenizer=strs["tokenizer"],
+            chat_template=strs["chat_template"],
+            cache_config=tuple(sorted((str(k), v) for k, v in cc.items())),
+            name=strs["name"] or "",
+            versions=tuple(sorted((str(k), str(v)) for k, v in ver.items())),
+        )
+        if d.get("digest") != ident.digest:
+            raise ValueError("identity digest does not match its fields")
+        return ident

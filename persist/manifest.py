@@ -1,0 +1,262 @@
+"""The manifest: what a persist file holds, as msgpack in the safetensors header.
+
+It lists every layer's record (kind, codec version, meta, tensor names,
+inner records), the tokens, user metadata, the model identity, and each
+tensor's dtype, shape and checksum.  Parsing is bounded and strict: every
+field is type-checked and cross-checked against the safetensors table
+before a single tensor is read.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .errors import CorruptBlobError, UnsupportedVersionError
+from .records import Record, RecordSpec, TensorSpec
+from .stfile import CHECKSUM_BYTES, Header, checksum
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "Manifest",
+    "pack_manifest",
+    "unpack_manifest",
+    "tensor_keys",
+    "file_metadata",
+]
+
+FORMAT = "persist"
+FORMAT_VERSION = 1
+MAX_LAYERS = 4096
+MAX_TOKENS = 1 << 28
+MAX_META_ITEMS = 256
+MAX_USER_METADATA = 1 << 20
+
+
+@dataclass(frozen=True)
+class Manifest:
+    layers: list[RecordSpec]
+    keys: list[dict[str, str]]  # per record (depth-first): tensor name -> file key
+    tokens: list[int] | None
+    metadata: dict[str, str]
+    identity: dict[str, Any] | None
+    checksums: dict[str, bytes]
+    specs: dict[str, TensorSpec]  # file key -> dtype and shape
+    created: float
+
+
+def tensor_keys(records: list[Record]) -> Iterator[tuple[str, Record, str]]:
+    """(file key, record, tensor name) for every tensor, depth first."""
+
+    def walk(rec: Record, path: str) -> Iterator[tuple[str, Record, str]]:
+        for name in rec.tensors:
+            yield f"{path}/{name}", rec, name
+        for j, child in enumerate(rec.children):
+            yield from walk(child, f"{path}.{j}")
+
+    for i, rec in enumerate(records):
+        yield from walk(rec, str(i))
+
+
+def _record_map(rec: Record) -> dict[str, Any]:
+    return {
+        "kind": rec.kind,
+        "version": rec.version,
+        "meta": rec.meta,
+        "tensors": list(rec.tensors),
+        "children": [_record_map(c) for c in rec.children],
+    }
+
+
+def pack_manifest(
+    records: list[Record],
+    specs: dict[str, TensorSpec],
+    checksums: dict[str, bytes],
+    tokens: list[int] | None,
+    metadata: dict[str, str],
+    identity: dict[str, Any] | None,
+    created: float | None = None,
+) -> bytes:
+    body = {
+        "v": FORMAT_VERSION,
+        "layers": [_record_map(r) for r in records],
+        "n_tokens": None if tokens is None else len(tokens),
+        "tokens": None if tokens is None else struct.pack(f"<{len(tokens)}I", *tokens),
+        "metadata": metadata,
+        "identity": identity,
+        "tensors": {k: [s.dtype, list(s.shape), checksums[k]] for k, s in specs.items()},
+        "created": time.time() if created is None else created,
+    }
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def file_metadata(manifest: bytes) -> dict[str, str]:
+    """The safetensors ``__metadata__`` that carries a manifest."""
+    return {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "manifest": base64.b64encode(manifest).decode("ascii"),
+        "manifest_xxh3": checksum(manifest).hex(),
+    }
+
+
+def unpack_manifest(header: Header, where: str) -> Manifest:
+    """Validate the header's manifest against the header's tensor table."""
+    meta = header.metadata
+    if meta.get("format") != FORMAT:
+        raise CorruptBlobError(where, "not a persist file (no persist manifest in its header)")
+    version = meta.get("format_version", "")
+    if not version.isdigit():
+        raise CorruptBlobError(where, f"malformed format version {version!r}")
+    if int(version) > FORMAT_VERSION:
+        raise UnsupportedVersionError("persist-file", int(version), FORMAT_VERSION)
+    try:
+        raw = base64.b64decode(meta.get("manifest", ""), validate=True)
+    except (binascii.Error, ValueError):
+        raise CorruptBlobError(where, "manifest is not base64") from None
+    if checksum(raw).hex() != meta.get("manifest_xxh3"):
+        raise CorruptBlobError(where, "manifest checksum mismatch")
+    try:
+        body = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=len(raw),
+            max_str_len=len(raw),
+            max_array_len=len(raw),
+            max_map_len=len(raw),
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises a zoo of types on hostile input
+        raise CorruptBlobError(where, f"manifest is not valid msgpack: {e}") from None
+    return _parse(body, header, where)
+
+
+def _bad(where: str, what: str) -> CorruptBlobError:
+    return CorruptBlobError(where, f"manifest: {what}")
+
+
+def _parse(body: Any, header: Header, where: str) -> Manifest:
+    if not isinstance(body, dict) or body.get("v") != FORMAT_VERSION:
+        raise _bad(where, "not a version-1 manifest map")
+    table = body.get("tensors")
+    if not isinstance(table, dict) or set(table) != set(header.tensors):
+        raise _bad(where, "tensor list does not match the file's tensors")
+    sums: dict[str, bytes] = {}
+    for key, row in table.items():
+        if (
+            not isinstance(row, list)
+            or len(row) != 3
+            or not isinstance(row[2], bytes)
+            or len(row[2]) != CHECKSUM_BYTES
+        ):
+            raise _bad(where, f"malformed entry for tensor {key!r}")
+        spec = header.tensors[key].spec
+        if row[0] != spec.dtype or row[1] != list(spec.shape):
+            raise _bad(
+                where,
+                f"tensor {key!r} is {spec.dtype}{list(spec.shape)} in the "
+                f"header but {row[0]}{row[1]} in the manifest",
+            )
+        sums[key] = row[2]
+    layers_raw = body.get("layers")
+    if not isinstance(layers_raw, list) or len(layers_raw) > MAX_LAYERS:
+        raise _bad(where, "malformed layer list")
+    keys: list[dict[str, str]] = []
+    layers = [_spec(r, str(i), header, keys, where, 0) for i, r in enumerate(layers_raw)]
+    used = {k for m in keys for k in m.values()}
+    if used != set(header.tensors):
+        raise _bad(where, "records and tensors do not match one to one")
+    return Manifest(
+        layers=layers,
+        keys=keys,
+        tokens=_tokens(body, where),
+        metadata=_user_metadata(body.get("metadata"), where),
+        identity=_identity(body.get("identity"), where),
+        checksums=sums,
+        specs={k: e.spec for k, e in header.tensors.items()},
+        created=float(body["created"]) if isinstance(body.get("created"), (int, float)) else 0.0,
+    )
+
+
+def _spec(
+    r: Any, path: str, header: Header, keys: list[dict[str, str]], where: str, depth: int
+) -> RecordSpec:
+    if depth > 8 or not isinstance(r, dict):
+        raise _bad(where, f"record {path} is malformed")
+    kind, version, meta, names, children = (
+        r.get("kind"),
+        r.get("version"),
+        r.get("meta"),
+        r.get("tensors"),
+        r.get("children"),
+    )
+    if not isinstance(kind, str) or type(version) is not int:
+        raise _bad(where, f"record {path} has no kind or version")
+    if not isinstance(meta, dict) or len(meta) > MAX_META_ITEMS or not _plain(meta):
+        raise _bad(where, f"record {path} has malformed meta")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise _bad(where, f"record {path} has a malformed tensor list")
+    if not isinstance(children, list):
+        raise _bad(where, f"record {path} has a malformed child list")
+    mapping = {n: f"{path}/{n}" for n in names}
+    missing = [k for k in mapping.values() if k not in header.tensors]
+    if missing:
+        raise _bad(where, f"record {path} names missing tensors {missing[:3]}")
+    keys.append(mapping)
+    tensors = {n: header.tensors[k].spec for n, k in mapping.items()}
+    kids = tuple(
+        _spec(c, f"{path}.{j}", header, keys, where, depth + 1) for j, c in enumerate(children)
+    )
+    return RecordSpec(kind, version, meta, tensors, kids)
+
+
+def _plain(v: Any, depth: int = 0) -> bool:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return not isinstance(v, str) or len(v) <= 4096
+    if depth > 3:
+        return False
+    if isinstance(v, list):
+        return len(v) <= 4096 and all(_plain(x, depth + 1) for x in v)
+    if isinstance(v, dict):
+        return len(v) <= MAX_META_ITEMS and all(
+            isinstance(k, str) and _plain(x, depth + 1) for k, x in v.items()
+        )
+    return False
+
+
+def _tokens(body: dict[str, Any], where: str) -> list[int] | None:
+    n, raw = body.get("n_tokens"), body.get("tokens")
+    if n is None and raw is None:
+        return None
+    if type(n) is not int or not 0 <= n <= MAX_TOKENS or not isinstance(raw, bytes):
+        raise _bad(where, "malformed token list")
+    if len(raw) != 4 * n:
+        raise _bad(where, f"token list holds {len(raw)} bytes for {n} tokens")
+    return list(struct.unpack(f"<{n}I", raw))
+
+
+def _user_metadata(m: Any, where: str) -> dict[str, str]:
+    if m is None:
+        return {}
+    if not isinstance(m, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in m.items()
+    ):
+        raise _bad(where, "metadata must map strings to strings")
+    return m
+
+
+def _identity(d: Any, where: str) -> dict[str, Any] | None:
+    if d is None:
+        return None
+    if not isinstance(d, dict) or not _plain(d):
+        raise _bad(where, "malformed identity")
+    return d

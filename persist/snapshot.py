@@ -1,0 +1,121 @@
+"""A whole model's cache list plus the tokens it covers <-> encoded records.
+
+The one rule enforced here: a snapshot's tokens must be exactly what every
+layer covers.  A cache keyed to other tokens would corrupt every later hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from .codecs import decode_record, encode_cache, facts_of
+from .errors import NotResumableError
+from .kinds import is_batched, kind_of
+from .records import Record, ResumeFacts
+
+__all__ = ["Snapshot", "capture", "rebuild", "extract_row", "snapshot_facts"]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    records: list[Record]
+    facts: list[ResumeFacts]
+    tokens: list[int] | None
+
+    @property
+    def offset(self) -> int | None:
+        return common_offset(self.facts)
+
+    @property
+    def trimmable(self) -> bool:
+        return all(f.trimmable for f in self.facts)
+
+    @property
+    def min_resume_offset(self) -> int:
+        return max((f.min_resume_offset for f in self.facts), default=0)
+
+
+def common_offset(facts: Sequence[ResumeFacts]) -> int | None:
+    offsets = {f.offset for f in facts if f.offset is not None}
+    if len(offsets) > 1:
+        raise NotResumableError(f"layers disagree on their offset: {sorted(offsets)}")
+    return offsets.pop() if offsets else None
+
+
+def _as_list(cache: Any) -> list[Any]:
+    if not isinstance(cache, (list, tuple)):
+        raise TypeError("expected a model's cache: a list with one cache per layer")
+    return list(cache)
+
+
+def _check_tokens(tokens: Sequence[int]) -> list[int]:
+    out = [int(t) for t in tokens]
+    if any(not 0 <= t < 1 << 31 for t in out):
+        raise ValueError("token ids must be integers in [0, 2**31)")
+    return out
+
+
+def capture(cache: Any, tokens: Sequence[int] | None = None) -> Snapshot:
+    """Encode every layer; refuse a cache that does not match ``tokens``."""
+    layers = _as_list(cache)
+    kinds = [kind_of(c) for c in layers]
+    facts = [facts_of(c) for c in layers]
+    toks = None if tokens is None else _check_tokens(tokens)
+    offset = common_offset(facts)
+    if toks is not None:
+        for i, k in enumerate(kinds):
+            if is_batched(k) and facts[i].offset is None:
+                raise NotResumableError(
+                    f"layer {i} ({k}) is a batch of several rows; choose one with "
+                    "persist.extract_row(cache, row) before saving it with tokens"
+                )
+        if offset is not None and offset != len(toks):
+            raise NotResumableError(
+                f"the cache covers {offset} positions but {len(toks)} tokens were given"
+            )
+    records = [encode_cache(c) for c in layers]
+    return Snapshot(records, facts, toks)
+
+
+def snapshot_facts(cache: Any) -> list[ResumeFacts]:
+    return [facts_of(c) for c in _as_list(cache)]
+
+
+def rebuild(records: Sequence[Record]) -> list[Any]:
+    """Live caches from checked records, evaluated so nothing stays lazy."""
+    out = []
+    for r in records:
+        c = decode_record(r)
+        mx.eval(_arrays(c))
+        out.append(c)
+    return out
+
+
+def _arrays(c: Any) -> list[Any]:
+    found: list[Any] = []
+    stack = [c.state]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, mx.array):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return found
+
+
+def extract_row(cache: Any, row: int) -> list[Any]:
+    """One row of a batched cache list as serial caches (mlx-lm's ``extract``).
+
+    The row gets its own offset, its left padding removed and its ring
+    de-rolled, so it saves and resumes like a single-sequence cache.
+    """
+    out = []
+    for c in _as_list(cache):
+        if not hasattr(c, "extract"):
+            raise NotResumableError(f"{kind_of(c)} cannot extract a row")
+        out.append(c.extract(row))
+    return out

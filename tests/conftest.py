@@ -1,0 +1,55 @@
+"""Fixtures: tiny random-weight mlx-lm models of every family, built once per run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlx_lm import load
+
+from persist.demo import make_model
+
+_loaded: dict[str, tuple[Any, Any]] = {}
+
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "gemma3": ("gemma3", {}),
+    "qwen3_next": ("qwen3_next", {}),
+    "mamba2": ("mamba2", {}),
+    "falcon_h1": ("falcon_h1", {}),
+    "llama4": ("llama4", {}),
+    # head_dim 64 so kv_bits group sizes 32 and 64 apply
+    "llama_hd64": ("llama", {"head_dim": 64}),
+}
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def model_dir(model_root: Path) -> Any:
+    def get(variant: str) -> Path:
+        arch, overrides = VARIANTS[variant]
+        d = model_root / variant
+        if not (d / "config.json").exists():
+            make_model(d, arch, overrides=overrides)
+        return d
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny(model_dir: Any) -> Any:
+    """tiny(variant) -> (model, tokenizer, model_dir), loaded once per session."""
+
+    def get(variant: str) -> tuple[Any, Any, Path]:
+        d = model_dir(variant)
+        if variant not in _loaded:
+            _loaded[variant] = load(str(d))
+        model, tok = _loaded[variant]
+        return model, tok, d
+
+    return get

@@ -1,0 +1,83 @@
+"""Helpers shared by the tests: tiny models, prefill, continuation, bitwise compare."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from persist.codecs import encode_cache
+from persist.manifest import tensor_keys
+
+
+def tokens_for(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def prefill(
+    model: Any, tokens: Sequence[int], cache: list[Any] | None = None, step: int = 128
+) -> tuple[list[Any], mx.array]:
+    """Run ``tokens`` through the model in chunks; return the cache and last logits."""
+    cache = make_prompt_cache(model) if cache is None else cache
+    logits = None
+    for i in range(0, len(tokens), step):
+        logits = model(mx.array([list(tokens[i : i + step])]), cache=cache)
+        mx.eval(logits, [c.state for c in cache])
+    assert logits is not None
+    return cache, logits[0, -1]
+
+
+def continue_run(
+    model: Any, cache: list[Any], next_tokens: Sequence[int], n_greedy: int = 8
+) -> tuple[list[mx.array], list[int]]:
+    """Feed ``next_tokens`` one at a time, then decode ``n_greedy`` tokens greedily.
+
+    Returns the logits of every step and the greedy tokens.
+    """
+    logits_seen = []
+    logits = None
+    for t in next_tokens:
+        logits = model(mx.array([[t]]), cache=cache)[0, -1]
+        mx.eval(logits)
+        logits_seen.append(logits)
+    greedy = []
+    for _ in range(n_greedy):
+        assert logits is not None
+        t = int(mx.argmax(logits).item())
+        greedy.append(t)
+        logits = model(mx.array([[t]]), cache=cache)[0, -1]
+        mx.eval(logits)
+        logits_seen.append(logits)
+    return logits_seen, greedy
+
+
+def raw(a: mx.array) -> bytes:
+    a = mx.contiguous(a) if a.ndim else a.reshape(1)
+    mx.eval(a)
+    return bytes(memoryview(a).cast("B"))
+
+
+def live_state(cache: list[Any]) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """Every layer's live tensors (as persist encodes them), as comparable bytes."""
+    recs = [encode_cache(c) for c in cache]
+    out = {}
+    for key, rec, name in tensor_keys(recs):
+        a = rec.tensors[name]
+        out[key] = (str(a.dtype), tuple(a.shape), raw(a))
+    metas = {str(i): repr(_metas(r)) for i, r in enumerate(recs)}
+    out["__meta__"] = ("", (), repr(metas).encode())
+    return out
+
+
+def _metas(rec: Any) -> Any:
+    return (rec.kind, rec.meta, [_metas(c) for c in rec.children])
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k] == b[k], f"state differs at {k}"
