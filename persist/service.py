@@ -84,11 +84,15 @@ def verify_file(path: str | os.PathLike[str]) -> FileInfo:
     facts = snapshot_facts(loaded.cache)
     layers = [
         LayerInfo(
-            layer.index, layer.kind, layer.version, layer.tensors, layer.bytes,
-            f.offset, f.trimmable, f.min_resume_offset,
+            layer.index,
+            layer.kind,
+            layer.version,
+            layer.tensors,
+            layer.bytes,
+            f.offset,
+            f.trimmable,
+            f.min_resume_offset,
         )
         for layer, f in zip(info.layers, facts, strict=True)
     ]
-    return FileInfo(
-        **{**info.__dict__, "layers": layers, "verified": True, "seconds": seconds}
-    )
+    return FileInfo(**{**info.__dict__, "layers": layers, "verified": True, "seconds": seconds})

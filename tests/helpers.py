@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -11,6 +16,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from persist.codecs import encode_cache
 from persist.manifest import tensor_keys
+
+ROOT = Path(__file__).resolve().parent.parent
+NEXT = [17, 200, 3, 99]
 
 
 def tokens_for(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
@@ -81,3 +89,41 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert a[k] == b[k], f"state differs at {k}"
+
+
+def run_child(model_dir: Path, jobs: list[dict[str, Any]], tmp: Path) -> None:
+    job = tmp / "job.json"
+    job.write_text(json.dumps(jobs))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(
+        [sys.executable, "-m", "tests.child_continue", str(model_dir), str(job)],
+        check=True,
+        cwd=ROOT,
+        env=env,
+        timeout=900,
+    )
+
+
+def decode_state(meta: str) -> dict[str, Any]:
+    return {k: (v[0], tuple(v[1]), bytes.fromhex(v[2])) for k, v in json.loads(meta).items()}
+
+
+def check_against_child(
+    model: Any, cache: list[Any], out: Path, prompt: list[int], *, state: bool = True
+) -> None:
+    """Continue ``cache`` here and compare with what the child computed.
+
+    ``state=False`` compares only logits and greedy tokens (for a reference
+    run whose ring may be laid out differently but must compute the same).
+    """
+    arrays, meta = mx.load(str(out), return_metadata=True)
+    assert json.loads(meta["tokens"]) == prompt
+    if state:
+        assert_same_state(live_state(cache), decode_state(meta["before"]))
+    logits, greedy = continue_run(model, cache, NEXT)
+    assert greedy == json.loads(meta["greedy"])
+    assert len(logits) == len(NEXT) + 8
+    for i, x in enumerate(logits):
+        assert raw(x) == raw(arrays[f"logits.{i}"]), f"logits differ at step {i}"
+    if state:
+        assert_same_state(live_state(cache), decode_state(meta["after"]))

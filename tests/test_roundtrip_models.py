@@ -7,10 +7,6 @@ tokens: logits, live state and 8 greedy tokens must be identical.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,48 +16,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import persist
-from tests.helpers import (
-    assert_same_state,
-    continue_run,
-    live_state,
-    prefill,
-    raw,
-    tokens_for,
-)
+from tests.helpers import NEXT, check_against_child, prefill, run_child, tokens_for
 
-ROOT = Path(__file__).resolve().parent.parent
 LENGTHS = [1, 255, 256, 257, 600]
-NEXT = [17, 200, 3, 99]
-
-
-def run_child(model_dir: Path, jobs: list[dict[str, Any]], tmp: Path) -> None:
-    job = tmp / "job.json"
-    job.write_text(json.dumps(jobs))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run(
-        [sys.executable, "-m", "tests.child_continue", str(model_dir), str(job)],
-        check=True,
-        cwd=ROOT,
-        env=env,
-        timeout=900,
-    )
-
-
-def decode_state(meta: str) -> dict[str, Any]:
-    return {k: (v[0], tuple(v[1]), bytes.fromhex(v[2])) for k, v in json.loads(meta).items()}
-
-
-def check_against_child(model: Any, cache: list[Any], out: Path, prompt: list[int]) -> None:
-    """Continue the original cache here and compare with what the child computed."""
-    arrays, meta = mx.load(str(out), return_metadata=True)
-    assert json.loads(meta["tokens"]) == prompt
-    assert_same_state(live_state(cache), decode_state(meta["before"]))
-    logits, greedy = continue_run(model, cache, NEXT)
-    assert greedy == json.loads(meta["greedy"])
-    assert len(logits) == len(NEXT) + 8
-    for i, x in enumerate(logits):
-        assert raw(x) == raw(arrays[f"logits.{i}"]), f"logits differ at step {i}"
-    assert_same_state(live_state(cache), decode_state(meta["after"]))
 
 
 def roundtrip(variant: str, tiny: Any, tmp: Path, build: Any, lengths: list[int]) -> None:

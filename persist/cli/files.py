@@ -13,8 +13,10 @@ from .app import cli, emit, human_bytes
 
 def _render(info: FileInfo) -> None:
     when = datetime.datetime.fromtimestamp(info.created).isoformat(timespec="seconds")
-    click.echo(f"{info.path}: {human_bytes(info.file_bytes)} on disk, "
-               f"{human_bytes(info.tensor_bytes)} of tensors, saved {when}")
+    click.echo(
+        f"{info.path}: {human_bytes(info.file_bytes)} on disk, "
+        f"{human_bytes(info.tensor_bytes)} of tensors, saved {when}"
+    )
     click.echo(f"tokens: {'none recorded' if info.tokens is None else info.tokens}")
     if info.identity:
         click.echo(f"model: {info.identity.get('name')} ({info.identity.get('digest', '')[:16]})")
@@ -23,8 +25,10 @@ def _render(info: FileInfo) -> None:
     for layer in info.layers:
         line = f"  layer {layer.index:3d}  {layer.kind:<28} {human_bytes(layer.bytes):>10}"
         if info.verified:
-            line += (f"  offset {layer.offset}  trimmable {layer.trimmable}"
-                     f"  min resume {layer.min_resume_offset}")
+            line += (
+                f"  offset {layer.offset}  trimmable {layer.trimmable}"
+                f"  min resume {layer.min_resume_offset}"
+            )
         click.echo(line)
     if info.verified:
         click.echo(f"verified: every checksum matches ({info.seconds:.3f} s)")

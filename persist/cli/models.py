@@ -25,5 +25,8 @@ def make_model_cmd(directory: Path, arch: str, seed: int, as_json: bool) -> None
       persist make-model ./tiny-qwen --arch qwen3_next
     """
     path = make_model(directory, arch, seed=seed)
-    emit(as_json, {"directory": str(path), "arch": arch, "seed": seed},
-         lambda d: click.echo(f"wrote a tiny {arch} model to {d['directory']}"))
+    emit(
+        as_json,
+        {"directory": str(path), "arch": arch, "seed": seed},
+        lambda d: click.echo(f"wrote a tiny {arch} model to {d['directory']}"),
+    )

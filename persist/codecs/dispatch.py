@@ -29,6 +29,8 @@ def check_spec(spec: RecordSpec) -> None:
         raise invalid(spec, f"codec version {spec.version!r} is not a positive integer")
     if spec.version > codec.version:
         raise UnsupportedVersionError(spec.kind, spec.version, codec.version)
+    for child in spec.children:
+        require_known(child.kind)  # unknown anywhere is UnknownKindError, first
     inner = tuple(str(a) for a in node.args)
     if inner != tuple(c.kind for c in spec.children):
         raise invalid(spec, "inner records do not match the inner kinds")

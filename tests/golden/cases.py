@@ -1,0 +1,160 @@
+"""Golden cases: deterministic caches of every kind and a probe of their behaviour.
+
+The probe feeds a cache fixed updates and hashes what it returns, so it tests
+what a restored cache *does*, independent of how later versions lay it out.
+Inputs come from numpy's legacy RandomState, whose stream never changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+from mlx_lm.models import cache as mc
+
+from persist import ModelIdentity
+
+H, D = 2, 8
+
+
+def arr(seed: int, shape: tuple[int, ...], dtype: Any = mx.bfloat16) -> mx.array:
+    data = np.random.RandomState(seed).standard_normal(shape).astype(np.float32)
+    return mx.array(data).astype(dtype)
+
+
+def kvs(seed: int, n: int, b: int = 1, d: int = D) -> tuple[mx.array, mx.array]:
+    return arr(seed, (b, H, n, d)), arr(seed + 1, (b, H, n, d))
+
+
+def _kv(n: int) -> Any:
+    c = mc.KVCache()
+    if n:
+        c.update_and_fetch(*kvs(1, n))
+    return c
+
+
+def _trimmed() -> Any:
+    c = _kv(300)
+    c.trim(20)
+    return c
+
+
+def _concat() -> Any:
+    c = mc.ConcatenateKVCache()
+    c.update_and_fetch(*kvs(2, 9))
+    return c
+
+
+def _rotating(steps: list[int], keep: int) -> Callable[[], Any]:
+    def build() -> Any:
+        c = mc.RotatingKVCache(max_size=16, keep=keep)
+        for i, s in enumerate(steps):
+            c.update_and_fetch(*kvs(10 + i, s))
+        return c
+
+    return build
+
+
+def _quantized() -> Any:
+    c = mc.KVCache()
+    c.update_and_fetch(*kvs(3, 40, d=64))
+    return c.to_quantized(group_size=64, bits=4)
+
+
+def _chunked() -> Any:
+    c = mc.ChunkedKVCache(chunk_size=16)
+    for i, s in enumerate([10, 12, 9]):
+        c.maybe_trim_front()
+        c.update_and_fetch(*kvs(20 + i, s))
+    return c
+
+
+def _arrays() -> Any:
+    a = mc.ArraysCache(3, left_padding=[2, 0])
+    a[1] = arr(30, (2, 3, 5), mx.float32)
+    a.lengths = mx.array([4, 6])
+    return a
+
+
+def _cache_list() -> Any:
+    a = mc.ArraysCache(2)
+    a[0] = arr(31, (1, 3, 4), mx.float32)
+    return mc.CacheList(mc.CacheList(_kv(21), a), _rotating([20, 1], 0)())
+
+
+def _batch_kv() -> Any:
+    c = mc.BatchKVCache(left_padding=[3, 0])
+    c.update_and_fetch(*kvs(40, 6, b=2))
+    return c
+
+
+def _batch_rotating() -> Any:
+    c = mc.BatchRotatingKVCache(max_size=8, left_padding=[2, 0])
+    c.update_and_fetch(*kvs(41, 5, b=2))
+    for i in range(7):
+        c.update_and_fetch(*kvs(50 + i, 1, b=2))
+    return c
+
+
+CASES: dict[str, Callable[[], Any]] = {
+    "kv-empty": lambda: _kv(0),
+    "kv-10": lambda: _kv(10),
+    "kv-trimmed": _trimmed,
+    "concat-kv": _concat,
+    "rotating-unwrapped": _rotating([5, 1, 1], 0),
+    "rotating-wrapped-keep": _rotating([3] + [1] * 30, 4),
+    "rotating-big-prefill": _rotating([50], 2),
+    "quantized-kv": _quantized,
+    "chunked-kv": _chunked,
+    "arrays": _arrays,
+    "cache-list": _cache_list,
+    "batch-kv": _batch_kv,
+    "batch-rotating-kv": _batch_rotating,
+}
+
+IDENTITY = ModelIdentity(
+    model_type="golden",
+    config="c" * 64,
+    weights="w" * 32,
+    tokenizer="t" * 64,
+    chat_template="h" * 64,
+    cache_config=(("max_kv_size", 16),),
+    name="golden",
+)
+
+
+def probe(cache: Any) -> str:
+    """Hash what the cache returns for fixed updates (or holds, for state slots)."""
+    h = xxhash.xxh3_128()
+
+    def put(x: Any) -> None:
+        if isinstance(x, (tuple, list)):
+            for y in x:
+                put(y)
+        elif isinstance(x, mx.array):
+            x = mx.contiguous(x) if x.ndim else x.reshape(1)
+            mx.eval(x)
+            h.update(f"{x.dtype}{x.shape}".encode())
+            h.update(bytes(memoryview(x)))
+        else:
+            h.update(repr(x).encode())
+
+    def visit(c: Any) -> None:
+        if isinstance(c, mc.CacheList):
+            for inner in c.caches:
+                visit(inner)
+        elif isinstance(c, mc.ArraysCache):
+            put(c.cache)
+            put([c.left_padding, c.lengths])
+        elif isinstance(c, mc.QuantizedKVCache):
+            put([c.offset, c.bits, c.group_size, c.keys_and_values()])
+        else:
+            rows = c.offset.shape[0] if isinstance(c.offset, mx.array) else 1
+            put(c.update_and_fetch(*kvs(90, 1, b=rows)))
+            put(c.update_and_fetch(*kvs(92, 3, b=rows)))
+
+    visit(cache)
+    return h.hexdigest()
