@@ -11,23 +11,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-
 from .codecs import check_spec
-from .codecs.base import NAME_TO_MX, dtype_name
+from .codecs.base import dtype_name
 from .errors import CorruptBlobError
 from .identity import ModelIdentity
 from .manifest import Manifest, file_metadata, pack_manifest, tensor_keys, unpack_manifest
-from .records import Record, RecordSpec, TensorSpec, as_bytes
-from .snapshot import capture, rebuild
-from .stfile import checksum, fsync_dir, read_header, write_tensors
+from .reader import read_layer
+from .records import RecordSpec, TensorSpec, as_bytes
+from .snapshot import capture, rebuild, require_covers
+from .stfile import Sink, fsync_dir, read_header, write_tensors
 
 __all__ = ["save_file", "load_file", "read_manifest", "Loaded"]
 
@@ -75,17 +74,17 @@ def save_file(
 
 
 def _atomic_write(path: Path, write: Any) -> None:
+    """tmp file in the target directory, write, fsync, rename, fsync the directory."""
     directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    tmp = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    sink = Sink(tmp, FILE_MODE)
     try:
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        write(sink)  # fsyncs before returning
+        sink.close()
         os.replace(tmp, path)
         fsync_dir(directory)
     except BaseException:
+        sink.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
@@ -120,14 +119,17 @@ def load_file(path: str | os.PathLike[str], *, identity: ModelIdentity | None = 
     saved = _saved_identity(manifest, where)
     if identity is not None and saved is not None:
         saved.require_same(identity, f"file {where}")
-    arrays = _load_verified(path, manifest, where)
-    records = _records(manifest, arrays)
-    del arrays
-    cache = rebuild(records)
+    # One layer at a time, read straight into the buffers the caches keep:
+    # peak memory is the restored cache itself.
+    keys = iter(manifest.keys)
+    with open(path, "rb") as f:
+        cache = [
+            rebuild([read_layer(f.fileno(), s, keys, manifest, where)])[0] for s in manifest.layers
+        ]
     if manifest.tokens is not None:
-        # check_spec validated each record; the snapshot rule is re-checked on
-        # the rebuilt cache so a file cannot pair a cache with other tokens.
-        capture(cache, manifest.tokens)
+        # The snapshot rule, re-checked on the rebuilt cache: a file cannot
+        # pair a cache with tokens it does not cover.
+        require_covers(cache, manifest.tokens)
     return Loaded(cache, manifest.tokens, manifest.metadata, saved)
 
 
@@ -138,31 +140,3 @@ def _saved_identity(manifest: Manifest, where: str) -> ModelIdentity | None:
         return ModelIdentity.from_dict(manifest.identity)
     except (ValueError, TypeError) as e:
         raise CorruptBlobError(where, f"manifest: identity: {e}") from None
-
-
-def _load_verified(path: Any, manifest: Manifest, where: str) -> dict[str, mx.array]:
-    try:
-        arrays = mx.load(str(path))
-    except Exception as e:  # validated above; a race or I/O error still lands here
-        raise CorruptBlobError(where, f"cannot read tensors: {e}") from None
-    if not isinstance(arrays, dict) or set(arrays) != set(manifest.checksums):
-        raise CorruptBlobError(where, "file changed while it was read")
-    for key, want in manifest.checksums.items():
-        a = arrays[key]
-        if NAME_TO_MX.get(manifest.specs[key].dtype) != a.dtype:
-            raise CorruptBlobError(where, f"tensor {key!r} changed dtype while read")
-        if checksum(as_bytes(a)) != want:
-            raise CorruptBlobError(where, f"checksum mismatch in tensor {key!r}")
-    return arrays
-
-
-def _records(manifest: Manifest, arrays: dict[str, mx.array]) -> list[Record]:
-    it = iter(manifest.keys)
-
-    def build(spec: RecordSpec) -> Record:
-        mapping = next(it)
-        tensors = {n: arrays[k] for n, k in mapping.items()}
-        kids = tuple(build(c) for c in spec.children)
-        return Record(spec.kind, spec.version, spec.meta, tensors, kids)
-
-    return [build(s) for s in manifest.layers]

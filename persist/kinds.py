@@ -12,6 +12,7 @@ Grammar::
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from dataclasses import dataclass
@@ -109,6 +110,11 @@ def parse_kind(text: str) -> KindNode:
     """Parse a kind string; raise UnknownKindError if it is not well formed."""
     if not isinstance(text, str) or not text or len(text) > MAX_KIND_LEN:
         raise UnknownKindError(str(text)[:80], "malformed kind string")
+    return _parse_cached(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_cached(text: str) -> KindNode:
     node, pos = _parse(text, 0, 0)
     if pos != len(text):
         raise UnknownKindError(text, f"malformed kind string at position {pos}")

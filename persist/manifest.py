@@ -50,6 +50,7 @@ class Manifest:
     identity: dict[str, Any] | None
     checksums: dict[str, bytes]
     specs: dict[str, TensorSpec]  # file key -> dtype and shape
+    offsets: dict[str, int]  # file key -> absolute byte offset of its data
     created: float
 
 
@@ -183,6 +184,7 @@ def _parse(body: Any, header: Header, where: str) -> Manifest:
         identity=_identity(body.get("identity"), where),
         checksums=sums,
         specs={k: e.spec for k, e in header.tensors.items()},
+        offsets={k: e.start for k, e in header.tensors.items()},
         created=float(body["created"]) if isinstance(body.get("created"), (int, float)) else 0.0,
     )
 

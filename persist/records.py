@@ -38,7 +38,14 @@ def as_bytes(a: Any) -> memoryview:
     """The raw row-major bytes of an mx.array (evaluated; copied only if strided)."""
     import mlx.core as mx
 
-    a = mx.contiguous(a) if a.ndim else a.reshape(1)
+    mx.eval(a)
+    if a.ndim:
+        view = memoryview(a)
+        if view.contiguous:
+            return view.cast("B")
+        a = mx.contiguous(a)
+    else:
+        a = a.reshape(1)
     mx.eval(a)
     return memoryview(a).cast("B")
 

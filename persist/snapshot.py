@@ -17,7 +17,7 @@ from .errors import NotResumableError
 from .kinds import is_batched, kind_of
 from .records import Record, ResumeFacts
 
-__all__ = ["Snapshot", "capture", "rebuild", "extract_row", "snapshot_facts"]
+__all__ = ["Snapshot", "capture", "rebuild", "extract_row", "snapshot_facts", "require_covers"]
 
 
 @dataclass(frozen=True)
@@ -65,20 +65,32 @@ def capture(cache: Any, tokens: Sequence[int] | None = None) -> Snapshot:
     kinds = [kind_of(c) for c in layers]
     facts = [facts_of(c) for c in layers]
     toks = None if tokens is None else _check_tokens(tokens)
-    offset = common_offset(facts)
     if toks is not None:
-        for i, k in enumerate(kinds):
-            if is_batched(k) and facts[i].offset is None:
-                raise NotResumableError(
-                    f"layer {i} ({k}) is a batch of several rows; choose one with "
-                    "persist.extract_row(cache, row) before saving it with tokens"
-                )
-        if offset is not None and offset != len(toks):
-            raise NotResumableError(
-                f"the cache covers {offset} positions but {len(toks)} tokens were given"
-            )
+        _require_covers(kinds, facts, toks)
+    else:
+        common_offset(facts)
     records = [encode_cache(c) for c in layers]
     return Snapshot(records, facts, toks)
+
+
+def require_covers(cache: Any, tokens: Sequence[int]) -> None:
+    """Refuse a cache whose layers do not cover exactly ``tokens``."""
+    layers = _as_list(cache)
+    _require_covers([kind_of(c) for c in layers], [facts_of(c) for c in layers], tokens)
+
+
+def _require_covers(kinds: list[str], facts: list[ResumeFacts], tokens: Sequence[int]) -> None:
+    for i, k in enumerate(kinds):
+        if is_batched(k) and facts[i].offset is None:
+            raise NotResumableError(
+                f"layer {i} ({k}) is a batch of several rows; choose one with "
+                "persist.extract_row(cache, row) before saving it with tokens"
+            )
+    offset = common_offset(facts)
+    if offset is not None and offset != len(tokens):
+        raise NotResumableError(
+            f"the cache covers {offset} positions but {len(tokens)} tokens were given"
+        )
 
 
 def snapshot_facts(cache: Any) -> list[ResumeFacts]:

@@ -8,8 +8,10 @@ writes, then fills the checksums into a header of fixed length.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable
@@ -27,6 +29,7 @@ __all__ = [
     "Header",
     "read_header",
     "write_tensors",
+    "Sink",
     "checksum",
     "fsync_dir",
     "CHECKSUM_BYTES",
@@ -132,18 +135,110 @@ def _check_layout(where: str, entries: dict[str, Entry], data_start: int, size: 
 
 Producer = Callable[[], memoryview]
 
+DIRECT_ALIGN = 4096
+STAGE_BYTES = 8 << 20
+
+
+class Sink:
+    """A new file written sequentially, then fsynced.
+
+    Where the filesystem allows it the file is opened with O_DIRECT and fed
+    through an aligned staging buffer: writes then skip the page cache, which
+    on some machines (VMs with cold memory) is several times faster than
+    filling fresh cache pages, and a save does not evict the caller's data.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], mode: int = 0o600) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        self.direct = False
+        direct = getattr(os, "O_DIRECT", 0)
+        fd = -1
+        if direct:
+            try:
+                fd = os.open(path, flags | direct, mode)
+                self.direct = True
+            except OSError:
+                fd = -1
+        if fd < 0:
+            fd = os.open(path, flags, mode)
+        self.fd = fd
+        self.size = 0
+        self._stage = mmap.mmap(-1, STAGE_BYTES) if self.direct else None
+        self._fill = 0
+
+    @property
+    def align(self) -> int:
+        return DIRECT_ALIGN if self.direct else ALIGN
+
+    def write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        self.size += view.nbytes
+        if self._stage is None:
+            _write_all(self.fd, view)
+            return
+        stage = memoryview(self._stage)
+        while view.nbytes:
+            n = min(view.nbytes, STAGE_BYTES - self._fill)
+            stage[self._fill : self._fill + n] = view[:n]
+            self._fill += n
+            view = view[n:]
+            if self._fill == STAGE_BYTES:
+                _write_all(self.fd, stage)
+                self._fill = 0
+
+    def rewrite_head(self, head: bytes) -> None:
+        """Overwrite the first ``len(head)`` bytes (a multiple of ``align``)."""
+        if self._stage is None:
+            os.pwrite(self.fd, head, 0)
+            return
+        buf = mmap.mmap(-1, len(head))  # page-aligned, as O_DIRECT requires
+        try:
+            buf.write(head)
+            if os.pwrite(self.fd, memoryview(buf), 0) != len(head):
+                raise OSError("short write of the header")
+        finally:
+            buf.close()
+
+    def finish(self) -> None:
+        """Write what is staged, trim the alignment padding, fsync."""
+        if self._stage is not None and self._fill:
+            padded = -(-self._fill // DIRECT_ALIGN) * DIRECT_ALIGN
+            self._stage[self._fill : padded] = bytes(padded - self._fill)
+            _write_all(self.fd, memoryview(self._stage)[:padded])
+            self._fill = 0
+            os.ftruncate(self.fd, self.size)
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self._stage is not None:
+            # A failed write's traceback may still hold a view of the buffer;
+            # then the garbage collector unmaps it later.
+            with contextlib.suppress(BufferError):
+                self._stage.close()
+            self._stage = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view.nbytes:
+        n = os.write(fd, view)
+        view = view[n:]
+
 
 def write_tensors(
-    f: BinaryIO,
+    sink: Sink,
     tensors: Iterable[tuple[str, TensorSpec, Producer]],
     metadata: Callable[[dict[str, bytes]], dict[str, str]],
 ) -> dict[str, bytes]:
-    """Stream tensors into ``f`` as safetensors; return their checksums.
+    """Stream tensors into ``sink`` as safetensors; return their checksums.
 
     Each producer is called once, right before its bytes are written, so at
     most one materialized tensor is alive at a time.  ``metadata`` is called
     with placeholder checksums to size the header and again with the real
-    ones; it must produce strings of the same length both times.
+    ones; it must produce strings of the same length both times.  The caller
+    finishes (fsyncs) the sink.
     """
     items = list(tensors)
     zero = {name: bytes(CHECKSUM_BYTES) for name, _, _ in items}
@@ -156,28 +251,27 @@ def write_tensors(
             "data_offsets": [pos, pos + spec.nbytes],
         }
         pos += spec.nbytes
-    head = _header_bytes(table, metadata(zero))
-    f.write(head)
+    head = _header_bytes(table, metadata(zero), sink.align)
+    sink.write(head)
     sums: dict[str, bytes] = {}
     for name, spec, produce in items:
         data = produce()
         if data.nbytes != spec.nbytes:
             raise ValueError(f"tensor {name!r}: {data.nbytes} bytes, expected {spec.nbytes}")
         sums[name] = checksum(data)
-        f.write(data)
+        sink.write(data)
         del data
-    final = _header_bytes(table, metadata(sums))
+    sink.finish()
+    final = _header_bytes(table, metadata(sums), sink.align)
     if len(final) != len(head):
         raise RuntimeError("header length changed between passes")  # a bug, not bad input
-    f.seek(0)
-    f.write(final)
-    f.seek(0, os.SEEK_END)
+    sink.rewrite_head(final)
     return sums
 
 
-def _header_bytes(table: dict[str, object], meta: dict[str, str]) -> bytes:
+def _header_bytes(table: dict[str, object], meta: dict[str, str], align: int) -> bytes:
     body = json.dumps({"__metadata__": meta, **table}, separators=(",", ":")).encode()
-    body += b" " * (-(8 + len(body)) % ALIGN)  # data starts 8-byte aligned
+    body += b" " * (-(8 + len(body)) % align)  # data starts aligned
     return struct.pack("<Q", len(body)) + body
 
 

@@ -77,6 +77,11 @@ class BatchKVCodec:
     def check(self, spec: RecordSpec) -> None:
         check_rows(spec, meta_int(spec, "rows", 1), meta_int(spec, "idx"))
 
+    def capacity(self, spec: RecordSpec, cls: type[Any]) -> dict[str, int]:
+        n = spec.meta["idx"]
+        cap = round_up(n, getattr(cls, "step", 256))
+        return {"keys": cap, "values": cap} if n else {}
+
     def decode(self, record: Record, cls: type[Any]) -> Any:
         t = record.tensors
         c = blank(cls)

@@ -73,6 +73,10 @@ class KVCodec:
     def check(self, spec: RecordSpec) -> None:
         check_kv_pair(spec, meta_int(spec, "offset"))
 
+    def capacity(self, spec: RecordSpec, cls: type[Any]) -> dict[str, int]:
+        n = spec.meta["offset"]
+        return dict.fromkeys(spec.tensors, round_up(n, getattr(cls, "step", 256))) if n else {}
+
     def decode(self, record: Record, cls: type[Any]) -> Any:
         c = blank(cls)
         c.keys = c.values = None
@@ -95,6 +99,9 @@ class KVCodec:
 
 class ConcatKVCodec(KVCodec):
     """mlx-lm ``ConcatenateKVCache``: exact-length arrays, grown by concatenation."""
+
+    def capacity(self, spec: RecordSpec, cls: type[Any]) -> dict[str, int]:
+        return {}
 
     def decode(self, record: Record, cls: type[Any]) -> Any:
         c = blank(cls)
@@ -129,6 +136,10 @@ class ChunkedKVCodec:
         start = meta_int(spec, "start_position", 0, offset)
         meta_int(spec, "chunk_size", 1)
         check_kv_pair(spec, offset - start)
+
+    def capacity(self, spec: RecordSpec, cls: type[Any]) -> dict[str, int]:
+        n = spec.meta["offset"] - spec.meta["start_position"]
+        return dict.fromkeys(spec.tensors, round_up(n, getattr(cls, "step", 256)))
 
     def decode(self, record: Record, cls: type[Any]) -> Any:
         m = record.meta

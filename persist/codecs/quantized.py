@@ -85,6 +85,10 @@ class QuantizedKVCodec:
                 raise invalid(spec, "keys and values disagree on batch or heads")
             lead = q.shape[:2]
 
+    def capacity(self, spec: RecordSpec, cls: type[Any]) -> dict[str, int]:
+        n = spec.meta["offset"]
+        return dict.fromkeys(spec.tensors, round_up(n, getattr(cls, "step", 256))) if n else {}
+
     def decode(self, record: Record, cls: type[Any]) -> Any:
         m = record.meta
         c = blank(cls)

@@ -77,6 +77,14 @@ class RotatingKVCodec:
         if offset != idx and n and (n != max_size or not keep <= idx):
             raise invalid(spec, f"wrapped ring of {n}/{max_size}, index {idx}, keep {keep}")
 
+    def capacity(self, spec: RecordSpec, cls: type[Any]) -> dict[str, int]:
+        m = spec.meta
+        if not spec.tensors or m["offset"] != m["idx"]:
+            return {}  # a wrapped ring is restored exactly as it was
+        # An unwrapped ring gets the step-rounded room a live one would have.
+        cap = min(m["max_size"], round_up(m["idx"], getattr(cls, "step", 256)))
+        return dict.fromkeys(spec.tensors, cap)
+
     def decode(self, record: Record, cls: type[Any]) -> Any:
         m = record.meta
         c = blank(cls)
@@ -84,12 +92,10 @@ class RotatingKVCodec:
         c.keys = c.values = None
         if record.tensors:
             keys, values = record.tensors["keys"], record.tensors["values"]
-            n = keys.shape[2]
-            # An unwrapped ring gets the step-rounded room a live one would have.
-            cap = (
-                min(c.max_size, round_up(n, getattr(cls, "step", 256))) if c.offset == c._idx else n
-            )
-            c.keys, c.values = with_capacity(keys, cap), with_capacity(values, cap)
+            if c.offset == c._idx:
+                cap = min(c.max_size, round_up(c._idx, getattr(cls, "step", 256)))
+                keys, values = with_capacity(keys, cap), with_capacity(values, cap)
+            c.keys, c.values = keys, values
         return c
 
     def facts(self, cache: Any) -> ResumeFacts:

@@ -1,0 +1,150 @@
+"""The resume policy: pure functions over plain records (no disk, no mlx).
+
+Every decision about which stored state may serve a prompt, which snapshot
+replaces which, and what to evict lives here, so it can be tested alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "Candidate",
+    "Choice",
+    "usable_prefix",
+    "choose",
+    "combine_trimmable",
+    "combine_floor",
+    "supersedes",
+    "EvictEntry",
+    "plan_eviction",
+    "common_prefix",
+]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def combine_trimmable(layers: Iterable[bool]) -> bool:
+    """A snapshot is trimmable only if every layer is."""
+    return all(layers)
+
+
+def combine_floor(layers: Iterable[int]) -> int:
+    """A snapshot's min resume offset is the highest of its layers'."""
+    return max(layers, default=0)
+
+
+def usable_prefix(
+    stored_len: int, lcp: int, prompt_len: int, trimmable: bool, min_resume: int
+) -> int:
+    """How many positions of a stored snapshot a prompt may reuse (0: none).
+
+    At least one prompt token must remain to produce logits; the prefix may
+    not go below the snapshot's floor; and an untrimmable snapshot serves
+    only at exactly its own length.
+    """
+    p = min(lcp, prompt_len - 1, stored_len)
+    if p <= 0 or p < min_resume:
+        return 0
+    if p != stored_len and not trimmable:
+        return 0
+    return p
+
+
+@dataclass(frozen=True)
+class Candidate:
+    id: int
+    stored_len: int
+    trimmable: bool
+    min_resume: int
+    used: float = 0.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    candidate: Candidate
+    prefix: int
+
+
+def could_serve(c: Candidate, matched_at_least: int, prompt_len: int) -> bool:
+    """Cheap pre-filter from index columns alone, before tokens or blobs are read.
+
+    ``matched_at_least`` is a lower bound of the common prefix known from the
+    chain hashes; an untrimmable snapshot longer than the prompt can never serve.
+    """
+    if not c.trimmable and c.stored_len > prompt_len - 1:
+        return False
+    return max(c.min_resume, 1) <= min(c.stored_len, prompt_len - 1)
+
+
+def choose(cands: Iterable[tuple[Candidate, int]], prompt_len: int) -> Choice | None:
+    """The best (candidate, common prefix) pair: longest usable prefix, then an
+    exact-length snapshot (nothing to trim), then the most recently used."""
+    best: tuple[tuple[int, bool, float, int], Choice] | None = None
+    for c, lcp in cands:
+        p = usable_prefix(c.stored_len, lcp, prompt_len, c.trimmable, c.min_resume)
+        if p == 0:
+            continue
+        key = (p, p == c.stored_len, c.used, -c.id)
+        if best is None or key > best[0]:
+            best = (key, Choice(c, p))
+    return None if best is None else best[1]
+
+
+def supersedes(
+    new_len: int, new_trimmable: bool, new_floor: int, old_len: int, old_is_prefix: bool
+) -> bool:
+    """May a new snapshot replace an older one of the same session?
+
+    Only if the new one can be trimmed back to exactly the old one: it is
+    trimmable, the old tokens are its prefix, and the old length is not
+    below its floor.  An untrimmable snapshot never replaces its ancestors,
+    which may be the only entries a later prompt can use.
+    """
+    return new_trimmable and old_is_prefix and old_len <= new_len and new_floor <= old_len
+
+
+@dataclass(frozen=True)
+class EvictEntry:
+    id: int
+    used: float
+    pinned: bool
+    blobs: tuple[str, ...]
+
+
+def plan_eviction(
+    entries: Sequence[EvictEntry],
+    blob_sizes: dict[str, int],
+    budget: int,
+    protect: frozenset[int] = frozenset(),
+) -> list[int]:
+    """Least recently used unpinned entries to drop until unique bytes fit ``budget``.
+
+    Bytes are unique bytes on disk: a blob is freed when the last entry that
+    references it goes.  Pinned and protected entries are never chosen.
+    """
+    refs: dict[str, int] = {}
+    for e in entries:
+        for b in set(e.blobs):
+            refs[b] = refs.get(b, 0) + 1
+    total = sum(blob_sizes.get(b, 0) for b in refs)
+    out = []
+    for e in sorted(entries, key=lambda e: (e.used, e.id)):
+        if total <= budget:
+            break
+        if e.pinned or e.id in protect:
+            continue
+        out.append(e.id)
+        for b in set(e.blobs):
+            refs[b] -= 1
+            if refs[b] == 0:
+                total -= blob_sizes.get(b, 0)
+    return out
