@@ -26,12 +26,12 @@ import persist
 from bench.common import (
     evict,
     interleaved,
-    warm,
     kv_cache,
     live_bytes,
     machine,
     peak_above,
     raw_ops,
+    warm,
     write_results,
 )
 

@@ -52,7 +52,7 @@ def no_load(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*a: Any, **k: Any) -> Any:
         raise AssertionError("a tensor was allocated before the file was refused")
 
-    monkeypatch.setattr(persist.reader, "_read_tensor", boom)
+    monkeypatch.setattr(persist.reader, "allocate", boom)
 
 
 def test_unregistered_subclass_is_refused_at_save(tmp_path: Path) -> None:

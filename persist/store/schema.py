@@ -1,0 +1,143 @@
+"""The SQLite index: schema, migrations, connection settings.  No mlx here.
+
+Schema version 1.  Each migration is a list of statements applied in one
+transaction; ``meta.schema_version`` records where a store is.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import sqlite_utils
+
+from ..errors import CorruptBlobError, UnsupportedVersionError
+
+__all__ = ["SCHEMA_VERSION", "connect"]
+
+SCHEMA_VERSION = 1
+
+MIGRATIONS: dict[int, list[str]] = {
+    1: [
+        """CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)""",
+        """CREATE TABLE namespaces (
+            name TEXT PRIMARY KEY,
+            secret BLOB NOT NULL
+        )""",
+        # A blob file: a token block or a snapshot tail.  'key' is its content
+        # key (namespace-salted); 'file' the file name, unique per writer.
+        """CREATE TABLE blobs (
+            file TEXT PRIMARY KEY,
+            key TEXT NOT NULL,
+            namespace TEXT NOT NULL,
+            size INTEGER NOT NULL,
+            head_xxh3 BLOB NOT NULL,
+            refs INTEGER NOT NULL DEFAULT 0,
+            dead INTEGER NOT NULL DEFAULT 0,
+            created REAL NOT NULL
+        )""",
+        """CREATE INDEX blobs_key ON blobs(key) WHERE dead = 0""",
+        """CREATE INDEX blobs_dead ON blobs(dead, refs)""",
+        """CREATE TABLE snapshots (
+            id INTEGER PRIMARY KEY,
+            namespace TEXT NOT NULL,
+            name TEXT,
+            owner TEXT,
+            role TEXT NOT NULL,
+            identity TEXT NOT NULL,
+            identity_map BLOB NOT NULL,
+            root BLOB NOT NULL,
+            last_chain BLOB NOT NULL,
+            n_blocks INTEGER NOT NULL,
+            n_tokens INTEGER NOT NULL,
+            tokens BLOB NOT NULL,
+            trimmable INTEGER NOT NULL,
+            min_resume INTEGER NOT NULL,
+            manifest BLOB NOT NULL,
+            tail TEXT NOT NULL REFERENCES blobs(file),
+            bytes INTEGER NOT NULL,
+            pinned INTEGER NOT NULL DEFAULT 0,
+            created REAL NOT NULL,
+            used REAL NOT NULL,
+            metadata BLOB NOT NULL
+        )""",
+        """CREATE UNIQUE INDEX snapshots_name ON snapshots(namespace, name)
+           WHERE name IS NOT NULL""",
+        """CREATE INDEX snapshots_last_chain ON snapshots(last_chain)""",
+        """CREATE INDEX snapshots_owner ON snapshots(namespace, owner)""",
+        """CREATE INDEX snapshots_used ON snapshots(used)""",
+        """CREATE TABLE snapshot_blocks (
+            snapshot INTEGER NOT NULL REFERENCES snapshots(id) ON DELETE CASCADE,
+            idx INTEGER NOT NULL,
+            chain BLOB NOT NULL,
+            blob TEXT NOT NULL REFERENCES blobs(file),
+            PRIMARY KEY (snapshot, idx)
+        )""",
+        """CREATE INDEX snapshot_blocks_chain ON snapshot_blocks(chain, idx)""",
+        """CREATE TABLE counters (
+            namespace TEXT NOT NULL,
+            name TEXT NOT NULL,
+            value INTEGER NOT NULL,
+            PRIMARY KEY (namespace, name)
+        )""",
+    ],
+}
+
+
+def connect(path: Path, block_tokens: int) -> sqlite_utils.Database:
+    """Open (creating and migrating) the index at ``path``."""
+    try:
+        conn = sqlite3.connect(str(path), timeout=60, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        conn.execute("PRAGMA busy_timeout=60000")
+    except sqlite3.DatabaseError as e:
+        raise CorruptBlobError(str(path), f"the index is not a usable SQLite file: {e}") from None
+    db = sqlite_utils.Database(conn)
+    _migrate(db, path)
+    _check_block_tokens(db, block_tokens, path)
+    return db
+
+
+def _version(db: sqlite_utils.Database) -> int:
+    if "meta" not in db.table_names():
+        return 0
+    row = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    return int(row[0]) if row else 0
+
+
+def _migrate(db: sqlite_utils.Database, path: Path) -> None:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        version = _version(db)
+        if version > SCHEMA_VERSION:
+            raise UnsupportedVersionError("store-index", version, SCHEMA_VERSION)
+        for v in range(version + 1, SCHEMA_VERSION + 1):
+            for stmt in MIGRATIONS[v]:
+                db.execute(stmt)
+            db.execute(
+                "INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', ?)", [str(v)]
+            )
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+
+
+def _check_block_tokens(db: sqlite_utils.Database, block_tokens: int, path: Path) -> None:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        row = db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()
+        if row is None:
+            db.execute(
+                "INSERT INTO meta(key, value) VALUES ('block_tokens', ?)", [str(block_tokens)]
+            )
+        elif int(row[0]) != block_tokens:
+            raise ValueError(
+                f"store {path.parent} uses blocks of {row[0]} tokens, not {block_tokens}"
+            )
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
