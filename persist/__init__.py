@@ -27,8 +27,11 @@ from .kinds import (
     kind_of,
     register_kind,
 )
+from .prefill import prefill
 from .records import Record, RecordSpec, ResumeFacts
+from .sessions import Store
 from .snapshot import extract_row
+from .store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
 
 __version__ = "0.1.0"
 
@@ -46,6 +49,13 @@ __all__ = [
     "read_manifest",
     "Loaded",
     "extract_row",
+    "Store",
+    "EntryInfo",
+    "Restored",
+    "GcReport",
+    "Problem",
+    "StoreStats",
+    "prefill",
     "ModelIdentity",
     "Record",
     "RecordSpec",

@@ -60,6 +60,7 @@ class Header:
     metadata: dict[str, str]
     data_start: int
     file_size: int
+    digest: bytes  # checksum of the header bytes (length prefix included)
 
 
 def read_header(f: BinaryIO, where: str) -> Header:
@@ -90,7 +91,7 @@ def read_header(f: BinaryIO, where: str) -> Header:
     data_start = 8 + n
     entries = {k: _entry(where, k, v, data_start) for k, v in obj.items()}
     _check_layout(where, entries, data_start, size)
-    return Header(entries, meta, data_start, size)
+    return Header(entries, meta, data_start, size, checksum(raw + text))
 
 
 def _entry(where: str, name: str, v: object, base: int) -> Entry:
@@ -163,6 +164,7 @@ class Sink:
             fd = os.open(path, flags, mode)
         self.fd = fd
         self.size = 0
+        self.head_digest = b""  # set by write_tensors: checksum of the final header
         self._stage = mmap.mmap(-1, STAGE_BYTES) if self.direct else None
         self._fill = 0
 
@@ -266,6 +268,7 @@ def write_tensors(
     if len(final) != len(head):
         raise RuntimeError("header length changed between passes")  # a bug, not bad input
     sink.rewrite_head(final)
+    sink.head_digest = checksum(final)
     return sums
 
 

@@ -14,6 +14,7 @@ No mlx here.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import re
@@ -22,9 +23,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol, TypeVar
 
-from ..stfile import Sink, fsync_dir
+import msgpack
 
-__all__ = ["BlobStore", "FileBlobs", "FILE_RE"]
+from ..errors import CorruptBlobError
+from ..stfile import CHECKSUM_BYTES, Header, Sink, fsync_dir
+
+__all__ = ["BlobStore", "FileBlobs", "FILE_RE", "blob_metadata", "blob_manifest"]
+
+BLOB_FORMAT = "persist-blob"
 
 T = TypeVar("T")
 FILE_RE = re.compile(r"[0-9a-f]{32}\.[0-9a-f]{12}")
@@ -113,3 +119,32 @@ class FileBlobs:
 
     def tmp_files(self) -> Iterator[Path]:
         yield from sorted(self.tmp.iterdir())
+
+
+def blob_metadata(role: str, sums: dict[str, bytes]) -> dict[str, str]:
+    body = msgpack.packb({"role": role, "tensors": sums}, use_bin_type=True)
+    return {
+        "format": BLOB_FORMAT,
+        "format_version": "1",
+        "manifest": base64.b64encode(body).decode("ascii"),
+    }
+
+
+def blob_manifest(header: Header, where: str) -> dict[str, bytes]:
+    """Checksums per tensor from a blob's header (the header itself was verified)."""
+    meta = header.metadata
+    if meta.get("format") != BLOB_FORMAT or meta.get("format_version") != "1":
+        raise CorruptBlobError(where, "not a persist blob")
+    try:
+        body = msgpack.unpackb(
+            base64.b64decode(meta.get("manifest", ""), validate=True),
+            raw=False,
+            max_bin_len=1 << 24,
+            max_str_len=1 << 20,
+        )
+        sums = body["tensors"]
+        assert isinstance(sums, dict) and set(sums) == set(header.tensors)
+        assert all(isinstance(v, bytes) and len(v) == CHECKSUM_BYTES for v in sums.values())
+    except Exception:
+        raise CorruptBlobError(where, "malformed blob manifest") from None
+    return sums

@@ -84,8 +84,12 @@ MIGRATIONS: dict[int, list[str]] = {
 }
 
 
-def connect(path: Path, block_tokens: int) -> sqlite_utils.Database:
-    """Open (creating and migrating) the index at ``path``."""
+def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_utils.Database:
+    """Open (creating and migrating) the index at ``path``.
+
+    A new store records ``block_tokens``; an existing one keeps its own, and
+    asking for another is an error unless ``adopt`` (the caller did not ask).
+    """
     try:
         conn = sqlite3.connect(str(path), timeout=60, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
@@ -96,7 +100,7 @@ def connect(path: Path, block_tokens: int) -> sqlite_utils.Database:
         raise CorruptBlobError(str(path), f"the index is not a usable SQLite file: {e}") from None
     db = sqlite_utils.Database(conn)
     _migrate(db, path)
-    _check_block_tokens(db, block_tokens, path)
+    _check_block_tokens(db, block_tokens, path, adopt)
     return db
 
 
@@ -125,7 +129,9 @@ def _migrate(db: sqlite_utils.Database, path: Path) -> None:
         raise
 
 
-def _check_block_tokens(db: sqlite_utils.Database, block_tokens: int, path: Path) -> None:
+def _check_block_tokens(
+    db: sqlite_utils.Database, block_tokens: int, path: Path, adopt: bool
+) -> None:
     db.execute("BEGIN IMMEDIATE")
     try:
         row = db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()
@@ -133,7 +139,7 @@ def _check_block_tokens(db: sqlite_utils.Database, block_tokens: int, path: Path
             db.execute(
                 "INSERT INTO meta(key, value) VALUES ('block_tokens', ?)", [str(block_tokens)]
             )
-        elif int(row[0]) != block_tokens:
+        elif int(row[0]) != block_tokens and not adopt:
             raise ValueError(
                 f"store {path.parent} uses blocks of {row[0]} tokens, not {block_tokens}"
             )

@@ -1,0 +1,162 @@
+"""Cut a snapshot into token blocks and a tail, and put it back together.
+
+Block i holds, for every tensor that grows along the sequence from position
+0, its slice for tokens [i*B, (i+1)*B).  The tail holds the last partial
+block of those tensors and the whole state of every other tensor.  Blocks
+are found by chained token hashes (layout-free, so a prompt can look them
+up from its tokens alone) and stored under namespace-salted content keys,
+so two snapshots share a block only if its bytes are identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import msgpack
+import xxhash
+
+from .manifest import _record_map, tensor_keys
+from .records import Record, RecordSpec, TensorSpec, as_bytes
+from .snapshot import Snapshot
+from .stfile import checksum
+
+__all__ = [
+    "chain_root",
+    "chains",
+    "Piece",
+    "Plan",
+    "plan",
+    "materialize",
+    "spec_from_manifest",
+    "content_key",
+]
+
+
+def chain_root(secret: bytes, identity_digest: str) -> bytes:
+    """h_-1: keyed by the namespace secret, so no other namespace can reach or probe it."""
+    return hashlib.blake2b(identity_digest.encode(), key=secret[:64], digest_size=16).digest()
+
+
+def chains(root: bytes, tokens: Sequence[int], block: int) -> list[bytes]:
+    """[h_-1, h_0, ..., h_{k-1}] for the k full blocks of ``tokens``."""
+    out = [root]
+    for i in range(len(tokens) // block):
+        chunk = struct.pack(f"<{block}I", *tokens[i * block : (i + 1) * block])
+        out.append(hashlib.blake2b(out[-1] + chunk, digest_size=16).digest())
+    return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    key: str  # file key of the whole tensor ("3/keys")
+    spec: TensorSpec  # of the piece
+    array: Any  # lazy mx.array of the piece
+
+
+@dataclass(frozen=True)
+class Plan:
+    records: list[Record]
+    specs: dict[str, TensorSpec]  # whole tensors
+    split: dict[str, int]  # whole-tensor key -> token axis
+    n_blocks: int
+    block: int
+
+    def block_pieces(self, i: int) -> list[Piece]:
+        return [
+            self._piece(k, a, i * self.block, (i + 1) * self.block) for k, a in self.split.items()
+        ]
+
+    def tail_pieces(self, n_tokens: int) -> list[Piece]:
+        start = self.n_blocks * self.block
+        out = [self._piece(k, a, start, n_tokens) for k, a in self.split.items()]
+        for key, rec, name in tensor_keys(self.records):
+            if key not in self.split:
+                t = rec.tensors[name]
+                out.append(Piece(key, self.specs[key], t))
+        return out
+
+    def _piece(self, key: str, axis: int, lo: int, hi: int) -> Piece:
+        whole = self._array(key)
+        idx: list[Any] = [slice(None)] * whole.ndim
+        idx[axis] = slice(lo, hi)
+        arr = whole[tuple(idx)]
+        return Piece(key, TensorSpec(self.specs[key].dtype, tuple(arr.shape)), arr)
+
+    def _array(self, key: str) -> Any:
+        for k, rec, name in tensor_keys(self.records):
+            if k == key:
+                return rec.tensors[name]
+        raise KeyError(key)
+
+    def manifest(self) -> bytes:
+        body = {
+            "v": 1,
+            "layers": [_record_map(r) for r in self.records],
+            "tensors": {k: [s.dtype, list(s.shape)] for k, s in self.specs.items()},
+            "split": self.split,
+            "block": self.block,
+        }
+        return msgpack.packb(body, use_bin_type=True)
+
+
+def plan(snap: Snapshot, block: int, dtype_name: Any) -> Plan:
+    """Which tensors of ``snap`` are cut into blocks (those that grow from position 0)."""
+    specs: dict[str, TensorSpec] = {}
+    for key, rec, name in tensor_keys(snap.records):
+        t = rec.tensors[name]
+        specs[key] = TensorSpec(dtype_name(t), tuple(t.shape))
+    split: dict[str, int] = {}
+    for i, f in enumerate(snap.facts):
+        if f.first_token != 0 or f.offset is None:
+            continue
+        for axis_name, axis in f.token_axes.items():
+            key = _key(i, axis_name)
+            if key in specs and specs[key].shape[axis] == f.offset:
+                split[key] = axis
+    n = len(snap.tokens or [])
+    return Plan(snap.records, specs, split, n // block if split or n else 0, block)
+
+
+def _key(layer: int, axis_name: str) -> str:
+    # facts name tensors of inner caches "0.keys.q"; file keys are "3.0/keys.q"
+    parts = axis_name.split(".")
+    path = [str(layer)]
+    while len(parts) > 1 and parts[0].isdigit():
+        path.append(parts.pop(0))
+    return ".".join(path) + "/" + ".".join(parts)
+
+
+def materialize(pieces: list[Piece]) -> list[tuple[Piece, memoryview, bytes]]:
+    mx.eval([p.array for p in pieces])
+    out = []
+    for p in pieces:
+        view = as_bytes(p.array)
+        out.append((p, view, checksum(view)))
+    return out
+
+
+def content_key(seed: bytes, role: bytes, parts: list[tuple[Piece, memoryview, bytes]]) -> str:
+    """Namespace-salted content key: equal only for equal bytes in one namespace."""
+    h = xxhash.xxh3_128(seed=int.from_bytes(seed[:8], "little"))
+    h.update(role)
+    for p, _, s in parts:
+        h.update(f"{p.key}|{p.spec.dtype}|{p.spec.shape}|".encode())
+        h.update(s)
+    return h.hexdigest()
+
+
+def spec_from_manifest(body: dict[str, Any]) -> list[RecordSpec]:
+    """Record specs (whole tensors) from a snapshot manifest; trusted index data."""
+    tensors = {k: TensorSpec(v[0], tuple(v[1])) for k, v in body["tensors"].items()}
+
+    def build(r: dict[str, Any], path: str) -> RecordSpec:
+        ts = {n: tensors[f"{path}/{n}"] for n in r["tensors"]}
+        kids = tuple(build(c, f"{path}.{j}") for j, c in enumerate(r["children"]))
+        return RecordSpec(r["kind"], r["version"], r["meta"], ts, kids)
+
+    return [build(r, str(i)) for i, r in enumerate(body["layers"])]

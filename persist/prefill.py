@@ -1,0 +1,84 @@
+"""``persist.prefill``: a chunked prefill that leaves checkpoints in a store.
+
+Recurrent state and wrapped rings cannot be trimmed, so a later prompt can
+only resume from a snapshot taken exactly where its shared prefix ends.
+This prefill stops at every checkpoint position and saves a snapshot there;
+with blocks shared, each checkpoint costs about its own tail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from .identity import ModelIdentity
+
+if TYPE_CHECKING:
+    from .sessions import Store
+
+__all__ = ["prefill", "stops"]
+
+
+def stops(n: int, done: int, step: int, checkpoints: Iterable[int], every: int | None) -> list[int]:
+    """Positions (after ``done``, up to ``n``) where a forward pass ends."""
+    marks = {p for p in checkpoints if done < p <= n}
+    if every:
+        marks |= set(range(every, n + 1, every)) - set(range(done + 1))
+    marks |= set(range(done + step, n, step)) | {n}
+    return sorted(p for p in marks if p > done)
+
+
+def prefill(
+    model: Any,
+    tokens: Sequence[int],
+    *,
+    cache: list[Any] | None = None,
+    store: Store | None = None,
+    identity: ModelIdentity | None = None,
+    session: str | None = None,
+    namespace: str = "default",
+    checkpoints: Iterable[int] = (),
+    checkpoint_every: int | None = None,
+    step: int = 512,
+) -> list[Any]:
+    """Run ``tokens`` through ``model``; save a checkpoint at each requested position.
+
+    ``cache`` may already cover a prefix of ``tokens`` (its offset says how
+    much); prefill continues from there.  Checkpoints belong to ``session``
+    (deleted with it) and serve prefix lookups of any prompt.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if step < 1:
+        raise ValueError("step must be >= 1")
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise ValueError("checkpoint_every must be >= 1")
+    marks = set(checkpoints)
+    if (marks or checkpoint_every) and (store is None or identity is None):
+        raise ValueError("checkpoints need a store and the model's identity")
+    toks = [int(t) for t in tokens]
+    cache = make_prompt_cache(model) if cache is None else cache
+    done = _offset(cache)
+    if done > len(toks):
+        raise ValueError(f"the cache already covers {done} positions of {len(toks)} tokens")
+    wanted = {p for p in marks if 0 < p <= len(toks)}
+    if checkpoint_every:
+        wanted |= set(range(checkpoint_every, len(toks) + 1, checkpoint_every))
+    for end in stops(len(toks), done, step, wanted, None):
+        model(mx.array([toks[done:end]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        done = end
+        if end in wanted and store is not None and identity is not None:
+            store._save(
+                cache, toks[:end], identity, namespace, None, session, "checkpoint", False, None
+            )
+    return cache
+
+
+def _offset(cache: list[Any]) -> int:
+    from .snapshot import snapshot_facts
+
+    offsets = {f.offset for f in snapshot_facts(cache) if f.offset is not None}
+    return offsets.pop() if len(offsets) == 1 else 0

@@ -1,0 +1,211 @@
+"""``Store.check``: reconcile the index with the files, and repair on request.
+
+Reads every blob completely and verifies every checksum, so a flipped byte
+anywhere is reported.  Repairs never touch healthy sessions: damaged blobs
+are moved to ``quarantine/`` together with the snapshots that used them,
+orphans are deleted, reference counts are recomputed.  No mlx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+from ..errors import CorruptBlobError
+from ..stfile import checksum, read_header
+from .blobs import FileBlobs, blob_manifest
+from .index import Index
+from .types import Problem
+
+__all__ = ["check_store", "TMP_GRACE_SECONDS"]
+
+TMP_GRACE_SECONDS = 3600.0  # a tmp file this old, or whose writer is gone, is debris
+
+
+def check_store(index: Index, blobs: FileBlobs, fix: bool) -> list[Problem]:
+    problems: list[Problem] = []
+    problems += _sqlite(index)
+    if any(p.kind == "index-corrupt" for p in problems):
+        return problems
+    problems += _tmp(blobs, fix)
+    problems += _strays(blobs, fix)
+    rows = index.blob_rows()
+    on_disk = set(blobs.files())
+    problems += _orphans(index, blobs, rows, on_disk, fix)
+    bad = _damaged(blobs, rows, on_disk)
+    problems += _quarantine(index, blobs, bad, fix)
+    problems += _refcounts(index, fix)
+    if fix:
+        dead = index.collect()
+        for f in dead:
+            blobs.delete(f)
+        index.forget(dead)
+    return problems
+
+
+def _sqlite(index: Index) -> list[Problem]:
+    with index.read() as db:
+        rows = [r[0] for r in db.execute("PRAGMA integrity_check")]
+    if rows == ["ok"]:
+        return []
+    return [Problem("index-corrupt", "index.sqlite", "; ".join(rows[:5]))]
+
+
+def _tmp(blobs: FileBlobs, fix: bool) -> list[Problem]:
+    out = []
+    now = time.time()
+    for p in blobs.tmp_files():
+        pid = p.name.split("-", 1)[0]
+        alive = pid.isdigit() and _alive(int(pid))
+        age = now - p.stat().st_mtime
+        if alive and age < TMP_GRACE_SECONDS:
+            continue  # another process is writing it
+        if fix:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+        out.append(Problem("orphan-tmp", str(p), f"partial write, {age:.0f} s old", fix))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _strays(blobs: FileBlobs, fix: bool) -> list[Problem]:
+    out = []
+    for p in blobs.stray_files():
+        if fix:
+            _quarantine_file(blobs, p)
+        out.append(Problem("stray-file", str(p), "not a blob file name", fix))
+    return out
+
+
+def _orphans(
+    index: Index,
+    blobs: FileBlobs,
+    rows: dict[str, tuple[int, bytes, int, bool]],
+    on_disk: set[str],
+    fix: bool,
+) -> list[Problem]:
+    out = []
+    for f in sorted(on_disk):
+        row = rows.get(f)
+        if row is None or row[3]:
+            if fix:
+                blobs.delete(f)
+            what = "no index entry" if row is None else "unreferenced, awaiting deletion"
+            out.append(Problem("orphan-blob", f, what, fix))
+    if fix:
+        index.forget([f for f, r in rows.items() if r[3]])
+    return out
+
+
+def _damaged(
+    blobs: FileBlobs, rows: dict[str, tuple[int, bytes, int, bool]], on_disk: set[str]
+) -> dict[str, str]:
+    bad = {}
+    for f, (size, head, _refs, dead) in sorted(rows.items()):
+        if dead:
+            continue
+        if f not in on_disk:
+            bad[f] = "blob file is missing"
+            continue
+        problem = _verify(blobs.path(f), size, head)
+        if problem:
+            bad[f] = problem
+    return bad
+
+
+def _verify(path: Path, size: int, head: bytes) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            header = read_header(fh, str(path))
+            if header.file_size != size or header.digest != head:
+                return "size or header does not match the index"
+            sums = blob_manifest(header, str(path))
+            for key, e in header.tensors.items():
+                fh.seek(e.start)
+                if checksum(fh.read(e.end - e.start)) != sums[key]:
+                    return f"checksum mismatch in tensor {key!r}"
+    except CorruptBlobError as err:
+        return err.detail
+    except OSError as err:
+        return f"unreadable: {err}"
+    return None
+
+
+def _quarantine(index: Index, blobs: FileBlobs, bad: dict[str, str], fix: bool) -> list[Problem]:
+    out = []
+    for f, why in bad.items():
+        with index.read() as db:
+            users = sorted(
+                {
+                    r[0]
+                    for r in db.execute(
+                        "SELECT id FROM snapshots WHERE tail = ? UNION "
+                        "SELECT snapshot FROM snapshot_blocks WHERE blob = ?",
+                        [f, f],
+                    )
+                }
+            )
+        if fix:
+            with index.write() as db:
+                for sid in users:
+                    Index.remove(db, sid)
+            if blobs.path(f).exists():
+                _quarantine_file(blobs, blobs.path(f))
+        out.append(Problem("damaged-blob", f, f"{why}; used by snapshots {users}", fix))
+    return out
+
+
+def _quarantine_file(blobs: FileBlobs, p: Path) -> None:
+    q = blobs.root / "quarantine"
+    q.mkdir(mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(p, q / f"{int(time.time())}-{p.name}")
+
+
+def _refcounts(index: Index, fix: bool) -> list[Problem]:
+    out = []
+    with index.read() as db:
+        actual: dict[str, int] = {}
+        for (f,) in db.execute("SELECT tail FROM snapshots"):
+            actual[f] = actual.get(f, 0) + 1
+        for (f,) in db.execute("SELECT blob FROM snapshot_blocks WHERE blob IS NOT NULL"):
+            actual[f] = actual.get(f, 0) + 1
+        rows = db.execute("SELECT file, refs, dead FROM blobs").fetchall()
+        dangling = db.execute(
+            "SELECT id FROM snapshots WHERE tail NOT IN (SELECT file FROM blobs WHERE dead = 0) "
+            "UNION SELECT snapshot FROM snapshot_blocks WHERE blob IS NOT NULL "
+            "AND blob NOT IN (SELECT file FROM blobs WHERE dead = 0)"
+        ).fetchall()
+    for (sid,) in dangling:
+        out.append(
+            Problem("dangling-snapshot", f"snapshot {sid}", "references a missing blob", fix)
+        )
+    wrong = [
+        (f, refs, actual.get(f, 0))
+        for f, refs, dead in rows
+        if not dead and refs != actual.get(f, 0)
+    ]
+    for f, refs, want in wrong:
+        out.append(Problem("bad-refcount", f, f"refs {refs}, referenced {want} times", fix))
+    if fix and (wrong or dangling):
+        with index.write() as db:
+            for (sid,) in dangling:
+                Index.remove(db, sid)
+            for f, _, want in wrong:
+                db.execute(
+                    "UPDATE blobs SET refs = ?, dead = ? WHERE file = ?", [want, int(want == 0), f]
+                )
+    return out

@@ -1,0 +1,360 @@
+"""SQL over the index: snapshots, their blocks, blob reference counts, counters.
+
+No mlx.  Every mutation runs in one ``BEGIN IMMEDIATE`` transaction; blob
+files are unlinked only after the transaction that unreferenced them has
+committed (``Index.collect`` hands back the dead files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlite_utils
+
+__all__ = ["Index", "SnapshotRow", "NewBlob", "BlockRef"]
+
+SNAPSHOT_COLS = (
+    "id, namespace, name, owner, role, identity, identity_map, root, last_chain, n_blocks, "
+    "n_tokens, tokens, trimmable, min_resume, manifest, tail, bytes, pinned, created, used, "
+    "metadata"
+)
+
+
+@dataclass(frozen=True)
+class SnapshotRow:
+    id: int
+    namespace: str
+    name: str | None
+    owner: str | None
+    role: str
+    identity: str
+    identity_map: bytes
+    root: bytes
+    last_chain: bytes
+    n_blocks: int
+    n_tokens: int
+    tokens: bytes
+    trimmable: bool
+    min_resume: int
+    manifest: bytes
+    tail: str
+    nbytes: int
+    pinned: bool
+    created: float
+    used: float
+    metadata: bytes
+
+
+@dataclass(frozen=True)
+class NewBlob:
+    file: str
+    key: str
+    size: int
+    head_xxh3: bytes
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    idx: int
+    chain: bytes
+    blob: str | None
+
+
+class Index:
+    """The index of one store; safe to share between threads."""
+
+    def __init__(self, db: sqlite_utils.Database) -> None:
+        self.db = db
+        self.lock = threading.RLock()
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[sqlite_utils.Database]:
+        with self.lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.db
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[sqlite_utils.Database]:
+        with self.lock:
+            self.db.execute("BEGIN")
+            try:
+                yield self.db
+            finally:
+                self.db.execute("COMMIT")
+
+    # -- namespaces -------------------------------------------------------
+
+    def secret(self, namespace: str, make: Any) -> bytes:
+        with self.read() as db:
+            row = db.execute("SELECT secret FROM namespaces WHERE name = ?", [namespace]).fetchone()
+        if row:
+            return bytes(row[0])
+        with self.write() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO namespaces(name, secret) VALUES (?, ?)", [namespace, make()]
+            )
+            row = db.execute("SELECT secret FROM namespaces WHERE name = ?", [namespace]).fetchone()
+        return bytes(row[0])
+
+    # -- blobs --------------------------------------------------------------
+
+    def live_blob(self, key: str) -> tuple[str, int] | None:
+        with self.read() as db:
+            row = db.execute(
+                "SELECT file, size FROM blobs WHERE key = ? AND dead = 0 LIMIT 1", [key]
+            ).fetchone()
+        return (row[0], row[1]) if row else None
+
+    def blob_rows(self) -> dict[str, tuple[int, bytes, int, bool]]:
+        """file -> (size, head_xxh3, refs, dead)."""
+        with self.read() as db:
+            rows = db.execute("SELECT file, size, head_xxh3, refs, dead FROM blobs").fetchall()
+        return {r[0]: (r[1], bytes(r[2]), r[3], bool(r[4])) for r in rows}
+
+    def blob_head(self, file: str) -> tuple[int, bytes] | None:
+        with self.read() as db:
+            row = db.execute(
+                "SELECT size, head_xxh3 FROM blobs WHERE file = ? AND dead = 0", [file]
+            ).fetchone()
+        return (row[0], bytes(row[1])) if row else None
+
+    # -- snapshots ----------------------------------------------------------
+
+    def get(self, snapshot_id: int) -> SnapshotRow | None:
+        with self.read() as db:
+            row = db.execute(
+                f"SELECT {SNAPSHOT_COLS} FROM snapshots WHERE id = ?", [snapshot_id]
+            ).fetchone()
+        return _row(row) if row else None
+
+    def by_name(self, namespace: str, name: str) -> SnapshotRow | None:
+        with self.read() as db:
+            row = db.execute(
+                f"SELECT {SNAPSHOT_COLS} FROM snapshots WHERE namespace = ? AND name = ?",
+                [namespace, name],
+            ).fetchone()
+        return _row(row) if row else None
+
+    def blocks(self, snapshot_id: int) -> list[BlockRef]:
+        with self.read() as db:
+            rows = db.execute(
+                "SELECT idx, chain, blob FROM snapshot_blocks WHERE snapshot = ? ORDER BY idx",
+                [snapshot_id],
+            ).fetchall()
+        return [BlockRef(r[0], bytes(r[1]), r[2]) for r in rows]
+
+    def snapshots(self, namespace: str | None, named_only: bool) -> list[SnapshotRow]:
+        sql = f"SELECT {SNAPSHOT_COLS} FROM snapshots WHERE 1=1"
+        args: list[Any] = []
+        if namespace is not None:
+            sql += " AND namespace = ?"
+            args.append(namespace)
+        if named_only:
+            sql += " AND name IS NOT NULL"
+        with self.read() as db:
+            return [_row(r) for r in db.execute(sql + " ORDER BY namespace, name, id", args)]
+
+    def candidates(
+        self, namespace: str, identity: str, chains: Sequence[bytes], prompt_len: int
+    ) -> list[SnapshotRow]:
+        """Snapshots that may share a prefix with a prompt whose block chains are ``chains``.
+
+        ``chains[0]`` is the root; ``chains[i + 1]`` the chain of the prompt's block i.
+        Returned: snapshots whose last full block is any of those (they end inside
+        the matched region or just after it), and trimmable snapshots that go on
+        past the deepest matched block.  Untrimmable ones that could only serve
+        by trimming are filtered here, before any token or blob is read.
+        """
+        with self.read() as db:
+            depth = -1
+            if len(chains) > 1:
+                marks = ",".join("?" * (len(chains) - 1))
+                row = db.execute(
+                    f"SELECT MAX(b.idx) FROM snapshot_blocks b JOIN snapshots s "
+                    f"ON s.id = b.snapshot WHERE b.chain IN ({marks}) AND s.namespace = ? "
+                    f"AND s.identity = ?",
+                    [*chains[1:], namespace, identity],
+                ).fetchone()
+                depth = -1 if row[0] is None else int(row[0])
+            ends = chains[: depth + 2]
+            marks = ",".join("?" * len(ends))
+            filt = (
+                " AND s.namespace = ? AND s.identity = ?"
+                " AND (s.trimmable = 1 OR s.n_tokens <= ?) AND s.min_resume < ?"
+            )
+            args = [namespace, identity, prompt_len - 1, prompt_len]
+            rows = db.execute(
+                f"SELECT {_cols('s')} FROM snapshots s WHERE s.last_chain IN ({marks}){filt}",
+                [*ends, *args],
+            ).fetchall()
+            if depth >= 0:
+                rows += db.execute(
+                    f"SELECT {_cols('s')} FROM snapshot_blocks b JOIN snapshots s "
+                    f"ON s.id = b.snapshot WHERE b.chain = ? AND b.idx = ? "
+                    f"AND s.n_blocks > ? AND s.trimmable = 1{filt}",
+                    [chains[depth + 1], depth, depth + 1, *args],
+                ).fetchall()
+        return [_row(r) for r in rows]
+
+    def touch(self, snapshot_id: int) -> None:
+        with self.write() as db:
+            db.execute("UPDATE snapshots SET used = ? WHERE id = ?", [time.time(), snapshot_id])
+
+    def count(self, namespace: str, **deltas: int) -> None:
+        with self.write() as db:
+            for name, d in deltas.items():
+                db.execute(
+                    "INSERT INTO counters(namespace, name, value) VALUES (?, ?, ?) "
+                    "ON CONFLICT(namespace, name) DO UPDATE SET value = value + excluded.value",
+                    [namespace, name, d],
+                )
+
+    def counters(self, namespace: str | None = None) -> dict[str, int]:
+        sql, args = "SELECT name, SUM(value) FROM counters", []
+        if namespace is not None:
+            sql += " WHERE namespace = ?"
+            args.append(namespace)
+        with self.read() as db:
+            return {r[0]: int(r[1]) for r in db.execute(sql + " GROUP BY name", args)}
+
+    def unique_bytes(self, db: sqlite_utils.Database | None = None) -> int:
+        def q(d: sqlite_utils.Database) -> int:
+            return int(
+                d.execute("SELECT COALESCE(SUM(size), 0) FROM blobs WHERE dead = 0").fetchone()[0]
+            )
+
+        if db is not None:
+            return q(db)
+        with self.read() as d:
+            return q(d)
+
+    # -- mutations (inside ``write()``) ---------------------------------------
+
+    @staticmethod
+    def blobs_alive(db: sqlite_utils.Database, files: Sequence[str]) -> bool:
+        for f in set(files):
+            row = db.execute("SELECT dead FROM blobs WHERE file = ?", [f]).fetchone()
+            if row is None or row[0]:
+                return False
+        return True
+
+    @staticmethod
+    def add_blobs(db: sqlite_utils.Database, namespace: str, blobs: Sequence[NewBlob]) -> None:
+        now = time.time()
+        for b in blobs:
+            db.execute(
+                "INSERT INTO blobs(file, key, namespace, size, head_xxh3, refs, dead, created) "
+                "VALUES (?, ?, ?, ?, ?, 0, 0, ?)",
+                [b.file, b.key, namespace, b.size, b.head_xxh3, now],
+            )
+
+    @staticmethod
+    def insert(db: sqlite_utils.Database, row: dict[str, Any], blocks: Sequence[BlockRef]) -> int:
+        cur = db.execute(
+            f"INSERT INTO snapshots({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+            list(row.values()),
+        )
+        sid = int(cur.lastrowid or 0)
+        for b in blocks:
+            db.execute(
+                "INSERT INTO snapshot_blocks(snapshot, idx, chain, blob) VALUES (?, ?, ?, ?)",
+                [sid, b.idx, b.chain, b.blob],
+            )
+        for f in [row["tail"], *(b.blob for b in blocks if b.blob)]:
+            # dead=0: a blob the same transaction unreferenced is still on disk
+            db.execute("UPDATE blobs SET refs = refs + 1, dead = 0 WHERE file = ?", [f])
+        return sid
+
+    @staticmethod
+    def remove(db: sqlite_utils.Database, snapshot_id: int) -> None:
+        """Delete a snapshot; blobs it was the last user of become dead."""
+        row = db.execute("SELECT tail FROM snapshots WHERE id = ?", [snapshot_id]).fetchone()
+        if row is None:
+            return
+        files = [row[0]] + [
+            r[0]
+            for r in db.execute(
+                "SELECT blob FROM snapshot_blocks WHERE snapshot = ? AND blob IS NOT NULL",
+                [snapshot_id],
+            )
+        ]
+        db.execute("DELETE FROM snapshot_blocks WHERE snapshot = ?", [snapshot_id])
+        db.execute("DELETE FROM snapshots WHERE id = ?", [snapshot_id])
+        for f in files:
+            db.execute("UPDATE blobs SET refs = refs - 1 WHERE file = ?", [f])
+        db.execute("UPDATE blobs SET dead = 1 WHERE refs <= 0")
+
+    @staticmethod
+    def rows_where(db: sqlite_utils.Database, sql: str, args: Sequence[Any]) -> list[SnapshotRow]:
+        return [
+            _row(r)
+            for r in db.execute(f"SELECT {SNAPSHOT_COLS} FROM snapshots WHERE {sql}", list(args))
+        ]
+
+    @staticmethod
+    def eviction_entries(
+        db: sqlite_utils.Database,
+    ) -> tuple[list[tuple[int, float, bool, tuple[str, ...]]], dict[str, int]]:
+        refs: dict[int, list[str]] = {}
+        for sid, f in db.execute(
+            "SELECT snapshot, blob FROM snapshot_blocks WHERE blob IS NOT NULL"
+        ):
+            refs.setdefault(sid, []).append(f)
+        entries = [
+            (sid, used, bool(pinned), (tail, *refs.get(sid, [])))
+            for sid, used, pinned, tail in db.execute(
+                "SELECT id, used, pinned, tail FROM snapshots"
+            )
+        ]
+        sizes = {f: s for f, s in db.execute("SELECT file, size FROM blobs WHERE dead = 0")}
+        return entries, sizes
+
+    def collect(self) -> list[str]:
+        """Dead blob files (unreferenced, committed); the caller unlinks them, then forgets."""
+        with self.read() as db:
+            return [r[0] for r in db.execute("SELECT file FROM blobs WHERE dead = 1")]
+
+    def forget(self, files: Sequence[str]) -> None:
+        with self.write() as db:
+            for f in files:
+                db.execute("DELETE FROM blobs WHERE file = ? AND dead = 1", [f])
+
+
+def _cols(alias: str) -> str:
+    return ", ".join(f"{alias}.{c.strip()}" for c in SNAPSHOT_COLS.split(","))
+
+
+def _row(r: Sequence[Any]) -> SnapshotRow:
+    return SnapshotRow(
+        id=r[0],
+        namespace=r[1],
+        name=r[2],
+        owner=r[3],
+        role=r[4],
+        identity=r[5],
+        identity_map=bytes(r[6]),
+        root=bytes(r[7]),
+        last_chain=bytes(r[8]),
+        n_blocks=r[9],
+        n_tokens=r[10],
+        tokens=bytes(r[11]),
+        trimmable=bool(r[12]),
+        min_resume=r[13],
+        manifest=bytes(r[14]),
+        tail=r[15],
+        nbytes=r[16],
+        pinned=bool(r[17]),
+        created=r[18],
+        used=r[19],
+        metadata=bytes(r[20]),
+    )
