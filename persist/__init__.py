@@ -9,6 +9,7 @@ from __future__ import annotations
 from .errors import (
     CorruptBlobError,
     IdentityMismatchError,
+    InvalidNameError,
     NotResumableError,
     PersistError,
     SessionNotFoundError,
@@ -68,4 +69,5 @@ __all__ = [
     "NotResumableError",
     "SessionNotFoundError",
     "StoreFullError",
+    "InvalidNameError",
 ]

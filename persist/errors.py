@@ -17,6 +17,7 @@ __all__ = [
     "NotResumableError",
     "SessionNotFoundError",
     "StoreFullError",
+    "InvalidNameError",
 ]
 
 
@@ -79,6 +80,10 @@ class SessionNotFoundError(PersistError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0])
+
+
+class InvalidNameError(PersistError, ValueError):
+    """A session or namespace name that cannot be a key (empty, huge, NUL)."""
 
 
 class StoreFullError(PersistError, OSError):

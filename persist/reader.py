@@ -40,6 +40,8 @@ def allocate(spec: TensorSpec, cap: int | None, axis: int = 2) -> tuple[mx.array
         shape[axis] = cap
     out = mx.zeros(shape, dtype=NAME_TO_MX[spec.dtype])
     mx.eval(out)
+    if out.size == 0:
+        return out, memoryview(bytearray())
     view = memoryview(out).cast("B")  # type: ignore[arg-type]
     if not view.contiguous or view.nbytes != math.prod(shape) * DTYPE_SIZES[spec.dtype]:
         raise RuntimeError("mlx returned a buffer persist cannot read into")

@@ -38,6 +38,8 @@ def as_bytes(a: Any) -> memoryview:
     """The raw row-major bytes of an mx.array (evaluated; copied only if strided)."""
     import mlx.core as mx
 
+    if a.size == 0:
+        return memoryview(b"")
     mx.eval(a)
     if a.ndim:
         view = memoryview(a)

@@ -31,6 +31,7 @@ from .codecs.base import dtype_name
 from .errors import (
     CorruptBlobError,
     IdentityMismatchError,
+    InvalidNameError,
     SessionNotFoundError,
     StoreFullError,
 )
@@ -52,7 +53,7 @@ MAX_NAME = 1024
 def check_name(value: Any, what: str) -> str:
     """Session and namespace names are plain keys: any text of 1..1024 characters, no NUL."""
     if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME or "\x00" in value:
-        raise ValueError(f"{what} must be 1 to {MAX_NAME} characters of text without NUL")
+        raise InvalidNameError(f"{what} must be 1 to {MAX_NAME} characters of text without NUL")
     return value
 
 
@@ -270,6 +271,9 @@ class Store:
             sid = Index.insert(db, row, refs)
             if self.max_bytes is not None:
                 self._evict(db, self.max_bytes, frozenset({sid}))
+                total = self.index.unique_bytes(db)
+                if total > self.max_bytes:  # pinned entries leave no room: undo it all
+                    raise StoreFullError(total, self.max_bytes)
         return sid
 
     def _retire(

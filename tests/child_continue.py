@@ -1,6 +1,7 @@
 """Run in a fresh process: load a persist file, continue it, write the results.
 
-argv: model_dir job.json.  The job lists (cache file, next tokens, out file).
+argv: model_dir job.json.  The job lists (cache file, next tokens, out file);
+a job with "store" and "session" restores a named session from a store instead.
 Each out file is a safetensors file of the step logits and the live state
 after the continuation, plus the greedy tokens in its metadata.
 """
@@ -20,9 +21,14 @@ from tests.helpers import continue_run, live_state
 
 def main() -> None:
     model_dir, job_path = sys.argv[1], sys.argv[2]
-    model, _ = load(model_dir)
+    model, tok = load(model_dir)
     for job in json.loads(Path(job_path).read_text()):
-        loaded = persist.load_file(job["file"])
+        if "store" in job:  # restore a named session from a store
+            ident = persist.ModelIdentity.of(model, tok, **job.get("cache_config", {}))
+            with persist.Store(job["store"]) as store:
+                loaded = store.restore(job["session"], identity=ident)
+        else:
+            loaded = persist.load_file(job["file"])
         before = live_state(loaded.cache)
         logits, greedy = continue_run(model, loaded.cache, job["next"])
         after = live_state(loaded.cache)

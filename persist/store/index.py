@@ -12,9 +12,10 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import sqlite_utils
+if TYPE_CHECKING:
+    import sqlite_utils
 
 __all__ = ["Index", "SnapshotRow", "NewBlob", "BlockRef"]
 

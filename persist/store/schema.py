@@ -6,12 +6,15 @@ transaction; ``meta.schema_version`` records where a store is.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
-
-import sqlite_utils
+from typing import TYPE_CHECKING
 
 from ..errors import CorruptBlobError, UnsupportedVersionError
+
+if TYPE_CHECKING:
+    import sqlite_utils
 
 __all__ = ["SCHEMA_VERSION", "connect"]
 
@@ -70,7 +73,7 @@ MIGRATIONS: dict[int, list[str]] = {
             snapshot INTEGER NOT NULL REFERENCES snapshots(id) ON DELETE CASCADE,
             idx INTEGER NOT NULL,
             chain BLOB NOT NULL,
-            blob TEXT NOT NULL REFERENCES blobs(file),
+            blob TEXT REFERENCES blobs(file),
             PRIMARY KEY (snapshot, idx)
         )""",
         """CREATE INDEX snapshot_blocks_chain ON snapshot_blocks(chain, idx)""",
@@ -90,6 +93,10 @@ def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_uti
     A new store records ``block_tokens``; an existing one keeps its own, and
     asking for another is an error unless ``adopt`` (the caller did not ask).
     """
+    import sqlite_utils  # imported here: it pulls in click, which `import persist` must not
+
+    if not path.exists():  # created private; SQLite gives -wal/-shm the same mode
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
     try:
         conn = sqlite3.connect(str(path), timeout=60, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
