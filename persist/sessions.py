@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,27 +17,19 @@ import msgpack
 
 from . import policy
 from .blocks import (
-    Piece,
-    Plan,
     chain_root,
     chains,
-    content_key,
-    materialize,
-    plan,
 )
-from .codecs.base import dtype_name
 from .errors import (
     CorruptBlobError,
     IdentityMismatchError,
     InvalidNameError,
     SessionNotFoundError,
-    StoreFullError,
 )
 from .identity import ModelIdentity
-from .snapshot import capture
-from .stfile import write_tensors
-from .store.blobs import FileBlobs, blob_metadata
-from .store.index import BlockRef, Index, NewBlob, SnapshotRow
+from .saving import unpack_tokens
+from .store.blobs import FileBlobs
+from .store.index import Index, SnapshotRow
 from .store.schema import connect
 from .store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
 
@@ -55,14 +45,6 @@ def check_name(value: Any, what: str) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME or "\x00" in value:
         raise InvalidNameError(f"{what} must be 1 to {MAX_NAME} characters of text without NUL")
     return value
-
-
-def pack_tokens(tokens: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(tokens)}I", *tokens)
-
-
-def unpack_tokens(raw: bytes) -> list[int]:
-    return list(struct.unpack(f"<{len(raw) // 4}I", raw))
 
 
 class Store:
@@ -136,182 +118,17 @@ class Store:
         pin: bool,
         metadata: Mapping[str, str] | None,
     ) -> EntryInfo:
+        from .saving import save_snapshot
+
         check_name(namespace, "namespace")
         if name is not None:
             check_name(name, "session")
-        meta = dict(metadata or {})
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-            raise TypeError("metadata must map strings to strings")
-        snap = capture(list(cache), tokens)
-        toks = snap.tokens or []
-        p = plan(snap, self.block_tokens, dtype_name)
-        estimate = sum(s.nbytes for s in p.specs.values())
-        if self.max_bytes is not None and estimate > self.max_bytes:
-            raise StoreFullError(estimate, self.max_bytes)
-        secret = self.index.secret(namespace, lambda: os.urandom(32))
-        chs = chains(chain_root(secret, identity.digest), toks, self.block_tokens)
-        for _attempt in range(3):
-            written: list[NewBlob] = []
-            try:
-                refs, tail = self._write_blobs(p, chs, secret, len(toks), written)
-                sid = self._commit(
-                    p,
-                    snap,
-                    toks,
-                    chs,
-                    refs,
-                    tail,
-                    written,
-                    identity,
-                    namespace,
-                    name,
-                    owner,
-                    role,
-                    pin,
-                    meta,
-                )
-            except BaseException:
-                for b in written:
-                    self.blobs.delete(b.file)
-                raise
-            if sid is not None:
-                self._collect()
-                self.index.count(namespace, saves=1, bytes_written=sum(b.size for b in written))
-                row = self.index.get(sid)
-                assert row is not None
-                return self._info(row)
-            for b in written:  # a reused blob died under us: write everything again
-                self.blobs.delete(b.file)
-        raise RuntimeError("the store kept collecting blobs this save meant to reuse")
-
-    def _write_blobs(
-        self, p: Plan, chs: list[bytes], secret: bytes, n: int, written: list[NewBlob]
-    ) -> tuple[list[BlockRef], str]:
-        refs = []
-        for i in range(n // self.block_tokens):
-            pieces = p.block_pieces(i) if p.split else []
-            blob = self._put(secret, b"block", pieces, written) if pieces else None
-            refs.append(BlockRef(i, chs[i + 1], blob))
-        tail = self._put(secret, b"tail", p.tail_pieces(n), written)
-        return refs, tail
-
-    def _put(self, secret: bytes, role: bytes, pieces: list[Piece], written: list[NewBlob]) -> str:
-        mats = materialize(pieces)
-        key = content_key(secret, role, mats)
-        existing = self.index.live_blob(key)
-        if existing is not None:
-            return existing[0]
-        items = [(pc.key, pc.spec, (lambda v=view: v)) for pc, view, _ in mats]
-        meta_role = role.decode()
-
-        def write(sink: Any) -> bytes:
-            write_tensors(sink, items, lambda sums: blob_metadata(meta_role, sums))
-            return bytes(sink.head_digest)
-
-        file, size, head = self.blobs.put(key, write)
-        written.append(NewBlob(file, key, size, head))
-        return file
-
-    def _commit(
-        self,
-        p: Plan,
-        snap: Any,
-        toks: list[int],
-        chs: list[bytes],
-        refs: list[BlockRef],
-        tail: str,
-        written: list[NewBlob],
-        identity: ModelIdentity,
-        namespace: str,
-        name: str | None,
-        owner: str | None,
-        role: str,
-        pin: bool,
-        meta: dict[str, str],
-    ) -> int | None:
-        new_files = {b.file for b in written}
-        used = [f for f in [tail, *(r.blob for r in refs if r.blob)] if f not in new_files]
-        with self.index.write() as db:
-            if not Index.blobs_alive(db, used):
-                return None
-            Index.add_blobs(db, namespace, written)
-            now = time.time()
-            n_blocks = len(refs)
-            files = sorted({tail, *(r.blob for r in refs if r.blob)})
-            marks = ",".join("?" * len(files))
-            sizes = dict(
-                db.execute(
-                    f"SELECT file, size FROM blobs WHERE file IN ({marks})", files
-                ).fetchall()
-            )
-            row = {
-                "namespace": namespace,
-                "name": name,
-                "owner": owner or name,
-                "role": role,
-                "identity": identity.digest,
-                "identity_map": msgpack.packb(identity.to_dict(), use_bin_type=True),
-                "root": chs[0],
-                "last_chain": chs[n_blocks],
-                "n_blocks": n_blocks,
-                "n_tokens": len(toks),
-                "tokens": pack_tokens(toks),
-                "trimmable": int(snap.trimmable),
-                "min_resume": snap.min_resume_offset,
-                "manifest": p.manifest(),
-                "tail": tail,
-                "bytes": sum(sizes.values()),
-                "pinned": int(pin),
-                "created": now,
-                "used": now,
-                "metadata": msgpack.packb(meta, use_bin_type=True),
-            }
-            if name is not None:
-                self._retire(db, namespace, name, identity.digest, snap, toks)
-            sid = Index.insert(db, row, refs)
-            if self.max_bytes is not None:
-                self._evict(db, self.max_bytes, frozenset({sid}))
-                total = self.index.unique_bytes(db)
-                if total > self.max_bytes:  # pinned entries leave no room: undo it all
-                    raise StoreFullError(total, self.max_bytes)
-        return sid
-
-    def _retire(
-        self, db: Any, namespace: str, name: str, digest: str, snap: Any, toks: list[int]
-    ) -> None:
-        """Replace the session's previous snapshot: supersede it, or keep it as a checkpoint."""
-        olds = Index.rows_where(
-            db,
-            "namespace = ? AND (name = ? OR (name IS NULL AND owner = ?))",
-            [namespace, name, name],
+        sid = save_snapshot(
+            self, cache, tokens, identity, namespace, name, owner, role, pin, metadata
         )
-        for old in olds:
-            old_toks = unpack_tokens(old.tokens)
-            is_prefix = old.identity == digest and toks[: len(old_toks)] == old_toks
-            if policy.supersedes(
-                len(toks), snap.trimmable, snap.min_resume_offset, old.n_tokens, is_prefix
-            ):
-                Index.remove(db, old.id)
-            elif old.name is None:
-                continue  # a checkpoint that stays useful
-            elif is_prefix and old.n_tokens < len(toks):
-                # an untrimmable successor cannot serve this prefix: keep it
-                db.execute(
-                    "UPDATE snapshots SET name = NULL, role = 'checkpoint' WHERE id = ?", [old.id]
-                )
-            else:
-                Index.remove(db, old.id)
-
-    def _evict(self, db: Any, budget: int, protect: frozenset[int]) -> None:
-        entries, sizes = Index.eviction_entries(db)
-        ids = policy.plan_eviction(
-            [policy.EvictEntry(i, u, pin, blobs) for i, u, pin, blobs in entries],
-            sizes,
-            budget,
-            protect,
-        )
-        for sid in ids:
-            Index.remove(db, sid)
+        row = self.index.get(sid)
+        assert row is not None
+        return self._info(row)
 
     def _collect(self) -> int:
         """Unlink blob files whose last reference was committed away."""
@@ -347,17 +164,7 @@ class Store:
         from .assemble import load_snapshot
 
         toks = [int(t) for t in tokens]
-        check_name(namespace, "namespace")
-        secret = self.index.secret(namespace, lambda: os.urandom(32))
-        chs = chains(chain_root(secret, identity.digest), toks, self.block_tokens)
-        rows = {r.id: r for r in self.index.candidates(namespace, identity.digest, chs, len(toks))}
-        cands = [
-            (
-                policy.Candidate(r.id, r.n_tokens, r.trimmable, r.min_resume, r.used),
-                policy.common_prefix(unpack_tokens(r.tokens), toks),
-            )
-            for r in rows.values()
-        ]
+        rows, cands = self._candidates(toks, identity, namespace)
         while cands:
             choice = policy.choose(cands, len(toks))
             if choice is None:
@@ -378,6 +185,32 @@ class Store:
             return Restored(cache, toks[: choice.prefix], self._info(row))
         self.index.count(namespace, misses=1)
         return None
+
+    def _candidates(
+        self, toks: list[int], identity: ModelIdentity, namespace: str
+    ) -> tuple[dict[int, SnapshotRow], list[tuple[policy.Candidate, int]]]:
+        """Index rows that may serve ``toks``, each with its common prefix (no blob is read)."""
+        check_name(namespace, "namespace")
+        secret = self.index.secret(namespace, lambda: os.urandom(32))
+        chs = chains(chain_root(secret, identity.digest), toks, self.block_tokens)
+        rows = {r.id: r for r in self.index.candidates(namespace, identity.digest, chs, len(toks))}
+        cands = [
+            (
+                policy.Candidate(r.id, r.n_tokens, r.trimmable, r.min_resume, r.used),
+                policy.common_prefix(unpack_tokens(r.tokens), toks),
+            )
+            for r in rows.values()
+        ]
+        return rows, cands
+
+    def find(
+        self, tokens: Sequence[int], *, identity: ModelIdentity, namespace: str = "default"
+    ) -> tuple[EntryInfo, int] | None:
+        """What ``lookup`` would restore (entry, usable prefix), from the index alone."""
+        toks = [int(t) for t in tokens]
+        rows, cands = self._candidates(toks, identity, namespace)
+        choice = policy.choose(cands, len(toks))
+        return None if choice is None else (self._info(rows[choice.candidate.id]), choice.prefix)
 
     # -- listing and maintenance --------------------------------------------
 

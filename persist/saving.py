@@ -1,0 +1,231 @@
+"""Saving a snapshot into the store: blocks and tail first, then one commit.
+
+The write protocol of docs/FORMAT.md: every blob is written to tmp,
+fsynced and renamed into place before the transaction that references it;
+blobs a save means to reuse are re-checked inside that transaction (a
+concurrent collection may have killed them), and files are deleted only
+after the commit that unreferenced them.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from . import policy
+from .blocks import Piece, Plan, chain_root, chains, content_key, materialize, plan
+from .codecs.base import dtype_name
+from .errors import StoreFullError
+from .identity import ModelIdentity
+from .snapshot import capture
+from .stfile import write_tensors
+from .store.blobs import blob_metadata
+from .store.index import BlockRef, Index, NewBlob
+
+if TYPE_CHECKING:
+    from .sessions import Store
+
+__all__ = ["save_snapshot", "pack_tokens", "unpack_tokens"]
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def unpack_tokens(raw: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(raw) // 4}I", raw))
+
+
+def save_snapshot(
+    store: Store,
+    cache: Sequence[Any],
+    tokens: Sequence[int],
+    identity: ModelIdentity,
+    namespace: str,
+    name: str | None,
+    owner: str | None,
+    role: str,
+    pin: bool,
+    metadata: Mapping[str, str] | None,
+) -> int:
+    """Write blocks and tail, commit the snapshot; return its id."""
+    meta = dict(metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise TypeError("metadata must map strings to strings")
+    snap = capture(list(cache), tokens)
+    toks = snap.tokens or []
+    p = plan(snap, store.block_tokens, dtype_name)
+    estimate = sum(s.nbytes for s in p.specs.values())
+    if store.max_bytes is not None and estimate > store.max_bytes:
+        raise StoreFullError(estimate, store.max_bytes)
+    secret = store.index.secret(namespace, lambda: os.urandom(32))
+    chs = chains(chain_root(secret, identity.digest), toks, store.block_tokens)
+    for _attempt in range(3):
+        written: list[NewBlob] = []
+        try:
+            refs, tail = _write_blobs(store, p, chs, secret, len(toks), written)
+            sid = _commit(
+                store,
+                p,
+                snap,
+                toks,
+                chs,
+                refs,
+                tail,
+                written,
+                identity,
+                namespace,
+                name,
+                owner,
+                role,
+                pin,
+                meta,
+            )
+        except BaseException:
+            for b in written:
+                store.blobs.delete(b.file)
+            raise
+        if sid is not None:
+            store._collect()
+            store.index.count(namespace, saves=1, bytes_written=sum(b.size for b in written))
+            return sid
+        for b in written:  # a reused blob died under us: write everything again
+            store.blobs.delete(b.file)
+    raise RuntimeError("the store kept collecting blobs this save meant to reuse")
+
+
+def _write_blobs(
+    store: Store, p: Plan, chs: list[bytes], secret: bytes, n: int, written: list[NewBlob]
+) -> tuple[list[BlockRef], str]:
+    refs = []
+    for i in range(n // store.block_tokens):
+        pieces = p.block_pieces(i) if p.split else []
+        blob = _put(store, secret, b"block", pieces, written) if pieces else None
+        refs.append(BlockRef(i, chs[i + 1], blob))
+    tail = _put(store, secret, b"tail", p.tail_pieces(n), written)
+    return refs, tail
+
+
+def _put(
+    store: Store, secret: bytes, role: bytes, pieces: list[Piece], written: list[NewBlob]
+) -> str:
+    mats = materialize(pieces)
+    key = content_key(secret, role, mats)
+    existing = store.index.live_blob(key)
+    if existing is not None:
+        return existing[0]
+    items = [(pc.key, pc.spec, (lambda v=view: v)) for pc, view, _ in mats]
+    meta_role = role.decode()
+
+    def write(sink: Any) -> bytes:
+        write_tensors(sink, items, lambda sums: blob_metadata(meta_role, sums))
+        return bytes(sink.head_digest)
+
+    file, size, head = store.blobs.put(key, write)
+    written.append(NewBlob(file, key, size, head))
+    return file
+
+
+def _commit(
+    store: Store,
+    p: Plan,
+    snap: Any,
+    toks: list[int],
+    chs: list[bytes],
+    refs: list[BlockRef],
+    tail: str,
+    written: list[NewBlob],
+    identity: ModelIdentity,
+    namespace: str,
+    name: str | None,
+    owner: str | None,
+    role: str,
+    pin: bool,
+    meta: dict[str, str],
+) -> int | None:
+    new_files = {b.file for b in written}
+    used = [f for f in [tail, *(r.blob for r in refs if r.blob)] if f not in new_files]
+    with store.index.write() as db:
+        if not Index.blobs_alive(db, used):
+            return None
+        Index.add_blobs(db, namespace, written)
+        now = time.time()
+        n_blocks = len(refs)
+        files = sorted({tail, *(r.blob for r in refs if r.blob)})
+        marks = ",".join("?" * len(files))
+        sizes = dict(
+            db.execute(f"SELECT file, size FROM blobs WHERE file IN ({marks})", files).fetchall()
+        )
+        row = {
+            "namespace": namespace,
+            "name": name,
+            "owner": owner or name,
+            "role": role,
+            "identity": identity.digest,
+            "identity_map": msgpack.packb(identity.to_dict(), use_bin_type=True),
+            "root": chs[0],
+            "last_chain": chs[n_blocks],
+            "n_blocks": n_blocks,
+            "n_tokens": len(toks),
+            "tokens": pack_tokens(toks),
+            "trimmable": int(snap.trimmable),
+            "min_resume": snap.min_resume_offset,
+            "manifest": p.manifest(),
+            "tail": tail,
+            "bytes": sum(sizes.values()),
+            "pinned": int(pin),
+            "created": now,
+            "used": now,
+            "metadata": msgpack.packb(meta, use_bin_type=True),
+        }
+        if name is not None:
+            _retire(db, namespace, name, identity.digest, snap, toks)
+        sid = Index.insert(db, row, refs)
+        if store.max_bytes is not None:
+            _evict(db, store.max_bytes, frozenset({sid}))
+            total = store.index.unique_bytes(db)
+            if total > store.max_bytes:  # pinned entries leave no room: undo it all
+                raise StoreFullError(total, store.max_bytes)
+    return sid
+
+
+def _retire(db: Any, namespace: str, name: str, digest: str, snap: Any, toks: list[int]) -> None:
+    """Replace the session's previous snapshot: supersede it, or keep it as a checkpoint."""
+    olds = Index.rows_where(
+        db,
+        "namespace = ? AND (name = ? OR (name IS NULL AND owner = ?))",
+        [namespace, name, name],
+    )
+    for old in olds:
+        old_toks = unpack_tokens(old.tokens)
+        is_prefix = old.identity == digest and toks[: len(old_toks)] == old_toks
+        if policy.supersedes(
+            len(toks), snap.trimmable, snap.min_resume_offset, old.n_tokens, is_prefix
+        ):
+            Index.remove(db, old.id)
+        elif old.name is None:
+            continue  # a checkpoint that stays useful
+        elif is_prefix and old.n_tokens < len(toks):
+            # an untrimmable successor cannot serve this prefix: keep it
+            db.execute(
+                "UPDATE snapshots SET name = NULL, role = 'checkpoint' WHERE id = ?", [old.id]
+            )
+        else:
+            Index.remove(db, old.id)
+
+
+def _evict(db: Any, budget: int, protect: frozenset[int]) -> None:
+    entries, sizes = Index.eviction_entries(db)
+    ids = policy.plan_eviction(
+        [policy.EvictEntry(i, u, pin, blobs) for i, u, pin, blobs in entries],
+        sizes,
+        budget,
+        protect,
+    )
+    for sid in ids:
+        Index.remove(db, sid)
