@@ -28,6 +28,7 @@ from .stfile import checksum
 __all__ = [
     "chain_root",
     "chains",
+    "head_key",
     "Piece",
     "Plan",
     "plan",
@@ -49,6 +50,22 @@ def chains(root: bytes, tokens: Sequence[int], block: int) -> list[bytes]:
         chunk = struct.pack(f"<{block}I", *tokens[i * block : (i + 1) * block])
         out.append(hashlib.blake2b(out[-1] + chunk, digest_size=16).digest())
     return out
+
+
+HEAD_TOKENS = 16
+
+
+def head_key(root: bytes, tokens: Sequence[int]) -> bytes:
+    """The lookup key of a snapshot with no full block: its first 16 tokens.
+
+    Prefixes shorter than that are not worth a lookup; a shorter snapshot gets
+    a key no prompt produces (it is still restored by name).
+    """
+    if len(tokens) < HEAD_TOKENS:
+        raw = b"short" + struct.pack(f"<{len(tokens)}I", *tokens)
+    else:
+        raw = struct.pack(f"<{HEAD_TOKENS}I", *tokens[:HEAD_TOKENS])
+    return hashlib.blake2b(root + raw, digest_size=16).digest()
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from . import policy
-from .blocks import Piece, Plan, chain_root, chains, content_key, materialize, plan
+from .blocks import Piece, Plan, chain_root, chains, content_key, head_key, materialize, plan
 from .codecs.base import dtype_name
 from .errors import StoreFullError
 from .identity import ModelIdentity
@@ -169,7 +169,7 @@ def _commit(
             "identity": identity.digest,
             "identity_map": msgpack.packb(identity.to_dict(), use_bin_type=True),
             "root": chs[0],
-            "last_chain": chs[n_blocks],
+            "last_chain": chs[n_blocks] if n_blocks else head_key(chs[0], toks),
             "n_blocks": n_blocks,
             "n_tokens": len(toks),
             "tokens": pack_tokens(toks),

@@ -19,6 +19,7 @@ from . import policy
 from .blocks import (
     chain_root,
     chains,
+    head_key,
 )
 from .errors import (
     CorruptBlobError,
@@ -193,6 +194,7 @@ class Store:
         check_name(namespace, "namespace")
         secret = self.index.secret(namespace, lambda: os.urandom(32))
         chs = chains(chain_root(secret, identity.digest), toks, self.block_tokens)
+        chs[0] = head_key(chs[0], toks)  # snapshots with no full block are found by their head
         rows = {r.id: r for r in self.index.candidates(namespace, identity.digest, chs, len(toks))}
         cands = [
             (

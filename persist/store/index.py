@@ -170,7 +170,7 @@ class Index:
     ) -> list[SnapshotRow]:
         """Snapshots that may share a prefix with a prompt whose block chains are ``chains``.
 
-        ``chains[0]`` is the root; ``chains[i + 1]`` the chain of the prompt's block i.
+        ``chains[0]`` is the prompt's head key; ``chains[i + 1]`` the chain of its block i.
         Returned: snapshots whose last full block is any of those (they end inside
         the matched region or just after it), and trimmable snapshots that go on
         past the deepest matched block.  Untrimmable ones that could only serve
@@ -181,7 +181,7 @@ class Index:
             if len(chains) > 1:
                 marks = ",".join("?" * (len(chains) - 1))
                 row = db.execute(
-                    f"SELECT MAX(b.idx) FROM snapshot_blocks b JOIN snapshots s "
+                    f"SELECT MAX(b.idx) FROM snapshot_blocks b INDEXED BY snapshot_blocks_chain CROSS JOIN snapshots s "
                     f"ON s.id = b.snapshot WHERE b.chain IN ({marks}) AND s.namespace = ? "
                     f"AND s.identity = ?",
                     [*chains[1:], namespace, identity],
@@ -195,12 +195,14 @@ class Index:
             )
             args = [namespace, identity, prompt_len - 1, prompt_len]
             rows = db.execute(
-                f"SELECT {_cols('s')} FROM snapshots s WHERE s.last_chain IN ({marks}){filt}",
+                # INDEXED BY: without statistics SQLite would scan the namespace
+                f"SELECT {_cols('s')} FROM snapshots s INDEXED BY snapshots_last_chain "
+                f"WHERE s.last_chain IN ({marks}){filt}",
                 [*ends, *args],
             ).fetchall()
             if depth >= 0:
                 rows += db.execute(
-                    f"SELECT {_cols('s')} FROM snapshot_blocks b JOIN snapshots s "
+                    f"SELECT {_cols('s')} FROM snapshot_blocks b INDEXED BY snapshot_blocks_chain CROSS JOIN snapshots s "
                     f"ON s.id = b.snapshot WHERE b.chain = ? AND b.idx = ? "
                     f"AND s.n_blocks > ? AND s.trimmable = 1{filt}",
                     [chains[depth + 1], depth, depth + 1, *args],
