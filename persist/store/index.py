@@ -25,6 +25,9 @@ SNAPSHOT_COLS = (
     "metadata"
 )
 
+# Forced plan: walk blocks by chain hash first (SQLite has no statistics to know).
+BLOCKS_THEN_SNAPSHOTS = "snapshot_blocks b INDEXED BY snapshot_blocks_chain CROSS JOIN snapshots s"
+
 
 @dataclass(frozen=True)
 class SnapshotRow:
@@ -181,7 +184,7 @@ class Index:
             if len(chains) > 1:
                 marks = ",".join("?" * (len(chains) - 1))
                 row = db.execute(
-                    f"SELECT MAX(b.idx) FROM snapshot_blocks b INDEXED BY snapshot_blocks_chain CROSS JOIN snapshots s "
+                    f"SELECT MAX(b.idx) FROM {BLOCKS_THEN_SNAPSHOTS} "
                     f"ON s.id = b.snapshot WHERE b.chain IN ({marks}) AND s.namespace = ? "
                     f"AND s.identity = ?",
                     [*chains[1:], namespace, identity],
@@ -202,7 +205,7 @@ class Index:
             ).fetchall()
             if depth >= 0:
                 rows += db.execute(
-                    f"SELECT {_cols('s')} FROM snapshot_blocks b INDEXED BY snapshot_blocks_chain CROSS JOIN snapshots s "
+                    f"SELECT {_cols('s')} FROM {BLOCKS_THEN_SNAPSHOTS} "
                     f"ON s.id = b.snapshot WHERE b.chain = ? AND b.idx = ? "
                     f"AND s.n_blocks > ? AND s.trimmable = 1{filt}",
                     [chains[depth + 1], depth, depth + 1, *args],
