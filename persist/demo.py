@@ -14,9 +14,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ARCHS", "make_model", "write_tokenizer", "SPECIAL_TOKENS"]
+__all__ = [
+    "ARCHS",
+    "make_model",
+    "write_tokenizer",
+    "SPECIAL_TOKENS",
+    "demo_model_dir",
+    "cache_home",
+]
 
-VOCAB = 320
+VOCAB = 260  # 256 byte tokens + 4 specials: every id the model emits decodes
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -208,3 +215,33 @@ def make_model(
     (d / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(d)
     return d
+
+
+DEMO_ARCH = "llama"
+DEMO_VERSION = 1
+
+
+def cache_home() -> Path:
+    """persist's own cache directory (the demo model, the default store)."""
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("persist"))
+
+
+def demo_model_dir() -> Path:
+    """The built-in demo model, made once (deterministically) in the user cache dir."""
+    import secrets
+
+    target = cache_home() / f"demo-{DEMO_ARCH}-v{DEMO_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    make_model(tmp, DEMO_ARCH, seed=0)
+    try:
+        os.rename(tmp, target)  # atomic; a concurrent maker may have won
+    except OSError:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

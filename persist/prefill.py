@@ -8,7 +8,7 @@ with blocks shared, each checkpoint costs about its own tail.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -42,6 +42,7 @@ def prefill(
     checkpoints: Iterable[int] = (),
     checkpoint_every: int | None = None,
     step: int = 512,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[Any]:
     """Run ``tokens`` through ``model``; save a checkpoint at each requested position.
 
@@ -70,6 +71,8 @@ def prefill(
         model(mx.array([toks[done:end]]), cache=cache)
         mx.eval([c.state for c in cache])
         done = end
+        if progress is not None:
+            progress(done, len(toks))
         if end in wanted and store is not None and identity is not None:
             store._save(
                 cache, toks[:end], identity, namespace, None, session, "checkpoint", False, None

@@ -25,6 +25,7 @@ from .errors import (
     CorruptBlobError,
     IdentityMismatchError,
     InvalidNameError,
+    NotResumableError,
     SessionNotFoundError,
 )
 from .identity import ModelIdentity
@@ -228,6 +229,53 @@ class Store:
         if row is None:
             raise SessionNotFoundError(session, namespace)
         return self._info(row)
+
+    def export(
+        self, session: str, path: str | os.PathLike[str], *, namespace: str = "default"
+    ) -> EntryInfo:
+        """Write a session to one self-contained persist file (``load_file`` reads it)."""
+        from .assemble import load_snapshot
+        from .files import save_file
+
+        row = self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
+        if row is None:
+            raise SessionNotFoundError(session, namespace)
+        saved = ModelIdentity.from_dict(msgpack.unpackb(row.identity_map, raw=False))
+        info = self._info(row)
+        save_file(
+            path,
+            load_snapshot(self, row),
+            unpack_tokens(row.tokens),
+            metadata=info.metadata,
+            identity=saved,
+        )
+        return info
+
+    def import_file(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        session: str | None = None,
+        namespace: str = "default",
+    ) -> EntryInfo:
+        """Store a persist file as a session (named after the file unless ``session``)."""
+        from .files import load_file
+
+        loaded = load_file(path)
+        if loaded.identity is None or loaded.tokens is None:
+            raise NotResumableError(
+                f"{path} records no model identity or no tokens; save it with "
+                "persist.save_file(path, cache, tokens, identity=...) to import it"
+            )
+        name = session if session is not None else Path(path).name.split(".")[0]
+        return self.save(
+            loaded.cache,
+            loaded.tokens,
+            identity=loaded.identity,
+            session=name,
+            namespace=namespace,
+            metadata=loaded.metadata,
+        )
 
     def delete(self, session: str, *, namespace: str = "default") -> None:
         """Delete a session and its checkpoints; files go after the commit."""

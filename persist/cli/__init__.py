@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
-from .app import main
+from . import files, models, run, sessions  # noqa: F401  (each module registers its commands)
+from .app import cli
 
-__all__ = ["main"]
+__all__ = ["cli", "main"]
+
+
+def main() -> None:
+    cli(prog_name="persist")

@@ -1,20 +1,35 @@
 """The click group, shared options, and the one place errors become exit codes.
 
-Exit codes: 0 success, 1 a PersistError (one clear line on stderr), 2 usage.
+Exit codes: 0 success, 1 a PersistError or an OS error (one clear line on
+stderr), 2 usage.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
 from ..errors import PersistError
 
-__all__ = ["main", "cli", "emit", "human_bytes"]
+__all__ = [
+    "cli",
+    "emit",
+    "human_bytes",
+    "store_option",
+    "json_option",
+    "open_store",
+    "parse_size",
+    "progress",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def human_bytes(n: float) -> str:
@@ -25,12 +40,75 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def parse_size(text: str) -> int:
+    """'500M', '2GiB', '1.5g', '1000' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size like 500M or 2G")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+
+
 def emit(as_json: bool, data: Any, render: Callable[[Any], None]) -> None:
     """Print ``data`` as JSON for scripts, or through ``render`` for people."""
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
     else:
         render(data)
+
+
+def default_store() -> Path:
+    home = os.environ.get("PERSIST_HOME")
+    if home:
+        return Path(home)
+    from ..demo import cache_home
+
+    return cache_home() / "store"
+
+
+def store_option(f: F) -> F:
+    return click.option(
+        "--store",
+        "store_dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="Store directory (default: $PERSIST_HOME, else the user cache dir).",
+    )(f)
+
+
+def json_option(f: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(f)
+
+
+def open_store(store_dir: Path | None, **kw: Any) -> Any:
+    from ..sessions import Store
+
+    return Store(store_dir if store_dir is not None else default_store(), **kw)
+
+
+class _Bar:
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.bar: Any = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            if not sys.stderr.isatty() or total <= 0:
+                return
+            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr)
+            self.bar.__enter__()
+        self.bar.update(done - self.bar.pos)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
+def progress(label: str) -> _Bar:
+    """A progress callback (done, total) that draws a bar on an interactive stderr."""
+    return _Bar(label)
 
 
 class PersistGroup(click.Group):
@@ -41,7 +119,11 @@ class PersistGroup(click.Group):
             click.echo(f"persist: error: {e}", err=True)
             sys.exit(1)
         except OSError as e:
-            click.echo(f"persist: error: {e.strerror or e}: {e.filename or ''}".rstrip(), err=True)
+            where = f": {e.filename}" if getattr(e, "filename", None) else ""
+            click.echo(f"persist: error: {e.strerror or e}{where}", err=True)
+            sys.exit(1)
+        except ValueError as e:  # a library refusal of a bad argument
+            click.echo(f"persist: error: {e}", err=True)
             sys.exit(1)
 
 
@@ -52,12 +134,6 @@ def cli() -> None:
 
     \b
     Example:
-      persist make-model ./tiny --arch llama
-      persist inspect cache.safetensors
+      persist generate --session work --prompt "Summarize our plan."
+      persist ls
     """
-
-
-def main() -> None:
-    from . import files, models  # noqa: F401  (register the commands)
-
-    cli(prog_name="persist")

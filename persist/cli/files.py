@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from ..service import FileInfo, describe_file, verify_file
-from .app import cli, emit, human_bytes
+from .app import cli, emit, human_bytes, json_option
 
 
 def _render(info: FileInfo) -> None:
@@ -35,7 +35,7 @@ def _render(info: FileInfo) -> None:
 
 
 _path = click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-_json = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+_json = json_option
 
 
 @cli.command()

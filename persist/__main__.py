@@ -1,0 +1,5 @@
+"""``python -m persist``: the same as the ``persist`` command."""
+
+from .cli import main
+
+main()

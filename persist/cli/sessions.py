@@ -1,0 +1,233 @@
+"""Store commands: ls, show, rm, gc, check, stats, export, import."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..store.types import EntryInfo
+from .app import cli, emit, human_bytes, json_option, open_store, parse_size, store_option
+
+_namespace = click.option("--namespace", default="default", show_default=True)
+
+
+def _when(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds")
+
+
+def _row(e: EntryInfo) -> str:
+    name = (
+        e.session
+        if e.session is not None
+        else f"({e.role} of {e.owner})"
+        if e.owner
+        else f"({e.role})"
+    )
+    pin = " pinned" if e.pinned else ""
+    return (
+        f"{e.namespace:<10} {name:<28} {e.tokens:>7} tok {human_bytes(e.bytes):>10}  "
+        f"{e.model:<16} used {_when(e.used)}{pin}"
+    )
+
+
+@cli.command("ls")
+@click.option("--namespace", default=None, help="Only this namespace (default: all).")
+@click.option("--all", "show_all", is_flag=True, help="Also list checkpoints and prefixes.")
+@store_option
+@json_option
+def ls_cmd(namespace: str | None, show_all: bool, store_dir: Path | None, as_json: bool) -> None:
+    """List stored sessions.
+
+    \b
+    Example:
+      persist ls --all --json
+    """
+    with open_store(store_dir) as store:
+        rows = store.entries(namespace) if show_all else store.sessions(namespace)
+    emit(
+        as_json,
+        [r.to_dict() for r in rows],
+        lambda _: click.echo("\n".join(_row(r) for r in rows) or "no sessions"),
+    )
+
+
+@cli.command("show")
+@click.argument("name")
+@_namespace
+@store_option
+@json_option
+def show_cmd(name: str, namespace: str, store_dir: Path | None, as_json: bool) -> None:
+    """Show one session: kinds per layer, tokens, bytes, resume facts, identity.
+
+    \b
+    Example:
+      persist show work
+    """
+    with open_store(store_dir) as store:
+        e = store.entry(name, namespace=namespace)
+
+    def render(_: Any) -> None:
+        click.echo(f"session {e.session!r} in namespace {e.namespace!r}")
+        click.echo(f"  tokens             {e.tokens}")
+        click.echo(f"  bytes              {human_bytes(e.bytes)} (shared blocks included)")
+        click.echo(f"  trimmable          {e.trimmable}")
+        click.echo(f"  min resume offset  {e.min_resume_offset}")
+        click.echo(f"  model              {e.model} ({e.identity[:16]})")
+        click.echo(f"  created / used     {_when(e.created)} / {_when(e.used)}")
+        click.echo(f"  pinned             {e.pinned}")
+        for i, k in enumerate(e.kinds):
+            click.echo(f"  layer {i:3d}          {k}")
+
+    emit(as_json, e.to_dict(), render)
+
+
+@cli.command("rm")
+@click.argument("name")
+@_namespace
+@store_option
+@json_option
+def rm_cmd(name: str, namespace: str, store_dir: Path | None, as_json: bool) -> None:
+    """Delete a session and its checkpoints.
+
+    \b
+    Example:
+      persist rm work
+    """
+    with open_store(store_dir) as store:
+        store.delete(name, namespace=namespace)
+    emit(
+        as_json,
+        {"deleted": name, "namespace": namespace},
+        lambda _: click.echo(f"deleted session {name!r}"),
+    )
+
+
+@cli.command("gc")
+@click.option("--max-bytes", default=None, help="Budget to evict down to, e.g. 500M or 2G.")
+@click.option("--dry-run", is_flag=True, help="Only report what would be evicted.")
+@store_option
+@json_option
+def gc_cmd(max_bytes: str | None, dry_run: bool, store_dir: Path | None, as_json: bool) -> None:
+    """Evict least recently used unpinned entries; delete unreferenced blobs.
+
+    \b
+    Example:
+      persist gc --max-bytes 2G --dry-run
+    """
+    budget = parse_size(max_bytes) if max_bytes is not None else None
+    with open_store(store_dir) as store:
+        r = store.gc(budget, dry_run=dry_run)
+
+    def render(_: Any) -> None:
+        verb = "would evict" if r.dry_run else "evicted"
+        click.echo(
+            f"{verb} {len(r.evicted)} entries, freeing {human_bytes(r.bytes_freed)}; "
+            f"{human_bytes(r.unique_bytes)} on disk"
+        )
+        for e in r.evicted:
+            click.echo("  " + _row(e))
+
+    emit(as_json, r.to_dict(), render)
+
+
+@cli.command("check")
+@click.option("--fix", is_flag=True, help="Repair: delete orphans, quarantine damaged blobs.")
+@store_option
+@json_option
+def check_cmd(fix: bool, store_dir: Path | None, as_json: bool) -> None:
+    """Verify every blob and reconcile the index with the files.
+
+    Exits 1 if problems remain (none remain after a successful --fix).
+
+    \b
+    Example:
+      persist check --fix
+    """
+    with open_store(store_dir) as store:
+        problems = store.check(fix=fix)
+
+    def render(_: Any) -> None:
+        for p in problems:
+            click.echo(f"{'fixed' if p.fixed else 'problem'}: {p.kind}: {p.target}: {p.detail}")
+        click.echo("store is consistent" if not problems else f"{len(problems)} problems")
+
+    emit(as_json, [p.to_dict() for p in problems], render)
+    if any(not p.fixed for p in problems):
+        raise SystemExit(1)
+
+
+@cli.command("stats")
+@click.option("--namespace", default=None, help="Counters of this namespace only.")
+@store_option
+@json_option
+def stats_cmd(namespace: str | None, store_dir: Path | None, as_json: bool) -> None:
+    """Entries, bytes on disk, dedup ratio, hits and misses.
+
+    \b
+    Example:
+      persist stats --json
+    """
+    with open_store(store_dir) as store:
+        s = store.stats(namespace)
+
+    def render(_: Any) -> None:
+        click.echo(f"entries {s.entries} ({s.sessions} sessions)")
+        click.echo(
+            f"on disk {human_bytes(s.unique_bytes)}, referenced "
+            f"{human_bytes(s.referenced_bytes)}, dedup {s.dedup_ratio:.2f}x"
+        )
+        for k, v in sorted(s.counters.items()):
+            click.echo(f"{k} {v}")
+
+    emit(as_json, s.to_dict(), render)
+
+
+@cli.command("export")
+@click.argument("name")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@_namespace
+@store_option
+@json_option
+def export_cmd(
+    name: str, file: Path, namespace: str, store_dir: Path | None, as_json: bool
+) -> None:
+    """Write a session to a self-contained persist file.
+
+    \b
+    Example:
+      persist export work work.safetensors
+    """
+    with open_store(store_dir) as store:
+        e = store.export(name, file, namespace=namespace)
+    emit(
+        as_json,
+        {"session": name, "file": str(file), "tokens": e.tokens},
+        lambda _: click.echo(f"exported {name!r} ({e.tokens} tokens) to {file}"),
+    )
+
+
+@cli.command("import")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--session", default=None, help="Session name (default: the file's name).")
+@_namespace
+@store_option
+@json_option
+def import_cmd(
+    file: Path, session: str | None, namespace: str, store_dir: Path | None, as_json: bool
+) -> None:
+    """Store a persist file (from export or save_file) as a session.
+
+    \b
+    Example:
+      persist import work.safetensors --session work-copy
+    """
+    with open_store(store_dir) as store:
+        e = store.import_file(file, session=session, namespace=namespace)
+    emit(
+        as_json,
+        e.to_dict(),
+        lambda _: click.echo(f"imported {file} as session {e.session!r} ({e.tokens} tokens)"),
+    )
