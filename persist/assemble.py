@@ -17,7 +17,7 @@ from .blocks import spec_from_manifest
 from .codecs import check_spec
 from .errors import CorruptBlobError
 from .reader import allocate, capacity_of, read_piece
-from .records import Record, RecordSpec
+from .records import Progress, Record, RecordSpec
 from .snapshot import rebuild
 from .stfile import Header, read_header
 from .store.blobs import blob_manifest
@@ -54,7 +54,7 @@ def open_blob(store: Store, file: str) -> _Blob:
         raise
 
 
-def load_snapshot(store: Store, row: SnapshotRow) -> list[Any]:
+def load_snapshot(store: Store, row: SnapshotRow, progress: Progress | None = None) -> list[Any]:
     body = msgpack.unpackb(row.manifest, raw=False)
     specs = spec_from_manifest(body)
     for spec in specs:
@@ -73,7 +73,11 @@ def load_snapshot(store: Store, row: SnapshotRow) -> list[Any]:
             blocks.append(opened[ref.blob])
         if split and len(blocks) != row.n_blocks:
             raise CorruptBlobError(f"snapshot {row.id}", "block list is incomplete")
-        records = [_read(spec, str(i), tail, blocks, split, block) for i, spec in enumerate(specs)]
+        records = []
+        for i, spec in enumerate(specs):
+            records.append(_read(spec, str(i), tail, blocks, split, block))
+            if progress is not None:
+                progress(i + 1, len(specs))
         return rebuild(records)
     finally:
         for b in opened.values():

@@ -211,14 +211,14 @@ def make_model(
     model.set_dtype(getattr(mx, dtype))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(d / "model.safetensors"), weights, metadata={"format": "mlx"})
-    config["eos_token_id"] = 3
+    config["eos_token_id"] = 256 + SPECIAL_TOKENS.index("<|im_end|>")
     (d / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(d)
     return d
 
 
 DEMO_ARCH = "llama"
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 
 
 def cache_home() -> Path:

@@ -70,14 +70,15 @@ def save_file(
 
     created = time.time()
     items = [(k, specs[k], (lambda a=r.tensors[n]: as_bytes(a))) for k, r, n in flat]
-    _atomic_write(Path(path), lambda f: write_tensors(f, items, manifest_meta))
+    size = sum(s.nbytes for s in specs.values())
+    _atomic_write(Path(path), lambda f: write_tensors(f, items, manifest_meta), size)
 
 
-def _atomic_write(path: Path, write: Any) -> None:
+def _atomic_write(path: Path, write: Any, size_hint: int) -> None:
     """tmp file in the target directory, write, fsync, rename, fsync the directory."""
     directory = path.parent if str(path.parent) else Path(".")
     tmp = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-    sink = Sink(tmp, FILE_MODE)
+    sink = Sink(tmp, FILE_MODE, size_hint)
     try:
         write(sink)  # fsyncs before returning
         sink.close()

@@ -21,11 +21,12 @@ import mlx.core as mx
 from .errors import SessionNotFoundError
 from .identity import ModelIdentity
 from .prefill import prefill
+from .records import Progress
 from .sessions import Store
 
 __all__ = ["GenerateResult", "PrimeResult", "load_model", "generate", "prime"]
 
-Progress = Callable[[int, int], None]
+Bars = Callable[[str], Progress]  # a progress callback per phase ("restore", "prefill", ...)
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,16 @@ def load_model(model_dir: str | os.PathLike[str] | None) -> tuple[Any, Any, Mode
 
 
 def _resume(
-    store: Store, session: str, new: list[int], identity: ModelIdentity, namespace: str
+    store: Store,
+    session: str,
+    new: list[int],
+    identity: ModelIdentity,
+    namespace: str,
+    bar: Progress | None,
 ) -> tuple[list[Any] | None, list[int], int, str]:
     """(cache or None, all tokens of this turn, tokens already covered, source)."""
     try:
-        restored = store.restore(session, identity=identity, namespace=namespace)
+        restored = store.restore(session, identity=identity, namespace=namespace, progress=bar)
     except SessionNotFoundError:
         hit = store.lookup(new, identity=identity, namespace=namespace)
         if hit is None:
@@ -92,7 +98,7 @@ def generate(
     temp: float = 0.0,
     namespace: str = "default",
     on_text: Callable[[str], None] | None = None,
-    progress: Progress | None = None,
+    bars: Bars | None = None,
 ) -> GenerateResult:
     """Resume ``session`` (or the best stored prefix), append ``prompt``, generate, save."""
     from mlx_lm.generate import generate_step
@@ -103,7 +109,13 @@ def generate(
     if not new:
         raise ValueError("the prompt is empty after tokenization")
     t0 = time.perf_counter()
-    cache, tokens, covered, source = _resume(store, session, new, identity, namespace)
+
+    def bar(phase: str) -> Progress | None:
+        return bars(phase) if bars is not None else None
+
+    cache, tokens, covered, source = _resume(
+        store, session, new, identity, namespace, bar("restore")
+    )
     cache = make_prompt_cache(model) if cache is None else cache
     todo = tokens[covered:]
     detok = tokenizer.detokenizer
@@ -117,7 +129,7 @@ def generate(
         prompt_cache=cache,
         max_tokens=max_tokens,
         sampler=make_sampler(temp=temp),
-        prompt_progress_callback=progress,
+        prompt_progress_callback=bar("prefill"),
     )
     for tok, _ in steps:
         if not out:
@@ -126,13 +138,22 @@ def generate(
         if int(tok) in eos:
             break
         detok.add_token(int(tok))
-        if on_text is not None and detok.last_segment:
-            on_text(detok.last_segment)
+        segment = detok.last_segment  # reading it consumes it
+        if on_text is not None and segment:
+            on_text(segment)
     detok.finalize()
-    if on_text is not None and detok.last_segment:
-        on_text(detok.last_segment)
+    segment = detok.last_segment
+    if on_text is not None and segment:
+        on_text(segment)
     elapsed = time.perf_counter() - t0
-    store.save(cache, tokens + out, identity=identity, session=session, namespace=namespace)
+    store.save(
+        cache,
+        tokens + out,
+        identity=identity,
+        session=session,
+        namespace=namespace,
+        progress=bar("save"),
+    )
     return GenerateResult(
         session=session,
         text=detok.text,
@@ -156,7 +177,7 @@ def prime(
     text: str,
     checkpoint_every: int | None = None,
     namespace: str = "default",
-    progress: Progress | None = None,
+    bars: Bars | None = None,
 ) -> PrimeResult:
     """Prefill ``text`` into a new session, leaving checkpoints every N tokens."""
     tokens = list(tokenizer.encode(text, add_special_tokens=False))
@@ -172,8 +193,15 @@ def prime(
         session=session,
         namespace=namespace,
         checkpoint_every=checkpoint_every,
-        progress=progress,
+        progress=bars("prefill") if bars else None,
     )
-    store.save(cache, tokens, identity=identity, session=session, namespace=namespace)
+    store.save(
+        cache,
+        tokens,
+        identity=identity,
+        session=session,
+        namespace=namespace,
+        progress=bars("save") if bars else None,
+    )
     made = [e for e in store.entries(namespace) if e.id not in before and e.role == "checkpoint"]
     return PrimeResult(session, len(tokens), len(made), time.perf_counter() - t0)

@@ -8,10 +8,21 @@ loaded.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DTYPE_SIZES", "as_bytes", "TensorSpec", "Record", "RecordSpec", "ResumeFacts"]
+Progress = Callable[[int, int], None]  # (done, total): optional progress reporting
+
+__all__ = [
+    "DTYPE_SIZES",
+    "Progress",
+    "as_bytes",
+    "TensorSpec",
+    "Record",
+    "RecordSpec",
+    "ResumeFacts",
+]
 
 # safetensors dtype names persist accepts, and their item sizes in bytes.
 DTYPE_SIZES: dict[str, int] = {

@@ -22,6 +22,7 @@ from .blocks import Piece, Plan, chain_root, chains, content_key, head_key, mate
 from .codecs.base import dtype_name
 from .errors import StoreFullError
 from .identity import ModelIdentity
+from .records import Progress
 from .snapshot import capture
 from .stfile import write_tensors
 from .store.blobs import blob_metadata
@@ -52,6 +53,7 @@ def save_snapshot(
     role: str,
     pin: bool,
     metadata: Mapping[str, str] | None,
+    progress: Progress | None = None,
 ) -> int:
     """Write blocks and tail, commit the snapshot; return its id."""
     meta = dict(metadata or {})
@@ -68,7 +70,7 @@ def save_snapshot(
     for _attempt in range(3):
         written: list[NewBlob] = []
         try:
-            refs, tail = _write_blobs(store, p, chs, secret, len(toks), written)
+            refs, tail = _write_blobs(store, p, chs, secret, len(toks), written, progress)
             sid = _commit(
                 store,
                 p,
@@ -100,14 +102,25 @@ def save_snapshot(
 
 
 def _write_blobs(
-    store: Store, p: Plan, chs: list[bytes], secret: bytes, n: int, written: list[NewBlob]
+    store: Store,
+    p: Plan,
+    chs: list[bytes],
+    secret: bytes,
+    n: int,
+    written: list[NewBlob],
+    progress: Progress | None,
 ) -> tuple[list[BlockRef], str]:
     refs = []
-    for i in range(n // store.block_tokens):
+    blocks = n // store.block_tokens
+    for i in range(blocks):
         pieces = p.block_pieces(i) if p.split else []
         blob = _put(store, secret, b"block", pieces, written) if pieces else None
         refs.append(BlockRef(i, chs[i + 1], blob))
+        if progress is not None:
+            progress(i + 1, blocks + 1)
     tail = _put(store, secret, b"tail", p.tail_pieces(n), written)
+    if progress is not None:
+        progress(blocks + 1, blocks + 1)
     return refs, tail
 
 
@@ -126,7 +139,7 @@ def _put(
         write_tensors(sink, items, lambda sums: blob_metadata(meta_role, sums))
         return bytes(sink.head_digest)
 
-    file, size, head = store.blobs.put(key, write)
+    file, size, head = store.blobs.put(key, write, sum(pc.spec.nbytes for pc, _, _ in mats))
     written.append(NewBlob(file, key, size, head))
     return file
 

@@ -29,6 +29,7 @@ from .errors import (
     SessionNotFoundError,
 )
 from .identity import ModelIdentity
+from .records import Progress
 from .saving import unpack_tokens
 from .store.blobs import FileBlobs
 from .store.index import Index, SnapshotRow
@@ -103,10 +104,13 @@ class Store:
         namespace: str = "default",
         pin: bool = False,
         metadata: Mapping[str, str] | None = None,
+        progress: Progress | None = None,
     ) -> EntryInfo:
         """Save ``cache`` (covering exactly ``tokens``); named if ``session`` is given."""
         role = "prefix" if session is None else "session"
-        return self._save(cache, tokens, identity, namespace, session, None, role, pin, metadata)
+        return self._save(
+            cache, tokens, identity, namespace, session, None, role, pin, metadata, progress
+        )
 
     def _save(
         self,
@@ -119,6 +123,7 @@ class Store:
         role: str,
         pin: bool,
         metadata: Mapping[str, str] | None,
+        progress: Progress | None = None,
     ) -> EntryInfo:
         from .saving import save_snapshot
 
@@ -126,7 +131,7 @@ class Store:
         if name is not None:
             check_name(name, "session")
         sid = save_snapshot(
-            self, cache, tokens, identity, namespace, name, owner, role, pin, metadata
+            self, cache, tokens, identity, namespace, name, owner, role, pin, metadata, progress
         )
         row = self.index.get(sid)
         assert row is not None
@@ -143,7 +148,12 @@ class Store:
     # -- reading ----------------------------------------------------------
 
     def restore(
-        self, session: str, *, identity: ModelIdentity, namespace: str = "default"
+        self,
+        session: str,
+        *,
+        identity: ModelIdentity,
+        namespace: str = "default",
+        progress: Progress | None = None,
     ) -> Restored:
         """The named session, as fresh caches, exactly as saved."""
         row = self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
@@ -154,7 +164,7 @@ class Store:
             raise IdentityMismatchError(f"session {session!r}", saved.diff(identity))
         from .assemble import load_snapshot
 
-        cache = load_snapshot(self, row)
+        cache = load_snapshot(self, row, progress)
         self.index.touch(row.id)
         self.index.count(namespace, restores=1, restored_tokens=row.n_tokens)
         return Restored(cache, unpack_tokens(row.tokens), self._info(row))
@@ -335,11 +345,11 @@ class Store:
             counters=self.index.counters(namespace),
         )
 
-    def check(self, fix: bool = False) -> list[Problem]:
+    def check(self, fix: bool = False, *, progress: Progress | None = None) -> list[Problem]:
         """Reconcile index and files; with ``fix`` repair what can be repaired."""
         from .store.check import check_store
 
-        return check_store(self.index, self.blobs, fix)
+        return check_store(self.index, self.blobs, fix, progress)
 
     # -- helpers ------------------------------------------------------------
 

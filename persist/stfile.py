@@ -137,6 +137,7 @@ def _check_layout(where: str, entries: dict[str, Entry], data_start: int, size: 
 Producer = Callable[[], memoryview]
 
 DIRECT_ALIGN = 4096
+DIRECT_MIN_BYTES = 4 << 20
 STAGE_BYTES = 8 << 20
 
 
@@ -149,10 +150,11 @@ class Sink:
     filling fresh cache pages, and a save does not evict the caller's data.
     """
 
-    def __init__(self, path: str | os.PathLike[str], mode: int = 0o600) -> None:
+    def __init__(self, path: str | os.PathLike[str], mode: int = 0o600, size_hint: int = 0) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         self.direct = False
-        direct = getattr(os, "O_DIRECT", 0)
+        # Small files go through the page cache: no 4 KiB header alignment for them.
+        direct = getattr(os, "O_DIRECT", 0) if size_hint >= DIRECT_MIN_BYTES else 0
         fd = -1
         if direct:
             try:

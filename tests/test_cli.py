@@ -81,6 +81,15 @@ def test_generate_twice_resumes_the_session(store: str, model_dir: Any) -> None:
         assert js("stats", "--store", store)["entries"] == s.stats().entries == 1
 
 
+def test_streamed_text_equals_json_text(tmp_path: Path, model_dir: Any) -> None:
+    m = str(model_dir("llama"))
+    args = ["generate", "--model", m, "--session", "t", "--prompt", "Hello", "--max-tokens", "9"]
+    streamed = run(*args, "--store", str(tmp_path / "a"))
+    as_json = json.loads(run(*args, "--store", str(tmp_path / "b"), "--json").stdout)
+    assert as_json["text"] and streamed.stdout == as_json["text"] + "\n"
+    assert "0 of 5 prompt tokens from the store" in streamed.stderr
+
+
 def test_prime_with_checkpoints_then_generate_reuses_prefix(store: str, model_dir: Any) -> None:
     m = str(model_dir("qwen3_next"))
     text = "The quick brown fox jumps over the lazy dog. " * 12

@@ -89,7 +89,7 @@ def generate_cmd(
             temp=temp,
             namespace=namespace,
             on_text=None if as_json else write,
-            progress=progress("prefill"),
+            bars=progress,
         )
     emit(as_json, r.to_dict(), lambda _: _render_generate(r, streamed=True))
 
@@ -139,7 +139,7 @@ def prime_cmd(
             text=text,
             checkpoint_every=checkpoint_every,
             namespace=namespace,
-            progress=progress("prefill"),
+            bars=progress,
         )
     emit(
         as_json,

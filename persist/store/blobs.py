@@ -39,7 +39,9 @@ FILE_MODE = 0o600
 
 
 class BlobStore(Protocol):
-    def put(self, key: str, write: Callable[[Sink], T]) -> tuple[str, int, T]: ...
+    def put(
+        self, key: str, write: Callable[[Sink], T], size_hint: int = 0
+    ) -> tuple[str, int, T]: ...
 
     def open(self, file: str) -> BinaryIO: ...
 
@@ -65,12 +67,12 @@ class FileBlobs:
             raise ValueError(f"not a blob file name: {file!r}")
         return self.blobs / file[:2] / f"{file}.safetensors"
 
-    def put(self, key: str, write: Callable[[Sink], T]) -> tuple[str, int, T]:
+    def put(self, key: str, write: Callable[[Sink], T], size_hint: int = 0) -> tuple[str, int, T]:
         """Write a new blob; ``write`` streams into the sink and finishes (fsyncs) it."""
         file = f"{key}.{secrets.token_hex(6)}"
         final = self.path(file)
         tmp = self.tmp / f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
-        sink = Sink(tmp, FILE_MODE)
+        sink = Sink(tmp, FILE_MODE, size_hint)
         try:
             result = write(sink)
             size = sink.size

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ..errors import CorruptBlobError
+from ..records import Progress
 from ..stfile import checksum, read_header
 from .blobs import FileBlobs, blob_manifest
 from .index import Index
@@ -24,7 +25,9 @@ __all__ = ["check_store", "TMP_GRACE_SECONDS"]
 TMP_GRACE_SECONDS = 3600.0  # a tmp file this old, or whose writer is gone, is debris
 
 
-def check_store(index: Index, blobs: FileBlobs, fix: bool) -> list[Problem]:
+def check_store(
+    index: Index, blobs: FileBlobs, fix: bool, progress: Progress | None = None
+) -> list[Problem]:
     problems: list[Problem] = []
     problems += _sqlite(index)
     if any(p.kind == "index-corrupt" for p in problems):
@@ -34,7 +37,7 @@ def check_store(index: Index, blobs: FileBlobs, fix: bool) -> list[Problem]:
     rows = index.blob_rows()
     on_disk = set(blobs.files())
     problems += _orphans(index, blobs, rows, on_disk, fix)
-    bad = _damaged(blobs, rows, on_disk)
+    bad = _damaged(blobs, rows, on_disk, progress)
     problems += _quarantine(index, blobs, bad, fix)
     problems += _refcounts(index, fix)
     if fix:
@@ -111,10 +114,15 @@ def _orphans(
 
 
 def _damaged(
-    blobs: FileBlobs, rows: dict[str, tuple[int, bytes, int, bool]], on_disk: set[str]
+    blobs: FileBlobs,
+    rows: dict[str, tuple[int, bytes, int, bool]],
+    on_disk: set[str],
+    progress: Progress | None = None,
 ) -> dict[str, str]:
     bad = {}
-    for f, (size, head, _refs, dead) in sorted(rows.items()):
+    for k, (f, (size, head, _refs, dead)) in enumerate(sorted(rows.items())):
+        if progress is not None:
+            progress(k + 1, len(rows))
         if dead:
             continue
         if f not in on_disk:
