@@ -60,8 +60,10 @@ def speed(shape: str, tokens: int, tmp: Path, reps: int) -> dict[str, Any]:
         "mlx-lm save": (None, lambda: save_prompt_cache(str(m), cache)),
         "store restore (warm)": (lambda: [warm(p) for p in store_files()], store_restore),
         "load_file (warm)": (lambda: warm(f), lambda: persist.load_file(f)),
-        "mlx-lm load (warm)": (lambda: warm(m), lambda: mx.eval(
-            [c.state for c in load_prompt_cache(str(m))])),
+        "mlx-lm load (warm)": (
+            lambda: warm(m),
+            lambda: mx.eval([c.state for c in load_prompt_cache(str(m))]),
+        ),
         "store restore (cold)": (lambda: [evict(p) for p in store_files()], store_restore),
         "load_file (cold)": (lambda: evict(f), lambda: persist.load_file(f)),
         **{f"raw {k}": v for k, v in raw_ops(f.stat().st_size, tmp).items()},
