@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import persist
-from tests.helpers import ROOT
+from bench.servers import Server
 
 SYSTEM = (
     "You are the assistant of a hardware manual. " * 6
@@ -31,50 +25,6 @@ TURN2 = [
     {"role": "assistant", "content": "It says to configure it."},
     {"role": "user", "content": "And section 1?"},
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.port = free_port()
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.log = log.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", *args, "--host", "127.0.0.1", "--port", str(self.port)],
-            cwd=ROOT,
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            assert self.proc.poll() is None, log.read_text()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.3)
-        raise AssertionError("server did not start")
-
-    def chat(self, messages: list[dict[str, str]]) -> dict[str, Any]:
-        body = json.dumps({"messages": messages, "temperature": 0, "max_tokens": 12}).encode()
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/chat/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return dict(json.loads(r.read()))
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        self.proc.send_signal(sig)
-        self.proc.wait(timeout=120)
-        self.log.close()
 
 
 def persist_serve(model: Path, store: Path, log: Path) -> Server:
