@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, write_results
+from bench.common import SMALL_LLAMA, machine, write_results
 from bench.servers import Server
 from persist.demo import make_model
 
@@ -42,20 +42,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    words = 300 if args.quick else 1400
+    words = 300 if args.quick else 820  # about 4k tokens with the byte-level tokenizer
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as d:
         tmp = Path(d)
         model = make_model(
             tmp / "model",
             "llama",
-            overrides={
-                "hidden_size": 512,
-                "num_hidden_layers": 8,
-                "intermediate_size": 1408,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 4,
-                "head_dim": 64,
-            },
+            overrides=SMALL_LLAMA,
         )
         first, second = conversation(words)
         plain = Server(["mlx_lm.server", "--model", str(model)], tmp / "plain.log")

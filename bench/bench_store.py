@@ -25,7 +25,17 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 import persist
-from bench.common import SHAPES, evict, interleaved, kv_cache, machine, raw_ops, warm, write_results
+from bench.common import (
+    SHAPES,
+    SMALL_LLAMA,
+    evict,
+    interleaved,
+    kv_cache,
+    machine,
+    raw_ops,
+    warm,
+    write_results,
+)
 from persist.blocks import chain_root, chains, head_key
 from persist.saving import pack_tokens
 from persist.store.index import BlockRef, Index
@@ -200,14 +210,7 @@ def ttft(tokens: int, tmp: Path) -> dict[str, Any]:
     d = make_model(
         tmp / "model",
         "llama",
-        overrides={
-            "hidden_size": 512,
-            "num_hidden_layers": 8,
-            "intermediate_size": 1408,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-            "head_dim": 64,
-        },
+        overrides=SMALL_LLAMA,
     )
     model, tok = load(str(d))
     identity = persist.ModelIdentity.of(model, tok)

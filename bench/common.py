@@ -17,6 +17,16 @@ import numpy as np
 
 RESULTS = Path(__file__).parent / "results"
 
+# A 24M-parameter llama-shaped model (random weights) for time-to-first-token runs.
+SMALL_LLAMA = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "intermediate_size": 1408,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+}
+
 SHAPES = {
     # layers, kv heads, head dim (bf16)
     "llama3-8b": (32, 8, 128),

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from persist.codecs import encode_cache
@@ -127,3 +128,22 @@ def check_against_child(
         assert raw(x) == raw(arrays[f"logits.{i}"]), f"logits differ at step {i}"
     if state:
         assert_same_state(live_state(cache), decode_state(meta["after"]))
+
+
+def kv_quantized(
+    model: Any, prompt: list[int], start: int, bits: int = 4, group: int = 32
+) -> list[Any]:
+    """A cache that mlx-lm's generate_step converts to QuantizedKVCache at ``start``."""
+    cache = make_prompt_cache(model)
+    for _ in generate_step(
+        mx.array(prompt),
+        model,
+        max_tokens=0,
+        prompt_cache=cache,
+        kv_bits=bits,
+        kv_group_size=group,
+        quantized_kv_start=start,
+        prefill_step_size=64,
+    ):
+        pass
+    return cache

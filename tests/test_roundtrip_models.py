@@ -12,11 +12,9 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
 
 import persist
-from tests.helpers import NEXT, check_against_child, prefill, run_child, tokens_for
+from tests.helpers import NEXT, check_against_child, kv_quantized, prefill, run_child, tokens_for
 
 LENGTHS = [1, 255, 256, 257, 600]
 
@@ -80,19 +78,7 @@ def test_kv_bits_converted_mid_prompt(bits: int, group: int, tiny: Any, tmp_path
     """mlx-lm's generate_step converts KVCache to QuantizedKVCache mid-prompt."""
 
     def quantized(model: Any, prompt: list[int]) -> list[Any]:
-        cache = make_prompt_cache(model)
-        for _ in generate_step(
-            mx.array(prompt),
-            model,
-            max_tokens=0,
-            prompt_cache=cache,
-            kv_bits=bits,
-            kv_group_size=group,
-            quantized_kv_start=len(prompt) // 2,
-            prefill_step_size=64,
-        ):
-            pass
-        return cache
+        return kv_quantized(model, prompt, len(prompt) // 2, bits, group)
 
     model, _, _ = tiny("llama_hd64")
     cache = quantized(model, tokens_for(300))

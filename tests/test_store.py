@@ -7,13 +7,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
 
 import persist
-from tests.helpers import NEXT, check_against_child, prefill, raw, run_child, tokens_for
+from tests.helpers import (
+    NEXT,
+    check_against_child,
+    kv_quantized,
+    prefill,
+    raw,
+    run_child,
+    tokens_for,
+)
 from tests.store_helpers import assert_private, clean, disk_bytes
 
 
@@ -27,22 +32,6 @@ def store(tmp_path: Path) -> Iterator[persist.Store]:
 def ident(tiny: Any, variant: str, **cfg: Any) -> tuple[Any, persist.ModelIdentity]:
     model, tok, _ = tiny(variant)
     return model, persist.ModelIdentity.of(model, tok, **cfg)
-
-
-def kv_quantized(model: Any, prompt: list[int], start: int) -> list[Any]:
-    cache = make_prompt_cache(model)
-    for _ in generate_step(
-        mx.array(prompt),
-        model,
-        max_tokens=0,
-        prompt_cache=cache,
-        kv_bits=4,
-        kv_group_size=32,
-        quantized_kv_start=start,
-        prefill_step_size=64,
-    ):
-        pass
-    return cache
 
 
 CASES = [

@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..records import FLOAT_DTYPES, INT_DTYPES, Record, RecordSpec, ResumeFacts
-from .base import blank, expect_tensor, expect_tensor_names, invalid, meta_int
+from .base import LeafCodec, blank, expect_tensor, expect_tensor_names, invalid, meta_int
 
 __all__ = ["ArraysCodec"]
 
@@ -21,13 +21,8 @@ MAX_SLOTS = 64
 VECTORS = ("left_padding", "lengths")
 
 
-class ArraysCodec:
-    version = 1
-    wrapper = False
+class ArraysCodec(LeafCodec):
     capabilities = frozenset({"recurrent"})
-
-    def children(self, cache: Any) -> list[Any]:
-        return []
 
     def encode(self, cache: Any, kind: str) -> Record:
         slots = list(cache.cache)

@@ -26,6 +26,8 @@ __all__ = [
     "with_capacity",
     "round_up",
     "blank",
+    "LeafCodec",
+    "step_capacity",
     "live",
     "MAX_DIM",
 ]
@@ -102,6 +104,22 @@ def expect_tensor(
 
 
 INT_VECTOR = INT_DTYPES
+
+
+class LeafCodec:
+    """What every codec of a cache that holds no inner caches shares."""
+
+    version = 1
+    wrapper = False
+    capabilities: frozenset[str] = frozenset()
+
+    def children(self, cache: Any) -> list[Any]:
+        return []
+
+
+def step_capacity(spec: RecordSpec, cls: type[Any], n: int) -> dict[str, int]:
+    """Every tensor of ``spec`` gets ``n`` rounded up to the class's step (256)."""
+    return dict.fromkeys(spec.tensors, round_up(n, getattr(cls, "step", 256))) if n else {}
 
 
 def blank(cls: type[Any]) -> Any:

@@ -16,6 +16,7 @@ import mlx.core as mx
 from ..errors import NotResumableError
 from ..records import INT_DTYPES, Record, RecordSpec, ResumeFacts
 from .base import (
+    LeafCodec,
     blank,
     expect_tensor,
     expect_tensor_names,
@@ -56,13 +57,8 @@ def single_row_offset(cache: Any) -> int | None:
     return int(cache.offset[0].item()) if cache.offset.shape[0] == 1 else None
 
 
-class BatchKVCodec:
-    version = 1
-    wrapper = False
+class BatchKVCodec(LeafCodec):
     capabilities = frozenset({"attention", "batched"})
-
-    def children(self, cache: Any) -> list[Any]:
-        return []
 
     def encode(self, cache: Any, kind: str) -> Record:
         if getattr(cache, "_right_padding", None) is not None:
@@ -100,13 +96,8 @@ class BatchKVCodec:
         )
 
 
-class BatchRotatingKVCodec:
-    version = 1
-    wrapper = False
+class BatchRotatingKVCodec(LeafCodec):
     capabilities = frozenset({"attention", "rotating", "batched"})
-
-    def children(self, cache: Any) -> list[Any]:
-        return []
 
     def encode(self, cache: Any, kind: str) -> Record:
         if getattr(cache, "_lengths", None) is not None:

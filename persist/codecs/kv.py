@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from ..records import Record, RecordSpec, ResumeFacts
 from .base import (
+    LeafCodec,
     blank,
     expect_tensor,
     expect_tensor_names,
@@ -20,6 +21,7 @@ from .base import (
     live,
     meta_int,
     round_up,
+    step_capacity,
     with_capacity,
 )
 
@@ -56,15 +58,10 @@ def kv_pair(cache: Any, length: int, start: int = 0) -> dict[str, mx.array]:
     return {"keys": live(cache.keys, length), "values": live(cache.values, length)}
 
 
-class KVCodec:
+class KVCodec(LeafCodec):
     """mlx-lm ``KVCache``: a step-allocated buffer plus ``offset``."""
 
-    version = 1
-    wrapper = False
     capabilities = frozenset({"attention"})
-
-    def children(self, cache: Any) -> list[Any]:
-        return []
 
     def encode(self, cache: Any, kind: str) -> Record:
         n = int(cache.offset) if cache.keys is not None else 0
@@ -74,8 +71,7 @@ class KVCodec:
         check_kv_pair(spec, meta_int(spec, "offset"))
 
     def capacity(self, spec: RecordSpec, cls: type[Any]) -> dict[str, int]:
-        n = spec.meta["offset"]
-        return dict.fromkeys(spec.tensors, round_up(n, getattr(cls, "step", 256))) if n else {}
+        return step_capacity(spec, cls, spec.meta["offset"])
 
     def decode(self, record: Record, cls: type[Any]) -> Any:
         c = blank(cls)
@@ -111,15 +107,10 @@ class ConcatKVCodec(KVCodec):
         return c
 
 
-class ChunkedKVCodec:
+class ChunkedKVCodec(LeafCodec):
     """mlx-lm ``ChunkedKVCache``: holds positions [start_position, offset)."""
 
-    version = 1
-    wrapper = False
     capabilities = frozenset({"attention", "chunked"})
-
-    def children(self, cache: Any) -> list[Any]:
-        return []
 
     def encode(self, cache: Any, kind: str) -> Record:
         start = int(cache.start_position)
@@ -138,8 +129,7 @@ class ChunkedKVCodec:
         check_kv_pair(spec, offset - start)
 
     def capacity(self, spec: RecordSpec, cls: type[Any]) -> dict[str, int]:
-        n = spec.meta["offset"] - spec.meta["start_position"]
-        return dict.fromkeys(spec.tensors, round_up(n, getattr(cls, "step", 256)))
+        return step_capacity(spec, cls, spec.meta["offset"] - spec.meta["start_position"])
 
     def decode(self, record: Record, cls: type[Any]) -> Any:
         m = record.meta

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..records import FLOAT_DTYPES, Record, RecordSpec, ResumeFacts
 from .base import (
+    LeafCodec,
     blank,
     expect_tensor,
     expect_tensor_names,
@@ -21,6 +22,7 @@ from .base import (
     live,
     meta_int,
     round_up,
+    step_capacity,
     with_capacity,
 )
 
@@ -32,13 +34,8 @@ PARTS = ("q", "scales", "biases")
 NAMES = frozenset(f"{kv}.{p}" for kv in ("keys", "values") for p in PARTS)
 
 
-class QuantizedKVCodec:
-    version = 1
-    wrapper = False
+class QuantizedKVCodec(LeafCodec):
     capabilities = frozenset({"attention", "quantized"})
-
-    def children(self, cache: Any) -> list[Any]:
-        return []
 
     def encode(self, cache: Any, kind: str) -> Record:
         n = int(cache.offset) if cache.keys is not None else 0
@@ -86,8 +83,7 @@ class QuantizedKVCodec:
             lead = q.shape[:2]
 
     def capacity(self, spec: RecordSpec, cls: type[Any]) -> dict[str, int]:
-        n = spec.meta["offset"]
-        return dict.fromkeys(spec.tensors, round_up(n, getattr(cls, "step", 256))) if n else {}
+        return step_capacity(spec, cls, spec.meta["offset"])
 
     def decode(self, record: Record, cls: type[Any]) -> Any:
         m = record.meta

@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..records import Record, RecordSpec, ResumeFacts
-from .base import blank, invalid, meta_int, round_up, with_capacity
+from .base import LeafCodec, blank, invalid, meta_int, round_up, with_capacity
 from .kv import check_kv_pair, kv_bytes_per_token
 
 __all__ = ["RotatingKVCodec", "ring_layout"]
@@ -42,13 +42,8 @@ def ring_layout(cache: Any) -> tuple[mx.array | None, mx.array | None, int]:
     return keys[..., :n, :], values[..., :n, :], idx
 
 
-class RotatingKVCodec:
-    version = 1
-    wrapper = False
+class RotatingKVCodec(LeafCodec):
     capabilities = frozenset({"attention", "rotating"})
-
-    def children(self, cache: Any) -> list[Any]:
-        return []
 
     def encode(self, cache: Any, kind: str) -> Record:
         keys, values, idx = ring_layout(cache)
