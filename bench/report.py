@@ -1,0 +1,132 @@
+"""Print the README's benchmark section from bench/results/*.json.
+
+python -m bench.report > /tmp/section.md    # then paste it over "## Benchmarks"
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+GB = 1e9
+
+
+def load(name: str) -> dict[str, Any]:
+    return dict(json.loads((RESULTS / f"{name}.json").read_text()))
+
+
+def files_section(r: dict[str, Any]) -> list[str]:
+    out = [
+        "| cache | op | persist | mlx-lm | raw limit | persist / raw | mlx-lm / persist |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        gb, raw = row["bytes_ours"] / GB, row["raw"]
+        for op, ours, theirs, limit, lname in (
+            ("save", row["save_file"], row["mlx_lm_save"], raw["write+fsync"], "write+fsync"),
+            (
+                "load warm",
+                row["load_file_warm"],
+                row["mlx_lm_load_warm"],
+                raw["warm read into MLX (mx.load)"],
+                "mx.load warm",
+            ),
+            (
+                "load cold",
+                row["load_file_cold"],
+                row["mlx_lm_load_cold"],
+                raw["cold read"],
+                "cold read",
+            ),
+        ):
+            out.append(
+                f"| {row['shape']} {row['tokens']} tok | {op} | {ours:.3f} s "
+                f"({gb / ours:.2f} GB/s) | {theirs:.3f} s | {lname} {limit:.3f} s | "
+                f"{ours / limit:.2f}x | {theirs / ours:.2f}x |"
+            )
+    out += [
+        "",
+        "| cache | persist bytes | mlx-lm bytes | save: peak above cache "
+        "(largest tensor) | load: peak above start (restored cache) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        ms, ml = row["memory"]["save"], row["memory"]["load"]
+        out.append(
+            f"| {row['shape']} {row['tokens']} tok | {row['bytes_ours'] / 2**20:.1f} MiB | "
+            f"{row['bytes_mlx_lm'] / 2**20:.1f} MiB | {ms['peak_above_bytes'] / 2**20:.1f} "
+            f"MiB ({ms['largest_tensor'] / 2**20:.1f} MiB) | "
+            f"{ml['peak_above_bytes'] / 2**20:.1f} MiB ({ml['restored_bytes'] / 2**20:.1f} "
+            "MiB) |"
+        )
+    return out
+
+
+def store_section(r: dict[str, Any]) -> list[str]:
+    s = r["speed"][0]
+    gb = s["file_bytes"] / GB
+    out = [
+        f"The store with a Llama-3-8B-shaped cache (32 layers, 8 KV heads, head dim 128, "
+        f"bf16) of {s['tokens']:,} tokens, beside save_file/load_file, mlx-lm and the raw "
+        "limits, in one interleaved run:",
+        "",
+        "| operation | seconds | GB/s |",
+        "|---|---|---|",
+    ]
+    out += [f"| {k} | {v:.3f} | {gb / v:.2f} |" for k, v in s["seconds"].items()]
+    t, lk, tt = r["turn"], r["lookup"], r["ttft"]
+    out += [
+        "",
+        f"- Incremental save: turn n+1 ({t['new_tokens']} new tokens) of a {t['tokens']:,}-token "
+        f"conversation takes {t['incremental_s']:.3f} s and writes "
+        f"{t['incremental_bytes'] / 2**20:.0f} MiB; a full rewrite takes "
+        f"{t['full_rewrite_s']:.3f} s and {t['full_bytes'] / 2**20:.0f} MiB "
+        f"({t['incremental_s'] / t['full_rewrite_s']:.2f}x the time, "
+        f"{t['incremental_bytes'] / t['full_bytes']:.3f}x the bytes).",
+        f"- Lookup with {lk['snapshots']:,} snapshots in the index: median "
+        f"{lk['hit_median_ms']:.2f} ms for a prompt with a stored prefix (p95 "
+        f"{lk['hit_p95_ms']:.2f} ms), {lk['miss_median_ms']:.2f} ms for a miss.",
+        f"- Time to first token, {tt['params'] / 1e6:.0f}M-parameter llama-shaped model, "
+        f"{tt['tokens']:,}-token session: recomputing the prefill {tt['recompute_s']:.1f} s; "
+        f"restoring it from the store (cold page cache) and decoding {tt['restore_cold_s']:.3f} s: "
+        f"**{tt['speedup']:.0f}x**, the same first token.",
+    ]
+    return out
+
+
+def serve_section(r: dict[str, Any]) -> list[str]:
+    return [
+        f"- Server restart: the second request of a {r['prompt_tokens']:,}-token conversation "
+        f"after a restart takes {r['without_persist_s']:.1f} s on a plain mlx_lm.server and "
+        f"{r['with_persist_s']:.2f} s on `persist serve` ({r['cached_tokens']:,} prompt tokens "
+        f"from the store): **{r['speedup']:.0f}x**; same first token: {r['same_token']}."
+    ]
+
+
+def main() -> None:
+    files, store, serve = load("files"), load("store"), load("serve")
+    m = files["machine"]
+    lines = [
+        "## Benchmarks",
+        "",
+        f"Measured on this project's CI machine ({m['cpus']} CPUs, 24 GiB, a VM whose fresh "
+        "memory and page cache are slow), median of interleaved runs after a warm-up round; "
+        "reproduce with `python -m bench.bench_files`, `python -m bench.bench_store` and "
+        "`python -m bench.bench_serve` (results in `bench/results/`, this section from "
+        "`python -m bench.report`).",
+        "",
+        "`save_file`/`load_file` against mlx-lm and the machine's raw limits (persist fsyncs and "
+        "verifies every checksum; mlx-lm does neither):",
+        "",
+        *files_section(files),
+        "",
+        *store_section(store),
+        *serve_section(serve),
+    ]
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
