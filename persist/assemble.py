@@ -55,6 +55,7 @@ def open_blob(store: Store, file: str) -> _Blob:
 
 
 def load_snapshot(store: Store, row: SnapshotRow, progress: Progress | None = None) -> list[Any]:
+    refs = store.index.verified_blocks(row)  # a damaged row is refused before anything else
     body = msgpack.unpackb(row.manifest, raw=False)
     specs = spec_from_manifest(body)
     for spec in specs:
@@ -65,7 +66,7 @@ def load_snapshot(store: Store, row: SnapshotRow, progress: Progress | None = No
     try:
         tail = opened.setdefault(row.tail, open_blob(store, row.tail))
         blocks = []
-        for ref in store.index.blocks(row.id):
+        for ref in refs:
             if ref.blob is None:
                 continue
             if ref.blob not in opened:

@@ -89,10 +89,12 @@ class InvalidNameError(PersistError, ValueError):
 class StoreFullError(PersistError, OSError):
     """A snapshot that cannot fit in the store's byte budget."""
 
-    def __init__(self, needed: int, budget: int) -> None:
+    def __init__(self, needed: int, budget: int, detail: str = "") -> None:
         self.needed = needed
         self.budget = budget
-        super().__init__(f"snapshot needs {needed} bytes but the store budget is {budget} bytes")
+        super().__init__(
+            detail or f"snapshot needs {needed} bytes but the store budget is {budget} bytes"
+        )
 
     def __str__(self) -> str:  # OSError formats multi-arg messages oddly
         return str(self.args[0])

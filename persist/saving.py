@@ -9,6 +9,7 @@ after the commit that unreferenced them.
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import time
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from .sessions import Store
 
 __all__ = ["save_snapshot", "pack_tokens", "unpack_tokens"]
+
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
@@ -88,9 +91,15 @@ def save_snapshot(
                 pin,
                 meta,
             )
-        except BaseException:
+        except BaseException as e:
             for b in written:
                 store.blobs.delete(b.file)
+            if isinstance(e, OSError) and e.errno in DISK_FULL:
+                raise StoreFullError(
+                    estimate,
+                    store.max_bytes or 0,
+                    f"the disk is full ({e.strerror}); nothing was saved",
+                ) from e
             raise
         if sid is not None:
             store._collect()

@@ -39,6 +39,7 @@ def check_store(
     problems += _orphans(index, blobs, rows, on_disk, fix)
     bad = _damaged(blobs, rows, on_disk, progress)
     problems += _quarantine(index, blobs, bad, fix)
+    problems += _rows(index, fix)
     problems += _refcounts(index, fix)
     if fix:
         dead = index.collect()
@@ -181,6 +182,20 @@ def _quarantine_file(blobs: FileBlobs, p: Path) -> None:
     q.mkdir(mode=0o700, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.replace(p, q / f"{int(time.time())}-{p.name}")
+
+
+def _rows(index: Index, fix: bool) -> list[Problem]:
+    """Snapshot rows whose immutable fields no longer match their checksum."""
+    out = []
+    for row in index.snapshots(None, named_only=False):
+        try:
+            index.verified_blocks(row)
+        except CorruptBlobError as e:
+            if fix:
+                with index.write() as db:
+                    Index.remove(db, row.id)
+            out.append(Problem("damaged-row", f"snapshot {row.id}", e.detail, fix))
+    return out
 
 
 def _refcounts(index: Index, fix: bool) -> list[Problem]:

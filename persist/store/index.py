@@ -8,11 +8,17 @@ committed (``Index.collect`` hands back the dead files).
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgpack
+import xxhash
+
+from ..errors import CorruptBlobError
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -22,8 +28,47 @@ __all__ = ["Index", "SnapshotRow", "NewBlob", "BlockRef"]
 SNAPSHOT_COLS = (
     "id, namespace, name, owner, role, identity, identity_map, root, last_chain, n_blocks, "
     "n_tokens, tokens, trimmable, min_resume, manifest, tail, bytes, pinned, created, used, "
-    "metadata"
+    "metadata, row_xxh3"
 )
+
+IMMUTABLE = (
+    "namespace",
+    "identity",
+    "root",
+    "last_chain",
+    "n_blocks",
+    "n_tokens",
+    "tokens",
+    "trimmable",
+    "min_resume",
+    "manifest",
+    "tail",
+)
+
+
+def row_digest(row: Any, blocks: Sequence[BlockRef]) -> bytes:
+    """Checksum of what a snapshot row must never change (tokens, layout, blobs).
+
+    The index is data like any other: a flipped bit in a row's tokens would
+    otherwise restore a cache for tokens it does not cover.
+    """
+    get = row.get if isinstance(row, dict) else lambda k: getattr(row, k)
+    fields: list[Any] = [get(k) for k in IMMUTABLE]
+    fields[7] = int(bool(fields[7]))
+    fields.append([[b.idx, b.chain, b.blob] for b in blocks])
+    return xxhash.xxh3_128_digest(msgpack.packb(fields, use_bin_type=True))
+
+
+@contextlib.contextmanager
+def corruption_is_typed() -> Iterator[None]:
+    """A damaged index file surfaces as CorruptBlobError, not as a raw sqlite3 error."""
+    try:
+        yield
+    except (sqlite3.OperationalError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
+        raise  # locks, timeouts and bugs are not damage
+    except sqlite3.DatabaseError as e:
+        raise CorruptBlobError("index.sqlite", f"the index is damaged: {e}") from None
+
 
 # Forced plan: walk blocks by chain hash first (SQLite has no statistics to know).
 BLOCKS_THEN_SNAPSHOTS = "snapshot_blocks b INDEXED BY snapshot_blocks_chain CROSS JOIN snapshots s"
@@ -52,6 +97,7 @@ class SnapshotRow:
     created: float
     used: float
     metadata: bytes
+    row_xxh3: bytes
 
 
 @dataclass(frozen=True)
@@ -78,23 +124,25 @@ class Index:
 
     @contextlib.contextmanager
     def write(self) -> Iterator[sqlite_utils.Database]:
-        with self.lock:
+        with self.lock, corruption_is_typed():
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 yield self.db
             except BaseException:
-                self.db.execute("ROLLBACK")
+                with contextlib.suppress(sqlite3.Error):
+                    self.db.execute("ROLLBACK")
                 raise
             self.db.execute("COMMIT")
 
     @contextlib.contextmanager
     def read(self) -> Iterator[sqlite_utils.Database]:
-        with self.lock:
+        with self.lock, corruption_is_typed():
             self.db.execute("BEGIN")
             try:
                 yield self.db
             finally:
-                self.db.execute("COMMIT")
+                with contextlib.suppress(sqlite3.Error):
+                    self.db.execute("COMMIT")
 
     # -- namespaces -------------------------------------------------------
 
@@ -148,6 +196,13 @@ class Index:
                 [namespace, name],
             ).fetchone()
         return _row(row) if row else None
+
+    def verified_blocks(self, row: SnapshotRow) -> list[BlockRef]:
+        """The row's blocks, after checking the row against its checksum."""
+        blocks = self.blocks(row.id)
+        if row_digest(row, blocks) != row.row_xxh3:
+            raise CorruptBlobError(f"snapshot {row.id}", "index row does not match its checksum")
+        return blocks
 
     def blocks(self, snapshot_id: int) -> list[BlockRef]:
         with self.read() as db:
@@ -266,6 +321,7 @@ class Index:
 
     @staticmethod
     def insert(db: sqlite_utils.Database, row: dict[str, Any], blocks: Sequence[BlockRef]) -> int:
+        row = {**row, "row_xxh3": row_digest(row, blocks)}
         cur = db.execute(
             f"INSERT INTO snapshots({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
             list(row.values()),
@@ -363,4 +419,5 @@ def _row(r: Sequence[Any]) -> SnapshotRow:
         created=r[18],
         used=r[19],
         metadata=bytes(r[20]),
+        row_xxh3=bytes(r[21]),
     )

@@ -62,7 +62,8 @@ MIGRATIONS: dict[int, list[str]] = {
             pinned INTEGER NOT NULL DEFAULT 0,
             created REAL NOT NULL,
             used REAL NOT NULL,
-            metadata BLOB NOT NULL
+            metadata BLOB NOT NULL,
+            row_xxh3 BLOB NOT NULL
         )""",
         """CREATE UNIQUE INDEX snapshots_name ON snapshots(namespace, name)
            WHERE name IS NOT NULL""",

@@ -1,12 +1,15 @@
 """A process that saves, supersedes and deletes sessions until it is killed.
 
-argv: model_dir store_dir seed.  Token lists come from ``tokens_for``, so the
-parent can recompute every cache from the tokens a session records.
+argv: model_dir store_dir seed journal.  Before each operation it journals
+``begin``, after it ``done``; token lists are ``tokens_for(n, seed)``
+(optionally extending the session's previous list), so the parent can
+recompute every cache and knows which versions were committed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import sys
@@ -39,23 +42,39 @@ def widen_windows(rng: random.Random) -> None:
 
 
 def main() -> None:
-    model_dir, root, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    model_dir, root, seed, journal = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     model, tok = load(model_dir)
     identity = persist.ModelIdentity.of(model, tok)
     rng = random.Random(seed)
     widen_windows(random.Random(seed + 1))
-    print("ready", flush=True)
+    fd = os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def note(**entry: Any) -> None:
+        os.write(fd, (json.dumps(entry) + "\n").encode())  # in the kernel once written
+
     with persist.Store(root) as store:
-        for i in range(10_000):
+        current = {
+            s.session: store.restore(s.session or "", identity=identity).tokens
+            for s in store.sessions()
+        }
+        print("ready", flush=True)
+        for _ in range(10_000):
             name = f"s{rng.randrange(4)}"
             if rng.random() < 0.15:
+                note(op="delete", name=name, phase="begin")
                 with contextlib.suppress(persist.SessionNotFoundError):
                     store.delete(name)
+                current.pop(name, None)
+                note(op="delete", name=name, phase="done")
                 continue
-            toks = tokens_for(rng.randrange(1, 700), seed=rng.randrange(1 << 20))
+            base = current.get(name, []) if rng.random() < 0.5 else []
+            seed_i, n = rng.randrange(1 << 20), rng.randrange(1, 400)
+            toks = base + tokens_for(n, seed=seed_i)
+            note(op="save", name=name, phase="begin", tokens=toks)
             cache, _ = prefill(model, toks, step=256)
             store.save(cache, toks, identity=identity, session=name)
-            print("saved", i, name, len(toks), flush=True)
+            current[name] = toks
+            note(op="save", name=name, phase="done")
 
 
 if __name__ == "__main__":
