@@ -107,8 +107,11 @@ def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_uti
     except sqlite3.DatabaseError as e:
         raise CorruptBlobError(str(path), f"the index is not a usable SQLite file: {e}") from None
     db = sqlite_utils.Database(conn)
-    _migrate(db, path)
-    _check_block_tokens(db, block_tokens, path, adopt)
+    from .index import corruption_is_typed
+
+    with corruption_is_typed():
+        _migrate(db, path)
+        _check_block_tokens(db, block_tokens, path, adopt)
     return db
 
 
