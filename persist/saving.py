@@ -9,8 +9,10 @@ after the commit that unreferenced them.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import secrets
 import struct
 import time
 from collections.abc import Mapping, Sequence
@@ -72,8 +74,10 @@ def save_snapshot(
     chs = chains(chain_root(secret, identity.digest), toks, store.block_tokens)
     for _attempt in range(3):
         written: list[NewBlob] = []
+        salt = secrets.token_hex(6)
+        store.index.begin_pending(salt)
         try:
-            refs, tail = _write_blobs(store, p, chs, secret, len(toks), written, progress)
+            refs, tail = _write_blobs(store, p, chs, secret, len(toks), written, progress, salt)
             sid = _commit(
                 store,
                 p,
@@ -90,10 +94,13 @@ def save_snapshot(
                 role,
                 pin,
                 meta,
+                salt,
             )
         except BaseException as e:
             for b in written:
                 store.blobs.delete(b.file)
+            with contextlib.suppress(Exception):
+                store.index.end_pending(salt)
             if isinstance(e, OSError) and e.errno in DISK_FULL:
                 raise StoreFullError(
                     estimate,
@@ -107,6 +114,7 @@ def save_snapshot(
             return sid
         for b in written:  # a reused blob died under us: write everything again
             store.blobs.delete(b.file)
+        store.index.end_pending(salt)
     raise RuntimeError("the store kept collecting blobs this save meant to reuse")
 
 
@@ -118,23 +126,29 @@ def _write_blobs(
     n: int,
     written: list[NewBlob],
     progress: Progress | None,
+    salt: str,
 ) -> tuple[list[BlockRef], str]:
     refs = []
     blocks = n // store.block_tokens
     for i in range(blocks):
         pieces = p.block_pieces(i) if p.split else []
-        blob = _put(store, secret, b"block", pieces, written) if pieces else None
+        blob = _put(store, secret, b"block", pieces, written, salt) if pieces else None
         refs.append(BlockRef(i, chs[i + 1], blob))
         if progress is not None:
             progress(i + 1, blocks + 1)
-    tail = _put(store, secret, b"tail", p.tail_pieces(n), written)
+    tail = _put(store, secret, b"tail", p.tail_pieces(n), written, salt)
     if progress is not None:
         progress(blocks + 1, blocks + 1)
     return refs, tail
 
 
 def _put(
-    store: Store, secret: bytes, role: bytes, pieces: list[Piece], written: list[NewBlob]
+    store: Store,
+    secret: bytes,
+    role: bytes,
+    pieces: list[Piece],
+    written: list[NewBlob],
+    salt: str,
 ) -> str:
     mats = materialize(pieces)
     key = content_key(secret, role, mats)
@@ -148,7 +162,8 @@ def _put(
         write_tensors(sink, items, lambda sums: blob_metadata(meta_role, sums))
         return bytes(sink.head_digest)
 
-    file, size, head = store.blobs.put(key, write, sum(pc.spec.nbytes for pc, _, _ in mats))
+    size_hint = sum(pc.spec.nbytes for pc, _, _ in mats)
+    file, size, head = store.blobs.put(key, write, size_hint, salt)
     written.append(NewBlob(file, key, size, head))
     return file
 
@@ -169,6 +184,7 @@ def _commit(
     role: str,
     pin: bool,
     meta: dict[str, str],
+    salt: str,
 ) -> int | None:
     new_files = {b.file for b in written}
     used = [f for f in [tail, *(r.blob for r in refs if r.blob)] if f not in new_files]
@@ -176,6 +192,7 @@ def _commit(
         if not Index.blobs_alive(db, used):
             return None
         Index.add_blobs(db, namespace, written)
+        db.execute("DELETE FROM pending WHERE salt = ?", [salt])
         now = time.time()
         n_blocks = len(refs)
         files = sorted({tail, *(r.blob for r in refs if r.blob)})

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import persist
 
+# What a killed writer may leave behind, and nothing else.
+CRASH_DEBRIS = frozenset({"orphan-tmp", "orphan-blob", "stale-pending"})
+
 
 def assert_private(root: Path) -> None:
     """Every directory 0700 and every file 0600 under ``root``."""

@@ -40,7 +40,7 @@ FILE_MODE = 0o600
 
 class BlobStore(Protocol):
     def put(
-        self, key: str, write: Callable[[Sink], T], size_hint: int = 0
+        self, key: str, write: Callable[[Sink], T], size_hint: int = 0, salt: str | None = None
     ) -> tuple[str, int, T]: ...
 
     def open(self, file: str) -> BinaryIO: ...
@@ -67,9 +67,15 @@ class FileBlobs:
             raise ValueError(f"not a blob file name: {file!r}")
         return self.blobs / file[:2] / f"{file}.safetensors"
 
-    def put(self, key: str, write: Callable[[Sink], T], size_hint: int = 0) -> tuple[str, int, T]:
-        """Write a new blob; ``write`` streams into the sink and finishes (fsyncs) it."""
-        file = f"{key}.{secrets.token_hex(6)}"
+    def put(
+        self, key: str, write: Callable[[Sink], T], size_hint: int = 0, salt: str | None = None
+    ) -> tuple[str, int, T]:
+        """Write a new blob; ``write`` streams into the sink and finishes (fsyncs) it.
+
+        ``salt`` (12 hex digits) ends the file name: a save registers it as
+        pending, so ``check`` does not take its uncommitted files for orphans.
+        """
+        file = f"{key}.{salt or secrets.token_hex(6)}"
         final = self.path(file)
         tmp = self.tmp / f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
         sink = Sink(tmp, FILE_MODE, size_hint)

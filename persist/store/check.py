@@ -102,13 +102,26 @@ def _orphans(
     fix: bool,
 ) -> list[Problem]:
     out = []
+    pending = index.pending()
+    in_flight = {
+        s
+        for s, (pid, made) in pending.items()
+        if _alive(pid) and time.time() - made < TMP_GRACE_SECONDS
+    }
     for f in sorted(on_disk):
         row = rows.get(f)
+        if row is None and f.split(".")[1] in in_flight:
+            continue  # a save in another process has not committed yet
         if row is None or row[3]:
             if fix:
                 blobs.delete(f)
             what = "no index entry" if row is None else "unreferenced, awaiting deletion"
             out.append(Problem("orphan-blob", f, what, fix))
+    stale = [s for s in pending if s not in in_flight]
+    for s in stale:
+        if fix:
+            index.end_pending(s)
+        out.append(Problem("stale-pending", s, "a save that never committed", fix))
     if fix:
         index.forget([f for f, r in rows.items() if r[3]])
     return out
@@ -199,8 +212,9 @@ def _rows(index: Index, fix: bool) -> list[Problem]:
 
 
 def _refcounts(index: Index, fix: bool) -> list[Problem]:
-    out = []
-    with index.read() as db:
+    # Read and repair in one write transaction: counts read earlier could be
+    # stale by the time they were written back, with other processes saving.
+    with index.write() if fix else index.read() as db:
         actual: dict[str, int] = {}
         for (f,) in db.execute("SELECT tail FROM snapshots"):
             actual[f] = actual.get(f, 0) + 1
@@ -212,23 +226,24 @@ def _refcounts(index: Index, fix: bool) -> list[Problem]:
             "UNION SELECT snapshot FROM snapshot_blocks WHERE blob IS NOT NULL "
             "AND blob NOT IN (SELECT file FROM blobs WHERE dead = 0)"
         ).fetchall()
-    for (sid,) in dangling:
-        out.append(
-            Problem("dangling-snapshot", f"snapshot {sid}", "references a missing blob", fix)
-        )
-    wrong = [
-        (f, refs, actual.get(f, 0))
-        for f, refs, dead in rows
-        if not dead and refs != actual.get(f, 0)
-    ]
-    for f, refs, want in wrong:
-        out.append(Problem("bad-refcount", f, f"refs {refs}, referenced {want} times", fix))
-    if fix and (wrong or dangling):
-        with index.write() as db:
+        wrong = [
+            (f, refs, actual.get(f, 0))
+            for f, refs, dead in rows
+            if not dead and refs != actual.get(f, 0)
+        ]
+        if fix:
             for (sid,) in dangling:
                 Index.remove(db, sid)
             for f, _, want in wrong:
                 db.execute(
                     "UPDATE blobs SET refs = ?, dead = ? WHERE file = ?", [want, int(want == 0), f]
                 )
+    out = [
+        Problem("dangling-snapshot", f"snapshot {sid}", "references a missing blob", fix)
+        for (sid,) in dangling
+    ]
+    out += [
+        Problem("bad-refcount", f, f"refs {refs}, referenced {want} times", fix)
+        for f, refs, want in wrong
+    ]
     return out

@@ -8,6 +8,7 @@ committed (``Index.collect`` hands back the dead files).
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import threading
 import time
@@ -157,6 +158,25 @@ class Index:
             )
             row = db.execute("SELECT secret FROM namespaces WHERE name = ?", [namespace]).fetchone()
         return bytes(row[0])
+
+    # -- saves in flight ------------------------------------------------------
+
+    def begin_pending(self, salt: str) -> None:
+        with self.write() as db:
+            db.execute(
+                "INSERT INTO pending(salt, pid, created) VALUES (?, ?, ?)",
+                [salt, os.getpid(), time.time()],
+            )
+
+    def end_pending(self, salt: str) -> None:
+        with self.write() as db:
+            db.execute("DELETE FROM pending WHERE salt = ?", [salt])
+
+    def pending(self) -> dict[str, tuple[int, float]]:
+        with self.read() as db:
+            return {
+                r[0]: (r[1], r[2]) for r in db.execute("SELECT salt, pid, created FROM pending")
+            }
 
     # -- blobs --------------------------------------------------------------
 

@@ -78,6 +78,12 @@ MIGRATIONS: dict[int, list[str]] = {
             PRIMARY KEY (snapshot, idx)
         )""",
         """CREATE INDEX snapshot_blocks_chain ON snapshot_blocks(chain, idx)""",
+        # Saves in flight: their blob files carry this salt until the commit.
+        """CREATE TABLE pending (
+            salt TEXT PRIMARY KEY,
+            pid INTEGER NOT NULL,
+            created REAL NOT NULL
+        )""",
         """CREATE TABLE counters (
             namespace TEXT NOT NULL,
             name TEXT NOT NULL,

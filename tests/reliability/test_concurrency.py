@@ -60,7 +60,16 @@ def test_processes_and_threads(tiny: Any, tmp_path: Path, tally: Any) -> None:
             except BaseException as e:
                 errors.append(e)
 
+        def checker() -> None:  # check(fix=True) beside live writers must break nothing
+            try:
+                for _ in range(5):
+                    problems = store.check(fix=True)
+                    tally.add("concurrency", concurrent_checks=1, found=len(problems))
+            except BaseException as e:
+                errors.append(e)
+
         threads = [threading.Thread(target=thread, args=(s,)) for s in (5, 6)]
+        threads.append(threading.Thread(target=checker))
         for t in threads:
             t.start()
         for t in threads:

@@ -78,7 +78,9 @@ def test_kill_while_saving(tiny: Any, tmp_path: Path, tally: Any) -> None:
         allowed = allowed_states(expected, journal)
         with persist.Store(root) as store:
             problems = store.check(fix=True)
-            assert {p.kind for p in problems} <= {"orphan-tmp", "orphan-blob"}, problems
+            assert {p.kind for p in problems} <= {"orphan-tmp", "orphan-blob", "stale-pending"}, (
+                problems
+            )
             assert store.check() == []
             actual = {
                 e.session: store.restore(e.session or "", identity=identity)
