@@ -68,9 +68,13 @@ def prefill(
     if checkpoint_every:
         wanted |= set(range(checkpoint_every, len(toks) + 1, checkpoint_every))
     for end in stops(len(toks), done, step, wanted, None):
-        model(mx.array([toks[done:end]]), cache=cache)
-        mx.eval([c.state for c in cache])
-        done = end
+        while done < end:
+            # A cache whose precision changes ahead (DelayedQuantizedKVCache) gets a
+            # forward that stops exactly at its boundary.
+            upto = min(end, done + _room(cache, end - done))
+            model(mx.array([toks[done:upto]]), cache=cache)
+            mx.eval([c.state for c in cache])
+            done = upto
         if progress is not None:
             progress(done, len(toks))
         if end in wanted and store is not None and identity is not None:
@@ -78,6 +82,15 @@ def prefill(
                 cache, toks[:end], identity, namespace, None, session, "checkpoint", False, None
             )
     return cache
+
+
+def _room(cache: list[Any], want: int) -> int:
+    rooms = [
+        r
+        for c in cache
+        if hasattr(c, "max_append_tokens") and (r := c.max_append_tokens()) is not None and r > 0
+    ]
+    return min([want, *rooms])
 
 
 def _offset(cache: list[Any]) -> int:

@@ -110,7 +110,13 @@ def decode_state(meta: str) -> dict[str, Any]:
 
 
 def check_against_child(
-    model: Any, cache: list[Any], out: Path, prompt: list[int], *, state: bool = True
+    model: Any,
+    cache: list[Any],
+    out: Path,
+    prompt: list[int],
+    *,
+    state: bool = True,
+    next_tokens: list[int] | None = None,
 ) -> None:
     """Continue ``cache`` here and compare with what the child computed.
 
@@ -121,9 +127,10 @@ def check_against_child(
     assert json.loads(meta["tokens"]) == prompt
     if state:
         assert_same_state(live_state(cache), decode_state(meta["before"]))
-    logits, greedy = continue_run(model, cache, NEXT)
+    nxt = NEXT if next_tokens is None else next_tokens
+    logits, greedy = continue_run(model, cache, nxt)
     assert greedy == json.loads(meta["greedy"])
-    assert len(logits) == len(NEXT) + 8
+    assert len(logits) == len(nxt) + 8
     for i, x in enumerate(logits):
         assert raw(x) == raw(arrays[f"logits.{i}"]), f"logits differ at step {i}"
     if state:

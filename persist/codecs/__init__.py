@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from mlx_lm.models import cache as _c
 
+from ..caches.delayed import DelayedQuantizedKVCache
 from ..kinds import Codec, register_kind
 from .arrays import ArraysCodec
 from .batch import BatchKVCodec, BatchRotatingKVCodec
 from .cachelist import CacheListCodec
+from .delayed import DelayedQuantizedCodec
 from .dispatch import check_spec, decode_record, encode_cache, facts_of
 from .kv import ChunkedKVCodec, ConcatKVCodec, KVCodec
 from .quantized import QuantizedKVCodec
@@ -25,6 +27,7 @@ BUILTIN_KINDS: dict[str, tuple[type, Codec]] = {
     "cache-list": (_c.CacheList, CacheListCodec()),
     "batch-kv": (_c.BatchKVCache, BatchKVCodec()),
     "batch-rotating-kv": (_c.BatchRotatingKVCache, BatchRotatingKVCodec()),
+    "delayed-quantized": (DelayedQuantizedKVCache, DelayedQuantizedCodec()),
 }
 
 for _name, (_cls, _codec) in BUILTIN_KINDS.items():

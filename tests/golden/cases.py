@@ -99,6 +99,18 @@ def _batch_rotating() -> Any:
     return c
 
 
+def _delayed(n: int) -> Callable[[], Any]:
+    def build() -> Any:
+        from persist.caches import DelayedQuantizedKVCache
+
+        c = DelayedQuantizedKVCache(start=32, bits=4, group_size=64)
+        for i, s in enumerate([n - 1, 1] if n <= 32 else [32, n - 32]):
+            c.update_and_fetch(*kvs(60 + i, s, d=64))
+        return c
+
+    return build
+
+
 CASES: dict[str, Callable[[], Any]] = {
     "kv-empty": lambda: _kv(0),
     "kv-10": lambda: _kv(10),
@@ -113,6 +125,8 @@ CASES: dict[str, Callable[[], Any]] = {
     "cache-list": _cache_list,
     "batch-kv": _batch_kv,
     "batch-rotating-kv": _batch_rotating,
+    "delayed-quantized-before": _delayed(20),
+    "delayed-quantized-after": _delayed(40),
 }
 
 IDENTITY = ModelIdentity(
@@ -149,12 +163,16 @@ def probe(cache: Any) -> str:
         elif isinstance(c, mc.ArraysCache):
             put(c.cache)
             put([c.left_padding, c.lengths])
+        elif hasattr(c, "inner"):  # a wrapper of persist's own: its settings, then its cache
+            put([c.start, c.quant_bits, c.quant_group_size, c.converted_at])
+            visit(c.inner)
         elif isinstance(c, mc.QuantizedKVCache):
             put([c.offset, c.bits, c.group_size, c.keys_and_values()])
         else:
             rows = c.offset.shape[0] if isinstance(c.offset, mx.array) else 1
-            put(c.update_and_fetch(*kvs(90, 1, b=rows)))
-            put(c.update_and_fetch(*kvs(92, 3, b=rows)))
+            d = D if c.keys is None else c.keys.shape[-1]
+            put(c.update_and_fetch(*kvs(90, 1, b=rows, d=d)))
+            put(c.update_and_fetch(*kvs(92, 3, b=rows, d=d)))
 
     visit(cache)
     return h.hexdigest()
