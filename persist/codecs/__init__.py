@@ -5,12 +5,14 @@ from __future__ import annotations
 from mlx_lm.models import cache as _c
 
 from ..caches.delayed import DelayedQuantizedKVCache
+from ..caches.gated_delta import GatedDeltaCache
 from ..kinds import Codec, register_kind
 from .arrays import ArraysCodec
 from .batch import BatchKVCodec, BatchRotatingKVCodec
 from .cachelist import CacheListCodec
 from .delayed import DelayedQuantizedCodec
 from .dispatch import check_spec, decode_record, encode_cache, facts_of
+from .gated_delta import GatedDeltaCodec
 from .kv import ChunkedKVCodec, ConcatKVCodec, KVCodec
 from .quantized import QuantizedKVCodec
 from .rotating import RotatingKVCodec
@@ -28,6 +30,7 @@ BUILTIN_KINDS: dict[str, tuple[type, Codec]] = {
     "batch-kv": (_c.BatchKVCache, BatchKVCodec()),
     "batch-rotating-kv": (_c.BatchRotatingKVCache, BatchRotatingKVCodec()),
     "delayed-quantized": (DelayedQuantizedKVCache, DelayedQuantizedCodec()),
+    "gated-delta": (GatedDeltaCache, GatedDeltaCodec()),
 }
 
 for _name, (_cls, _codec) in BUILTIN_KINDS.items():

@@ -111,6 +111,16 @@ def _delayed(n: int) -> Callable[[], Any]:
     return build
 
 
+def _gated_delta() -> Any:
+    from persist.caches import GatedDeltaCache
+
+    c = GatedDeltaCache()
+    c[0] = arr(70, (1, 3, 24), mx.float32)
+    c[1] = arr(71, (1, 2, 8, 8), mx.float32)
+    c.advance(17)
+    return c
+
+
 CASES: dict[str, Callable[[], Any]] = {
     "kv-empty": lambda: _kv(0),
     "kv-10": lambda: _kv(10),
@@ -127,6 +137,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "batch-rotating-kv": _batch_rotating,
     "delayed-quantized-before": _delayed(20),
     "delayed-quantized-after": _delayed(40),
+    "gated-delta": _gated_delta,
 }
 
 IDENTITY = ModelIdentity(
@@ -163,6 +174,8 @@ def probe(cache: Any) -> str:
         elif isinstance(c, mc.ArraysCache):
             put(c.cache)
             put([c.left_padding, c.lengths])
+            if hasattr(c, "offsets"):  # GatedDeltaCache
+                put(c.offsets)
         elif hasattr(c, "inner"):  # a wrapper of persist's own: its settings, then its cache
             put([c.start, c.quant_bits, c.quant_group_size, c.converted_at])
             visit(c.inner)

@@ -1,0 +1,61 @@
+"""GatedDeltaCache: knows its offset, persists bit-exactly, refuses pending padding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import persist
+from persist.caches import GatedDeltaCache, make_cache
+from tests.helpers import check_against_child, prefill, raw, run_child, tokens_for
+
+
+def test_drop_in_for_qwen3_next(tiny: Any) -> None:
+    model, _, _ = tiny("qwen3_next")
+    cache = make_cache(model)
+    assert [persist.kind_of(c) for c in cache] == ["gated-delta"] * 3 + ["kv"]
+    toks = tokens_for(300, 1)
+    _, got = prefill(model, toks, cache=cache, step=128)
+    _, want = prefill(model, toks, cache=make_prompt_cache(model), step=128)
+    assert raw(got) == raw(want)  # same arithmetic as mlx-lm's ArraysCache
+    assert all(c.offset == 300 for c in cache[:3])
+    assert cache[0].bytes_per_token() == 0 and not cache[0].is_trimmable()
+
+
+def test_resumes_bit_exactly_in_a_fresh_process(tiny: Any, tmp_path: Path) -> None:
+    model, _, model_dir = tiny("qwen3_next")
+    toks = tokens_for(257, 2)
+    cache, _ = prefill(model, toks, cache=make_cache(model), step=100)
+    f, out = tmp_path / "g.safetensors", tmp_path / "g-out.safetensors"
+    persist.save_file(f, cache, toks)
+    run_child(model_dir, [{"file": str(f), "next": [5, 6, 7], "out": str(out)}], tmp_path)
+    check_against_child(model, cache, out, toks, next_tokens=[5, 6, 7])
+    restored = persist.load_file(f).cache
+    assert type(restored[0]) is GatedDeltaCache and restored[0].offset == 257
+
+
+def test_offsets_make_token_mismatches_detectable(tiny: Any, tmp_path: Path) -> None:
+    model, _, _ = tiny("qwen3_next")
+    toks = tokens_for(50, 3)
+    cache, _ = prefill(model, toks, cache=make_cache(model))
+    with pytest.raises(persist.NotResumableError, match="50 positions but 49 tokens"):
+        persist.save_file(tmp_path / "x.safetensors", cache, toks[:-1])
+
+
+def test_pending_padding_is_refused(tmp_path: Path) -> None:
+    c = GatedDeltaCache(left_padding=[2, 0])
+    c[0] = mx.zeros((2, 3, 8))
+    c[1] = mx.zeros((2, 2, 4, 4))
+    c.prepare(lengths=[5, 7])
+    c.advance(7)
+    assert c.offsets.tolist() == [3, 7]  # each row advances by its real positions
+    with pytest.raises(persist.NotResumableError, match="finalize"):
+        persist.save_file(tmp_path / "p.safetensors", [c])
+    c.finalize()
+    persist.save_file(tmp_path / "p.safetensors", [c])
+    (back,) = persist.load_file(tmp_path / "p.safetensors").cache
+    assert back.offsets.tolist() == [3, 7]
