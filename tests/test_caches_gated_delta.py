@@ -59,3 +59,65 @@ def test_pending_padding_is_refused(tmp_path: Path) -> None:
     persist.save_file(tmp_path / "p.safetensors", [c])
     (back,) = persist.load_file(tmp_path / "p.safetensors").cache
     assert back.offsets.tolist() == [3, 7]
+
+
+def _forward(model: Any, cache: list[Any], toks: list[int]) -> mx.array:
+    out = model(mx.array([toks]), cache=cache)[0, -1]
+    mx.eval(out, [c.state for c in cache])
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_rollback_replays_exactly(window: int, tiny: Any) -> None:
+    """Every keep from 0 to S equals, in state and next logits, a run on only those tokens."""
+    import copy
+
+    from tests.helpers import assert_same_state, live_state
+
+    model, _, _ = tiny("qwen3_next")
+    base = make_cache(model)
+    prefill(model, tokens_for(70, 4), cache=base, step=32)
+    draft = tokens_for(window, 5)
+    for keep in range(window + 1):
+        spec = copy.deepcopy(base)
+        for c in spec:
+            if isinstance(c, GatedDeltaCache):
+                c.spec_round_begin()
+        _forward(model, spec, draft)  # the verify forward
+        for c in spec:
+            if isinstance(c, GatedDeltaCache):
+                c.spec_round_rollback(keep)
+            else:
+                c.trim(window - keep)
+        ref = copy.deepcopy(base)
+        if keep:
+            _forward(model, ref, draft[:keep])
+        assert_same_state(live_state(ref), live_state(spec))
+        assert raw(_forward(model, ref, [9])) == raw(_forward(model, spec, [9]))
+
+
+def test_commit_keeps_the_window_and_misuse_is_refused(tiny: Any, tmp_path: Path) -> None:
+    import copy
+
+    from tests.helpers import assert_same_state, live_state
+
+    model, _, _ = tiny("qwen3_next")
+    base = make_cache(model)
+    prefill(model, tokens_for(40, 6), cache=base)
+    plain = copy.deepcopy(base)
+    gd = base[0]
+    with pytest.raises(RuntimeError, match="no speculative round"):
+        gd.spec_round_rollback(0)
+    gd.spec_round_begin()
+    with pytest.raises(RuntimeError, match="before the verify forward"):
+        gd.spec_round_rollback(0)
+    with pytest.raises(persist.NotResumableError, match="armed"):
+        persist.save_file(tmp_path / "x.safetensors", base, tokens_for(40, 6))
+    _forward(model, base, [1, 2, 3])
+    with pytest.raises(ValueError, match="keep must be"):
+        gd.spec_round_rollback(4)
+    assert gd.round_armed  # a refused rollback leaves the round to resolve properly
+    gd.spec_round_commit()
+    assert not gd.round_armed
+    _forward(model, plain, [1, 2, 3])
+    assert_same_state(live_state(plain), live_state(base))

@@ -8,8 +8,14 @@ state does not grow with the sequence (``bytes_per_token() == 0``) and can
 never be trimmed.  A cache whose padded prefill is not finalized cannot be
 persisted.
 
-This increment covers offsets, persistence and ``make_cache``; speculative
-rounds and replay are still to come (issue 7).
+Speculative rounds: ``spec_round_begin()`` before the verify forward keeps
+the pre-round state (free: MLX arrays are immutable) and arms the cache; the
+layer (switched by ``make_cache`` to a recording subclass) hands its inputs
+over during that forward.  ``spec_round_commit()`` keeps the full window;
+``spec_round_rollback(keep)`` restores the snapshot and replays exactly the
+first ``keep`` positions through the layer, so the state equals a run that
+only ever saw the accepted tokens.  A cache with an armed round cannot be
+persisted.
 """
 
 from __future__ import annotations
@@ -33,6 +39,48 @@ class GatedDeltaCache(ArraysCache):
         super().__init__(2, left_padding=left_padding)
         rows = len(left_padding) if left_padding else 1
         self.offsets = mx.zeros((rows,), dtype=mx.int32)
+        self._round: dict[str, Any] | None = None
+
+    # -- speculative rounds ---------------------------------------------------
+
+    @property
+    def round_armed(self) -> bool:
+        return getattr(self, "_round", None) is not None
+
+    def spec_round_begin(self) -> None:
+        if self.round_armed:
+            raise RuntimeError("a speculative round is already armed")
+        self._round = {"state": (list(self.cache), self.offsets), "layer": None}
+
+    def record(self, layer: Any, inputs: Any, mask: Any) -> None:
+        """Called by the layer during the verify forward of an armed round."""
+        if self._round is not None:
+            if self._round["layer"] is not None:
+                raise RuntimeError("at most one forward per armed speculative round")
+            self._round.update(layer=layer, inputs=inputs, mask=mask)
+
+    def spec_round_commit(self) -> None:
+        if self._round is None:
+            raise RuntimeError("no speculative round is armed")
+        self._round = None
+
+    def spec_round_rollback(self, keep: int) -> None:
+        """Restore the pre-round state and replay the first ``keep`` window positions."""
+        r = self._round
+        if r is None:
+            raise RuntimeError("no speculative round is armed")
+        if r["layer"] is None:
+            raise RuntimeError("rollback before the verify forward of the round")
+        window = r["inputs"].shape[1]
+        if not 0 <= keep <= window:
+            raise ValueError(f"keep must be in [0, {window}], got {keep}")
+        self._round = None
+        self.cache, self.offsets = list(r["state"][0]), r["state"][1]
+        if keep:
+            mask = None if r["mask"] is None else r["mask"][..., :keep]
+            replay = type(r["layer"]).__mro__[1].__call__  # the layer's own forward
+            replay(r["layer"], r["inputs"][:, :keep], mask=mask, cache=self)
+            mx.eval(self.cache)
 
     @property
     def offset(self) -> int:
@@ -70,10 +118,33 @@ class GatedDeltaCache(ArraysCache):
         return c
 
 
+_recording: dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+    """A subclass of a gated-DeltaNet layer that hands its inputs to an armed cache."""
+    if cls not in _recording:
+
+        def __call__(self: Any, inputs: Any, mask: Any = None, cache: Any = None) -> Any:
+            if isinstance(cache, GatedDeltaCache) and cache.round_armed:
+                cache.record(self, inputs, mask)
+            return cls.__call__(self, inputs, mask=mask, cache=cache)
+
+        _recording[cls] = type(f"Recording{cls.__name__}", (cls,), {"__call__": __call__})
+    return _recording[cls]
+
+
 def make_cache(model: Any, max_kv_size: int | None = None) -> list[Any]:
-    """mlx-lm's ``make_prompt_cache``, with a GatedDeltaCache for each gated-DeltaNet layer."""
+    """mlx-lm's ``make_prompt_cache``, with a GatedDeltaCache for each gated-DeltaNet layer.
+
+    The layers are switched (once) to a recording subclass, so speculative
+    rounds can replay accepted positions; their arithmetic is unchanged.
+    """
     caches = make_prompt_cache(model, max_kv_size)
     for i, layer in enumerate(getattr(model, "layers", [])):
         if getattr(layer, "is_linear", False) and type(caches[i]) is ArraysCache:
             caches[i] = GatedDeltaCache()
+            inner = getattr(layer, "linear_attn", None)
+            if inner is not None and type(inner) not in _recording.values():
+                inner.__class__ = _recording_class(type(inner))
     return caches

@@ -19,6 +19,10 @@ class GatedDeltaCodec(ArraysCodec):
     capabilities = frozenset({"recurrent"})
 
     def encode(self, cache: Any, kind: str) -> Record:
+        if cache.round_armed:
+            raise NotResumableError(
+                "gated-delta: a speculative round is armed (commit or roll it back first)"
+            )
         if cache.padding_pending():
             raise NotResumableError("gated-delta: padded prefill not finalized (call finalize())")
         rec = super().encode(cache, kind)
