@@ -21,6 +21,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama4": ("llama4", {}),
     # head_dim 64 so kv_bits group sizes 32 and 64 apply
     "llama_hd64": ("llama", {"head_dim": 64}),
+    # another hybrid model, as a speculative draft that disagrees with qwen3_next
+    "qwen3_next_b": ("qwen3_next", {"rope_theta": 20000.0, "linear_conv_kernel_dim": 3}),
 }
 
 

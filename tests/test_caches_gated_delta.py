@@ -121,3 +121,46 @@ def test_commit_keeps_the_window_and_misuse_is_refused(tiny: Any, tmp_path: Path
     assert not gd.round_armed
     _forward(model, plain, [1, 2, 3])
     assert_same_state(live_state(plain), live_state(base))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_prefill_equals_rows_alone(side: str, tiny: Any) -> None:
+    """Rows of different lengths, padded: each row's state and logits equal it alone."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    model, _, _ = tiny("qwen3_next")
+    rows = [tokens_for(n, n) for n in (5, 40, 77)]
+    width = max(len(r) for r in rows)
+    pad = [width - len(r) for r in rows]
+    if side == "left":
+        batch = [[0] * p + r for p, r in zip(pad, rows, strict=True)]
+        cache = [
+            GatedDeltaCache(left_padding=pad) if layer.is_linear else BatchKVCache(left_padding=pad)
+            for layer in model.layers
+        ]
+    else:
+        batch = [r + [0] * p for p, r in zip(pad, rows, strict=True)]
+        cache = [
+            GatedDeltaCache() if layer.is_linear else BatchKVCache([0] * 3)
+            for layer in model.layers
+        ]
+        for c in cache:
+            if isinstance(c, GatedDeltaCache):
+                c.offsets = mx.zeros((3,), dtype=mx.int32)
+                c.prepare(lengths=[len(r) for r in rows])
+            else:
+                c.prepare(lengths=[len(r) for r in rows], right_padding=pad)
+    logits = model(mx.array(batch), cache=cache)
+    mx.eval(logits)
+    for c in cache:
+        c.finalize()
+    for i, r in enumerate(rows):
+        alone = make_cache(model)
+        want = model(mx.array([r]), cache=alone)[0, -1]
+        last = len(r) - 1 if side == "right" else width - 1
+        assert raw(logits[i, last]) == raw(want)
+        for c, a in zip(cache, alone, strict=True):
+            if isinstance(c, GatedDeltaCache):
+                assert c.offsets.tolist()[i] == len(r) == a.offset
+                for j in range(2):
+                    assert raw(c.cache[j][i : i + 1]) == raw(a.cache[j])
