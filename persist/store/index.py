@@ -13,51 +13,23 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgpack
-import xxhash
-
 from ..errors import CorruptBlobError
+from .rows import (
+    SNAPSHOT_COLS,
+    BlockRef,
+    NewBlob,
+    SnapshotRow,
+    cols,
+    row_digest,
+    row_of,
+)
 
 if TYPE_CHECKING:
     import sqlite_utils
 
-__all__ = ["Index", "SnapshotRow", "NewBlob", "BlockRef"]
-
-SNAPSHOT_COLS = (
-    "id, namespace, name, owner, role, identity, identity_map, root, last_chain, n_blocks, "
-    "n_tokens, tokens, trimmable, min_resume, manifest, tail, bytes, pinned, created, used, "
-    "metadata, row_xxh3"
-)
-
-IMMUTABLE = (
-    "namespace",
-    "identity",
-    "root",
-    "last_chain",
-    "n_blocks",
-    "n_tokens",
-    "tokens",
-    "trimmable",
-    "min_resume",
-    "manifest",
-    "tail",
-)
-
-
-def row_digest(row: Any, blocks: Sequence[BlockRef]) -> bytes:
-    """Checksum of what a snapshot row must never change (tokens, layout, blobs).
-
-    The index is data like any other: a flipped bit in a row's tokens would
-    otherwise restore a cache for tokens it does not cover.
-    """
-    get = row.get if isinstance(row, dict) else lambda k: getattr(row, k)
-    fields: list[Any] = [get(k) for k in IMMUTABLE]
-    fields[7] = int(bool(fields[7]))
-    fields.append([[b.idx, b.chain, b.blob] for b in blocks])
-    return xxhash.xxh3_128_digest(msgpack.packb(fields, use_bin_type=True))
+__all__ = ["Index", "SnapshotRow", "NewBlob", "BlockRef", "corruption_is_typed"]
 
 
 @contextlib.contextmanager
@@ -73,47 +45,6 @@ def corruption_is_typed() -> Iterator[None]:
 
 # Forced plan: walk blocks by chain hash first (SQLite has no statistics to know).
 BLOCKS_THEN_SNAPSHOTS = "snapshot_blocks b INDEXED BY snapshot_blocks_chain CROSS JOIN snapshots s"
-
-
-@dataclass(frozen=True)
-class SnapshotRow:
-    id: int
-    namespace: str
-    name: str | None
-    owner: str | None
-    role: str
-    identity: str
-    identity_map: bytes
-    root: bytes
-    last_chain: bytes
-    n_blocks: int
-    n_tokens: int
-    tokens: bytes
-    trimmable: bool
-    min_resume: int
-    manifest: bytes
-    tail: str
-    nbytes: int
-    pinned: bool
-    created: float
-    used: float
-    metadata: bytes
-    row_xxh3: bytes
-
-
-@dataclass(frozen=True)
-class NewBlob:
-    file: str
-    key: str
-    size: int
-    head_xxh3: bytes
-
-
-@dataclass(frozen=True)
-class BlockRef:
-    idx: int
-    chain: bytes
-    blob: str | None
 
 
 class Index:
@@ -207,7 +138,7 @@ class Index:
             row = db.execute(
                 f"SELECT {SNAPSHOT_COLS} FROM snapshots WHERE id = ?", [snapshot_id]
             ).fetchone()
-        return _row(row) if row else None
+        return row_of(row) if row else None
 
     def by_name(self, namespace: str, name: str) -> SnapshotRow | None:
         with self.read() as db:
@@ -215,7 +146,7 @@ class Index:
                 f"SELECT {SNAPSHOT_COLS} FROM snapshots WHERE namespace = ? AND name = ?",
                 [namespace, name],
             ).fetchone()
-        return _row(row) if row else None
+        return row_of(row) if row else None
 
     def verified_blocks(self, row: SnapshotRow) -> list[BlockRef]:
         """The row's blocks, after checking the row against its checksum."""
@@ -241,7 +172,7 @@ class Index:
         if named_only:
             sql += " AND name IS NOT NULL"
         with self.read() as db:
-            return [_row(r) for r in db.execute(sql + " ORDER BY namespace, name, id", args)]
+            return [row_of(r) for r in db.execute(sql + " ORDER BY namespace, name, id", args)]
 
     def candidates(
         self, namespace: str, identity: str, chains: Sequence[bytes], prompt_len: int
@@ -274,18 +205,18 @@ class Index:
             args = [namespace, identity, prompt_len - 1, prompt_len]
             rows = db.execute(
                 # INDEXED BY: without statistics SQLite would scan the namespace
-                f"SELECT {_cols('s')} FROM snapshots s INDEXED BY snapshots_last_chain "
+                f"SELECT {cols('s')} FROM snapshots s INDEXED BY snapshots_last_chain "
                 f"WHERE s.last_chain IN ({marks}){filt}",
                 [*ends, *args],
             ).fetchall()
             if depth >= 0:
                 rows += db.execute(
-                    f"SELECT {_cols('s')} FROM {BLOCKS_THEN_SNAPSHOTS} "
+                    f"SELECT {cols('s')} FROM {BLOCKS_THEN_SNAPSHOTS} "
                     f"ON s.id = b.snapshot WHERE b.chain = ? AND b.idx = ? "
                     f"AND s.n_blocks > ? AND s.trimmable = 1{filt}",
                     [chains[depth + 1], depth, depth + 1, *args],
                 ).fetchall()
-        return [_row(r) for r in rows]
+        return [row_of(r) for r in rows]
 
     def touch(self, snapshot_id: int) -> None:
         with self.write() as db:
@@ -379,7 +310,7 @@ class Index:
     @staticmethod
     def rows_where(db: sqlite_utils.Database, sql: str, args: Sequence[Any]) -> list[SnapshotRow]:
         return [
-            _row(r)
+            row_of(r)
             for r in db.execute(f"SELECT {SNAPSHOT_COLS} FROM snapshots WHERE {sql}", list(args))
         ]
 
@@ -410,34 +341,3 @@ class Index:
         with self.write() as db:
             for f in files:
                 db.execute("DELETE FROM blobs WHERE file = ? AND dead = 1", [f])
-
-
-def _cols(alias: str) -> str:
-    return ", ".join(f"{alias}.{c.strip()}" for c in SNAPSHOT_COLS.split(","))
-
-
-def _row(r: Sequence[Any]) -> SnapshotRow:
-    return SnapshotRow(
-        id=r[0],
-        namespace=r[1],
-        name=r[2],
-        owner=r[3],
-        role=r[4],
-        identity=r[5],
-        identity_map=bytes(r[6]),
-        root=bytes(r[7]),
-        last_chain=bytes(r[8]),
-        n_blocks=r[9],
-        n_tokens=r[10],
-        tokens=bytes(r[11]),
-        trimmable=bool(r[12]),
-        min_resume=r[13],
-        manifest=bytes(r[14]),
-        tail=r[15],
-        nbytes=r[16],
-        pinned=bool(r[17]),
-        created=r[18],
-        used=r[19],
-        metadata=bytes(r[20]),
-        row_xxh3=bytes(r[21]),
-    )

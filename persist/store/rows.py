@@ -1,0 +1,118 @@
+"""Plain rows of the index and the checksum that guards them.  No mlx."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import xxhash
+
+__all__ = ["SNAPSHOT_COLS", "SnapshotRow", "NewBlob", "BlockRef", "row_digest", "row_of", "cols"]
+
+
+@dataclass(frozen=True)
+class SnapshotRow:
+    id: int
+    namespace: str
+    name: str | None
+    owner: str | None
+    role: str
+    identity: str
+    identity_map: bytes
+    root: bytes
+    last_chain: bytes
+    n_blocks: int
+    n_tokens: int
+    tokens: bytes
+    trimmable: bool
+    min_resume: int
+    manifest: bytes
+    tail: str
+    nbytes: int
+    pinned: bool
+    created: float
+    used: float
+    metadata: bytes
+    row_xxh3: bytes
+
+
+@dataclass(frozen=True)
+class NewBlob:
+    file: str
+    key: str
+    size: int
+    head_xxh3: bytes
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    idx: int
+    chain: bytes
+    blob: str | None
+
+
+SNAPSHOT_COLS = (
+    "id, namespace, name, owner, role, identity, identity_map, root, last_chain, n_blocks, "
+    "n_tokens, tokens, trimmable, min_resume, manifest, tail, bytes, pinned, created, used, "
+    "metadata, row_xxh3"
+)
+
+IMMUTABLE = (
+    "namespace",
+    "identity",
+    "root",
+    "last_chain",
+    "n_blocks",
+    "n_tokens",
+    "tokens",
+    "trimmable",
+    "min_resume",
+    "manifest",
+    "tail",
+)
+
+
+def row_digest(row: Any, blocks: Sequence[BlockRef]) -> bytes:
+    """Checksum of what a snapshot row must never change (tokens, layout, blobs).
+
+    The index is data like any other: a flipped bit in a row's tokens would
+    otherwise restore a cache for tokens it does not cover.
+    """
+    get = row.get if isinstance(row, dict) else lambda k: getattr(row, k)
+    fields: list[Any] = [get(k) for k in IMMUTABLE]
+    fields[7] = int(bool(fields[7]))
+    fields.append([[b.idx, b.chain, b.blob] for b in blocks])
+    return xxhash.xxh3_128_digest(msgpack.packb(fields, use_bin_type=True))
+
+
+def cols(alias: str) -> str:
+    return ", ".join(f"{alias}.{c.strip()}" for c in SNAPSHOT_COLS.split(","))
+
+
+def row_of(r: Sequence[Any]) -> SnapshotRow:
+    return SnapshotRow(
+        id=r[0],
+        namespace=r[1],
+        name=r[2],
+        owner=r[3],
+        role=r[4],
+        identity=r[5],
+        identity_map=bytes(r[6]),
+        root=bytes(r[7]),
+        last_chain=bytes(r[8]),
+        n_blocks=r[9],
+        n_tokens=r[10],
+        tokens=bytes(r[11]),
+        trimmable=bool(r[12]),
+        min_resume=r[13],
+        manifest=bytes(r[14]),
+        tail=r[15],
+        nbytes=r[16],
+        pinned=bool(r[17]),
+        created=r[18],
+        used=r[19],
+        metadata=bytes(r[20]),
+        row_xxh3=bytes(r[21]),
+    )
