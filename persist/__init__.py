@@ -32,6 +32,7 @@ from .prefill import prefill
 from .records import Record, RecordSpec, ResumeFacts
 from .sessions import Store
 from .snapshot import extract_row
+from .speculative import speculative_greedy
 from .store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
 
 __version__ = "0.1.0"
@@ -57,6 +58,7 @@ __all__ = [
     "Problem",
     "StoreStats",
     "prefill",
+    "speculative_greedy",
     "ModelIdentity",
     "Record",
     "RecordSpec",
