@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
 import persist
@@ -268,3 +269,18 @@ def test_bad_names_are_refused(name: str, tiny: Any, store: persist.Store) -> No
     t = tokens_for(20, 41)
     with pytest.raises(persist.InvalidNameError):
         store.save(prefill(model, t)[0], t, identity=identity, session=name)
+
+
+def test_identical_blocks_in_one_snapshot_share_one_file(tmp_path: Path) -> None:
+    from mlx_lm.models.cache import KVCache
+
+    c = KVCache()
+    k = mx.ones((1, 1, 600, 8))  # no positional encoding: every block has the same bytes
+    c.update_and_fetch(k, k)
+    ident = persist.ModelIdentity("t", "c", "w", "t", "h")
+    with persist.Store(tmp_path / "s", block_tokens=128) as s:
+        s.save([c], [7] * 600, identity=ident, session="same")
+        assert s.restore("same", identity=ident).cache[0].offset == 600
+        with s.index.read() as db:
+            assert db.execute("SELECT COUNT(DISTINCT blob) FROM snapshot_blocks").fetchone()[0] == 1
+        clean(s)
