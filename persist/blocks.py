@@ -82,6 +82,7 @@ class Plan:
     split: dict[str, int]  # whole-tensor key -> token axis
     n_blocks: int
     block: int
+    arrays: dict[str, Any]  # whole-tensor key -> array
 
     def block_pieces(self, i: int) -> list[Piece]:
         return [
@@ -91,24 +92,15 @@ class Plan:
     def tail_pieces(self, n_tokens: int) -> list[Piece]:
         start = self.n_blocks * self.block
         out = [self._piece(k, a, start, n_tokens) for k, a in self.split.items()]
-        for key, rec, name in tensor_keys(self.records):
-            if key not in self.split:
-                t = rec.tensors[name]
-                out.append(Piece(key, self.specs[key], t))
+        out += [Piece(k, self.specs[k], t) for k, t in self.arrays.items() if k not in self.split]
         return out
 
     def _piece(self, key: str, axis: int, lo: int, hi: int) -> Piece:
-        whole = self._array(key)
+        whole = self.arrays[key]
         idx: list[Any] = [slice(None)] * whole.ndim
         idx[axis] = slice(lo, hi)
         arr = whole[tuple(idx)]
         return Piece(key, TensorSpec(self.specs[key].dtype, tuple(arr.shape)), arr)
-
-    def _array(self, key: str) -> Any:
-        for k, rec, name in tensor_keys(self.records):
-            if k == key:
-                return rec.tensors[name]
-        raise KeyError(key)
 
     def manifest(self) -> bytes:
         body = {
@@ -123,10 +115,8 @@ class Plan:
 
 def plan(snap: Snapshot, block: int, dtype_name: Any) -> Plan:
     """Which tensors of ``snap`` are cut into blocks (those that grow from position 0)."""
-    specs: dict[str, TensorSpec] = {}
-    for key, rec, name in tensor_keys(snap.records):
-        t = rec.tensors[name]
-        specs[key] = TensorSpec(dtype_name(t), tuple(t.shape))
+    arrays = {key: rec.tensors[name] for key, rec, name in tensor_keys(snap.records)}
+    specs = {k: TensorSpec(dtype_name(t), tuple(t.shape)) for k, t in arrays.items()}
     split: dict[str, int] = {}
     for i, f in enumerate(snap.facts):
         if f.first_token != 0 or f.offset is None:
@@ -136,7 +126,7 @@ def plan(snap: Snapshot, block: int, dtype_name: Any) -> Plan:
             if key in specs and specs[key].shape[axis] == f.offset:
                 split[key] = axis
     n = len(snap.tokens or [])
-    return Plan(snap.records, specs, split, n // block if split or n else 0, block)
+    return Plan(snap.records, specs, split, n // block, block, arrays)
 
 
 def _key(layer: int, axis_name: str) -> str:

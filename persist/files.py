@@ -22,7 +22,14 @@ from .codecs import check_spec
 from .codecs.base import dtype_name
 from .errors import CorruptBlobError
 from .identity import ModelIdentity
-from .manifest import Manifest, file_metadata, pack_manifest, tensor_keys, unpack_manifest
+from .manifest import (
+    Manifest,
+    check_metadata,
+    file_metadata,
+    pack_manifest,
+    tensor_keys,
+    unpack_manifest,
+)
 from .reader import read_layer
 from .records import RecordSpec, TensorSpec, as_bytes
 from .snapshot import capture, rebuild, require_covers
@@ -56,9 +63,7 @@ def save_file(
     Only live data is written.  With ``tokens`` every layer's offset must
     equal ``len(tokens)`` (``NotResumableError`` otherwise).
     """
-    meta = dict(metadata or {})
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise TypeError("metadata must map strings to strings")
+    meta = check_metadata(metadata)
     snap = capture(list(cache), tokens)
     flat = list(tensor_keys(snap.records))
     specs = {k: TensorSpec(dtype_name(r.tensors[n]), tuple(r.tensors[n].shape)) for k, r, n in flat}

@@ -24,6 +24,7 @@ from .records import Record, RecordSpec, TensorSpec
 from .stfile import CHECKSUM_BYTES, Header, checksum
 
 __all__ = [
+    "check_metadata",
     "FORMAT",
     "FORMAT_VERSION",
     "Manifest",
@@ -244,6 +245,14 @@ def _tokens(body: dict[str, Any], where: str) -> list[int] | None:
     if len(raw) != 4 * n:
         raise _bad(where, f"token list holds {len(raw)} bytes for {n} tokens")
     return list(struct.unpack(f"<{n}I", raw))
+
+
+def check_metadata(metadata: Any) -> dict[str, str]:
+    """The caller's metadata: strings to strings (as mlx-lm's save_prompt_cache)."""
+    meta = dict(metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise TypeError("metadata must map strings to strings")
+    return meta
 
 
 def _user_metadata(m: Any, where: str) -> dict[str, str]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from .identity import ModelIdentity
+from .saving import Target
 
 if TYPE_CHECKING:
     from .sessions import Store
@@ -78,9 +79,8 @@ def prefill(
         if progress is not None:
             progress(done, len(toks))
         if end in wanted and store is not None and identity is not None:
-            store._save(
-                cache, toks[:end], identity, namespace, None, session, "checkpoint", False, None
-            )
+            target = Target(identity, namespace, owner=session, role="checkpoint")
+            store._save(cache, toks[:end], target)
     return cache
 
 

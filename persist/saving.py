@@ -15,7 +15,8 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -34,7 +35,7 @@ from .store.index import BlockRef, Index, NewBlob
 if TYPE_CHECKING:
     from .sessions import Store
 
-__all__ = ["save_snapshot", "pack_tokens", "unpack_tokens"]
+__all__ = ["Target", "save_snapshot", "pack_tokens", "unpack_tokens"]
 
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
@@ -47,23 +48,28 @@ def unpack_tokens(raw: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(raw) // 4}I", raw))
 
 
+@dataclass(frozen=True)
+class Target:
+    """What a save is for: the model, where it goes, and how it is kept."""
+
+    identity: ModelIdentity
+    namespace: str = "default"
+    name: str | None = None  # a named session
+    owner: str | None = None  # the session a checkpoint belongs to
+    role: str = "prefix"  # "session" | "checkpoint" | "prefix"
+    pin: bool = False
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
 def save_snapshot(
     store: Store,
     cache: Sequence[Any],
     tokens: Sequence[int],
-    identity: ModelIdentity,
-    namespace: str,
-    name: str | None,
-    owner: str | None,
-    role: str,
-    pin: bool,
-    metadata: Mapping[str, str] | None,
+    target: Target,
     progress: Progress | None = None,
 ) -> int:
     """Write blocks and tail, commit the snapshot; return its id."""
-    meta = dict(metadata or {})
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise TypeError("metadata must map strings to strings")
+    identity, namespace = target.identity, target.namespace
     snap = capture(list(cache), tokens)
     toks = snap.tokens or []
     p = plan(snap, store.block_tokens, dtype_name)
@@ -71,6 +77,7 @@ def save_snapshot(
     if store.max_bytes is not None and estimate > store.max_bytes:
         raise StoreFullError(estimate, store.max_bytes)
     secret = store.index.secret(namespace, lambda: os.urandom(32))
+    assert secret is not None
     chs = chains(chain_root(secret, identity.digest), toks, store.block_tokens)
     for _attempt in range(3):
         written: list[NewBlob] = []
@@ -78,24 +85,7 @@ def save_snapshot(
         store.index.begin_pending(salt)
         try:
             refs, tail = _write_blobs(store, p, chs, secret, len(toks), written, progress, salt)
-            sid = _commit(
-                store,
-                p,
-                snap,
-                toks,
-                chs,
-                refs,
-                tail,
-                written,
-                identity,
-                namespace,
-                name,
-                owner,
-                role,
-                pin,
-                meta,
-                salt,
-            )
+            sid = _commit(store, p, snap, toks, chs, refs, tail, written, target, salt)
         except BaseException as e:
             for b in written:
                 store.blobs.delete(b.file)
@@ -180,15 +170,10 @@ def _commit(
     refs: list[BlockRef],
     tail: str,
     written: list[NewBlob],
-    identity: ModelIdentity,
-    namespace: str,
-    name: str | None,
-    owner: str | None,
-    role: str,
-    pin: bool,
-    meta: dict[str, str],
+    target: Target,
     salt: str,
 ) -> int | None:
+    t, namespace = target, target.namespace
     new_files = {b.file for b in written}
     used = [f for f in [tail, *(r.blob for r in refs if r.blob)] if f not in new_files]
     with store.index.write() as db:
@@ -205,11 +190,11 @@ def _commit(
         )
         row = {
             "namespace": namespace,
-            "name": name,
-            "owner": owner or name,
-            "role": role,
-            "identity": identity.digest,
-            "identity_map": msgpack.packb(identity.to_dict(), use_bin_type=True),
+            "name": t.name,
+            "owner": t.owner or t.name,
+            "role": t.role,
+            "identity": t.identity.digest,
+            "identity_map": msgpack.packb(t.identity.to_dict(), use_bin_type=True),
             "root": chs[0],
             "last_chain": chs[n_blocks] if n_blocks else head_key(chs[0], toks),
             "n_blocks": n_blocks,
@@ -220,13 +205,13 @@ def _commit(
             "manifest": p.manifest(),
             "tail": tail,
             "bytes": sum(sizes.values()),
-            "pinned": int(pin),
+            "pinned": int(t.pin),
             "created": now,
             "used": now,
-            "metadata": msgpack.packb(meta, use_bin_type=True),
+            "metadata": msgpack.packb(t.metadata, use_bin_type=True),
         }
-        if name is not None:
-            _retire(db, namespace, name, identity.digest, snap, toks)
+        if t.name is not None:
+            _retire(db, namespace, t.name, t.identity.digest, snap, toks)
         sid = Index.insert(db, row, refs)
         if store.max_bytes is not None:
             _evict(db, store.max_bytes, frozenset({sid}))

@@ -29,8 +29,9 @@ from .errors import (
     SessionNotFoundError,
 )
 from .identity import ModelIdentity
+from .manifest import check_metadata
 from .records import Progress
-from .saving import unpack_tokens
+from .saving import Target, save_snapshot, unpack_tokens
 from .store.blobs import FileBlobs
 from .store.index import Index, SnapshotRow
 from .store.schema import connect
@@ -108,31 +109,20 @@ class Store:
     ) -> EntryInfo:
         """Save ``cache`` (covering exactly ``tokens``); named if ``session`` is given."""
         role = "prefix" if session is None else "session"
-        return self._save(
-            cache, tokens, identity, namespace, session, None, role, pin, metadata, progress
-        )
+        target = Target(identity, namespace, session, None, role, pin, check_metadata(metadata))
+        return self._save(cache, tokens, target, progress)
 
     def _save(
         self,
         cache: Sequence[Any],
         tokens: Sequence[int],
-        identity: ModelIdentity,
-        namespace: str,
-        name: str | None,
-        owner: str | None,
-        role: str,
-        pin: bool,
-        metadata: Mapping[str, str] | None,
+        target: Target,
         progress: Progress | None = None,
     ) -> EntryInfo:
-        from .saving import save_snapshot
-
-        check_name(namespace, "namespace")
-        if name is not None:
-            check_name(name, "session")
-        sid = save_snapshot(
-            self, cache, tokens, identity, namespace, name, owner, role, pin, metadata, progress
-        )
+        check_name(target.namespace, "namespace")
+        if target.name is not None:
+            check_name(target.name, "session")
+        sid = save_snapshot(self, cache, tokens, target, progress)
         row = self.index.get(sid)
         assert row is not None
         return self._info(row)
@@ -203,7 +193,9 @@ class Store:
     ) -> tuple[dict[int, SnapshotRow], list[tuple[policy.Candidate, int]]]:
         """Index rows that may serve ``toks``, each with its common prefix (no blob is read)."""
         check_name(namespace, "namespace")
-        secret = self.index.secret(namespace, lambda: os.urandom(32))
+        secret = self.index.secret(namespace)  # a lookup never creates a namespace
+        if secret is None:
+            return {}, []
         chs = chains(chain_root(secret, identity.digest), toks, self.block_tokens)
         chs[0] = head_key(chs[0], toks)  # snapshots with no full block are found by their head
         rows = {r.id: r for r in self.index.candidates(namespace, identity.digest, chs, len(toks))}
@@ -329,7 +321,8 @@ class Store:
         ids = policy.plan_eviction(
             [policy.EvictEntry(i, u, pin, b) for i, u, pin, b in entries], sizes, budget
         )
-        rows = {r.id: r for r in Index.rows_where(db, "1 = 1", [])}
+        marks = ",".join("?" * len(ids))
+        rows = {r.id: r for r in Index.rows_where(db, f"id IN ({marks})", ids)} if ids else {}
         victims = [self._info(rows[i]) for i in ids]
         for sid in ids:
             Index.remove(db, sid)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import NotResumableError
 from ..records import Record, RecordSpec, ResumeFacts
 from .base import blank, expect_tensor_names, invalid, meta_int
 from .dispatch import decode_record, encode_cache, facts_of
@@ -19,8 +20,6 @@ __all__ = ["CacheListCodec", "combine_facts"]
 def combine_facts(parts: list[ResumeFacts]) -> ResumeFacts:
     offsets = {f.offset for f in parts if f.offset is not None}
     if len(offsets) > 1:
-        from ..errors import NotResumableError
-
         raise NotResumableError(f"inner caches disagree on their offset: {sorted(offsets)}")
     axes = {f"{i}.{k}": a for i, f in enumerate(parts) for k, a in f.token_axes.items()}
     starts = {f.first_token for f in parts if f.token_axes}

@@ -78,11 +78,14 @@ class Index:
 
     # -- namespaces -------------------------------------------------------
 
-    def secret(self, namespace: str, make: Any) -> bytes:
+    def secret(self, namespace: str, make: Any = None) -> bytes | None:
+        """The namespace's secret; created with ``make()`` if given, else None if absent."""
         with self.read() as db:
             row = db.execute("SELECT secret FROM namespaces WHERE name = ?", [namespace]).fetchone()
         if row:
             return bytes(row[0])
+        if make is None:
+            return None
         with self.write() as db:
             db.execute(
                 "INSERT OR IGNORE INTO namespaces(name, secret) VALUES (?, ?)", [namespace, make()]
