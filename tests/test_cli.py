@@ -41,35 +41,28 @@ def store(tmp_path: Path) -> str:
     return str(tmp_path / "store")
 
 
+def gen(model: str, store: str, session: str, prompt: str, max_tokens: int = 12) -> list[str]:
+    """The arguments of a `persist generate` run."""
+    return [
+        "generate",
+        "--model",
+        model,
+        "--store",
+        store,
+        "--session",
+        session,
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        str(max_tokens),
+    ]
+
+
 def test_generate_twice_resumes_the_session(store: str, model_dir: Any) -> None:
     m = str(model_dir("llama"))
-    first = js(
-        "generate",
-        "--model",
-        m,
-        "--store",
-        store,
-        "--session",
-        "w",
-        "--prompt",
-        "Once upon a time",
-        "--max-tokens",
-        "12",
-    )
+    first = js(*gen(m, store, "w", "Once upon a time", 12))
     assert first["reused_tokens"] == 0 and first["source"] == "none"
-    second = js(
-        "generate",
-        "--model",
-        m,
-        "--store",
-        store,
-        "--session",
-        "w",
-        "--prompt",
-        " and then",
-        "--max-tokens",
-        "12",
-    )
+    second = js(*gen(m, store, "w", " and then", 12))
     assert second["source"] == "session"
     assert second["reused_tokens"] == first["session_tokens"]  # every stored token reused
     assert second["prompt_tokens"] == first["session_tokens"] + len(" and then")
@@ -127,19 +120,7 @@ def test_prime_with_checkpoints_then_generate_reuses_prefix(store: str, model_di
 def test_rm_gc_and_check(store: str, model_dir: Any, tmp_path: Path) -> None:
     m = str(model_dir("llama"))
     for name in ("a", "b", "c"):
-        run(
-            "generate",
-            "--model",
-            m,
-            "--store",
-            store,
-            "--session",
-            name,
-            "--prompt",
-            f"session {name} " * 40,
-            "--max-tokens",
-            "4",
-        )
+        run(*gen(m, store, name, f"session {name} " * 40, 4))
     run("rm", "a", "--store", store)
     assert [e["session"] for e in js("ls", "--store", store)] == ["b", "c"]
     before = js("stats", "--store", store)
@@ -168,19 +149,7 @@ def test_rm_gc_and_check(store: str, model_dir: Any, tmp_path: Path) -> None:
 
 def test_export_import_round_trip(store: str, model_dir: Any, tiny: Any, tmp_path: Path) -> None:
     m = str(model_dir("gemma3"))
-    run(
-        "generate",
-        "--model",
-        m,
-        "--store",
-        store,
-        "--session",
-        "g",
-        "--prompt",
-        "a sliding window that wraps " * 4,
-        "--max-tokens",
-        "8",
-    )
+    run(*gen(m, store, "g", "a sliding window that wraps " * 4, 8))
     f = tmp_path / "g.safetensors"
     run("export", "g", str(f), "--store", store)
     other = str(tmp_path / "other")
@@ -205,19 +174,7 @@ def test_bad_inputs_exit_1_with_one_line(store: str, model_dir: Any, tmp_path: P
     m = str(model_dir("llama"))
     assert "no session 'nope'" in one_error_line(run("show", "nope", "--store", store, ok=False))
     assert "no session" in one_error_line(run("rm", "nope", "--store", store, ok=False))
-    run(
-        "generate",
-        "--model",
-        m,
-        "--store",
-        store,
-        "--session",
-        "s",
-        "--prompt",
-        "x " * 200,
-        "--max-tokens",
-        "2",
-    )
+    run(*gen(m, store, "s", "x " * 200, 2))
     other = make_model(tmp_path / "other", "llama", seed=7)
     line = one_error_line(
         run(
