@@ -46,9 +46,12 @@ class Server:
                 time.sleep(0.3)
         raise AssertionError("server did not start")
 
-    def chat(self, messages: list[dict[str, str]], max_tokens: int = 12) -> dict[str, Any]:
+    def chat(
+        self, messages: list[dict[str, str]], max_tokens: int = 12, **extra: Any
+    ) -> dict[str, Any]:
+        """One chat completion; ``extra`` goes into the body (model, logprobs, ...)."""
         body = json.dumps(
-            {"messages": messages, "temperature": 0, "max_tokens": max_tokens}
+            {"messages": messages, "temperature": 0, "max_tokens": max_tokens, **extra}
         ).encode()
         req = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/chat/completions",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import msgpack
 
 from .blocks import spec_from_manifest
-from .codecs import check_spec
+from .codecs import check_spec, trim_record
 from .errors import CorruptBlobError
 from .reader import allocate, capacity_of, read_piece
 from .records import Progress, Record, RecordSpec
@@ -54,7 +54,10 @@ def open_blob(store: Store, file: str) -> _Blob:
         raise
 
 
-def load_snapshot(store: Store, row: SnapshotRow, progress: Progress | None = None) -> list[Any]:
+def load_snapshot(
+    store: Store, row: SnapshotRow, progress: Progress | None = None, keep: int | None = None
+) -> list[Any]:
+    """Fresh caches of ``row``; with ``keep``, exactly as a prefill of that many tokens."""
     refs = store.index.verified_blocks(row)  # a damaged row is refused before anything else
     body = msgpack.unpackb(row.manifest, raw=False)
     specs = spec_from_manifest(body)
@@ -79,6 +82,8 @@ def load_snapshot(store: Store, row: SnapshotRow, progress: Progress | None = No
             records.append(_read(spec, str(i), tail, blocks, split, block))
             if progress is not None:
                 progress(i + 1, len(specs))
+        if keep is not None and keep != row.n_tokens:
+            records = [trim_record(r, keep) for r in records]
         return rebuild(records)
     finally:
         for b in opened.values():

@@ -10,9 +10,6 @@ so two snapshots share a block only if its bytes are identical.
 
 from __future__ import annotations
 
-import hashlib
-import struct
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +21,10 @@ from .manifest import _record_map, tensor_keys
 from .records import Record, RecordSpec, TensorSpec, as_bytes
 from .snapshot import Snapshot
 from .stfile import checksum
+from .store.chains import HEAD_TOKENS, chain_root, chains, head_key
 
 __all__ = [
+    "HEAD_TOKENS",
     "chain_root",
     "chains",
     "head_key",
@@ -36,36 +35,6 @@ __all__ = [
     "spec_from_manifest",
     "content_key",
 ]
-
-
-def chain_root(secret: bytes, identity_digest: str) -> bytes:
-    """h_-1: keyed by the namespace secret, so no other namespace can reach or probe it."""
-    return hashlib.blake2b(identity_digest.encode(), key=secret[:64], digest_size=16).digest()
-
-
-def chains(root: bytes, tokens: Sequence[int], block: int) -> list[bytes]:
-    """[h_-1, h_0, ..., h_{k-1}] for the k full blocks of ``tokens``."""
-    out = [root]
-    for i in range(len(tokens) // block):
-        chunk = struct.pack(f"<{block}I", *tokens[i * block : (i + 1) * block])
-        out.append(hashlib.blake2b(out[-1] + chunk, digest_size=16).digest())
-    return out
-
-
-HEAD_TOKENS = 16
-
-
-def head_key(root: bytes, tokens: Sequence[int]) -> bytes:
-    """The lookup key of a snapshot with no full block: its first 16 tokens.
-
-    Prefixes shorter than that are not worth a lookup; a shorter snapshot gets
-    a key no prompt produces (it is still restored by name).
-    """
-    if len(tokens) < HEAD_TOKENS:
-        raw = b"short" + struct.pack(f"<{len(tokens)}I", *tokens)
-    else:
-        raw = struct.pack(f"<{HEAD_TOKENS}I", *tokens[:HEAD_TOKENS])
-    return hashlib.blake2b(root + raw, digest_size=16).digest()
 
 
 @dataclass(frozen=True)

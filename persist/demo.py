@@ -141,6 +141,41 @@ ARCHS: dict[str, dict[str, Any]] = {
     },
 }
 
+DTYPE_KEY = "_persist_dtype"  # an arch's own weight dtype; not written to config.json
+
+# DeepSeek-V4 (mlx-lm's deepseek_v41): sliding window, compressed KV, index keys.
+_DSV4: dict[str, Any] = {
+    "model_type": "deepseek_v41",
+    DTYPE_KEY: "float32",  # mlx's CPU GatherMM (its experts) needs float32
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "head_dim": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "o_groups": 2,
+    "o_lora_rank": 32,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 8,
+    "compress_ratios": [0, 4, 4],
+    "kv_source_layer_ids": [1, 2],
+    "index_source_layer_ids": [2],
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "index_topk": 4,
+    "candidate_topk_blocks": 0,
+    "hc_mult": 2,
+    "hc_sinkhorn_iters": 3,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+}
+ARCHS["deepseek_v4"] = _DSV4
+# Without index layers: its forward is deterministic on the CPU (no top-k selection).
+ARCHS["deepseek_v4_noindex"] = {**_DSV4, "index_source_layer_ids": []}
+
 
 def write_tokenizer(directory: str | os.PathLike[str]) -> None:
     """A byte-level BPE tokenizer (256 byte tokens, no merges) plus chat specials."""
@@ -203,6 +238,7 @@ def make_model(
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHS)}")
     config = json.loads(json.dumps(ARCHS[arch]))
     config.update(overrides or {})
+    dtype = config.pop(DTYPE_KEY, dtype)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     model_class, args_class = _get_classes(config)

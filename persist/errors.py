@@ -18,6 +18,8 @@ __all__ = [
     "SessionNotFoundError",
     "StoreFullError",
     "InvalidNameError",
+    "InvalidTokensError",
+    "IdentityUnavailableError",
 ]
 
 
@@ -84,6 +86,14 @@ class SessionNotFoundError(PersistError, KeyError):
 
 class InvalidNameError(PersistError, ValueError):
     """A session or namespace name that cannot be a key (empty, huge, NUL)."""
+
+
+class InvalidTokensError(PersistError, ValueError):
+    """Token ids that are not integers in [0, 2**32)."""
+
+
+class IdentityUnavailableError(PersistError, ValueError):
+    """A model whose configuration cannot be found, so no identity can vouch for its caches."""
 
 
 class StoreFullError(PersistError, OSError):

@@ -18,13 +18,15 @@ from typing import Any
 
 import xxhash
 
-from .errors import IdentityMismatchError
+from .errors import IdentityMismatchError, IdentityUnavailableError
 from .records import as_bytes
 
-__all__ = ["ModelIdentity", "CACHE_CONFIG_KEYS"]
+__all__ = ["ModelIdentity", "CACHE_CONFIG_KEYS", "CONFIG_ATTRS", "config_digest"]
 
 CACHE_CONFIG_KEYS = ("kv_bits", "kv_group_size", "quantized_kv_start", "max_kv_size")
 DIGEST_FIELDS = ("model_type", "config", "weights", "tokenizer", "chat_template", "cache_config")
+# Digested only when set, so identities written before they existed keep their digest.
+OPTIONAL_FIELDS = ("draft",)
 
 
 def _canonical(obj: Any) -> str:
@@ -84,15 +86,60 @@ def _tokenizer_digests(tokenizer: Any) -> tuple[str, str]:
     return _sha(body + _canonical(special)), _sha(_canonical(template))
 
 
+CONFIG_ATTRS = ("args", "config", "model_args", "model_config")
+
+
+def _as_config(value: Any) -> dict[str, Any] | None:
+    """A model's configuration object as a plain dict, or None if ``value`` is not one."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, dict) and value:
+        return dict(value)
+    if hasattr(value, "to_dict") and callable(value.to_dict):  # transformers-style configs
+        out = value.to_dict()
+        return dict(out) if isinstance(out, dict) else None
+    return None
+
+
 def _config_of(model: Any) -> tuple[str, dict[str, Any]]:
-    args = getattr(model, "args", None)
-    if dataclasses.is_dataclass(args) and not isinstance(args, type):
-        cfg = dataclasses.asdict(args)
-    elif args is not None:
-        cfg = dict(vars(args))
-    else:
-        cfg = {"class": f"{type(model).__module__}.{type(model).__qualname__}"}
-    return str(cfg.get("model_type", type(model).__module__)), cfg
+    """Every configuration the model keeps, wherever it keeps it (``args``, ``config``, ...).
+
+    mlx-lm's models keep their ModelArgs as ``self.args`` or ``self.config``
+    (youtu_llm, plamo2, plamo3, baichuan_m1); any other dataclass held
+    directly by the model counts too.  A model with none cannot be given an
+    identity: digesting only its class name would let two configurations
+    share caches.
+    """
+    found: dict[str, Any] = {}
+    own = vars(model) if hasattr(model, "__dict__") else {}
+    for name in CONFIG_ATTRS:
+        cfg = _as_config(getattr(model, name, None))
+        if cfg is not None:
+            found[name] = cfg
+    for name, value in sorted(own.items()):
+        if name not in found and dataclasses.is_dataclass(value) and not isinstance(value, type):
+            found[name] = dataclasses.asdict(value)
+    if not found:
+        t = type(model)
+        raise IdentityUnavailableError(
+            f"{t.__module__}.{t.__qualname__} keeps no configuration persist can find "
+            f"(looked at {', '.join(CONFIG_ATTRS)} and its dataclass attributes); "
+            "pass the model mlx-lm loaded, or give it an 'args' attribute"
+        )
+    first = next(iter(found.values()))
+    model_type = next(
+        (str(c["model_type"]) for c in found.values() if c.get("model_type")),
+        type(model).__module__,
+    )
+    # one configuration under 'args' digests exactly as before (identities stay stable)
+    cfg = first if list(found) == ["args"] else {"class": type(model).__qualname__, **found}
+    return model_type, cfg
+
+
+def config_digest(model: Any) -> tuple[str, str]:
+    """(model_type, digest of every configuration the model keeps)."""
+    model_type, cfg = _config_of(model)
+    return model_type, _sha(_canonical(cfg))
 
 
 def _versions() -> dict[str, str]:
@@ -119,21 +166,31 @@ class ModelIdentity:
     cache_config: tuple[tuple[str, int], ...] = ()
     name: str = field(default="", compare=False)
     versions: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    # The digest of a speculative draft model whose caches ride in the same
+    # cache list (mlx-lm's server appends them): another draft, another cache.
+    draft: str = ""
+
+    def _digested(self) -> tuple[str, ...]:
+        return DIGEST_FIELDS + tuple(k for k in OPTIONAL_FIELDS if getattr(self, k))
 
     @property
     def digest(self) -> str:
-        return _sha(_canonical({k: getattr(self, k) for k in DIGEST_FIELDS}))
+        return _sha(_canonical({k: getattr(self, k) for k in self._digested()}))
+
+    def with_draft(self, draft: ModelIdentity | None) -> ModelIdentity:
+        """This identity for a cache list that also holds ``draft``'s caches."""
+        return dataclasses.replace(self, draft=draft.digest if draft is not None else "")
 
     @classmethod
     def of(
         cls, model: Any, tokenizer: Any = None, *, name: str | None = None, **cache_config: Any
     ) -> ModelIdentity:
         """The identity of a loaded mlx-lm model (and its tokenizer)."""
-        model_type, cfg = _config_of(model)
+        model_type, config = config_digest(model)
         tok, template = _tokenizer_digests(tokenizer)
         return cls(
             model_type=model_type,
-            config=_sha(_canonical(cfg)),
+            config=config,
             weights=_weights_digest(model),
             tokenizer=tok,
             chat_template=template,
@@ -143,22 +200,29 @@ class ModelIdentity:
         )
 
     @classmethod
-    def from_path(cls, model_dir: str | os.PathLike[str], **cache_config: Any) -> ModelIdentity:
-        """The identity of the mlx-lm model directory ``model_dir``.
+    def from_path(
+        cls,
+        model_dir: str | os.PathLike[str],
+        *,
+        adapter_path: str | os.PathLike[str] | None = None,
+        **cache_config: Any,
+    ) -> ModelIdentity:
+        """The identity of the mlx-lm model directory ``model_dir`` (with its LoRA adapter).
 
         Loads the model lazily with mlx-lm, so it equals ``of()`` of the same
-        model as mlx-lm loads it (sanitized weights, not raw file bytes).
+        model as mlx-lm loads it (sanitized weights, adapter weights included).
         """
         from mlx_lm import load
 
         path = Path(model_dir)
-        model, tokenizer = load(str(path), lazy=True)[:2]
+        adapter = None if adapter_path is None else str(adapter_path)
+        model, tokenizer = load(str(path), adapter_path=adapter, lazy=True)[:2]
         return cls.of(model, tokenizer, name=path.name, **cache_config)
 
     def diff(self, other: ModelIdentity) -> list[str]:
         """The digested fields that differ, by name (cache_config per key)."""
         out = []
-        for k in DIGEST_FIELDS:
+        for k in DIGEST_FIELDS + OPTIONAL_FIELDS:
             if k == "cache_config":
                 mine, theirs = dict(self.cache_config), dict(other.cache_config)
                 out += [
@@ -176,7 +240,7 @@ class ModelIdentity:
             raise IdentityMismatchError(what, fields)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in DIGEST_FIELDS if k != "cache_config"}
+        d = {k: getattr(self, k) for k in self._digested() if k != "cache_config"}
         return {
             **d,
             "cache_config": dict(self.cache_config),
@@ -196,6 +260,9 @@ class ModelIdentity:
             if not isinstance(v, str) or len(v) > 4096:
                 raise ValueError(f"identity field {k} must be a string")
             strs[k] = v
+        draft = d.get("draft", "")
+        if not isinstance(draft, str) or len(draft) > 4096:
+            raise ValueError("identity field draft must be a string")
         cc, ver = d.get("cache_config"), d.get("versions", {})
         if not isinstance(cc, dict) or not isinstance(ver, dict):
             raise ValueError("identity cache_config and versions must be maps")
@@ -208,6 +275,7 @@ class ModelIdentity:
             cache_config=tuple(sorted((str(k), v) for k, v in cc.items())),
             name=strs["name"] or "",
             versions=tuple(sorted((str(k), str(v)) for k, v in ver.items())),
+            draft=draft,
         )
         if d.get("digest") != ident.digest:
             raise ValueError("identity digest does not match its fields")

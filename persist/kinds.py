@@ -13,7 +13,9 @@ Grammar::
 from __future__ import annotations
 
 import functools
+import importlib
 import re
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -26,6 +28,7 @@ __all__ = [
     "KindNode",
     "parse_kind",
     "register_kind",
+    "register_lazy_kind",
     "kind_of",
     "codec_for",
     "class_for",
@@ -92,6 +95,10 @@ _by_class: dict[type, str] = {}
 _codecs: dict[str, Codec] = {}
 _by_name: dict[str, type] = {}
 _builtins_loaded = False
+# Kinds whose class lives in a module persist does not import up front (a
+# model file): kind name -> (module, class name, codec).  The class is taken
+# from that module, never from a name read from a file.
+_lazy: dict[str, tuple[str, str, Codec]] = {}
 
 
 def _ensure_builtins() -> None:
@@ -167,9 +174,35 @@ def register_kind(cls: type, name: str, codec: Codec) -> None:
         _codecs[name] = codec
 
 
+def register_lazy_kind(name: str, module: str, attr: str, codec: Codec) -> None:
+    """Register kind ``name`` for class ``module.attr`` once that module is in use."""
+    with _lock:
+        _lazy[name] = (module, attr, codec)
+
+
+def _load_lazy(name: str, *, import_module: bool) -> None:
+    entry = _lazy.get(name)
+    if entry is None or name in _codecs:
+        return
+    module, attr, codec = entry
+    mod = sys.modules.get(module)
+    if mod is None and import_module:
+        mod = importlib.import_module(module)
+    if mod is not None:
+        register_kind(getattr(mod, attr), name, codec)
+
+
+def _lazy_for_class(cls: type) -> None:
+    for name, (module, attr, _) in list(_lazy.items()):
+        if cls.__module__ == module and cls.__qualname__ == attr:
+            _load_lazy(name, import_module=False)
+
+
 def kind_of(cache: Any) -> str:
     """The full kind string of a live cache, looked up by its exact class."""
     _ensure_builtins()
+    if type(cache) not in _by_class:
+        _lazy_for_class(type(cache))
     name = _by_class.get(type(cache))
     if name is None:
         t = type(cache)
@@ -191,6 +224,7 @@ def codec_for(name: str) -> Codec:
     """The codec registered for kind ``name`` (the outer name of a wrapper kind)."""
     _ensure_builtins()
     node = parse_kind(name)
+    _load_lazy(node.name, import_module=True)
     codec = _codecs.get(node.name)
     if codec is None:
         raise UnknownKindError(name, "no codec is registered for it in this process")
@@ -201,6 +235,7 @@ def class_for(name: str) -> type:
     """The class registered under the outer name of ``name``."""
     _ensure_builtins()
     node = parse_kind(name)
+    _load_lazy(node.name, import_module=True)
     cls = _by_name.get(node.name)
     if cls is None:
         raise UnknownKindError(name, "no class is registered for it in this process")
@@ -212,6 +247,7 @@ def require_known(kind: str) -> KindNode:
     _ensure_builtins()
     root = parse_kind(kind)
     for node in root.walk():
+        _load_lazy(node.name, import_module=True)
         codec = _codecs.get(node.name)
         if codec is None:
             raise UnknownKindError(

@@ -13,7 +13,6 @@ import contextlib
 import errno
 import os
 import secrets
-import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from .records import Progress
 from .snapshot import capture
 from .stfile import write_tensors
 from .store.blobs import blob_metadata
+from .store.chains import pack_tokens, unpack_tokens
 from .store.index import BlockRef, Index, NewBlob
 
 if TYPE_CHECKING:
@@ -38,14 +38,6 @@ if TYPE_CHECKING:
 __all__ = ["Target", "save_snapshot", "pack_tokens", "unpack_tokens"]
 
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-
-
-def pack_tokens(tokens: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(tokens)}I", *tokens)
-
-
-def unpack_tokens(raw: bytes) -> list[int]:
-    return list(struct.unpack(f"<{len(raw) // 4}I", raw))
 
 
 @dataclass(frozen=True)
@@ -213,6 +205,7 @@ def _commit(
         if t.name is not None:
             _retire(db, namespace, t.name, t.identity.digest, snap, toks)
         sid = Index.insert(db, row, refs)
+        Index.add_heads(db, sid, chs, toks, store.block_tokens)
         if store.max_bytes is not None:
             _evict(db, store.max_bytes, frozenset({sid}))
             total = store.index.unique_bytes(db)

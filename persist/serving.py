@@ -17,6 +17,8 @@ import logging
 import queue
 import threading
 from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -30,23 +32,44 @@ __all__ = ["PersistentPromptCache"]
 log = logging.getLogger("persist")
 
 
+Resolver = Callable[[Any], "ModelIdentity | None"]
+
+
+def _constant(identity: ModelIdentity) -> Resolver:
+    return lambda _key: identity
+
+
 class PersistentPromptCache(LRUPromptCache):
+    """mlx-lm's prompt cache with the store behind it.
+
+    ``identity`` is either one ModelIdentity (every cache is that model's) or
+    a resolver from the server's model key (model path, adapter path, draft
+    model path) to the identity of the model loaded under that key.  Every
+    store entry is keyed by the identity of the model that computed it, and
+    looked up by the identity of the model that will consume it; a key the
+    resolver does not know never touches the store.
+    """
+
     def __init__(
         self,
         max_size: int = 10,
         max_bytes: int = 1 << 63,
         *,
         store: Store,
-        identity: ModelIdentity,
+        identity: ModelIdentity | Resolver,
         namespace: str = "default",
         queue_size: int = 16,
     ) -> None:
         super().__init__(max_size, max_bytes)
         self.store = store
-        self.identity = identity
+        self.identity_for: Resolver = (
+            _constant(identity) if isinstance(identity, ModelIdentity) else identity
+        )
         self.namespace = namespace
         self.counters: Counter[str] = Counter()
-        self._queue: queue.Queue[tuple[list[int], list[Any]] | None] = queue.Queue(queue_size)
+        self._queue: queue.Queue[tuple[ModelIdentity, list[int], list[Any]] | None] = queue.Queue(
+            queue_size
+        )
         self._writer = threading.Thread(
             target=self._write_behind, name="persist-writer", daemon=True
         )
@@ -57,10 +80,14 @@ class PersistentPromptCache(LRUPromptCache):
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = super().fetch_nearest_cache(model, tokens)
         have = len(tokens) - len(rest) if cache is not None else 0
+        identity = self.identity_for(model)
+        if identity is None:
+            self._count(unkeyed=1)
+            return cache, rest
         try:
-            found = self.store.find(tokens, identity=self.identity, namespace=self.namespace)
+            found = self.store.find(tokens, identity=identity, namespace=self.namespace)
             if found is not None and found[1] > have:
-                hit = self.store.lookup(tokens, identity=self.identity, namespace=self.namespace)
+                hit = self.store.lookup(tokens, identity=identity, namespace=self.namespace)
                 if hit is not None and len(hit.tokens) > have:
                     self._count(store_hits=1, restored_tokens=len(hit.tokens))
                     log.info(
@@ -84,9 +111,13 @@ class PersistentPromptCache(LRUPromptCache):
         cache_type: str = "assistant",
     ) -> None:
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        identity = self.identity_for(model)
+        if identity is None:  # no identity vouches for it: memory only
+            self._count(unkeyed=1)
+            return
         mx.eval([c.state for c in prompt_cache])  # evaluated before the hand-off
         try:
-            self._queue.put_nowait((list(tokens), prompt_cache))
+            self._queue.put_nowait((identity, list(tokens), prompt_cache))
         except queue.Full:
             self._count(queue_drops=1)
             log.warning("persist: write-behind queue full; %d tokens not persisted", len(tokens))
@@ -99,8 +130,8 @@ class PersistentPromptCache(LRUPromptCache):
             try:
                 if item is None:
                     return
-                tokens, cache = item
-                self.store.save(cache, tokens, identity=self.identity, namespace=self.namespace)
+                identity, tokens, cache = item
+                self.store.save(cache, tokens, identity=identity, namespace=self.namespace)
                 self._count(persisted=1)
             except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
                 self._count(persist_errors=1)
@@ -124,6 +155,44 @@ class PersistentPromptCache(LRUPromptCache):
             self.store.index.count(self.namespace, **{f"serve_{k}": v for k, v in deltas.items()})
 
 
+def cache_config_of(cli_args: Any) -> dict[str, int]:
+    """The server options that change the caches it computes (kv_bits and its settings)."""
+    if getattr(cli_args, "kv_bits", None) is None:
+        return {}
+    return {
+        "kv_bits": int(cli_args.kv_bits),
+        "kv_group_size": int(cli_args.kv_group_size),
+        "quantized_kv_start": int(cli_args.quantized_kv_start),
+    }
+
+
+def track_identities(server: Any) -> dict[Any, ModelIdentity]:
+    """Patch mlx-lm's ModelProvider so each model it loads gets its identity.
+
+    Keyed by the server's own model key (model path, adapter path, draft
+    path); the identity digests the weights as loaded (adapter included),
+    the draft model whose caches ride in the same list, and the kv-bits
+    options.  Host, port, logging and sampling options change no cache.
+    """
+    identities: dict[Any, ModelIdentity] = {}
+    real_load = server.ModelProvider._load
+
+    def _load(self: Any, model_path: Any, adapter_path: Any = None, draft: Any = None) -> None:
+        real_load(self, model_path, adapter_path, draft)
+        ident = ModelIdentity.of(
+            self.model,
+            self.tokenizer,
+            name=Path(str(model_path)).name,
+            **cache_config_of(self.cli_args),
+        )
+        if self.draft_model is not None:
+            ident = ident.with_draft(ModelIdentity.of(self.draft_model))
+        identities[self.model_key] = ident
+
+    server.ModelProvider._load = _load
+    return identities
+
+
 def serve(
     model_dir: str,
     store_root: Any,
@@ -142,13 +211,13 @@ def serve(
 
     import mlx_lm.server as server
 
-    identity = ModelIdentity.from_path(model_dir)
+    identities = track_identities(server)
     store = Store(store_root, max_bytes=max_bytes)
     caches: list[PersistentPromptCache] = []
 
     def make(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
         pc = PersistentPromptCache(
-            max_size, max_bytes, store=store, identity=identity, namespace=namespace
+            max_size, max_bytes, store=store, identity=identities.get, namespace=namespace
         )
         caches.append(pc)
         return pc

@@ -16,11 +16,6 @@ from typing import Any
 import msgpack
 
 from . import policy
-from .blocks import (
-    chain_root,
-    chains,
-    head_key,
-)
 from .errors import (
     CorruptBlobError,
     IdentityMismatchError,
@@ -31,8 +26,9 @@ from .errors import (
 from .identity import ModelIdentity
 from .manifest import check_metadata
 from .records import Progress
-from .saving import Target, save_snapshot, unpack_tokens
+from .saving import Target, save_snapshot
 from .store.blobs import FileBlobs
+from .store.chains import HEAD_TOKENS, chain_root, chains, check_tokens, head_key, unpack_tokens
 from .store.index import Index, SnapshotRow
 from .store.schema import connect
 from .store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
@@ -162,60 +158,74 @@ class Store:
     def lookup(
         self, tokens: Sequence[int], *, identity: ModelIdentity, namespace: str = "default"
     ) -> Restored | None:
-        """The longest usable stored prefix of ``tokens`` (at least one token is left over)."""
+        """The longest usable stored prefix of ``tokens`` (at least one token is left over).
+
+        Token-exact: a hit of k tokens holds exactly what a fresh prefill of
+        those k tokens would (the codecs cut every layer to k).
+        """
         from .assemble import load_snapshot
 
-        toks = [int(t) for t in tokens]
-        rows, cands = self._candidates(toks, identity, namespace)
-        while cands:
-            choice = policy.choose(cands, len(toks))
-            if choice is None:
+        toks = check_tokens(tokens)
+        skip: set[int] = set()
+        while True:
+            found = self._choose(toks, identity, namespace, skip)
+            if found is None:
                 break
-            row = rows[choice.candidate.id]
+            row, prefix = found
             try:
-                cache = load_snapshot(self, row)
+                cache = load_snapshot(self, row, keep=prefix)
             except CorruptBlobError as e:
                 log.warning("persist: skipping a damaged snapshot in lookup: %s", e)
                 self.index.count(namespace, corrupt_skipped=1)
-                cands = [c for c in cands if c[0].id != row.id]
+                skip.add(row.id)
                 continue
-            if choice.prefix < row.n_tokens:
-                for c in cache:
-                    c.trim(row.n_tokens - choice.prefix)
             self.index.touch(row.id)
-            self.index.count(namespace, hits=1, restored_tokens=choice.prefix)
-            return Restored(cache, toks[: choice.prefix], self._info(row))
+            self.index.count(namespace, hits=1, restored_tokens=prefix)
+            return Restored(cache, toks[:prefix], self._info(row))
         self.index.count(namespace, misses=1)
         return None
 
-    def _candidates(
-        self, toks: list[int], identity: ModelIdentity, namespace: str
-    ) -> tuple[dict[int, SnapshotRow], list[tuple[policy.Candidate, int]]]:
-        """Index rows that may serve ``toks``, each with its common prefix (no blob is read)."""
+    def _choose(
+        self, toks: list[int], identity: ModelIdentity, namespace: str, skip: set[int]
+    ) -> tuple[SnapshotRow, int] | None:
+        """The row and usable prefix a lookup restores, from the index alone (no blob read).
+
+        First the snapshots that share the prompt's matched blocks and the
+        HEAD_TOKENS after them (any of those beats every other); if none of
+        them can serve, the ones that share only the matched blocks.
+        """
         check_name(namespace, "namespace")
         secret = self.index.secret(namespace)  # a lookup never creates a namespace
         if secret is None:
-            return {}, []
-        chs = chains(chain_root(secret, identity.digest), toks, self.block_tokens)
-        chs[0] = head_key(chs[0], toks)  # snapshots with no full block are found by their head
-        rows = {r.id: r for r in self.index.candidates(namespace, identity.digest, chs, len(toks))}
-        cands = [
-            (
-                policy.Candidate(r.id, r.n_tokens, r.trimmable, r.min_resume, r.used),
-                policy.common_prefix(unpack_tokens(r.tokens), toks),
-            )
-            for r in rows.values()
-        ]
-        return rows, cands
+            return None
+        digest, block = identity.digest, self.block_tokens
+        chs = chains(chain_root(secret, digest), toks, block)
+        matched = self.index.matched_blocks(namespace, digest, chs)
+        tiers = []
+        if len(toks) - matched * block >= HEAD_TOKENS:
+            head = head_key(chs[matched], toks[matched * block :])
+            tiers.append(lambda: self.index.by_head(namespace, digest, head, len(toks)))
+        tiers.append(lambda: self.index.by_blocks(namespace, digest, chs, matched, len(toks)))
+        for tier in tiers:
+            rows = {r.id: r for r in tier() if r.id not in skip}
+            cands = [
+                (
+                    policy.Candidate(r.id, r.n_tokens, r.trimmable, r.min_resume, r.used),
+                    policy.common_prefix(unpack_tokens(r.tokens), toks),
+                )
+                for r in rows.values()
+            ]
+            choice = policy.choose(cands, len(toks))
+            if choice is not None:
+                return rows[choice.candidate.id], choice.prefix
+        return None
 
     def find(
         self, tokens: Sequence[int], *, identity: ModelIdentity, namespace: str = "default"
     ) -> tuple[EntryInfo, int] | None:
         """What ``lookup`` would restore (entry, usable prefix), from the index alone."""
-        toks = [int(t) for t in tokens]
-        rows, cands = self._candidates(toks, identity, namespace)
-        choice = policy.choose(cands, len(toks))
-        return None if choice is None else (self._info(rows[choice.candidate.id]), choice.prefix)
+        found = self._choose(check_tokens(tokens), identity, namespace, set())
+        return None if found is None else (self._info(found[0]), found[1])
 
     # -- listing and maintenance --------------------------------------------
 

@@ -16,6 +16,7 @@ from .codecs import decode_record, encode_cache, facts_of
 from .errors import NotResumableError
 from .kinds import is_batched, kind_of
 from .records import Record, ResumeFacts
+from .store.chains import check_tokens
 
 __all__ = ["Snapshot", "capture", "rebuild", "extract_row", "snapshot_facts", "require_covers"]
 
@@ -52,19 +53,12 @@ def _as_list(cache: Any) -> list[Any]:
     return list(cache)
 
 
-def _check_tokens(tokens: Sequence[int]) -> list[int]:
-    out = [int(t) for t in tokens]
-    if any(not 0 <= t < 1 << 31 for t in out):
-        raise ValueError("token ids must be integers in [0, 2**31)")
-    return out
-
-
 def capture(cache: Any, tokens: Sequence[int] | None = None) -> Snapshot:
     """Encode every layer; refuse a cache that does not match ``tokens``."""
     layers = _as_list(cache)
     kinds = [kind_of(c) for c in layers]
     facts = [facts_of(c) for c in layers]
-    toks = None if tokens is None else _check_tokens(tokens)
+    toks = None if tokens is None else check_tokens(tokens)
     if toks is not None:
         _require_covers(kinds, facts, toks)
     else:

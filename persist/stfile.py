@@ -203,14 +203,18 @@ class Sink:
         finally:
             buf.close()
 
-    def finish(self) -> None:
-        """Write what is staged, trim the alignment padding, fsync."""
+    def flush(self) -> None:
+        """Write what is staged and trim the alignment padding (no fsync yet)."""
         if self._stage is not None and self._fill:
             padded = -(-self._fill // DIRECT_ALIGN) * DIRECT_ALIGN
             self._stage[self._fill : padded] = bytes(padded - self._fill)
             _write_all(self.fd, memoryview(self._stage)[:padded])
             self._fill = 0
             os.ftruncate(self.fd, self.size)
+
+    def finish(self) -> None:
+        """Write what is staged, then fsync: nothing is written to the file after this."""
+        self.flush()
         os.fsync(self.fd)
 
     def close(self) -> None:
@@ -241,8 +245,9 @@ def write_tensors(
     Each producer is called once, right before its bytes are written, so at
     most one materialized tensor is alive at a time.  ``metadata`` is called
     with placeholder checksums to size the header and again with the real
-    ones; it must produce strings of the same length both times.  The caller
-    finishes (fsyncs) the sink.
+    ones; it must produce strings of the same length both times.  The real
+    header is written before the sink's one fsync (``finish``); the caller
+    renames the file after that, never writing to it again.
     """
     items = list(tensors)
     zero = {name: bytes(CHECKSUM_BYTES) for name, _, _ in items}
@@ -265,12 +270,15 @@ def write_tensors(
         sums[name] = checksum(data)
         sink.write(data)
         del data
-    sink.finish()
+    sink.flush()
     final = _header_bytes(table, metadata(sums), sink.align)
     if len(final) != len(head):
         raise RuntimeError("header length changed between passes")  # a bug, not bad input
+    # The real header goes in before the one fsync: after a power cut the disk
+    # holds either no file under its final name or this whole file.
     sink.rewrite_head(final)
     sink.head_digest = checksum(final)
+    sink.finish()
     return sums
 
 

@@ -23,6 +23,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_hd64": ("llama", {"head_dim": 64}),
     # another hybrid model, as a speculative draft that disagrees with qwen3_next
     "qwen3_next_b": ("qwen3_next", {"rope_theta": 20000.0, "linear_conv_kernel_dim": 3}),
+    # DeepSeek-V4 (deepseek_v41): with index layers, and without (a deterministic forward)
+    "deepseek_v4": ("deepseek_v4", {}),
+    "deepseek_v4_noindex": ("deepseek_v4_noindex", {}),
 }
 
 

@@ -6,18 +6,27 @@ from mlx_lm.models import cache as _c
 
 from ..caches.delayed import DelayedQuantizedKVCache
 from ..caches.gated_delta import GatedDeltaCache
-from ..kinds import Codec, register_kind
+from ..kinds import Codec, register_kind, register_lazy_kind
 from .arrays import ArraysCodec
 from .batch import BatchKVCodec, BatchRotatingKVCodec
 from .cachelist import CacheListCodec
+from .deepseek import CLASS_PATH as DEEPSEEK_V4
+from .deepseek import DeepSeekV4LayerCodec
 from .delayed import DelayedQuantizedCodec
-from .dispatch import check_spec, decode_record, encode_cache, facts_of
+from .dispatch import check_spec, decode_record, encode_cache, facts_of, trim_record
 from .gated_delta import GatedDeltaCodec
 from .kv import ChunkedKVCodec, ConcatKVCodec, KVCodec
 from .quantized import QuantizedKVCodec
 from .rotating import RotatingKVCodec
 
-__all__ = ["encode_cache", "check_spec", "decode_record", "facts_of", "BUILTIN_KINDS"]
+__all__ = [
+    "encode_cache",
+    "check_spec",
+    "decode_record",
+    "facts_of",
+    "trim_record",
+    "BUILTIN_KINDS",
+]
 
 BUILTIN_KINDS: dict[str, tuple[type, Codec]] = {
     "kv": (_c.KVCache, KVCodec()),
@@ -35,3 +44,7 @@ BUILTIN_KINDS: dict[str, tuple[type, Codec]] = {
 
 for _name, (_cls, _codec) in BUILTIN_KINDS.items():
     register_kind(_cls, _name, _codec)
+
+# Model-file classes: registered when their module is in use, so importing
+# persist never imports a model.
+register_lazy_kind("deepseek-v4-layer", *DEEPSEEK_V4, DeepSeekV4LayerCodec())

@@ -30,6 +30,7 @@ __all__ = [
     "step_capacity",
     "live",
     "MAX_DIM",
+    "cut",
 ]
 
 MX_TO_NAME: dict[Any, str] = {
@@ -152,3 +153,14 @@ def with_capacity(a: mx.array, capacity: int, axis: int = 2) -> mx.array:
     shape = list(a.shape)
     shape[axis] = capacity - n
     return mx.concatenate([a, mx.zeros(shape, dtype=a.dtype)], axis=axis)
+
+
+def cut(tensors: dict[str, Any], n: int, axis: int = 2) -> dict[str, Any]:
+    """Every tensor cut to its first ``n`` positions; none at all when ``n`` is 0.
+
+    A trimmed record holds exactly what a fresh prefill of the kept tokens
+    would hold: positions past ``n`` are gone, not merely hidden by an offset.
+    """
+    if n == 0:
+        return {}
+    return {k: live(v, n, axis) for k, v in tensors.items()}

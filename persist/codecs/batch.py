@@ -18,6 +18,7 @@ from ..records import INT_DTYPES, Record, RecordSpec, ResumeFacts
 from .base import (
     LeafCodec,
     blank,
+    cut,
     expect_tensor,
     expect_tensor_names,
     invalid,
@@ -51,6 +52,14 @@ def check_rows(spec: RecordSpec, rows: int, length: int) -> None:
 
 def row_vectors(cache: Any) -> dict[str, mx.array]:
     return {"offset": cache.offset, "left_padding": cache.left_padding}
+
+
+def _single_row(record: Record, kind: str) -> int:
+    """The offset of a one-row batch record; several rows have no single prefix."""
+    offsets = record.tensors["offset"]
+    if offsets.shape[0] != 1:
+        raise NotResumableError(f"{kind}: a batch of several rows cannot be trimmed as one")
+    return int(offsets[0].item())
 
 
 def single_row_offset(cache: Any) -> int | None:
@@ -89,6 +98,14 @@ class BatchKVCodec(LeafCodec):
             cap = round_up(n, getattr(cls, "step", 256))
             c.keys, c.values = with_capacity(t["keys"], cap), with_capacity(t["values"], cap)
         return c
+
+    def trim(self, record: Record, n: int) -> Record:
+        t = record.tensors
+        drop = _single_row(record, "batch-kv") - n
+        idx = record.meta["idx"] - drop
+        kv = cut({k: t[k] for k in KV_NAMES if k in t}, idx)
+        rows = {"offset": t["offset"] - drop, "left_padding": t["left_padding"]}
+        return Record(record.kind, record.version, {**record.meta, "idx": idx}, rows | kv)
 
     def facts(self, cache: Any) -> ResumeFacts:
         return ResumeFacts(
@@ -140,6 +157,17 @@ class BatchRotatingKVCodec(LeafCodec):
         c.rotated = m["rotated"]
         c._lengths = None
         return c
+
+    def trim(self, record: Record, n: int) -> Record:
+        m, t = record.meta, record.tensors
+        if m["rotated"] or m["position"] >= m["max_size"]:
+            raise NotResumableError("batch-rotating-kv: a ring that has wrapped cannot be trimmed")
+        drop = _single_row(record, "batch-rotating-kv") - n
+        idx = m["idx"] - drop
+        kv = cut({k: t[k] for k in KV_NAMES if k in t}, idx)
+        rows = {"offset": t["offset"] - drop, "left_padding": t["left_padding"]}
+        meta = {**m, "idx": idx, "length": idx, "position": m["position"] - drop}
+        return Record(record.kind, record.version, meta, rows | kv)
 
     def facts(self, cache: Any) -> ResumeFacts:
         return ResumeFacts(

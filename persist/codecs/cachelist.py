@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import NotResumableError
 from ..records import Record, RecordSpec, ResumeFacts
 from .base import blank, expect_tensor_names, invalid, meta_int
-from .dispatch import decode_record, encode_cache, facts_of
+from .dispatch import decode_record, encode_cache, facts_of, trim_record
 
 __all__ = ["CacheListCodec", "combine_facts"]
 
@@ -55,6 +55,10 @@ class CacheListCodec:
         c = blank(cls)
         c.caches = tuple(decode_record(r) for r in record.children)
         return c
+
+    def trim(self, record: Record, n: int) -> Record:
+        kids = tuple(trim_record(c, n) for c in record.children)
+        return Record(record.kind, record.version, record.meta, record.tensors, kids)
 
     def facts(self, cache: Any) -> ResumeFacts:
         return combine_facts([facts_of(c) for c in cache.caches])

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import NotResumableError
 from ..records import Record, RecordSpec, ResumeFacts
 from .base import blank, expect_tensor_names, invalid, meta_int, meta_opt_int
-from .dispatch import decode_record, encode_cache, facts_of
+from .dispatch import decode_record, encode_cache, facts_of, trim_record
 
 __all__ = ["DelayedQuantizedCodec"]
 
@@ -53,6 +54,13 @@ class DelayedQuantizedCodec:
         if c.converted_at is not None:
             c.inner.min_resume_offset = c.converted_at
         return c
+
+    def trim(self, record: Record, n: int) -> Record:
+        converted = record.meta["converted_at"]
+        if converted is not None and n < converted:
+            raise NotResumableError(f"delayed-quantized: cannot trim to {n}, below {converted}")
+        kids = (trim_record(record.children[0], n),)
+        return Record(record.kind, record.version, record.meta, record.tensors, kids)
 
     def facts(self, cache: Any) -> ResumeFacts:
         inner = facts_of(cache.inner)

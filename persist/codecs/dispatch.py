@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from ..errors import UnsupportedVersionError
+from ..errors import NotResumableError, UnsupportedVersionError
 from ..kinds import class_for, codec_for, kind_of, require_known
 from ..records import Record, RecordSpec, ResumeFacts
 from .base import invalid
 
-__all__ = ["encode_cache", "check_spec", "decode_record", "facts_of"]
+__all__ = ["encode_cache", "check_spec", "decode_record", "facts_of", "trim_record"]
 
 
 def encode_cache(cache: Any) -> Record:
@@ -18,7 +19,26 @@ def encode_cache(cache: Any) -> Record:
 
 
 def facts_of(cache: Any) -> ResumeFacts:
-    return codec_for(kind_of(cache)).facts(cache)
+    """A codec's facts; a kind whose codec cannot trim a record is never trimmable."""
+    codec = codec_for(kind_of(cache))
+    facts = codec.facts(cache)
+    if facts.trimmable and not callable(getattr(codec, "trim", None)):
+        facts = dataclasses.replace(facts, trimmable=False)
+    return facts
+
+
+def trim_record(record: Record, n: int) -> Record:
+    """The record a fresh prefill of the first ``n`` positions would have produced.
+
+    Trimming happens here, on records, never through a cache class's own
+    ``trim`` (mlx-lm's ConcatenateKVCache.trim only lowers ``offset`` and keeps
+    the cut positions, which the next update would attend to).
+    """
+    trim = getattr(codec_for(record.kind), "trim", None)
+    if trim is None:
+        raise NotResumableError(f"{record.kind}: this kind cannot be trimmed")
+    out: Record = trim(record, n)
+    return out
 
 
 def check_spec(spec: RecordSpec) -> None:

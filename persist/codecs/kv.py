@@ -11,10 +11,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..errors import NotResumableError
 from ..records import Record, RecordSpec, ResumeFacts
 from .base import (
     LeafCodec,
     blank,
+    cut,
     expect_tensor,
     expect_tensor_names,
     invalid,
@@ -83,6 +85,11 @@ class KVCodec(LeafCodec):
             c.values = with_capacity(record.tensors["values"], cap)
         return c
 
+    def trim(self, record: Record, n: int) -> Record:
+        """The record a fresh prefill of the first ``n`` positions would give."""
+        meta = {**record.meta, "offset": n}
+        return Record(record.kind, record.version, meta, cut(record.tensors, n))
+
     def facts(self, cache: Any) -> ResumeFacts:
         return ResumeFacts(
             offset=int(cache.offset) if cache.keys is not None else 0,
@@ -144,6 +151,13 @@ class ChunkedKVCodec(LeafCodec):
             c.keys = with_capacity(record.tensors["keys"], cap)
             c.values = with_capacity(record.tensors["values"], cap)
         return c
+
+    def trim(self, record: Record, n: int) -> Record:
+        start = record.meta["start_position"]
+        if n < start:
+            raise NotResumableError(f"chunked-kv: cannot trim to {n}, below its front {start}")
+        meta = {**record.meta, "offset": n}
+        return Record(record.kind, record.version, meta, cut(record.tensors, n - start))
 
     def facts(self, cache: Any) -> ResumeFacts:
         start = int(cache.start_position)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import NotResumableError
 from ..records import FLOAT_DTYPES, Record, RecordSpec, ResumeFacts
 from .base import (
     LeafCodec,
     blank,
+    cut,
     expect_tensor,
     expect_tensor_names,
     invalid,
@@ -97,6 +99,13 @@ class QuantizedKVCodec(LeafCodec):
             c.keys = tuple(with_capacity(t[f"keys.{p}"], cap) for p in PARTS)
             c.values = tuple(with_capacity(t[f"values.{p}"], cap) for p in PARTS)
         return c
+
+    def trim(self, record: Record, n: int) -> Record:
+        floor = record.meta["min_resume_offset"]
+        if n < floor:
+            raise NotResumableError(f"quantized-kv: cannot trim to {n}, below its floor {floor}")
+        meta = {**record.meta, "offset": n}
+        return Record(record.kind, record.version, meta, cut(record.tensors, n))
 
     def facts(self, cache: Any) -> ResumeFacts:
         offset = int(cache.offset)

@@ -13,8 +13,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..errors import NotResumableError
 from ..records import Record, RecordSpec, ResumeFacts
-from .base import LeafCodec, blank, invalid, meta_int, round_up, with_capacity
+from .base import LeafCodec, blank, cut, invalid, meta_int, round_up, with_capacity
 from .kv import check_kv_pair, kv_bytes_per_token
 
 __all__ = ["RotatingKVCodec", "ring_layout"]
@@ -92,6 +93,13 @@ class RotatingKVCodec(LeafCodec):
                 keys, values = with_capacity(keys, cap), with_capacity(values, cap)
             c.keys, c.values = keys, values
         return c
+
+    def trim(self, record: Record, n: int) -> Record:
+        m = record.meta
+        if m["offset"] != m["idx"] or m["offset"] >= m["max_size"]:
+            raise NotResumableError("rotating-kv: a ring that has wrapped cannot be trimmed")
+        meta = {**m, "offset": n, "idx": n}
+        return Record(record.kind, record.version, meta, cut(record.tensors, n))
 
     def facts(self, cache: Any) -> ResumeFacts:
         offset, max_size = int(cache.offset), int(cache.max_size)

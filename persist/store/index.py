@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptBlobError
+from .chains import HEAD_TOKENS, head_key
 from .rows import (
     SNAPSHOT_COLS,
     BlockRef,
@@ -43,8 +44,25 @@ def corruption_is_typed() -> Iterator[None]:
         raise CorruptBlobError("index.sqlite", f"the index is damaged: {e}") from None
 
 
+# Bounds on one lookup's work, whatever the number of sessions sharing a prefix.
+MAX_CANDIDATES = 64
+MAX_VARIABLES = 500  # keys per IN (...) list: far below SQLite's limit
+
 # Forced plan: walk blocks by chain hash first (SQLite has no statistics to know).
 BLOCKS_THEN_SNAPSHOTS = "snapshot_blocks b INDEXED BY snapshot_blocks_chain CROSS JOIN snapshots s"
+
+
+def _serve_filter(namespace: str, identity: str, prompt_len: int) -> tuple[str, list[Any]]:
+    """Rows that could serve a prompt of ``prompt_len`` tokens, from index columns alone.
+
+    The SQL form of ``policy.could_serve``: an untrimmable snapshot longer than
+    the prompt can never serve, nor one whose floor leaves no token to compute.
+    """
+    return (
+        " AND s.namespace = ? AND s.identity = ?"
+        " AND (s.trimmable = 1 OR s.n_tokens <= ?) AND s.min_resume < ?",
+        [namespace, identity, prompt_len - 1, prompt_len],
+    )
 
 
 class Index:
@@ -177,48 +195,73 @@ class Index:
         with self.read() as db:
             return [row_of(r) for r in db.execute(sql + " ORDER BY namespace, name, id", args)]
 
-    def candidates(
-        self, namespace: str, identity: str, chains: Sequence[bytes], prompt_len: int
-    ) -> list[SnapshotRow]:
-        """Snapshots that may share a prefix with a prompt whose block chains are ``chains``.
+    def matched_blocks(self, namespace: str, identity: str, chains: Sequence[bytes]) -> int:
+        """How many leading blocks of a prompt (block chains ``chains[1:]``) some snapshot holds.
 
-        ``chains[0]`` is the prompt's head key; ``chains[i + 1]`` the chain of its block i.
-        Returned: snapshots whose last full block is any of those (they end inside
-        the matched region or just after it), and trimmable snapshots that go on
-        past the deepest matched block.  Untrimmable ones that could only serve
-        by trimming are filtered here, before any token or blob is read.
+        A snapshot holding block i holds every block before it, so the matched
+        blocks are a prefix of the prompt's: a binary search of single-key
+        queries, whatever the prompt's length.
         """
+        lo, hi = 0, len(chains) - 1
         with self.read() as db:
-            depth = -1
-            if len(chains) > 1:
-                marks = ",".join("?" * (len(chains) - 1))
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
                 row = db.execute(
-                    f"SELECT MAX(b.idx) FROM {BLOCKS_THEN_SNAPSHOTS} "
-                    f"ON s.id = b.snapshot WHERE b.chain IN ({marks}) AND s.namespace = ? "
-                    f"AND s.identity = ?",
-                    [*chains[1:], namespace, identity],
+                    f"SELECT 1 FROM {BLOCKS_THEN_SNAPSHOTS} ON s.id = b.snapshot "
+                    "WHERE b.chain = ? AND b.idx = ? AND s.namespace = ? AND s.identity = ? "
+                    "LIMIT 1",
+                    [chains[mid], mid - 1, namespace, identity],
                 ).fetchone()
-                depth = -1 if row[0] is None else int(row[0])
-            ends = chains[: depth + 2]
-            marks = ",".join("?" * len(ends))
-            filt = (
-                " AND s.namespace = ? AND s.identity = ?"
-                " AND (s.trimmable = 1 OR s.n_tokens <= ?) AND s.min_resume < ?"
-            )
-            args = [namespace, identity, prompt_len - 1, prompt_len]
+                lo, hi = (mid, hi) if row else (lo, mid - 1)
+        return lo
+
+    def by_head(
+        self, namespace: str, identity: str, head: bytes, prompt_len: int
+    ) -> list[SnapshotRow]:
+        """Snapshots that share a prompt's matched blocks and the HEAD_TOKENS after them.
+
+        Most recently used first, at most MAX_CANDIDATES: lookups stay bounded
+        however many sessions share a prompt's prefix.
+        """
+        filt, args = _serve_filter(namespace, identity, prompt_len)
+        with self.read() as db:
             rows = db.execute(
-                # INDEXED BY: without statistics SQLite would scan the namespace
-                f"SELECT {cols('s')} FROM snapshots s INDEXED BY snapshots_last_chain "
-                f"WHERE s.last_chain IN ({marks}){filt}",
-                [*ends, *args],
+                f"SELECT {cols('s')} FROM heads h INDEXED BY heads_key CROSS JOIN snapshots s "
+                f"ON s.id = h.snapshot WHERE h.key = ?{filt} ORDER BY s.used DESC LIMIT ?",
+                [head, *args, MAX_CANDIDATES],
             ).fetchall()
-            if depth >= 0:
+        return [row_of(r) for r in rows]
+
+    def by_blocks(
+        self, namespace: str, identity: str, chains: Sequence[bytes], matched: int, prompt_len: int
+    ) -> list[SnapshotRow]:
+        """Snapshots that end within the prompt's ``matched`` blocks or go on past them.
+
+        The fallback when no snapshot shares HEAD_TOKENS past the matched
+        blocks: the longest first, at most MAX_CANDIDATES of each sort.
+        """
+        if matched == 0:
+            return []
+        filt, args = _serve_filter(namespace, identity, prompt_len)
+        rows: list[Any] = []
+        with self.read() as db:
+            ends = list(chains[1 : matched + 1])
+            for i in range(len(ends), 0, -MAX_VARIABLES):  # deepest first, bounded per query
+                part = ends[max(0, i - MAX_VARIABLES) : i]
+                marks = ",".join("?" * len(part))
                 rows += db.execute(
-                    f"SELECT {cols('s')} FROM {BLOCKS_THEN_SNAPSHOTS} "
-                    f"ON s.id = b.snapshot WHERE b.chain = ? AND b.idx = ? "
-                    f"AND s.n_blocks > ? AND s.trimmable = 1{filt}",
-                    [chains[depth + 1], depth, depth + 1, *args],
+                    # INDEXED BY: without statistics SQLite would scan the namespace
+                    f"SELECT {cols('s')} FROM snapshots s INDEXED BY snapshots_last_chain "
+                    f"WHERE s.last_chain IN ({marks}){filt} "
+                    "ORDER BY s.n_tokens DESC, s.used DESC LIMIT ?",
+                    [*part, *args, MAX_CANDIDATES],
                 ).fetchall()
+            rows += db.execute(
+                f"SELECT {cols('s')} FROM {BLOCKS_THEN_SNAPSHOTS} "
+                f"ON s.id = b.snapshot WHERE b.chain = ? AND b.idx = ? "
+                f"AND s.n_blocks > ? AND s.trimmable = 1{filt} ORDER BY s.used DESC LIMIT ?",
+                [chains[matched], matched - 1, matched, *args, MAX_CANDIDATES],
+            ).fetchall()
         return [row_of(r) for r in rows]
 
     def touch(self, snapshot_id: int) -> None:
@@ -275,12 +318,18 @@ class Index:
 
     @staticmethod
     def insert(db: sqlite_utils.Database, row: dict[str, Any], blocks: Sequence[BlockRef]) -> int:
-        row = {**row, "row_xxh3": row_digest(row, blocks)}
-        cur = db.execute(
+        # ids are never reused: a check that read an old row must not act on a new one
+        last = db.execute("SELECT value FROM meta WHERE key = 'last_snapshot_id'").fetchone()
+        top = db.execute("SELECT COALESCE(MAX(id), 0) FROM snapshots").fetchone()[0]
+        sid = max(int(last[0]) if last else 0, int(top)) + 1
+        db.execute(
+            "INSERT OR REPLACE INTO meta(key, value) VALUES ('last_snapshot_id', ?)", [str(sid)]
+        )
+        row = {**row, "id": sid, "row_xxh3": row_digest(row, blocks)}
+        db.execute(
             f"INSERT INTO snapshots({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
             list(row.values()),
         )
-        sid = int(cur.lastrowid or 0)
         for b in blocks:
             db.execute(
                 "INSERT INTO snapshot_blocks(snapshot, idx, chain, blob) VALUES (?, ?, ?, ?)",
@@ -290,6 +339,24 @@ class Index:
             # dead=0: a blob the same transaction unreferenced is still on disk
             db.execute("UPDATE blobs SET refs = refs + 1, dead = 0 WHERE file = ?", [f])
         return sid
+
+    @staticmethod
+    def add_heads(
+        db: sqlite_utils.Database,
+        snapshot_id: int,
+        chains: Sequence[bytes],
+        tokens: Sequence[int],
+        block: int,
+    ) -> None:
+        """Head keys of a snapshot at each block boundary that HEAD_TOKENS tokens follow."""
+        for b, chain in enumerate(chains):
+            start = b * block
+            if len(tokens) - start < HEAD_TOKENS:
+                break
+            db.execute(
+                "INSERT INTO heads(snapshot, pos, key) VALUES (?, ?, ?)",
+                [snapshot_id, b, head_key(chain, tokens[start:])],
+            )
 
     @staticmethod
     def remove(db: sqlite_utils.Database, snapshot_id: int) -> None:
@@ -305,6 +372,7 @@ class Index:
             )
         ]
         db.execute("DELETE FROM snapshot_blocks WHERE snapshot = ?", [snapshot_id])
+        db.execute("DELETE FROM heads WHERE snapshot = ?", [snapshot_id])
         db.execute("DELETE FROM snapshots WHERE id = ?", [snapshot_id])
         for f in files:
             db.execute("UPDATE blobs SET refs = refs - 1 WHERE file = ?", [f])

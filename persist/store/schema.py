@@ -1,7 +1,8 @@
 """The SQLite index: schema, migrations, connection settings.  No mlx here.
 
-Schema version 1.  Each migration is a list of statements applied in one
-transaction; ``meta.schema_version`` records where a store is.
+Schema version 2.  Each migration is a list of statements applied in one
+transaction, then its Python step if it has one (a backfill);
+``meta.schema_version`` records where a store is.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SCHEMA_VERSION", "connect"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 MIGRATIONS: dict[int, list[str]] = {
     1: [
@@ -91,7 +92,41 @@ MIGRATIONS: dict[int, list[str]] = {
             PRIMARY KEY (namespace, name)
         )""",
     ],
+    2: [
+        # Head keys: for each block boundary b of a snapshot that at least
+        # HEAD_TOKENS tokens follow, the key of those tokens under chain b.
+        # They find prefixes that end inside a block (token-exact hits).
+        """CREATE TABLE heads (
+            snapshot INTEGER NOT NULL REFERENCES snapshots(id) ON DELETE CASCADE,
+            pos INTEGER NOT NULL,
+            key BLOB NOT NULL,
+            PRIMARY KEY (snapshot, pos)
+        )""",
+        """CREATE INDEX heads_key ON heads(key)""",
+        # Snapshot ids are never reused (a stale check must not hit a new row).
+        """INSERT OR IGNORE INTO meta(key, value)
+           SELECT 'last_snapshot_id', CAST(COALESCE(MAX(id), 0) AS TEXT) FROM snapshots""",
+    ],
 }
+
+
+def _backfill_heads(db: sqlite_utils.Database) -> None:
+    from .chains import unpack_tokens
+    from .index import Index
+
+    block = int(db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0])
+    rows = db.execute("SELECT id, root, tokens FROM snapshots").fetchall()
+    for sid, root, raw in rows:
+        chs = [bytes(root)] + [
+            bytes(r[0])
+            for r in db.execute(
+                "SELECT chain FROM snapshot_blocks WHERE snapshot = ? ORDER BY idx", [sid]
+            )
+        ]
+        Index.add_heads(db, sid, chs, unpack_tokens(bytes(raw)), block)
+
+
+BACKFILLS = {2: _backfill_heads}
 
 
 def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_utils.Database:
@@ -137,6 +172,8 @@ def _migrate(db: sqlite_utils.Database, path: Path) -> None:
         for v in range(version + 1, SCHEMA_VERSION + 1):
             for stmt in MIGRATIONS[v]:
                 db.execute(stmt)
+            if v in BACKFILLS and version > 0:  # a new store has nothing to fill
+                BACKFILLS[v](db)
             db.execute(
                 "INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', ?)", [str(v)]
             )

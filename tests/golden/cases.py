@@ -121,6 +121,18 @@ def _gated_delta() -> Any:
     return c
 
 
+def _deepseek_v4() -> Any:
+    """Every shape the layer cache takes: a field that is None, fields of zero rows."""
+    from mlx_lm.models.deepseek_v41 import LayerCache
+
+    c = LayerCache(window_size=8)
+    c.update_window(arr(80, (1, 12, 32), mx.float32))
+    c.compress_kv = arr(81, (1, 3, 32), mx.float32)
+    c.pending_kv = arr(82, (1, 0, 32), mx.float32)
+    c.pending_gate = arr(83, (1, 0, 32), mx.float32)
+    return c
+
+
 CASES: dict[str, Callable[[], Any]] = {
     "kv-empty": lambda: _kv(0),
     "kv-10": lambda: _kv(10),
@@ -138,6 +150,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "delayed-quantized-before": _delayed(20),
     "delayed-quantized-after": _delayed(40),
     "gated-delta": _gated_delta,
+    "deepseek-v4-layer": _deepseek_v4,
 }
 
 IDENTITY = ModelIdentity(
@@ -179,6 +192,10 @@ def probe(cache: Any) -> str:
         elif hasattr(c, "inner"):  # a wrapper of persist's own: its settings, then its cache
             put([c.start, c.quant_bits, c.quant_group_size, c.converted_at])
             visit(c.inner)
+        elif type(c).__name__ == "LayerCache":  # DeepSeek-V4: fields, then a window update
+            put([c.window_size, c.offset, [a is None for a in c.state]])
+            put([a for a in c.state if a is not None])
+            put(c.update_window(arr(93, (1, 2, 32), mx.float32)))
         elif isinstance(c, mc.QuantizedKVCache):
             put([c.offset, c.bits, c.group_size, c.keys_and_values()])
         else:

@@ -137,19 +137,23 @@ def test_tenants_never_touch_each_other(
         }
         opened: list[str] = []
         seen_rows: list[str] = []
-        real_open, real_candidates = store.blobs.open, store.index.candidates
+        real_open = store.blobs.open
 
         def spy_open(file: str) -> Any:
             opened.append(file)
             return real_open(file)
 
-        def spy_candidates(*a: Any, **k: Any) -> Any:
-            rows = real_candidates(*a, **k)
-            seen_rows.extend(r.namespace for r in rows)
-            return rows
+        def spy(real: Any) -> Any:
+            def candidates(*a: Any, **k: Any) -> Any:
+                rows = real(*a, **k)
+                seen_rows.extend(r.namespace for r in rows)
+                return rows
+
+            return candidates
 
         monkeypatch.setattr(store.blobs, "open", spy_open)
-        monkeypatch.setattr(store.index, "candidates", spy_candidates)
+        for tier in ("by_head", "by_blocks"):
+            monkeypatch.setattr(store.index, tier, spy(getattr(store.index, tier)))
         for n in (300, 450, 599):  # B probes A's prompt at several depths
             assert store.lookup(secret_prompt[:n] + [1], identity=identity, namespace="b") is None
         assert not opened and set(seen_rows) <= {"b"}
