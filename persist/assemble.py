@@ -24,7 +24,7 @@ from .store.blobs import blob_manifest
 
 if TYPE_CHECKING:
     from .sessions import Store
-    from .store.index import SnapshotRow
+    from .store.index import BlockRef, SnapshotRow
 
 __all__ = ["load_snapshot", "open_blob"]
 
@@ -55,75 +55,90 @@ def open_blob(store: Store, file: str) -> _Blob:
 
 
 def load_snapshot(
-    store: Store, row: SnapshotRow, progress: Progress | None = None, keep: int | None = None
+    store: Store,
+    row: SnapshotRow,
+    progress: Progress | None = None,
+    keep: int | None = None,
+    refs: list[BlockRef] | None = None,
 ) -> list[Any]:
-    """Fresh caches of ``row``; with ``keep``, exactly as a prefill of that many tokens."""
-    refs = store.index.verified_blocks(row)  # a damaged row is refused before anything else
+    """Fresh caches of ``row``; with ``keep``, exactly as a prefill of that many tokens.
+
+    ``refs`` are the row's blocks when the caller read them with the row (in
+    one transaction, checksum verified); otherwise they are read and verified here.
+    """
+    if refs is None:
+        refs = store.index.verified_blocks(row)  # a damaged row is refused first
     body = msgpack.unpackb(row.manifest, raw=False)
     specs = spec_from_manifest(body)
     for spec in specs:
         check_spec(spec)
     split: dict[str, int] = body["split"]
     block: int = body["block"]
-    opened: dict[str, _Blob] = {}
-    try:
-        tail = opened.setdefault(row.tail, open_blob(store, row.tail))
-        blocks = []
-        for ref in refs:
-            if ref.blob is None:
-                continue
-            if ref.blob not in opened:
-                opened[ref.blob] = open_blob(store, ref.blob)
-            blocks.append(opened[ref.blob])
-        if split and len(blocks) != row.n_blocks:
-            raise CorruptBlobError(f"snapshot {row.id}", "block list is incomplete")
-        records = []
-        for i, spec in enumerate(specs):
-            records.append(_read(spec, str(i), tail, blocks, split, block))
-            if progress is not None:
-                progress(i + 1, len(specs))
-        if keep is not None and keep != row.n_tokens:
-            records = [trim_record(r, keep) for r in records]
-        return rebuild(records)
-    finally:
-        for b in opened.values():
+    files = [ref.blob for ref in refs if ref.blob is not None]
+    if split and len(files) != row.n_blocks:
+        raise CorruptBlobError(f"snapshot {row.id}", "block list is incomplete")
+    buffers = _allocate(specs, split)
+    # One blob open at a time (a 70,000-token session has hundreds of blocks,
+    # more than a default open-file limit): block i fills positions [i*B, (i+1)*B)
+    # of every split tensor, the tail the rest and every other tensor.
+    pieces = [(f, i * block, True) for i, f in enumerate(files) if split]
+    pieces.append((row.tail, len(files) * block if split else 0, False))
+    for done, (file, at, block_only) in enumerate(pieces):
+        blob = open_blob(store, file)
+        try:
+            for key, (out, view, axis) in buffers.items():
+                if key in split or not block_only:
+                    _fill(blob, key, out, view, at if key in split else 0, axis)
+        finally:
             with contextlib.suppress(OSError):
-                b.f.close()
+                blob.f.close()
+        if progress is not None:
+            progress(done + 1, len(pieces))
+    records = [_record(spec, str(i), buffers) for i, spec in enumerate(specs)]
+    if keep is not None and keep != row.n_tokens:
+        records = [trim_record(r, keep) for r in records]
+    return rebuild(records)
 
 
-def _read(
-    spec: RecordSpec,
-    path: str,
-    tail: _Blob,
-    blocks: list[_Blob],
-    split: dict[str, int],
-    block: int,
-) -> Record:
-    caps = capacity_of(spec)
-    tensors = {}
-    for key, name in ((f"{path}/{n}", n) for n in spec.tensors):
-        whole = spec.tensors[name]
-        axis = split.get(key, 2)
-        out, view = allocate(whole, caps.get(name), axis)
-        pieces = [(b, i * block) for i, b in enumerate(blocks)] if key in split else []
-        pieces.append((tail, len(pieces) * block if key in split else 0))
-        for blob, at in pieces:
-            entry = blob.header.tensors.get(key)
-            if entry is None:
-                raise CorruptBlobError(blob.where, f"tensor {key!r} is missing")
-            read_piece(
-                blob.f.fileno(),
-                entry.start,
-                entry.spec,
-                view,
-                tuple(out.shape),
-                at,
-                axis,
-                blob.sums[key],
-                f"{blob.where}: tensor {key!r}",
-            )
-        tensors[name] = out
-    kids = tuple(
-        _read(c, f"{path}.{j}", tail, blocks, split, block) for j, c in enumerate(spec.children)
+Buffers = dict[str, tuple[Any, memoryview, int]]  # tensor key -> (array, writable view, axis)
+
+
+def _allocate(specs: list[RecordSpec], split: dict[str, int]) -> Buffers:
+    out: Buffers = {}
+
+    def walk(spec: RecordSpec, path: str) -> None:
+        caps = capacity_of(spec)
+        for name, whole in spec.tensors.items():
+            key = f"{path}/{name}"
+            axis = split.get(key, 2)
+            arr, view = allocate(whole, caps.get(name), axis)
+            out[key] = (arr, view, axis)
+        for j, c in enumerate(spec.children):
+            walk(c, f"{path}.{j}")
+
+    for i, spec in enumerate(specs):
+        walk(spec, str(i))
+    return out
+
+
+def _fill(blob: _Blob, key: str, out: Any, view: memoryview, at: int, axis: int) -> None:
+    entry = blob.header.tensors.get(key)
+    if entry is None:
+        raise CorruptBlobError(blob.where, f"tensor {key!r} is missing")
+    read_piece(
+        blob.f.fileno(),
+        entry.start,
+        entry.spec,
+        view,
+        tuple(out.shape),
+        at,
+        axis,
+        blob.sums[key],
+        f"{blob.where}: tensor {key!r}",
     )
+
+
+def _record(spec: RecordSpec, path: str, buffers: Buffers) -> Record:
+    tensors = {name: buffers[f"{path}/{name}"][0] for name in spec.tensors}
+    kids = tuple(_record(c, f"{path}.{j}", buffers) for j, c in enumerate(spec.children))
     return Record(spec.kind, spec.version, spec.meta, tensors, kids)

@@ -30,7 +30,7 @@ from .snapshot import capture
 from .stfile import write_tensors
 from .store.blobs import blob_metadata
 from .store.chains import pack_tokens, unpack_tokens
-from .store.index import BlockRef, Index, NewBlob
+from .store.index import BlockRef, Index, NewBlob, SnapshotRow
 
 if TYPE_CHECKING:
     from .sessions import Store
@@ -59,15 +59,16 @@ def save_snapshot(
     tokens: Sequence[int],
     target: Target,
     progress: Progress | None = None,
-) -> int:
-    """Write blocks and tail, commit the snapshot; return its id."""
+) -> SnapshotRow:
+    """Write blocks and tail, commit the snapshot; return its row as committed."""
     identity, namespace = target.identity, target.namespace
     snap = capture(list(cache), tokens)
     toks = snap.tokens or []
     p = plan(snap, store.block_tokens, dtype_name)
     estimate = sum(s.nbytes for s in p.specs.values())
-    if store.max_bytes is not None and estimate > store.max_bytes:
-        raise StoreFullError(estimate, store.max_bytes)
+    for budget in (store.max_bytes, store.namespace_budget(namespace)):
+        if budget is not None and estimate > budget:
+            raise StoreFullError(estimate, budget)
     secret = store.index.secret(namespace, lambda: os.urandom(32))
     assert secret is not None
     chs = chains(chain_root(secret, identity.digest), toks, store.block_tokens)
@@ -77,12 +78,15 @@ def save_snapshot(
         store.index.begin_pending(salt)
         try:
             refs, tail = _write_blobs(store, p, chs, secret, len(toks), written, progress, salt)
-            sid = _commit(store, p, snap, toks, chs, refs, tail, written, target, salt)
+            done = _commit(store, p, snap, toks, chs, refs, tail, written, target, salt)
         except BaseException as e:
-            for b in written:
-                store.blobs.delete(b.file)
-            with contextlib.suppress(Exception):
-                store.index.end_pending(salt)
+            # Decide by the index, not by the exception: a Ctrl-C that lands
+            # just after the COMMIT must not unlink what the commit references.
+            if not _committed(store, salt):
+                for b in written:
+                    store.blobs.delete(b.file)
+                with contextlib.suppress(Exception):
+                    store.index.end_pending(salt)
             if isinstance(e, OSError) and e.errno in DISK_FULL:
                 raise StoreFullError(
                     estimate,
@@ -90,14 +94,22 @@ def save_snapshot(
                     f"the disk is full ({e.strerror}); nothing was saved",
                 ) from e
             raise
-        if sid is not None:
+        if done is not None:
             store._collect()
             store.index.count(namespace, saves=1, bytes_written=sum(b.size for b in written))
-            return sid
+            return done
         for b in written:  # a reused blob died under us: write everything again
             store.blobs.delete(b.file)
         store.index.end_pending(salt)
     raise RuntimeError("the store kept collecting blobs this save meant to reuse")
+
+
+def _committed(store: Store, salt: str) -> bool:
+    """Did the save registered under ``salt`` commit?  Its commit deletes the pending row."""
+    try:
+        return salt not in store.index.pending()
+    except Exception:
+        return True  # the index cannot say: keep the files (check removes orphans)
 
 
 def _write_blobs(
@@ -164,7 +176,7 @@ def _commit(
     written: list[NewBlob],
     target: Target,
     salt: str,
-) -> int | None:
+) -> SnapshotRow | None:
     t, namespace = target, target.namespace
     new_files = {b.file for b in written}
     used = [f for f in [tail, *(r.blob for r in refs if r.blob)] if f not in new_files]
@@ -204,14 +216,14 @@ def _commit(
         }
         if t.name is not None:
             _retire(db, namespace, t.name, t.identity.digest, snap, toks)
+        elif t.role == "prefix":
+            _replace_covered(db, namespace, t.identity.digest, snap, toks, chs, n_blocks)
         sid = Index.insert(db, row, refs)
         Index.add_heads(db, sid, chs, toks, store.block_tokens)
-        if store.max_bytes is not None:
-            _evict(db, store.max_bytes, frozenset({sid}))
-            total = store.index.unique_bytes(db)
-            if total > store.max_bytes:  # pinned entries leave no room: undo it all
-                raise StoreFullError(total, store.max_bytes)
-    return sid
+        # read back in this transaction: another process may evict it right after
+        (committed,) = Index.rows_where(db, "id = ?", [sid])
+        _evict(db, store, namespace, frozenset({sid}))
+    return committed
 
 
 def _retire(db: Any, namespace: str, name: str, digest: str, snap: Any, toks: list[int]) -> None:
@@ -239,13 +251,40 @@ def _retire(db: Any, namespace: str, name: str, digest: str, snap: Any, toks: li
             Index.remove(db, old.id)
 
 
-def _evict(db: Any, budget: int, protect: frozenset[int]) -> None:
-    entries, sizes = Index.eviction_entries(db)
-    ids = policy.plan_eviction(
-        [policy.EvictEntry(i, u, pin, blobs) for i, u, pin, blobs in entries],
-        sizes,
-        budget,
-        protect,
-    )
-    for sid in ids:
-        Index.remove(db, sid)
+def _replace_covered(
+    db: Any, namespace: str, digest: str, snap: Any, toks: list[int], chs: list[bytes], n: int
+) -> None:
+    """Anonymous entries that the new one covers go: rows stay bounded by distinct prefixes.
+
+    Covered: the same tokens, or a prefix of them that the new entry can be
+    trimmed back to (``policy.supersedes``).  A server that sees one prompt
+    250 times keeps one entry, not 250.
+    """
+    ends = [*chs[1 : n + 1], head_key(chs[0], toks)]
+    for old in Index.anonymous_ending_at(db, namespace, digest, ends):
+        old_toks = unpack_tokens(old.tokens)
+        if toks[: len(old_toks)] != old_toks:
+            continue
+        if len(old_toks) == len(toks) or policy.supersedes(
+            len(toks), snap.trimmable, snap.min_resume_offset, old.n_tokens, True
+        ):
+            Index.remove(db, old.id)
+
+
+def _evict(db: Any, store: Store, namespace: str, protect: frozenset[int]) -> None:
+    """Least recently used entries out until the budgets hold, one victim at a time.
+
+    Live bytes come from the ``usage`` counters, so a save at the budget costs
+    its victims, not a scan of the store.  With namespace budgets a save
+    evicts only in its own namespace.  If pinned or protected entries leave
+    no room, StoreFullError undoes the whole transaction.
+    """
+    own = store.namespace_budget(namespace)
+    scope = namespace if store.namespace_max_bytes is not None else None
+    limits = [(b, ns) for b, ns in ((store.max_bytes, None), (own, namespace)) if b is not None]
+    for budget, ns in limits:
+        while (total := store.index.unique_bytes(db, ns)) > budget:
+            victim = Index.lru_victim(db, scope, protect)
+            if victim is None:
+                raise StoreFullError(total, budget)
+            Index.remove(db, victim)

@@ -38,6 +38,7 @@ __all__ = ["Store", "check_name"]
 log = logging.getLogger("persist")
 DEFAULT_BLOCK = 256
 MAX_NAME = 1024
+RESTORE_RETRIES = 4  # re-reads of a session that concurrent saves keep replacing
 
 
 def check_name(value: Any, what: str) -> str:
@@ -48,7 +49,13 @@ def check_name(value: Any, what: str) -> str:
 
 
 class Store:
-    """A directory of cached states: ``Store(root, max_bytes=None, block_tokens=256)``."""
+    """A directory of cached states: ``Store(root, max_bytes=None, block_tokens=256)``.
+
+    ``namespace_max_bytes`` (bytes for every namespace, or a map of namespace
+    to bytes) gives tenants budgets of their own: then a save evicts only
+    entries of its own namespace, so one tenant's saves never evict another's
+    sessions, and a save that cannot fit in its namespace is StoreFullError.
+    """
 
     def __init__(
         self,
@@ -56,6 +63,7 @@ class Store:
         *,
         max_bytes: int | None = None,
         block_tokens: int | None = None,
+        namespace_max_bytes: int | Mapping[str, int] | None = None,
     ) -> None:
         self.root = Path(root)
         if not self.root.exists():
@@ -65,13 +73,20 @@ class Store:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
         self.max_bytes = max_bytes
+        budgets = namespace_max_bytes
+        if budgets is not None and any(
+            type(b) is not int or b < 0
+            for b in (budgets.values() if isinstance(budgets, Mapping) else [budgets])
+        ):
+            raise ValueError("namespace_max_bytes must be bytes >= 0 (or a map of them)")
+        self.namespace_max_bytes = budgets
         self.blobs = FileBlobs(self.root)
         db = connect(
             self.root / "index.sqlite", block_tokens or DEFAULT_BLOCK, adopt=block_tokens is None
         )
         for suffix in ("", "-wal", "-shm"):
             p = self.root / f"index.sqlite{suffix}"
-            if p.exists():
+            if p.exists() and not p.is_symlink():
                 os.chmod(p, 0o600)
         self.index = Index(db)
         self.block_tokens = int(
@@ -118,10 +133,7 @@ class Store:
         check_name(target.namespace, "namespace")
         if target.name is not None:
             check_name(target.name, "session")
-        sid = save_snapshot(self, cache, tokens, target, progress)
-        row = self.index.get(sid)
-        assert row is not None
-        return self._info(row)
+        return self._info(save_snapshot(self, cache, tokens, target, progress))
 
     def _collect(self) -> int:
         """Unlink blob files whose last reference was committed away."""
@@ -141,19 +153,47 @@ class Store:
         namespace: str = "default",
         progress: Progress | None = None,
     ) -> Restored:
-        """The named session, as fresh caches, exactly as saved."""
-        row = self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
-        if row is None:
-            raise SessionNotFoundError(session, namespace)
-        if row.identity != identity.digest:
-            saved = ModelIdentity.from_dict(msgpack.unpackb(row.identity_map, raw=False))
-            raise IdentityMismatchError(f"session {session!r}", saved.diff(identity))
+        """The named session, as fresh caches, exactly as saved.
+
+        The row and its blocks are read in one transaction.  If a blob of it is
+        gone because the session was saved again meanwhile (its old blobs
+        collected), the new version is restored instead; a blob missing from
+        a row that did not change is damage (CorruptBlobError).
+        """
         from .assemble import load_snapshot
 
-        cache = load_snapshot(self, row, progress)
+        check_name(namespace, "namespace")
+        check_name(session, "session")
+        last_id = None
+        for _attempt in range(RESTORE_RETRIES):
+            found = self.index.by_name_with_blocks(namespace, session)
+            if found is None:
+                raise SessionNotFoundError(session, namespace)
+            row, refs = found
+            if row.identity != identity.digest:
+                saved = ModelIdentity.from_dict(msgpack.unpackb(row.identity_map, raw=False))
+                raise IdentityMismatchError(f"session {session!r}", saved.diff(identity))
+            try:
+                cache = load_snapshot(self, row, progress, refs=refs)
+                break
+            except CorruptBlobError:
+                if row.id == last_id or not self._replaced(row):
+                    raise
+                last_id = row.id
+        else:
+            raise CorruptBlobError(f"session {session!r}", "kept changing while it was read")
         self.index.touch(row.id)
         self.index.count(namespace, restores=1, restored_tokens=row.n_tokens)
         return Restored(cache, unpack_tokens(row.tokens), self._info(row))
+
+    def namespace_budget(self, namespace: str) -> int | None:
+        """The byte budget of ``namespace`` (None: only the store's ``max_bytes``)."""
+        b = self.namespace_max_bytes
+        return b.get(namespace) if isinstance(b, Mapping) else b
+
+    def _replaced(self, row: SnapshotRow) -> bool:
+        """Is ``row`` gone from the index (a newer save replaced it)?"""
+        return self.index.get(row.id) is None
 
     def lookup(
         self, tokens: Sequence[int], *, identity: ModelIdentity, namespace: str = "default"
@@ -343,7 +383,7 @@ class Store:
         return StoreStats(
             entries=len(rows),
             sessions=sum(1 for r in rows if r.name is not None),
-            unique_bytes=self.index.unique_bytes(),
+            unique_bytes=self.index.unique_bytes(namespace=namespace),
             referenced_bytes=sum(r.nbytes for r in rows),
             counters=self.index.counters(namespace),
         )

@@ -13,6 +13,7 @@ import json
 import math
 import mmap
 import os
+import re
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ __all__ = [
 MAX_HEADER_BYTES = 64 << 20
 MAX_TENSORS = 1 << 20
 MAX_NDIM = 8
+MAX_JSON_DEPTH = 8  # a safetensors header nests 3 deep; refuse more before parsing
+_INNERMOST = re.compile(rb"[\[{][^\[\]{}]*[\]}]")
+_NOT_STRUCTURE = bytes(set(range(256)) - set(b'"[]{}'))
 CHECKSUM_BYTES = 16
 ALIGN = 8
 
@@ -63,6 +67,22 @@ class Header:
     digest: bytes  # checksum of the header bytes (length prefix included)
 
 
+def _check_nesting(text: bytes, where: str) -> None:
+    """Refuse JSON nested deeper than MAX_JSON_DEPTH, in linear time, without recursion.
+
+    Escapes go first (then no quote is escaped), then everything but quotes
+    and brackets, then strings; what is left is the bracket skeleton.
+    """
+    bare = text.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, delete=_NOT_STRUCTURE)
+    bare = b"".join(bare.split(b'"')[::2])  # outside strings: every other piece
+    for _ in range(MAX_JSON_DEPTH):
+        bare, n = _INNERMOST.subn(b"", bare)
+        if n == 0:
+            break
+    if any(c in bare for c in b"[]{}"):
+        raise CorruptBlobError(where, f"header nests deeper than {MAX_JSON_DEPTH} levels")
+
+
 def read_header(f: BinaryIO, where: str) -> Header:
     """Read and validate a safetensors header; raise CorruptBlobError if anything is off."""
     size = os.fstat(f.fileno()).st_size
@@ -75,6 +95,7 @@ def read_header(f: BinaryIO, where: str) -> Header:
     text = f.read(n)
     if len(text) != n:
         raise CorruptBlobError(where, "file truncated inside the header")
+    _check_nesting(text, where)
     try:
         obj = json.loads(text)
     except (UnicodeDecodeError, ValueError) as e:

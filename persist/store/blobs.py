@@ -53,14 +53,21 @@ class BlobStore(Protocol):
 
 
 class FileBlobs:
-    """Blobs as files under ``root``."""
+    """Blobs as files under ``root``; nothing inside the store is followed through a link.
+
+    The store root itself may be a link (a store on another disk); ``blobs/``,
+    ``tmp/``, the ``blobs/ab/`` directories and the files in them must be
+    real.  A link there (planted by anyone who can write the store root) is
+    never opened, written through or deleted through: check reports it.
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.blobs = root / "blobs"
         self.tmp = root / "tmp"
         for d in (self.blobs, self.tmp):
-            d.mkdir(mode=DIR_MODE, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                d.mkdir(mode=DIR_MODE)  # a link stays a link: writes refuse it, check reports it
 
     def path(self, file: str) -> Path:
         if not FILE_RE.fullmatch(file):
@@ -77,15 +84,20 @@ class FileBlobs:
         """
         file = f"{key}.{salt or secrets.token_hex(6)}"
         final = self.path(file)
+        _require_real_dir(self.tmp)
+        _require_real_dir(self.blobs)
         tmp = self.tmp / f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
         sink = Sink(tmp, FILE_MODE, size_hint)
         try:
             result = write(sink)
             size = sink.size
             sink.close()
-            if not final.parent.is_dir():
-                final.parent.mkdir(mode=DIR_MODE, exist_ok=True)
+            try:
+                final.parent.mkdir(mode=DIR_MODE)
                 fsync_dir(self.blobs)
+            except FileExistsError:
+                pass
+            _require_real_dir(final.parent)
             os.rename(tmp, final)
             fsync_dir(final.parent)
         except BaseException:
@@ -96,37 +108,87 @@ class FileBlobs:
         return file, size, result
 
     def open(self, file: str) -> BinaryIO:
-        return open(self.path(file), "rb")
-
-    def exists(self, file: str) -> bool:
-        return self.path(file).is_file()
+        path = self.path(file)
+        _require_real_dir(path.parent, missing_ok=True)
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        return os.fdopen(fd, "rb")
 
     def delete(self, file: str) -> None:
+        path = self.path(file)
+        if _is_link(path.parent) or _is_link(path):
+            return  # never through or of a link: check reports it
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path(file))
+            os.unlink(path)
 
     def files(self) -> Iterator[str]:
-        """Every well-formed blob file name on disk."""
-        for sub in sorted(self.blobs.iterdir()):
-            if sub.is_dir():
-                for p in sorted(sub.iterdir()):
-                    name = p.name.removesuffix(".safetensors")
-                    if p.name != name and FILE_RE.fullmatch(name) and name[:2] == sub.name:
-                        yield name
+        """Every well-formed blob file name on disk (regular files in real directories)."""
+        for sub, entries in self._subdirs():
+            for e in entries:
+                name = e.name.removesuffix(".safetensors")
+                if (
+                    e.name != name
+                    and FILE_RE.fullmatch(name)
+                    and name[:2] == sub
+                    and e.is_file(follow_symlinks=False)
+                ):
+                    yield name
 
     def stray_files(self) -> Iterator[Path]:
-        """Anything under blobs/ that is not a well-formed blob file name."""
-        for sub in sorted(self.blobs.iterdir()):
-            if not sub.is_dir():
-                yield sub
-                continue
-            for p in sorted(sub.iterdir()):
-                name = p.name.removesuffix(".safetensors")
-                if p.name == name or not FILE_RE.fullmatch(name) or name[:2] != sub.name:
-                    yield p
+        """Anything under blobs/ that is not a well-formed blob file (links included)."""
+        for e in _entries(self.blobs):
+            if not e.is_dir(follow_symlinks=False):
+                yield Path(e.path)
+        for sub, entries in self._subdirs():
+            for e in entries:
+                name = e.name.removesuffix(".safetensors")
+                if (
+                    e.name == name
+                    or not FILE_RE.fullmatch(name)
+                    or name[:2] != sub
+                    or not e.is_file(follow_symlinks=False)
+                ):
+                    yield Path(e.path)
 
     def tmp_files(self) -> Iterator[Path]:
-        yield from sorted(self.tmp.iterdir())
+        """Every entry of tmp/ (none if tmp/ is a link: it is not ours to list)."""
+        if not _is_link(self.tmp):
+            yield from sorted(Path(e.path) for e in _entries(self.tmp))
+
+    def links(self) -> list[Path]:
+        """Symbolic links where the store keeps real directories and files."""
+        out = [d for d in (self.blobs, self.tmp) if _is_link(d)]
+        out += [p for p in self.stray_files() if _is_link(p)]
+        out += [p for p in self.tmp_files() if _is_link(p)]
+        return out
+
+    def _subdirs(self) -> Iterator[tuple[str, list[os.DirEntry[str]]]]:
+        if _is_link(self.blobs):
+            return
+        for e in _entries(self.blobs):
+            if e.is_dir(follow_symlinks=False):
+                yield e.name, _entries(Path(e.path))
+
+
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _entries(d: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(d) as it:
+            return sorted(it, key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+
+
+def _is_link(p: Path) -> bool:
+    return p.is_symlink()
+
+
+def _require_real_dir(d: Path, missing_ok: bool = False) -> None:
+    if _is_link(d):
+        raise CorruptBlobError(str(d), "is a symbolic link; persist never follows links in a store")
+    if not missing_ok and not d.is_dir():
+        raise CorruptBlobError(str(d), "is not a directory")
 
 
 def blob_metadata(role: str, sums: dict[str, bytes]) -> dict[str, str]:

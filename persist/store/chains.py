@@ -10,6 +10,7 @@ compared in full, decide.
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 from collections.abc import Sequence
 
@@ -32,9 +33,11 @@ MAX_TOKEN = (1 << 32) - 1  # token ids are stored as little-endian uint32
 
 def check_tokens(tokens: Sequence[int]) -> list[int]:
     """Token ids as plain ints in [0, 2**32); anything else is InvalidTokensError."""
+    if hasattr(tokens, "tolist"):  # an mx.array or numpy array of ids
+        tokens = tokens.tolist()
     try:
-        out = [int(t) for t in tokens]
-    except (TypeError, ValueError) as e:
+        out = [operator.index(t) for t in tokens]  # ints only: 1.5 is not a token id
+    except TypeError as e:
         raise InvalidTokensError(f"token ids must be integers: {e}") from None
     if out and not (min(out) >= 0 and max(out) <= MAX_TOKEN):
         bad = next(t for t in out if not 0 <= t <= MAX_TOKEN)

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import stat
 import time
 from pathlib import Path
 
 from ..errors import CorruptBlobError
 from ..records import Progress
 from ..stfile import checksum, read_header
-from .blobs import FileBlobs, blob_manifest
+from .blobs import FILE_RE, FileBlobs, blob_manifest
 from .index import Index
 from .types import Problem
 
@@ -32,11 +34,15 @@ def check_store(
     problems += _sqlite(index)
     if any(p.kind == "index-corrupt" for p in problems):
         return problems
+    problems += _links(blobs)
     problems += _tmp(blobs, fix)
     problems += _strays(blobs, fix)
-    rows = index.blob_rows()
+    # Files first, then blob rows and pending saves in one read transaction:
+    # a file listed here is either committed in that view (it has a row) or
+    # its save's pending row, registered before the file existed, is there.
     on_disk = set(blobs.files())
-    problems += _orphans(index, blobs, rows, on_disk, fix)
+    rows, pending = index.blob_rows_and_pending()
+    problems += _orphans(index, blobs, rows, pending, on_disk, fix)
     bad = _damaged(blobs, rows, on_disk, progress)
     problems += _quarantine(index, blobs, bad, fix)
     problems += _rows(index, fix)
@@ -57,14 +63,33 @@ def _sqlite(index: Index) -> list[Problem]:
     return [Problem("index-corrupt", "index.sqlite", "; ".join(rows[:5]))]
 
 
+TMP_RE = re.compile(r"(\d+)-[0-9a-f]{16}\.tmp")
+
+
+def _links(blobs: FileBlobs) -> list[Problem]:
+    return [
+        Problem("symlink", str(p), "a symbolic link inside the store; persist leaves it", False)
+        for p in blobs.links()
+    ]
+
+
 def _tmp(blobs: FileBlobs, fix: bool) -> list[Problem]:
+    """Partial writes whose writer is gone; only names persist writes, only regular files."""
     out = []
     now = time.time()
     for p in blobs.tmp_files():
-        pid = p.name.split("-", 1)[0]
-        alive = pid.isdigit() and _alive(int(pid))
-        age = now - p.stat().st_mtime
-        if alive and age < TMP_GRACE_SECONDS:
+        m = TMP_RE.fullmatch(p.name)
+        try:
+            st = p.lstat()
+        except FileNotFoundError:
+            continue  # renamed into place (or removed) while we looked
+        if stat.S_ISLNK(st.st_mode):
+            continue  # reported by _links
+        if m is None or not stat.S_ISREG(st.st_mode):
+            out.append(Problem("stray-file", str(p), "not a name persist writes; left", False))
+            continue
+        age = now - st.st_mtime
+        if _alive(int(m.group(1))) and age < TMP_GRACE_SECONDS:
             continue  # another process is writing it
         if fix:
             with contextlib.suppress(FileNotFoundError):
@@ -86,11 +111,21 @@ def _alive(pid: int) -> bool:
 
 
 def _strays(blobs: FileBlobs, fix: bool) -> list[Problem]:
+    """Files under blobs/ that are not blobs where they lie.
+
+    A regular file with a name persist writes (a blob name in the wrong
+    directory) is moved to quarantine; anything else is reported and left
+    as it is: persist never deletes or moves what it did not name.
+    """
     out = []
     for p in blobs.stray_files():
-        if fix:
+        if p.is_symlink():
+            continue  # reported by _links
+        ours = FILE_RE.fullmatch(p.name.removesuffix(".safetensors")) and p.is_file()
+        if ours and fix:
             _quarantine_file(blobs, p)
-        out.append(Problem("stray-file", str(p), "not a blob file name", fix))
+        detail = "a blob name in the wrong place" if ours else "not a name persist writes; left"
+        out.append(Problem("stray-file", str(p), detail, bool(ours and fix)))
     return out
 
 
@@ -98,20 +133,23 @@ def _orphans(
     index: Index,
     blobs: FileBlobs,
     rows: dict[str, tuple[int, bytes, int, bool]],
+    pending: dict[str, tuple[int, float]],
     on_disk: set[str],
     fix: bool,
 ) -> list[Problem]:
     out = []
-    pending = index.pending()
+    now = time.time()
     in_flight = {
-        s
-        for s, (pid, made) in pending.items()
-        if _alive(pid) and time.time() - made < TMP_GRACE_SECONDS
+        s for s, (pid, made) in pending.items() if _alive(pid) and now - made < TMP_GRACE_SECONDS
     }
+    # Never delete a file younger than the oldest save still in flight.
+    oldest = min((pending[s][1] for s in in_flight), default=now)
     for f in sorted(on_disk):
         row = rows.get(f)
         if row is None and f.split(".")[1] in in_flight:
             continue  # a save in another process has not committed yet
+        if row is None and _mtime(blobs.path(f)) >= oldest - 1:
+            continue
         if row is None or row[3]:
             if fix:
                 blobs.delete(f)
@@ -125,6 +163,13 @@ def _orphans(
     if fix:
         index.forget([f for f, r in rows.items() if r[3]])
     return out
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.lstat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def _damaged(
@@ -198,16 +243,20 @@ def _quarantine_file(blobs: FileBlobs, p: Path) -> None:
 
 
 def _rows(index: Index, fix: bool) -> list[Problem]:
-    """Snapshot rows whose immutable fields no longer match their checksum."""
+    """Snapshot rows whose immutable fields no longer match their checksum.
+
+    Rows and their blocks are read in one transaction, and a fix re-checks
+    the row inside the transaction that removes it (ids are never reused).
+    """
+    with index.read() as db:
+        bad = [(r.id, why) for r, why in Index.damaged_rows(db)]
     out = []
-    for row in index.snapshots(None, named_only=False):
-        try:
-            index.verified_blocks(row)
-        except CorruptBlobError as e:
-            if fix:
-                with index.write() as db:
-                    Index.remove(db, row.id)
-            out.append(Problem("damaged-row", f"snapshot {row.id}", e.detail, fix))
+    for sid, why in bad:
+        if fix:
+            with index.write() as db:
+                if any(r.id == sid for r, _ in Index.damaged_rows(db, sid)):
+                    Index.remove(db, sid)
+        out.append(Problem("damaged-row", f"snapshot {sid}", why, fix))
     return out
 
 

@@ -145,6 +145,18 @@ class Index:
             rows = db.execute("SELECT file, size, head_xxh3, refs, dead FROM blobs").fetchall()
         return {r[0]: (r[1], bytes(r[2]), r[3], bool(r[4])) for r in rows}
 
+    def blob_rows_and_pending(
+        self,
+    ) -> tuple[dict[str, tuple[int, bytes, int, bool]], dict[str, tuple[int, float]]]:
+        """Blob rows and saves in flight, as one consistent view."""
+        with self.read() as db:
+            rows = db.execute("SELECT file, size, head_xxh3, refs, dead FROM blobs").fetchall()
+            pending = db.execute("SELECT salt, pid, created FROM pending").fetchall()
+        return (
+            {r[0]: (r[1], bytes(r[2]), r[3], bool(r[4])) for r in rows},
+            {r[0]: (r[1], r[2]) for r in pending},
+        )
+
     def blob_head(self, file: str) -> tuple[int, bytes] | None:
         with self.read() as db:
             row = db.execute(
@@ -169,6 +181,41 @@ class Index:
             ).fetchone()
         return row_of(row) if row else None
 
+    @staticmethod
+    def damaged_rows(
+        db: sqlite_utils.Database, only: int | None = None
+    ) -> list[tuple[SnapshotRow, str]]:
+        """Rows (all, or snapshot ``only``) that do not match their checksum, in ``db``'s view."""
+        where, args = ("id = ?", [only]) if only is not None else ("1=1", [])
+        out = []
+        for r in Index.rows_where(db, where, args):
+            if row_digest(r, Index.blocks_in(db, r.id)) != r.row_xxh3:
+                out.append((r, "index row does not match its checksum"))
+        return out
+
+    @staticmethod
+    def blocks_in(db: sqlite_utils.Database, snapshot_id: int) -> list[BlockRef]:
+        rows = db.execute(
+            "SELECT idx, chain, blob FROM snapshot_blocks WHERE snapshot = ? ORDER BY idx",
+            [snapshot_id],
+        ).fetchall()
+        return [BlockRef(r[0], bytes(r[1]), r[2]) for r in rows]
+
+    def by_name_with_blocks(
+        self, namespace: str, name: str
+    ) -> tuple[SnapshotRow, list[BlockRef]] | None:
+        """A named snapshot and its blocks, read in one transaction, checksum verified."""
+        with self.read() as db:
+            rows = Index.rows_where(db, "namespace = ? AND name = ?", [namespace, name])
+            if not rows:
+                return None
+            blocks = Index.blocks_in(db, rows[0].id)
+        if row_digest(rows[0], blocks) != rows[0].row_xxh3:
+            raise CorruptBlobError(
+                f"snapshot {rows[0].id}", "index row does not match its checksum"
+            )
+        return rows[0], blocks
+
     def verified_blocks(self, row: SnapshotRow) -> list[BlockRef]:
         """The row's blocks, after checking the row against its checksum."""
         blocks = self.blocks(row.id)
@@ -178,11 +225,7 @@ class Index:
 
     def blocks(self, snapshot_id: int) -> list[BlockRef]:
         with self.read() as db:
-            rows = db.execute(
-                "SELECT idx, chain, blob FROM snapshot_blocks WHERE snapshot = ? ORDER BY idx",
-                [snapshot_id],
-            ).fetchall()
-        return [BlockRef(r[0], bytes(r[1]), r[2]) for r in rows]
+            return Index.blocks_in(db, snapshot_id)
 
     def snapshots(self, namespace: str | None, named_only: bool) -> list[SnapshotRow]:
         sql = f"SELECT {SNAPSHOT_COLS} FROM snapshots WHERE 1=1"
@@ -285,16 +328,63 @@ class Index:
         with self.read() as db:
             return {r[0]: int(r[1]) for r in db.execute(sql + " GROUP BY name", args)}
 
-    def unique_bytes(self, db: sqlite_utils.Database | None = None) -> int:
+    def unique_bytes(
+        self, db: sqlite_utils.Database | None = None, namespace: str | None = None
+    ) -> int:
+        """Live bytes on disk, of the store or of one namespace (kept by triggers: no scan).
+
+        Blobs are namespace-salted, so a namespace's bytes are its own: a block
+        shared by its sessions counts once, another namespace's never.
+        """
+
         def q(d: sqlite_utils.Database) -> int:
-            return int(
-                d.execute("SELECT COALESCE(SUM(size), 0) FROM blobs WHERE dead = 0").fetchone()[0]
-            )
+            sql, args = "SELECT COALESCE(SUM(bytes), 0) FROM usage", []
+            if namespace is not None:
+                sql, args = sql + " WHERE namespace = ?", [namespace]
+            return int(d.execute(sql, args).fetchone()[0])
 
         if db is not None:
             return q(db)
         with self.read() as d:
             return q(d)
+
+    @staticmethod
+    def anonymous_ending_at(
+        db: sqlite_utils.Database, namespace: str, identity: str, ends: Sequence[bytes]
+    ) -> list[SnapshotRow]:
+        """Anonymous prefix entries whose last chain is one of ``ends`` (bounded queries)."""
+        out = []
+        for i in range(0, len(ends), MAX_VARIABLES):
+            part = list(ends[i : i + MAX_VARIABLES])
+            marks = ",".join("?" * len(part))
+            out += Index.rows_where(
+                db,
+                f"last_chain IN ({marks}) AND namespace = ? AND identity = ? "
+                "AND name IS NULL AND role = 'prefix'",
+                [*part, namespace, identity],
+            )
+        return out
+
+    @staticmethod
+    def lru_victim(
+        db: sqlite_utils.Database, namespace: str | None, protect: frozenset[int]
+    ) -> int | None:
+        """The least recently used unpinned snapshot (of ``namespace``), not in ``protect``.
+
+        The SQL form of ``policy.plan_eviction``'s order (used, then id).
+        """
+        where, args = "pinned = 0", list[Any]()
+        if namespace is not None:
+            where, args = "namespace = ? AND pinned = 0", [namespace]
+        if protect:
+            where += f" AND id NOT IN ({','.join('?' * len(protect))})"
+            args += sorted(protect)
+        index = "snapshots_ns_used" if namespace is not None else "snapshots_used"
+        row = db.execute(
+            f"SELECT id FROM snapshots INDEXED BY {index} WHERE {where} ORDER BY used, id LIMIT 1",
+            args,
+        ).fetchone()
+        return None if row is None else int(row[0])
 
     # -- mutations (inside ``write()``) ---------------------------------------
 

@@ -7,6 +7,7 @@ transaction, then its Python step if it has one (a backfill);
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 from pathlib import Path
@@ -103,6 +104,25 @@ MIGRATIONS: dict[int, list[str]] = {
             PRIMARY KEY (snapshot, pos)
         )""",
         """CREATE INDEX heads_key ON heads(key)""",
+        # Live bytes per namespace, kept by triggers on every change of a blob's
+        # liveness: budgets are checked without scanning blobs or blocks.
+        """CREATE TABLE usage (namespace TEXT PRIMARY KEY, bytes INTEGER NOT NULL)""",
+        """INSERT INTO usage(namespace, bytes)
+           SELECT namespace, SUM(size) FROM blobs WHERE dead = 0 GROUP BY namespace""",
+        """CREATE TRIGGER usage_insert AFTER INSERT ON blobs WHEN NEW.dead = 0 BEGIN
+             INSERT INTO usage(namespace, bytes) VALUES (NEW.namespace, NEW.size)
+             ON CONFLICT(namespace) DO UPDATE SET bytes = bytes + NEW.size;
+           END""",
+        """CREATE TRIGGER usage_update AFTER UPDATE OF dead ON blobs
+           WHEN OLD.dead != NEW.dead BEGIN
+             INSERT INTO usage(namespace, bytes)
+             VALUES (NEW.namespace, CASE WHEN NEW.dead = 0 THEN NEW.size ELSE -NEW.size END)
+             ON CONFLICT(namespace) DO UPDATE SET bytes = bytes + excluded.bytes;
+           END""",
+        """CREATE TRIGGER usage_delete AFTER DELETE ON blobs WHEN OLD.dead = 0 BEGIN
+             UPDATE usage SET bytes = bytes - OLD.size WHERE namespace = OLD.namespace;
+           END""",
+        """CREATE INDEX snapshots_ns_used ON snapshots(namespace, used)""",
         # Snapshot ids are never reused (a stale check must not hit a new row).
         """INSERT OR IGNORE INTO meta(key, value)
            SELECT 'last_snapshot_id', CAST(COALESCE(MAX(id), 0) AS TEXT) FROM snapshots""",
@@ -137,8 +157,13 @@ def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_uti
     """
     import sqlite_utils  # imported here: it pulls in click, which `import persist` must not
 
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if p.is_symlink():  # a dangling one would make SQLite create its target
+            raise CorruptBlobError(str(p), "is a symbolic link; persist never follows links")
     if not path.exists():  # created private; SQLite gives -wal/-shm the same mode
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(path, flags, 0o600))
     try:
         conn = sqlite3.connect(str(path), timeout=60, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")

@@ -1,0 +1,101 @@
+"""Bounded work and fair tenants: lookups, repeated saves, budgets, per-namespace stats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlx_lm.models import cache as mc
+
+import persist
+from persist import policy
+from tests.golden.cases import IDENTITY, kvs
+
+SYSTEM = list(range(1000, 2024))  # a 1,024-token system prompt: four full blocks
+
+
+def kv(n: int, seed: int) -> Any:
+    c = mc.KVCache()
+    c.update_and_fetch(*kvs(seed, n))
+    return c
+
+
+def chat(i: int) -> list[int]:
+    return SYSTEM + [(i * 31 + k) % 900 for k in range(40)] + [i % 900, 901 + i % 50]
+
+
+def compared(
+    store: persist.Store, prompt: list[int], monkeypatch: pytest.MonkeyPatch, want: int = 1024
+) -> int:
+    """How many stored token lists a lookup compares with the prompt (its hit is ``want``)."""
+    calls = []
+    real = policy.common_prefix
+    monkeypatch.setattr(policy, "common_prefix", lambda a, b: calls.append(1) or real(a, b))
+    hit = store.lookup(prompt, identity=IDENTITY)
+    monkeypatch.undo()
+    assert hit is not None and len(hit.tokens) == want
+    return len(calls)
+
+
+def test_lookup_work_does_not_grow_with_sessions_sharing_a_prefix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2,000 chats share a 1,024-token system prompt: a lookup compares a bounded few."""
+    work = {}
+    for n in (20, 2000):
+        with persist.Store(tmp_path / f"s{n}") as s:
+            base = kv(len(chat(0)), 1)
+            for i in range(n):
+                s.save([base], chat(i), identity=IDENTITY, session=f"chat{i}")
+            new_chat = SYSTEM + [899, 3, 4]
+            work[n] = compared(s, new_chat, monkeypatch)
+            # a chat continuing an old one finds its own session among the 2,000
+            own = compared(s, chat(7)[:1050] + [999], monkeypatch, want=1050)
+            assert own <= 64
+    assert work[2000] <= 64 and work[2000] <= 3 * max(work[20], 1) + 64, work
+
+
+def test_identical_anonymous_saves_keep_one_entry(tmp_path: Path) -> None:
+    toks = list(range(300))
+    with persist.Store(tmp_path / "s") as s:
+        for _ in range(25):
+            s.save([kv(300, 2)], toks, identity=IDENTITY)
+        assert len(s.entries()) == 1
+        for n in (100, 200, 300):  # shorter prefixes a trimmable entry covers
+            s.save([kv(n, 3)], toks[:n], identity=IDENTITY)
+        s.save([kv(400, 4)], [*toks, *range(300, 400)], identity=IDENTITY)
+        assert [e.tokens for e in s.entries()] == [400]
+        assert s.check() == []
+
+
+def test_namespace_stats_show_only_that_namespace(tmp_path: Path) -> None:
+    with persist.Store(tmp_path / "s") as s:
+        s.save([kv(300, 5)], list(range(300)), identity=IDENTITY, session="b", namespace="B")
+        before = s.stats(namespace="B").to_dict()
+        for i in range(5):  # tenant A saves, including B's very tokens
+            s.save(
+                [kv(300, 5)], list(range(300)), identity=IDENTITY, session=f"a{i}", namespace="A"
+            )
+        assert s.stats(namespace="B").to_dict() == before
+        assert s.stats(namespace="A").unique_bytes == before["unique_bytes"]  # deduped in A
+        assert s.stats().unique_bytes == 2 * before["unique_bytes"]
+
+
+def test_a_tenant_budget_never_evicts_another_tenant(tmp_path: Path) -> None:
+    one = kv(300, 6)
+    with persist.Store(tmp_path / "probe") as p:
+        size = p.save([one], list(range(300)), identity=IDENTITY, session="x").bytes
+    with persist.Store(tmp_path / "s", namespace_max_bytes=3 * size) as s:
+        s.save([one], list(range(300)), identity=IDENTITY, session="b", namespace="B")
+        for i in range(10):
+            toks = list(range(i * 1000, i * 1000 + 300))
+            s.save([kv(300, 10 + i)], toks, identity=IDENTITY, session=f"a{i}", namespace="A")
+        assert [e.session for e in s.sessions(namespace="B")] == ["b"]
+        assert len(s.sessions(namespace="A")) == 3
+        assert s.stats(namespace="A").unique_bytes <= 3 * size
+        with pytest.raises(persist.StoreFullError):
+            s.save(
+                [kv(3000, 9)], list(range(3000)), identity=IDENTITY, session="big", namespace="A"
+            )
+        assert s.check() == []
