@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 
 from .errors import CorruptBlobError, UnsupportedVersionError
-from .records import Record, RecordSpec, TensorSpec
+from .records import MAX_TOKENS, Record, RecordSpec, TensorSpec
 from .stfile import CHECKSUM_BYTES, Header, checksum
 
 __all__ = [
@@ -37,9 +37,10 @@ __all__ = [
 FORMAT = "persist"
 FORMAT_VERSION = 1
 MAX_LAYERS = 4096
-MAX_TOKENS = 1 << 28
 MAX_META_ITEMS = 256
 MAX_USER_METADATA = 1 << 20
+# MAX_TOKENS token ids (16 MiB) plus layers, checksums and metadata.
+MAX_MANIFEST_BYTES = 24 << 20
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,11 @@ def unpack_manifest(header: Header, where: str) -> Manifest:
         raise CorruptBlobError(where, f"malformed format version {version!r}")
     if int(version) > FORMAT_VERSION:
         raise UnsupportedVersionError("persist-file", int(version), FORMAT_VERSION)
+    encoded = meta.get("manifest", "")
+    if len(encoded) > (MAX_MANIFEST_BYTES + 2) // 3 * 4:  # refused before decoding it
+        raise CorruptBlobError(where, f"manifest is larger than {MAX_MANIFEST_BYTES} bytes")
     try:
-        raw = base64.b64decode(meta.get("manifest", ""), validate=True)
+        raw = base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError):
         raise CorruptBlobError(where, "manifest is not base64") from None
     if checksum(raw).hex() != meta.get("manifest_xxh3"):
@@ -241,7 +245,7 @@ def _tokens(body: dict[str, Any], where: str) -> list[int] | None:
     if n is None and raw is None:
         return None
     if type(n) is not int or not 0 <= n <= MAX_TOKENS or not isinstance(raw, bytes):
-        raise _bad(where, "malformed token list")
+        raise _bad(where, f"malformed token list (at most {MAX_TOKENS} tokens)")
     if len(raw) != 4 * n:
         raise _bad(where, f"token list holds {len(raw)} bytes for {n} tokens")
     return list(struct.unpack(f"<{n}I", raw))

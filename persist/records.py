@@ -14,7 +14,12 @@ from typing import Any
 
 Progress = Callable[[int, int], None]  # (done, total): optional progress reporting
 
+# The most tokens one snapshot or file may cover (4,194,304): above any context
+# served today, and refused before a token list is unpacked.
+MAX_TOKENS = 1 << 22
+
 __all__ = [
+    "MAX_TOKENS",
     "DTYPE_SIZES",
     "Progress",
     "as_bytes",

@@ -36,8 +36,8 @@ __all__ = [
     "CHECKSUM_BYTES",
 ]
 
-MAX_HEADER_BYTES = 64 << 20
-MAX_TENSORS = 1 << 20
+MAX_HEADER_BYTES = 40 << 20  # the largest manifest (32 MiB as base64) and 65,536 tensor entries
+MAX_TENSORS = 1 << 16  # 4,096 layers of up to 16 tensors
 MAX_NDIM = 8
 MAX_JSON_DEPTH = 8  # a safetensors header nests 3 deep; refuse more before parsing
 _INNERMOST = re.compile(rb"[\[{][^\[\]{}]*[\]}]")
@@ -90,11 +90,17 @@ def read_header(f: BinaryIO, where: str) -> Header:
     if len(raw) < 8:
         raise CorruptBlobError(where, f"file of {size} bytes is too short to be safetensors")
     (n,) = struct.unpack("<Q", raw)
-    if n > MAX_HEADER_BYTES or n > size - 8:
+    if n > MAX_HEADER_BYTES:
+        raise CorruptBlobError(where, f"header of {n} bytes is larger than {MAX_HEADER_BYTES}")
+    if n > size - 8:
         raise CorruptBlobError(where, f"header length {n} exceeds the file ({size} bytes)")
     text = f.read(n)
     if len(text) != n:
         raise CorruptBlobError(where, "file truncated inside the header")
+    # Counted before parsing: a header of a million empty tensors costs a
+    # gigabyte of Python objects once parsed.
+    if text.count(b'"data_offsets"') > MAX_TENSORS:
+        raise CorruptBlobError(where, f"header lists more than {MAX_TENSORS} tensors")
     _check_nesting(text, where)
     try:
         obj = json.loads(text)

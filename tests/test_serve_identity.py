@@ -141,3 +141,20 @@ def test_a_plain_restart_never_restores_what_another_setup_computed(
         finally:
             same.stop()
         assert cached(resp) > 0 and answer(resp) == poisoned
+
+
+def test_repeated_identical_requests_keep_the_store_bounded(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """250 identical requests left 252 rows in round 1; now one entry per distinct prefix."""
+    store = tmp_path / "store"
+    srv = persist_serve(models["a"], store, tmp_path / "a.log")
+    try:
+        for _ in range(12):
+            ask(srv)
+    finally:
+        srv.stop()
+    with persist.Store(store) as s:
+        assert len(s.entries()) <= 2, [e.tokens for e in s.entries()]
+        assert s.stats().counters.get("serve_persisted", 0) >= 12
+        assert s.check() == []

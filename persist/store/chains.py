@@ -15,6 +15,7 @@ import struct
 from collections.abc import Sequence
 
 from ..errors import InvalidTokensError
+from ..records import MAX_TOKENS
 
 __all__ = [
     "HEAD_TOKENS",
@@ -35,6 +36,8 @@ def check_tokens(tokens: Sequence[int]) -> list[int]:
     """Token ids as plain ints in [0, 2**32); anything else is InvalidTokensError."""
     if hasattr(tokens, "tolist"):  # an mx.array or numpy array of ids
         tokens = tokens.tolist()
+    if len(tokens) > MAX_TOKENS:
+        raise InvalidTokensError(f"{len(tokens)} tokens; a snapshot covers at most {MAX_TOKENS}")
     try:
         out = [operator.index(t) for t in tokens]  # ints only: 1.5 is not a token id
     except TypeError as e:

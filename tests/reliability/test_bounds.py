@@ -62,3 +62,12 @@ def test_deeply_nested_header_is_refused_typed(tmp_path: Path) -> None:
         persist.load_file(path)
     with pytest.raises(persist.CorruptBlobError):
         persist.read_manifest(path)
+
+
+def test_a_header_of_too_many_tensors_is_refused_before_parsing(tmp_path: Path) -> None:
+    entry = '"t%d":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}'
+    body = ("{" + ",".join(entry % i for i in range(70_000)) + "}").encode()
+    path = tmp_path / "many.safetensors"
+    path.write_bytes(struct.pack("<Q", len(body)) + body)
+    with pytest.raises(persist.CorruptBlobError, match="more than 65536 tensors"):
+        persist.load_file(path)
