@@ -169,6 +169,8 @@ def lookup_latency(n: int, tmp: Path, probes: int = 300) -> dict[str, Any]:
                 },
                 refs,
             )
+            sid = db.execute("SELECT MAX(id) FROM snapshots").fetchone()[0]
+            Index.add_heads(db, sid, chs, toks, store.block_tokens)
             if i % 500 == 0:
                 stored.append(toks)
     hits, misses = [], []

@@ -28,7 +28,16 @@ from .manifest import check_metadata
 from .records import Progress
 from .saving import Target, save_snapshot
 from .store.blobs import FileBlobs
-from .store.chains import HEAD_TOKENS, chain_root, chains, check_tokens, head_key, unpack_tokens
+from .store.chains import (
+    HEAD_TOKENS,
+    chain_root,
+    chains,
+    check_tokens,
+    common_prefix_packed,
+    head_key,
+    pack_tokens,
+    unpack_tokens,
+)
 from .store.index import Index, SnapshotRow
 from .store.schema import connect
 from .store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
@@ -246,12 +255,13 @@ class Store:
             head = head_key(chs[matched], toks[matched * block :])
             tiers.append(lambda: self.index.by_head(namespace, digest, head, len(toks)))
         tiers.append(lambda: self.index.by_blocks(namespace, digest, chs, matched, len(toks)))
+        packed = pack_tokens(toks)
         for tier in tiers:
             rows = {r.id: r for r in tier() if r.id not in skip}
             cands = [
                 (
                     policy.Candidate(r.id, r.n_tokens, r.trimmable, r.min_resume, r.used),
-                    policy.common_prefix(unpack_tokens(r.tokens), toks),
+                    common_prefix_packed(r.tokens, packed),  # tokens decide, compared in full
                 )
                 for r in rows.values()
             ]

@@ -26,6 +26,7 @@ __all__ = [
     "pack_tokens",
     "unpack_tokens",
     "check_tokens",
+    "common_prefix_packed",
 ]
 
 HEAD_TOKENS = 16  # the shortest prefix a lookup reuses
@@ -54,6 +55,19 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
 
 def unpack_tokens(raw: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(raw) // 4}I", raw))
+
+
+def common_prefix_packed(a: bytes, b: bytes) -> int:
+    """Tokens two packed token lists share from the start (slice compares are memcmp)."""
+    n = min(len(a), len(b)) // 4
+    lo, hi = 0, n  # the first lo tokens are common
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[4 * lo : 4 * mid] == b[4 * lo : 4 * mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def chain_root(secret: bytes, identity_digest: str) -> bytes:

@@ -22,7 +22,6 @@ from .rows import (
     BlockRef,
     NewBlob,
     SnapshotRow,
-    cols,
     row_digest,
     row_of,
 )
@@ -46,6 +45,8 @@ def corruption_is_typed() -> Iterator[None]:
 
 # Bounds on one lookup's work, whatever the number of sessions sharing a prefix.
 MAX_CANDIDATES = 64
+FALLBACK_CANDIDATES = 16
+SINGLE_CHAINS = 8
 MAX_VARIABLES = 500  # keys per IN (...) list: far below SQLite's limit
 
 # Forced plan: walk blocks by chain hash first (SQLite has no statistics to know).
@@ -63,6 +64,15 @@ def _serve_filter(namespace: str, identity: str, prompt_len: int) -> tuple[str, 
         " AND (s.trimmable = 1 OR s.n_tokens <= ?) AND s.min_resume < ?",
         [namespace, identity, prompt_len - 1, prompt_len],
     )
+
+
+def _rows_by_id(db: sqlite_utils.Database, ids: Sequence[int]) -> list[SnapshotRow]:
+    """Full rows (tokens included) of at most a bounded list of ids, in their order."""
+    if not ids:
+        return []
+    marks = ",".join("?" * len(ids))
+    got = {r.id: r for r in Index.rows_where(db, f"id IN ({marks})", list(ids))}
+    return [got[i] for i in dict.fromkeys(ids) if i in got]
 
 
 class Index:
@@ -268,12 +278,13 @@ class Index:
         """
         filt, args = _serve_filter(namespace, identity, prompt_len)
         with self.read() as db:
-            rows = db.execute(
-                f"SELECT {cols('s')} FROM heads h INDEXED BY heads_key CROSS JOIN snapshots s "
+            ids = db.execute(
+                "SELECT s.id FROM heads h INDEXED BY heads_key "
+                "CROSS JOIN snapshots s INDEXED BY snapshots_facts "
                 f"ON s.id = h.snapshot WHERE h.key = ?{filt} ORDER BY s.used DESC LIMIT ?",
                 [head, *args, MAX_CANDIDATES],
             ).fetchall()
-        return [row_of(r) for r in rows]
+            return _rows_by_id(db, [r[0] for r in ids])
 
     def by_blocks(
         self, namespace: str, identity: str, chains: Sequence[bytes], matched: int, prompt_len: int
@@ -281,31 +292,48 @@ class Index:
         """Snapshots that end within the prompt's ``matched`` blocks or go on past them.
 
         The fallback when no snapshot shares HEAD_TOKENS past the matched
-        blocks: the longest first, at most MAX_CANDIDATES of each sort.
+        blocks, so every candidate's common prefix lies within HEAD_TOKENS of
+        the others': the longest first, at most FALLBACK_CANDIDATES of each sort.
         """
         if matched == 0:
             return []
         filt, args = _serve_filter(namespace, identity, prompt_len)
-        rows: list[Any] = []
+        ids: list[int] = []
         with self.read() as db:
             ends = list(chains[1 : matched + 1])
-            for i in range(len(ends), 0, -MAX_VARIABLES):  # deepest first, bounded per query
-                part = ends[max(0, i - MAX_VARIABLES) : i]
+            # The deepest chains one by one (an index walk that stops at the
+            # limit, no sort), then the rest in bounded IN lists.
+            parts = [[c] for c in reversed(ends[-SINGLE_CHAINS:])]
+            rest = ends[:-SINGLE_CHAINS]
+            parts += [
+                rest[max(0, i - MAX_VARIABLES) : i] for i in range(len(rest), 0, -MAX_VARIABLES)
+            ]
+            for part in parts:
+                if len(ids) >= FALLBACK_CANDIDATES:
+                    break
                 marks = ",".join("?" * len(part))
-                rows += db.execute(
-                    # INDEXED BY: without statistics SQLite would scan the namespace
-                    f"SELECT {cols('s')} FROM snapshots s INDEXED BY snapshots_last_chain "
-                    f"WHERE s.last_chain IN ({marks}){filt} "
-                    "ORDER BY s.n_tokens DESC, s.used DESC LIMIT ?",
-                    [*part, *args, MAX_CANDIDATES],
-                ).fetchall()
-            rows += db.execute(
-                f"SELECT {cols('s')} FROM {BLOCKS_THEN_SNAPSHOTS} "
-                f"ON s.id = b.snapshot WHERE b.chain = ? AND b.idx = ? "
-                f"AND s.n_blocks > ? AND s.trimmable = 1{filt} ORDER BY s.used DESC LIMIT ?",
-                [chains[matched], matched - 1, matched, *args, MAX_CANDIDATES],
-            ).fetchall()
-        return [row_of(r) for r in rows]
+                ids += [
+                    r[0]
+                    for r in db.execute(
+                        # a covering index: candidates are ranked without reading their rows
+                        f"SELECT s.id FROM snapshots s INDEXED BY snapshots_ends "
+                        f"WHERE s.last_chain IN ({marks}){filt} "
+                        "ORDER BY s.n_tokens DESC, s.used DESC LIMIT ?",
+                        [*part, *args, FALLBACK_CANDIDATES],
+                    )
+                ]
+            ids += [
+                r[0]
+                for r in db.execute(
+                    # 'more': the snapshot has blocks past this one (no row is read to know)
+                    f"SELECT s.id FROM snapshot_blocks b INDEXED BY snapshot_blocks_more "
+                    "CROSS JOIN snapshots s INDEXED BY snapshots_facts "
+                    f"ON s.id = b.snapshot WHERE b.chain = ? AND b.idx = ? AND b.more = 1 "
+                    f"AND s.trimmable = 1{filt} LIMIT ?",
+                    [chains[matched], matched - 1, *args, FALLBACK_CANDIDATES],
+                )
+            ]
+            return _rows_by_id(db, ids)
 
     def touch(self, snapshot_id: int) -> None:
         with self.write() as db:
@@ -422,8 +450,9 @@ class Index:
         )
         for b in blocks:
             db.execute(
-                "INSERT INTO snapshot_blocks(snapshot, idx, chain, blob) VALUES (?, ?, ?, ?)",
-                [sid, b.idx, b.chain, b.blob],
+                "INSERT INTO snapshot_blocks(snapshot, idx, chain, blob, more) "
+                "VALUES (?, ?, ?, ?, ?)",
+                [sid, b.idx, b.chain, b.blob, int(b.idx < len(blocks) - 1)],
             )
         for f in [row["tail"], *(b.blob for b in blocks if b.blob)]:
             # dead=0: a blob the same transaction unreferenced is still on disk

@@ -123,6 +123,20 @@ MIGRATIONS: dict[int, list[str]] = {
              UPDATE usage SET bytes = bytes - OLD.size WHERE namespace = OLD.namespace;
            END""",
         """CREATE INDEX snapshots_ns_used ON snapshots(namespace, used)""",
+        # Covering indexes: lookups rank candidates without reading their rows
+        # (a token list is overflow pages, and the columns after it need them).
+        # (last_chain, namespace, identity) then the ranking order: one chain's
+        # candidates come out longest first and the walk stops at the limit.
+        """CREATE INDEX snapshots_ends ON snapshots(
+            last_chain, namespace, identity, n_tokens, used, trimmable, min_resume)""",
+        """CREATE INDEX snapshots_facts ON snapshots(
+            id, namespace, identity, trimmable, n_tokens, n_blocks, min_resume, used)""",
+        # more = 1: the snapshot has blocks past this one.  Lookups find the
+        # snapshots that go on past a prompt's matched blocks from this index alone.
+        """ALTER TABLE snapshot_blocks ADD COLUMN more INTEGER NOT NULL DEFAULT 0""",
+        """UPDATE snapshot_blocks SET more = 1 WHERE idx + 1 <
+           (SELECT n_blocks FROM snapshots WHERE id = snapshot_blocks.snapshot)""",
+        """CREATE INDEX snapshot_blocks_more ON snapshot_blocks(chain, idx, more)""",
         # Snapshot ids are never reused (a stale check must not hit a new row).
         """INSERT OR IGNORE INTO meta(key, value)
            SELECT 'last_snapshot_id', CAST(COALESCE(MAX(id), 0) AS TEXT) FROM snapshots""",
