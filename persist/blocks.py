@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
 import msgpack
+import numpy as np
 import xxhash
 
 from .manifest import _record_map, tensor_keys
-from .records import Record, RecordSpec, TensorSpec, as_bytes
+from .records import Record, RecordSpec, TensorSpec
 from .snapshot import Snapshot
 from .stfile import checksum
 from .store.chains import HEAD_TOKENS, chain_root, chains, head_key
@@ -41,7 +41,22 @@ __all__ = [
 class Piece:
     key: str  # file key of the whole tensor ("3/keys")
     spec: TensorSpec  # of the piece
-    array: Any  # lazy mx.array of the piece
+    data: Any  # host bytes of the piece: a numpy uint8 view shaped (*shape, itemsize)
+
+
+def host_view(a: Any) -> Any:
+    """An evaluated mx.array's bytes on the host, shaped ``(*a.shape, itemsize)``, no MLX op.
+
+    Cutting blocks here rather than with MLX slices keeps a save off the
+    MLX streams: an MLX op on an array another thread computed waits for
+    everything that thread's stream has queued (a whole prefill, in a server).
+    """
+    shape = (*a.shape, a.dtype.size)
+    if a.size == 0:
+        return np.zeros(shape, dtype=np.uint8)
+    view = memoryview(a)
+    raw = view.cast("B") if view.c_contiguous else view.tobytes()  # strided: one copy
+    return np.frombuffer(raw, dtype=np.uint8).reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -51,7 +66,7 @@ class Plan:
     split: dict[str, int]  # whole-tensor key -> token axis
     n_blocks: int
     block: int
-    arrays: dict[str, Any]  # whole-tensor key -> array
+    arrays: dict[str, Any]  # whole-tensor key -> host view (``host_view``)
 
     def block_pieces(self, i: int) -> list[Piece]:
         return [
@@ -66,10 +81,10 @@ class Plan:
 
     def _piece(self, key: str, axis: int, lo: int, hi: int) -> Piece:
         whole = self.arrays[key]
-        idx: list[Any] = [slice(None)] * whole.ndim
+        idx: list[Any] = [slice(None)] * (whole.ndim - 1)  # the last axis is the item's bytes
         idx[axis] = slice(lo, hi)
-        arr = whole[tuple(idx)]
-        return Piece(key, TensorSpec(self.specs[key].dtype, tuple(arr.shape)), arr)
+        part = whole[tuple(idx)]
+        return Piece(key, TensorSpec(self.specs[key].dtype, tuple(part.shape[:-1])), part)
 
     def manifest(self) -> bytes:
         body = {
@@ -83,9 +98,13 @@ class Plan:
 
 
 def plan(snap: Snapshot, block: int, dtype_name: Any) -> Plan:
-    """Which tensors of ``snap`` are cut into blocks (those that grow from position 0)."""
-    arrays = {key: rec.tensors[name] for key, rec, name in tensor_keys(snap.records)}
-    specs = {k: TensorSpec(dtype_name(t), tuple(t.shape)) for k, t in arrays.items()}
+    """Which tensors of ``snap`` are cut into blocks (those that grow from position 0).
+
+    The record tensors must be evaluated (``capture`` does it); from here on
+    a save works on host bytes only.
+    """
+    tensors = {key: rec.tensors[name] for key, rec, name in tensor_keys(snap.records)}
+    specs = {k: TensorSpec(dtype_name(t), tuple(t.shape)) for k, t in tensors.items()}
     split: dict[str, int] = {}
     for i, f in enumerate(snap.facts):
         if f.first_token != 0 or f.offset is None:
@@ -95,6 +114,7 @@ def plan(snap: Snapshot, block: int, dtype_name: Any) -> Plan:
             if key in specs and specs[key].shape[axis] == f.offset:
                 split[key] = axis
     n = len(snap.tokens or [])
+    arrays = {k: host_view(t) for k, t in tensors.items()}
     return Plan(snap.records, specs, split, n // block, block, arrays)
 
 
@@ -108,10 +128,11 @@ def _key(layer: int, axis_name: str) -> str:
 
 
 def materialize(pieces: list[Piece]) -> list[tuple[Piece, memoryview, bytes]]:
-    mx.eval([p.array for p in pieces])
+    """Each piece's bytes, contiguous (a copy only for a strided cut), and their checksum."""
     out = []
     for p in pieces:
-        view = as_bytes(p.array)
+        flat = np.ascontiguousarray(p.data).reshape(-1)  # 1-D: zero-length pieces too
+        view = flat.data.cast("B")
         out.append((p, view, checksum(view)))
     return out
 

@@ -23,13 +23,13 @@ import msgpack
 from . import policy
 from .blocks import Piece, Plan, chain_root, chains, content_key, head_key, materialize, plan
 from .codecs.base import dtype_name
-from .errors import StoreFullError
+from .errors import NotResumableError, StoreFullError
 from .identity import ModelIdentity
 from .records import Progress
-from .snapshot import capture
+from .snapshot import Snapshot, capture
 from .stfile import write_tensors
 from .store.blobs import blob_metadata
-from .store.chains import pack_tokens, unpack_tokens
+from .store.chains import check_tokens, pack_tokens, unpack_tokens
 from .store.index import BlockRef, Index, NewBlob, SnapshotRow
 
 if TYPE_CHECKING:
@@ -55,14 +55,16 @@ class Target:
 
 def save_snapshot(
     store: Store,
-    cache: Sequence[Any],
+    cache: Sequence[Any] | Snapshot,
     tokens: Sequence[int],
     target: Target,
     progress: Progress | None = None,
 ) -> SnapshotRow:
     """Write blocks and tail, commit the snapshot; return its row as committed."""
     identity, namespace = target.identity, target.namespace
-    snap = capture(list(cache), tokens)
+    snap = cache if isinstance(cache, Snapshot) else capture(list(cache), tokens)
+    if isinstance(cache, Snapshot) and snap.tokens != check_tokens(tokens):
+        raise NotResumableError("a captured snapshot is saved with the tokens it was captured with")
     toks = snap.tokens or []
     p = plan(snap, store.block_tokens, dtype_name)
     estimate = sum(s.nbytes for s in p.specs.values())

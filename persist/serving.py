@@ -21,11 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
 
 from .identity import ModelIdentity
 from .sessions import Store
+from .snapshot import Snapshot, capture
 
 __all__ = ["PersistentPromptCache"]
 
@@ -58,16 +58,23 @@ class PersistentPromptCache(LRUPromptCache):
         store: Store,
         identity: ModelIdentity | Resolver,
         namespace: str = "default",
-        queue_size: int = 16,
+        queue_size: int = 64,
+        when_full: str = "block",
+        block_seconds: float = 30.0,
     ) -> None:
         super().__init__(max_size, max_bytes)
         self.store = store
         self.identity_for: Resolver = (
             _constant(identity) if isinstance(identity, ModelIdentity) else identity
         )
+        if when_full not in ("block", "drop"):
+            raise ValueError("when_full must be 'block' or 'drop'")
         self.namespace = namespace
+        # Back-pressure when the disk is slower than generation: wait up to
+        # block_seconds for room (the request was already answered), or drop.
+        self.when_full, self.block_seconds = when_full, block_seconds
         self.counters: Counter[str] = Counter()
-        self._queue: queue.Queue[tuple[ModelIdentity, list[int], list[Any]] | None] = queue.Queue(
+        self._queue: queue.Queue[tuple[ModelIdentity, list[int], Snapshot] | None] = queue.Queue(
             queue_size
         )
         self._writer = threading.Thread(
@@ -115,9 +122,20 @@ class PersistentPromptCache(LRUPromptCache):
         if identity is None:  # no identity vouches for it: memory only
             self._count(unkeyed=1)
             return
-        mx.eval([c.state for c in prompt_cache])  # evaluated before the hand-off
         try:
-            self._queue.put_nowait((identity, list(tokens), prompt_cache))
+            # Encoded and evaluated here, on the generation thread: the writer
+            # then handles host bytes only and never waits on this thread's stream.
+            snap = capture(prompt_cache, tokens)
+        except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
+            self._count(persist_errors=1)
+            log.warning("persist: could not persist a cache: %s", e)
+            return
+        item = (identity, list(tokens), snap)
+        try:
+            if self.when_full == "block":
+                self._queue.put(item, timeout=self.block_seconds)
+            else:
+                self._queue.put_nowait(item)
         except queue.Full:
             self._count(queue_drops=1)
             log.warning("persist: write-behind queue full; %d tokens not persisted", len(tokens))
@@ -130,8 +148,8 @@ class PersistentPromptCache(LRUPromptCache):
             try:
                 if item is None:
                     return
-                identity, tokens, cache = item
-                self.store.save(cache, tokens, identity=identity, namespace=self.namespace)
+                identity, tokens, snap = item
+                self.store.save(snap, tokens, identity=identity, namespace=self.namespace)
                 self._count(persisted=1)
             except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
                 self._count(persist_errors=1)
@@ -200,16 +218,24 @@ def serve(
     max_bytes: int | None = None,
     namespace: str = "default",
     server_args: list[str] | None = None,
+    backlog: int = 128,
+    drain_timeout: float = 60.0,
+    queue_size: int = 64,
+    when_full: str = "block",
 ) -> None:
     """Run mlx-lm's server (``mlx_lm.server``) with the store behind its prompt cache.
 
-    Blocks until the server stops (Ctrl-C or SIGTERM), then flushes the
-    write-behind queue so everything accepted is durable.
+    Blocks until SIGTERM or Ctrl-C, then stops in order: no new connections,
+    the accepted requests finish (up to ``drain_timeout`` seconds), the
+    write-behind queue is flushed, the store closed.  A second signal exits
+    at once.
     """
-    import signal
+    import functools
     import sys
 
     import mlx_lm.server as server
+
+    from .serve_http import serve_until_signal
 
     identities = track_identities(server)
     store = Store(store_root, max_bytes=max_bytes)
@@ -217,16 +243,21 @@ def serve(
 
     def make(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
         pc = PersistentPromptCache(
-            max_size, max_bytes, store=store, identity=identities.get, namespace=namespace
+            max_size,
+            max_bytes,
+            store=store,
+            identity=identities.get,
+            namespace=namespace,
+            queue_size=queue_size,
+            when_full=when_full,
         )
         caches.append(pc)
         return pc
 
-    def stop(*_: Any) -> None:
-        raise KeyboardInterrupt  # mlx-lm's server shuts down cleanly on it
-
     server.LRUPromptCache = make  # type: ignore[assignment,misc]
-    signal.signal(signal.SIGTERM, stop)
+    server._run_http_server = functools.partial(
+        serve_until_signal, server, backlog=backlog, drain_timeout=drain_timeout
+    )
     sys.argv = ["mlx_lm.server", "--model", str(model_dir), *(server_args or [])]
     try:
         server.main()

@@ -27,6 +27,7 @@ from .identity import ModelIdentity
 from .manifest import check_metadata
 from .records import Progress
 from .saving import Target, save_snapshot
+from .snapshot import Snapshot
 from .store.blobs import FileBlobs
 from .store.chains import (
     HEAD_TOKENS,
@@ -117,7 +118,7 @@ class Store:
 
     def save(
         self,
-        cache: Sequence[Any],
+        cache: Sequence[Any] | Snapshot,
         tokens: Sequence[int],
         *,
         identity: ModelIdentity,
@@ -127,14 +128,18 @@ class Store:
         metadata: Mapping[str, str] | None = None,
         progress: Progress | None = None,
     ) -> EntryInfo:
-        """Save ``cache`` (covering exactly ``tokens``); named if ``session`` is given."""
+        """Save ``cache`` (covering exactly ``tokens``); named if ``session`` is given.
+
+        ``cache`` may also be a ``persist.snapshot.capture(cache, tokens)`` taken
+        earlier, in another thread (a server captures on its generation thread).
+        """
         role = "prefix" if session is None else "session"
         target = Target(identity, namespace, session, None, role, pin, check_metadata(metadata))
         return self._save(cache, tokens, target, progress)
 
     def _save(
         self,
-        cache: Sequence[Any],
+        cache: Sequence[Any] | Snapshot,
         tokens: Sequence[int],
         target: Target,
         progress: Progress | None = None,

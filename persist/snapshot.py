@@ -64,7 +64,14 @@ def capture(cache: Any, tokens: Sequence[int] | None = None) -> Snapshot:
     else:
         common_offset(facts)
     records = [encode_cache(c) for c in layers]
+    # Evaluated here, in the caller's thread and stream: what follows (cutting
+    # blocks, checksums, writes) reads host bytes and runs no MLX op.
+    mx.eval([t for r in records for t in _tensors(r)])
     return Snapshot(records, facts, toks)
+
+
+def _tensors(r: Record) -> list[Any]:
+    return [*r.tensors.values(), *(t for c in r.children for t in _tensors(c))]
 
 
 def require_covers(cache: Any, tokens: Sequence[int]) -> None:

@@ -19,18 +19,52 @@ from .app import cli, default_store, parse_size, store_option
 )
 @click.option("--max-bytes", default=None, help="Store budget, e.g. 20G.")
 @click.option("--namespace", default="default", show_default=True)
+@click.option(
+    "--backlog",
+    type=click.IntRange(1),
+    default=128,
+    show_default=True,
+    help="Connections the listening socket holds while all are busy (mlx-lm's is 5).",
+)
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(0),
+    default=60.0,
+    show_default=True,
+    help="Seconds SIGTERM waits for accepted requests before stopping generation.",
+)
+@click.option(
+    "--write-queue",
+    type=click.IntRange(1),
+    default=64,
+    show_default=True,
+    help="Caches waiting to be written behind to the store.",
+)
+@click.option(
+    "--when-full",
+    type=click.Choice(["block", "drop"]),
+    default="block",
+    show_default=True,
+    help="A full write queue: wait (up to 30 s) for room, or drop the write and count it.",
+)
 @store_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(
     model_dir: Path | None,
     max_bytes: str | None,
     namespace: str,
+    backlog: int,
+    drain_timeout: float,
+    write_queue: int,
+    when_full: str,
     store_dir: Path | None,
     server_args: tuple[str, ...],
 ) -> None:
     """Run mlx-lm's server with a durable prompt cache that survives restarts.
 
     Any further options go to mlx_lm.server (--host, --port, --prompt-cache-size, ...).
+    SIGTERM or Ctrl-C stops in order: no new connections, accepted requests
+    finish, the write-behind queue is flushed; a second signal stops at once.
 
     \b
     Example:
@@ -45,4 +79,8 @@ def serve_cmd(
         max_bytes=parse_size(max_bytes) if max_bytes else None,
         namespace=namespace,
         server_args=list(server_args),
+        backlog=backlog,
+        drain_timeout=drain_timeout,
+        queue_size=write_queue,
+        when_full=when_full,
     )

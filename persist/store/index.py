@@ -37,8 +37,12 @@ def corruption_is_typed() -> Iterator[None]:
     """A damaged index file surfaces as CorruptBlobError, not as a raw sqlite3 error."""
     try:
         yield
-    except (sqlite3.OperationalError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
-        raise  # locks, timeouts and bugs are not damage
+    except sqlite3.OperationalError as e:
+        if "decode to UTF-8" in str(e):  # a flipped byte inside a text column
+            raise CorruptBlobError("index.sqlite", f"the index is damaged: {e}") from None
+        raise  # locks and timeouts are not damage
+    except (sqlite3.IntegrityError, sqlite3.ProgrammingError):
+        raise  # bugs are not damage
     except sqlite3.DatabaseError as e:
         raise CorruptBlobError("index.sqlite", f"the index is damaged: {e}") from None
 

@@ -1,0 +1,182 @@
+"""``persist serve`` under load, beside plain ``mlx_lm.server`` on the same tiny models.
+
+    python -m bench.bench_serve_load            # 8 clients x 10 turns, bursts of 32
+    python -m bench.bench_serve_load --quick    # 4 x 3, bursts of 12
+
+For each model and server, one at a time on 127.0.0.1: conversation clients
+sharing a ~2,000-token system prompt, each with its own turns; then a burst
+of simultaneous clients with distinct ~2,000-token prompts; then SIGTERM.
+The server's RSS is sampled throughout.  Reported: latency p50/p95/max,
+wall time, errors, cached tokens, write-behind drops, shutdown time, peak
+RSS, store entries and bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+import persist
+from bench.common import machine, write_results
+from bench.servers import Server
+from persist.demo import make_model
+
+SYSTEM = " ".join(f"rule {i}: keep item {i % 37} dry." for i in range(230))  # ~2,000 tokens
+
+
+class RssSampler(threading.Thread):
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.proc, self.peak, self.done = psutil.Process(pid), 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                self.peak = max(self.peak, self.proc.memory_info().rss)
+            except psutil.Error:
+                return
+            time.sleep(0.1)
+
+
+def conversation(srv: Server, who: int, turns: int, out: list[Any]) -> None:
+    messages = [{"role": "system", "content": SYSTEM}]
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"Client {who}, question {t}: what next?"})
+        t0 = time.perf_counter()
+        try:
+            resp = srv.chat(messages, max_tokens=8)
+        except Exception as e:  # counted, not fatal: the table reports errors
+            out.append(("error", repr(e)))
+            return
+        out.append((time.perf_counter() - t0, cached(resp)))
+        messages.append({"role": "assistant", "content": resp["choices"][0]["message"]["content"]})
+
+
+def one_shot(srv: Server, who: int, out: list[Any]) -> None:
+    body = " ".join(f"note {who}-{k} stays." for k in range(500))  # ~2,000 distinct tokens
+    t0 = time.perf_counter()
+    try:
+        resp = srv.chat([{"role": "user", "content": body}], max_tokens=8)
+    except Exception as e:  # counted, not fatal
+        out.append(("error", repr(e)))
+        return
+    out.append((time.perf_counter() - t0, cached(resp)))
+
+
+def cached(resp: dict[str, Any]) -> int:
+    return int(resp.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens", 0))
+
+
+def run_threads(targets: list[Any]) -> float:
+    threads = [threading.Thread(target=f) for f in targets]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def measure(args: list[str], log: Path, clients: int, turns: int, burst: int) -> dict[str, Any]:
+    srv = Server(args, log)
+    rss = RssSampler(srv.proc.pid)
+    rss.start()
+    results: list[Any] = []
+    wall = run_threads([lambda i=i: conversation(srv, i, turns, results) for i in range(clients)])
+    wall += run_threads([lambda i=i: one_shot(srv, i, results) for i in range(burst)])
+    t0 = time.perf_counter()
+    srv.proc.send_signal(signal.SIGTERM)
+    code = srv.proc.wait(timeout=300)
+    shutdown = time.perf_counter() - t0
+    srv.log.close()
+    rss.done.set()
+    times = sorted(r[0] for r in results if r[0] != "error")
+    return {
+        "requests": len(results),
+        "errors": sum(1 for r in results if r[0] == "error"),
+        "p50_s": statistics.median(times) if times else 0.0,
+        "p95_s": times[int(0.95 * (len(times) - 1))] if times else 0.0,
+        "max_s": times[-1] if times else 0.0,
+        "wall_s": wall,
+        "cached_tokens": sum(r[1] for r in results if r[0] != "error"),
+        "shutdown_s": shutdown,
+        "exit_code": code,
+        "rss_peak_mb": rss.peak / 2**20,
+        "traceback_in_log": "Traceback" in log.read_text(errors="replace"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    clients, turns, burst = (4, 3, 12) if a.quick else (8, 10, 32)
+    out: dict[str, Any] = {"clients": clients, "turns": turns, "burst": burst, "runs": {}}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for arch in ("llama", "qwen3_next"):
+            model = make_model(tmp / arch, arch)
+            plain = measure(
+                ["mlx_lm.server", "--model", str(model)], tmp / f"{arch}-plain.log",
+                clients, turns, burst,
+            )  # fmt: skip
+            store = tmp / f"{arch}-store"
+            mine = measure(
+                ["persist", "serve", "--model", str(model), "--store", str(store)],
+                tmp / f"{arch}-persist.log", clients, turns, burst,
+            )  # fmt: skip
+            with persist.Store(store) as s:
+                st = s.stats()
+                mine |= {
+                    "drops": st.counters.get("serve_queue_drops", 0),
+                    "persisted": st.counters.get("serve_persisted", 0),
+                    "entries": st.entries,
+                    "store_bytes": st.unique_bytes,
+                    "check_clean": s.check() == [],
+                }
+            out["runs"][arch] = {"plain mlx_lm.server": plain, "persist serve": mine}
+    out["machine"] = machine()
+    md = markdown(out, a.quick)
+    write_results("serve-load-quick" if a.quick else "serve-load", out, md)
+    print(md)
+
+
+def markdown(out: dict[str, Any], quick: bool) -> str:
+    lines = [
+        "# persist serve under load",
+        "",
+        f"`python -m bench.bench_serve_load{' --quick' if quick else ''}` on "
+        f"{out['machine']['platform']}: {out['clients']} conversation clients x {out['turns']} "
+        f"turns sharing a ~2,000-token system prompt, then a burst of {out['burst']} "
+        "simultaneous ~2,000-token prompts, then SIGTERM; tiny random-weight models.",
+        "",
+        "| model | server | p50 s | p95 s | max s | wall s | errors | cached tokens | drops "
+        "| shutdown s | exit | RSS peak MB | entries | store KiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arch, runs in out["runs"].items():
+        for name, r in runs.items():
+            lines.append(
+                f"| {arch} | {name} | {r['p50_s']:.3f} | {r['p95_s']:.3f} | {r['max_s']:.3f} "
+                f"| {r['wall_s']:.1f} | {r['errors']} | {r['cached_tokens']} "
+                f"| {r.get('drops', '-')} | {r['shutdown_s']:.2f} | {r['exit_code']} "
+                f"| {r['rss_peak_mb']:.0f} | {r.get('entries', '-')} "
+                f"| {r['store_bytes'] / 1024:.0f} |"
+                if "store_bytes" in r
+                else f"| {arch} | {name} | {r['p50_s']:.3f} | {r['p95_s']:.3f} | {r['max_s']:.3f} "
+                f"| {r['wall_s']:.1f} | {r['errors']} | {r['cached_tokens']} | - "
+                f"| {r['shutdown_s']:.2f} | {r['exit_code']} | {r['rss_peak_mb']:.0f} | - | - |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
