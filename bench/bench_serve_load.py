@@ -29,7 +29,7 @@ from bench.common import machine, write_results
 from bench.servers import Server
 from persist.demo import make_model
 
-SYSTEM = " ".join(f"rule {i}: keep item {i % 37} dry." for i in range(230))  # ~2,000 tokens
+SYSTEM = " ".join(f"rule {i}: keep item {i % 37} dry." for i in range(70))  # ~2,000 tokens (bytes)
 
 
 class RssSampler(threading.Thread):
@@ -61,7 +61,7 @@ def conversation(srv: Server, who: int, turns: int, out: list[Any]) -> None:
 
 
 def one_shot(srv: Server, who: int, out: list[Any]) -> None:
-    body = " ".join(f"note {who}-{k} stays." for k in range(500))  # ~2,000 distinct tokens
+    body = " ".join(f"note {who}-{k} stays." for k in range(120))  # ~2,000 distinct tokens (bytes)
     t0 = time.perf_counter()
     try:
         resp = srv.chat([{"role": "user", "content": body}], max_tokens=8)

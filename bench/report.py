@@ -105,6 +105,12 @@ def serve_section(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def included(name: str) -> list[str]:
+    """A result's own markdown, less its title: it already says how it was measured."""
+    lines = (RESULTS / f"{name}.md").read_text().splitlines()
+    return [*lines[2:], ""] if lines and lines[0].startswith("# ") else [*lines, ""]
+
+
 def main() -> None:
     files, store, serve = load("files"), load("store"), load("serve")
     m = files["machine"]
@@ -124,6 +130,18 @@ def main() -> None:
         "",
         *store_section(store),
         *serve_section(serve),
+        "",
+        "Lookups against the number of sessions that share a prompt's prefix:",
+        "",
+        *included("lookup"),
+        "A save at the byte budget:",
+        "",
+        *included("budget"),
+        "`persist serve` under load, beside plain `mlx_lm.server` (plain's errors are",
+        "connection resets from its backlog of 5 during the burst; its exit code is",
+        "-15 because SIGTERM kills it):",
+        "",
+        *included("serve-load"),
     ]
     print("\n".join(lines))
 
