@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -26,8 +26,6 @@ from .errors import (
 from .identity import ModelIdentity
 from .manifest import check_metadata
 from .records import Progress
-from .saving import Target, save_snapshot
-from .snapshot import Snapshot
 from .store.blobs import FileBlobs
 from .store.chains import (
     HEAD_TOKENS,
@@ -42,6 +40,10 @@ from .store.chains import (
 from .store.index import Index, SnapshotRow
 from .store.schema import connect
 from .store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
+
+if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
+    from .saving import Target
+    from .snapshot import Snapshot
 
 __all__ = ["Store", "check_name"]
 
@@ -133,6 +135,8 @@ class Store:
         ``cache`` may also be a ``persist.snapshot.capture(cache, tokens)`` taken
         earlier, in another thread (a server captures on its generation thread).
         """
+        from .saving import Target
+
         role = "prefix" if session is None else "session"
         target = Target(identity, namespace, session, None, role, pin, check_metadata(metadata))
         return self._save(cache, tokens, target, progress)
@@ -147,6 +151,8 @@ class Store:
         check_name(target.namespace, "namespace")
         if target.name is not None:
             check_name(target.name, "session")
+        from .saving import save_snapshot
+
         return self._info(save_snapshot(self, cache, tokens, target, progress))
 
     def _collect(self) -> int:

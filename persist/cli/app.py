@@ -111,20 +111,47 @@ def progress(label: str) -> _Bar:
     return _Bar(label)
 
 
+REPORT = "persist: this is a bug in persist; please report it with the traceback above"
+
+
 class PersistGroup(click.Group):
+    """Exit codes: 0 done, 1 a PersistError (or the system refused: OSError),
+    2 a usage error (click), 3 a bug (traceback and a line asking to report
+    it), 130 Ctrl-C.  A closed pipe (``persist ls | head``) ends quietly."""
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except PersistError as e:
             click.echo(f"persist: error: {e}", err=True)
             sys.exit(1)
-        except OSError as e:
+        except BrokenPipeError:
+            _quiet_stdout()
+            sys.exit(0)
+        except KeyboardInterrupt:
+            click.echo("persist: interrupted", err=True)
+            sys.exit(130)
+        except OSError as e:  # the system refused (permissions, a missing path): not a bug
             where = f": {e.filename}" if getattr(e, "filename", None) else ""
             click.echo(f"persist: error: {e.strerror or e}{where}", err=True)
             sys.exit(1)
-        except ValueError as e:  # a library refusal of a bad argument
-            click.echo(f"persist: error: {e}", err=True)
-            sys.exit(1)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except Exception:
+            import traceback
+
+            traceback.print_exc()
+            click.echo(REPORT, err=True)
+            sys.exit(3)
+
+
+def _quiet_stdout() -> None:
+    """After EPIPE, point stdout at /dev/null so the interpreter's final flush stays silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 @click.group(cls=PersistGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from ..service import FileInfo, describe_file, verify_file
+if TYPE_CHECKING:  # reading files imports mlx: loaded by these commands only
+    from ..service import FileInfo
 from .app import cli, emit, human_bytes, json_option
 
 
@@ -48,6 +50,8 @@ def inspect(file: Path, as_json: bool) -> None:
     Example:
       persist inspect chat.safetensors --json
     """
+    from ..service import describe_file
+
     info = describe_file(file)
     emit(as_json, info.to_dict(), lambda _: _render(info))
 
@@ -62,5 +66,7 @@ def verify(file: Path, as_json: bool) -> None:
     Example:
       persist verify chat.safetensors
     """
+    from ..service import verify_file
+
     info = verify_file(file)
     emit(as_json, info.to_dict(), lambda _: _render(info))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from ..generation import GenerateResult, PrimeResult, generate, load_model, prime
+if TYPE_CHECKING:  # generation imports mlx-lm: loaded by these commands only
+    from ..generation import GenerateResult, PrimeResult
 from .app import cli, emit, json_option, open_store, progress, store_option
 
 _model = click.option(
@@ -72,6 +74,8 @@ def generate_cmd(
     Example:
       persist generate --session work --prompt "Where were we?" --max-tokens 32
     """
+    from ..generation import generate, load_model
+
     model, tok, identity = load_model(model_dir)
     with open_store(store_dir) as store:
 
@@ -128,6 +132,8 @@ def prime_cmd(
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-file")
     text = prompt if prompt is not None else prompt_file.read()  # type: ignore[attr-defined]
+    from ..generation import load_model, prime
+
     model, tok, identity = load_model(model_dir)
     with open_store(store_dir) as store:
         r: PrimeResult = prime(

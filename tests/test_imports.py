@@ -1,0 +1,58 @@
+"""What importing persist costs, checked in fresh interpreters (sys.modules, not source text).
+
+``import persist``, ``import persist.store``, ``import persist.policy`` and the
+store-only commands (ls, show, rm, gc, check, stats, --help) never import mlx
+or mlx-lm; importing persist never imports click.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import persist
+from tests.helpers import ROOT
+
+HEAVY = ("mlx", "mlx.core", "mlx_lm")
+
+
+def modules_after(code: str) -> set[str]:
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("module", ["persist", "persist.store", "persist.policy", "persist.errors"])
+def test_light_imports(module: str) -> None:
+    loaded = modules_after(f"import {module}")
+    assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))
+    assert "click" not in loaded
+
+
+@pytest.mark.parametrize(
+    "command", ["ls", "--help", "stats", "check", "gc", "show nope", "rm nope", "ls --all"]
+)
+def test_store_only_commands_never_import_mlx(command: str, tmp_path: Path) -> None:
+    args = [*command.split(), *([] if command == "--help" else ["--store", str(tmp_path / "s")])]
+    code = (
+        "import sys\n"
+        f"sys.argv = ['persist', *{args!r}]\n"
+        "from persist.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+    )
+    loaded = modules_after(code)
+    assert not loaded & set(HEAVY), (command, sorted(loaded & set(HEAVY)))
+
+
+def test_every_public_name_resolves() -> None:
+    for name in persist.__all__:
+        assert getattr(persist, name) is not None, name
+    with pytest.raises(AttributeError):
+        _ = persist.no_such_name  # type: ignore[attr-defined]
