@@ -28,6 +28,7 @@ from .identity import ModelIdentity
 from .records import Progress
 from .snapshot import Snapshot, capture
 from .stfile import write_tensors
+from .store import retention
 from .store.blobs import blob_metadata
 from .store.chains import check_tokens, pack_tokens, unpack_tokens
 from .store.index import BlockRef, Index, NewBlob, SnapshotRow
@@ -263,7 +264,7 @@ def _replace_covered(
     250 times keeps one entry, not 250.
     """
     ends = [*chs[1 : n + 1], head_key(chs[0], toks)]
-    for old in Index.anonymous_ending_at(db, namespace, digest, ends):
+    for old in retention.anonymous_ending_at(db, namespace, digest, ends):
         old_toks = unpack_tokens(old.tokens)
         if toks[: len(old_toks)] != old_toks:
             continue
@@ -286,7 +287,7 @@ def _evict(db: Any, store: Store, namespace: str, protect: frozenset[int]) -> No
     limits = [(b, ns) for b, ns in ((store.max_bytes, None), (own, namespace)) if b is not None]
     for budget, ns in limits:
         while (total := store.index.unique_bytes(db, ns)) > budget:
-            victim = Index.lru_victim(db, scope, protect)
+            victim = retention.lru_victim(db, scope, protect)
             if victim is None:
                 raise StoreFullError(total, budget)
             Index.remove(db, victim)

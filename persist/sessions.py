@@ -19,25 +19,23 @@ from . import policy
 from .errors import (
     CorruptBlobError,
     IdentityMismatchError,
-    InvalidNameError,
     NotResumableError,
     SessionNotFoundError,
 )
 from .identity import ModelIdentity
 from .manifest import check_metadata
 from .records import Progress
+from .store import lookup as lookup_queries
+from .store import retention
 from .store.blobs import FileBlobs
 from .store.chains import (
-    HEAD_TOKENS,
     chain_root,
     chains,
     check_tokens,
-    common_prefix_packed,
-    head_key,
-    pack_tokens,
     unpack_tokens,
 )
 from .store.index import Index, SnapshotRow
+from .store.rows import check_name, entry_info
 from .store.schema import connect
 from .store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
 
@@ -49,15 +47,7 @@ __all__ = ["Store", "check_name"]
 
 log = logging.getLogger("persist")
 DEFAULT_BLOCK = 256
-MAX_NAME = 1024
 RESTORE_RETRIES = 4  # re-reads of a session that concurrent saves keep replacing
-
-
-def check_name(value: Any, what: str) -> str:
-    """Session and namespace names are plain keys: any text of 1..1024 characters, no NUL."""
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME or "\x00" in value:
-        raise InvalidNameError(f"{what} must be 1 to {MAX_NAME} characters of text without NUL")
-    return value
 
 
 class Store:
@@ -248,38 +238,15 @@ class Store:
     def _choose(
         self, toks: list[int], identity: ModelIdentity, namespace: str, skip: set[int]
     ) -> tuple[SnapshotRow, int] | None:
-        """The row and usable prefix a lookup restores, from the index alone (no blob read).
-
-        First the snapshots that share the prompt's matched blocks and the
-        HEAD_TOKENS after them (any of those beats every other); if none of
-        them can serve, the ones that share only the matched blocks.
-        """
+        """The row and usable prefix a lookup restores, from the index alone (no blob read)."""
         check_name(namespace, "namespace")
         secret = self.index.secret(namespace)  # a lookup never creates a namespace
         if secret is None:
             return None
-        digest, block = identity.digest, self.block_tokens
-        chs = chains(chain_root(secret, digest), toks, block)
-        matched = self.index.matched_blocks(namespace, digest, chs)
-        tiers = []
-        if len(toks) - matched * block >= HEAD_TOKENS:
-            head = head_key(chs[matched], toks[matched * block :])
-            tiers.append(lambda: self.index.by_head(namespace, digest, head, len(toks)))
-        tiers.append(lambda: self.index.by_blocks(namespace, digest, chs, matched, len(toks)))
-        packed = pack_tokens(toks)
-        for tier in tiers:
-            rows = {r.id: r for r in tier() if r.id not in skip}
-            cands = [
-                (
-                    policy.Candidate(r.id, r.n_tokens, r.trimmable, r.min_resume, r.used),
-                    common_prefix_packed(r.tokens, packed),  # tokens decide, compared in full
-                )
-                for r in rows.values()
-            ]
-            choice = policy.choose(cands, len(toks))
-            if choice is not None:
-                return rows[choice.candidate.id], choice.prefix
-        return None
+        chs = chains(chain_root(secret, identity.digest), toks, self.block_tokens)
+        return lookup_queries.choose(
+            self.index, namespace, identity.digest, chs, toks, self.block_tokens, skip
+        )
 
     def find(
         self, tokens: Sequence[int], *, identity: ModelIdentity, namespace: str = "default"
@@ -388,7 +355,7 @@ class Store:
         return GcReport(victims, deleted, before - after, after, False)
 
     def _evict_report(self, db: Any, budget: int) -> list[EntryInfo]:
-        entries, sizes = Index.eviction_entries(db)
+        entries, sizes = retention.eviction_entries(db)
         ids = policy.plan_eviction(
             [policy.EvictEntry(i, u, pin, b) for i, u, pin, b in entries], sizes, budget
         )
@@ -418,26 +385,7 @@ class Store:
     # -- helpers ------------------------------------------------------------
 
     def _info(self, r: SnapshotRow) -> EntryInfo:
-        body = msgpack.unpackb(r.manifest, raw=False)
-        ident = msgpack.unpackb(r.identity_map, raw=False)
-        return EntryInfo(
-            id=r.id,
-            namespace=r.namespace,
-            session=r.name,
-            role=r.role,
-            owner=r.owner,
-            tokens=r.n_tokens,
-            bytes=r.nbytes,
-            trimmable=r.trimmable,
-            min_resume_offset=r.min_resume,
-            kinds=[layer["kind"] for layer in body["layers"]],
-            identity=r.identity,
-            model=str(ident.get("name", "")),
-            created=r.created,
-            used=r.used,
-            pinned=r.pinned,
-            metadata=msgpack.unpackb(r.metadata, raw=False),
-        )
+        return entry_info(r)
 
 
 class _Rollback(Exception):

@@ -96,3 +96,22 @@ def test_sigterm_during_a_burst_answers_every_accepted_request(
     except OSError:
         pass
     assert json.dumps(answers)
+
+
+def test_a_second_signal_stops_at_once(model_dir: Any, tmp_path: Path) -> None:
+    from tests.store_helpers import CRASH_DEBRIS
+
+    store, log = tmp_path / "store", tmp_path / "serve.log"
+    srv = persist_serve(model_dir("llama"), store, log)
+    burst(srv, 8)
+    time.sleep(1.0)
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    srv.proc.send_signal(signal.SIGINT)  # the second one: no more waiting
+    code = srv.proc.wait(timeout=60)
+    srv.log.close()
+    join_all()
+    assert code in (128 + signal.SIGINT, 0), code  # 0 only if the drain had already finished
+    with persist.Store(store) as s:
+        assert {p.kind for p in s.check(fix=True)} <= CRASH_DEBRIS
+        assert s.check() == []

@@ -47,36 +47,9 @@ def corruption_is_typed() -> Iterator[None]:
         raise CorruptBlobError("index.sqlite", f"the index is damaged: {e}") from None
 
 
-# Bounds on one lookup's work, whatever the number of sessions sharing a prefix.
-MAX_CANDIDATES = 64
-FALLBACK_CANDIDATES = 16
-SINGLE_CHAINS = 8
-MAX_VARIABLES = 500  # keys per IN (...) list: far below SQLite's limit
-
 # Forced plan: walk blocks by chain hash first (SQLite has no statistics to know).
 BLOCKS_THEN_SNAPSHOTS = "snapshot_blocks b INDEXED BY snapshot_blocks_chain CROSS JOIN snapshots s"
-
-
-def _serve_filter(namespace: str, identity: str, prompt_len: int) -> tuple[str, list[Any]]:
-    """Rows that could serve a prompt of ``prompt_len`` tokens, from index columns alone.
-
-    The SQL form of ``policy.could_serve``: an untrimmable snapshot longer than
-    the prompt can never serve, nor one whose floor leaves no token to compute.
-    """
-    return (
-        " AND s.namespace = ? AND s.identity = ?"
-        " AND (s.trimmable = 1 OR s.n_tokens <= ?) AND s.min_resume < ?",
-        [namespace, identity, prompt_len - 1, prompt_len],
-    )
-
-
-def _rows_by_id(db: sqlite_utils.Database, ids: Sequence[int]) -> list[SnapshotRow]:
-    """Full rows (tokens included) of at most a bounded list of ids, in their order."""
-    if not ids:
-        return []
-    marks = ",".join("?" * len(ids))
-    got = {r.id: r for r in Index.rows_where(db, f"id IN ({marks})", list(ids))}
-    return [got[i] for i in dict.fromkeys(ids) if i in got]
+MAX_VARIABLES = 500  # keys per IN (...) list: far below SQLite's limit
 
 
 class Index:
@@ -252,93 +225,6 @@ class Index:
         with self.read() as db:
             return [row_of(r) for r in db.execute(sql + " ORDER BY namespace, name, id", args)]
 
-    def matched_blocks(self, namespace: str, identity: str, chains: Sequence[bytes]) -> int:
-        """How many leading blocks of a prompt (block chains ``chains[1:]``) some snapshot holds.
-
-        A snapshot holding block i holds every block before it, so the matched
-        blocks are a prefix of the prompt's: a binary search of single-key
-        queries, whatever the prompt's length.
-        """
-        lo, hi = 0, len(chains) - 1
-        with self.read() as db:
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                row = db.execute(
-                    f"SELECT 1 FROM {BLOCKS_THEN_SNAPSHOTS} ON s.id = b.snapshot "
-                    "WHERE b.chain = ? AND b.idx = ? AND s.namespace = ? AND s.identity = ? "
-                    "LIMIT 1",
-                    [chains[mid], mid - 1, namespace, identity],
-                ).fetchone()
-                lo, hi = (mid, hi) if row else (lo, mid - 1)
-        return lo
-
-    def by_head(
-        self, namespace: str, identity: str, head: bytes, prompt_len: int
-    ) -> list[SnapshotRow]:
-        """Snapshots that share a prompt's matched blocks and the HEAD_TOKENS after them.
-
-        Most recently used first, at most MAX_CANDIDATES: lookups stay bounded
-        however many sessions share a prompt's prefix.
-        """
-        filt, args = _serve_filter(namespace, identity, prompt_len)
-        with self.read() as db:
-            ids = db.execute(
-                "SELECT s.id FROM heads h INDEXED BY heads_key "
-                "CROSS JOIN snapshots s INDEXED BY snapshots_facts "
-                f"ON s.id = h.snapshot WHERE h.key = ?{filt} ORDER BY s.used DESC LIMIT ?",
-                [head, *args, MAX_CANDIDATES],
-            ).fetchall()
-            return _rows_by_id(db, [r[0] for r in ids])
-
-    def by_blocks(
-        self, namespace: str, identity: str, chains: Sequence[bytes], matched: int, prompt_len: int
-    ) -> list[SnapshotRow]:
-        """Snapshots that end within the prompt's ``matched`` blocks or go on past them.
-
-        The fallback when no snapshot shares HEAD_TOKENS past the matched
-        blocks, so every candidate's common prefix lies within HEAD_TOKENS of
-        the others': the longest first, at most FALLBACK_CANDIDATES of each sort.
-        """
-        if matched == 0:
-            return []
-        filt, args = _serve_filter(namespace, identity, prompt_len)
-        ids: list[int] = []
-        with self.read() as db:
-            ends = list(chains[1 : matched + 1])
-            # The deepest chains one by one (an index walk that stops at the
-            # limit, no sort), then the rest in bounded IN lists.
-            parts = [[c] for c in reversed(ends[-SINGLE_CHAINS:])]
-            rest = ends[:-SINGLE_CHAINS]
-            parts += [
-                rest[max(0, i - MAX_VARIABLES) : i] for i in range(len(rest), 0, -MAX_VARIABLES)
-            ]
-            for part in parts:
-                if len(ids) >= FALLBACK_CANDIDATES:
-                    break
-                marks = ",".join("?" * len(part))
-                ids += [
-                    r[0]
-                    for r in db.execute(
-                        # a covering index: candidates are ranked without reading their rows
-                        f"SELECT s.id FROM snapshots s INDEXED BY snapshots_ends "
-                        f"WHERE s.last_chain IN ({marks}){filt} "
-                        "ORDER BY s.n_tokens DESC, s.used DESC LIMIT ?",
-                        [*part, *args, FALLBACK_CANDIDATES],
-                    )
-                ]
-            ids += [
-                r[0]
-                for r in db.execute(
-                    # 'more': the snapshot has blocks past this one (no row is read to know)
-                    f"SELECT s.id FROM snapshot_blocks b INDEXED BY snapshot_blocks_more "
-                    "CROSS JOIN snapshots s INDEXED BY snapshots_facts "
-                    f"ON s.id = b.snapshot WHERE b.chain = ? AND b.idx = ? AND b.more = 1 "
-                    f"AND s.trimmable = 1{filt} LIMIT ?",
-                    [chains[matched], matched - 1, *args, FALLBACK_CANDIDATES],
-                )
-            ]
-            return _rows_by_id(db, ids)
-
     def touch(self, snapshot_id: int) -> None:
         with self.write() as db:
             db.execute("UPDATE snapshots SET used = ? WHERE id = ?", [time.time(), snapshot_id])
@@ -379,44 +265,6 @@ class Index:
             return q(db)
         with self.read() as d:
             return q(d)
-
-    @staticmethod
-    def anonymous_ending_at(
-        db: sqlite_utils.Database, namespace: str, identity: str, ends: Sequence[bytes]
-    ) -> list[SnapshotRow]:
-        """Anonymous prefix entries whose last chain is one of ``ends`` (bounded queries)."""
-        out = []
-        for i in range(0, len(ends), MAX_VARIABLES):
-            part = list(ends[i : i + MAX_VARIABLES])
-            marks = ",".join("?" * len(part))
-            out += Index.rows_where(
-                db,
-                f"last_chain IN ({marks}) AND namespace = ? AND identity = ? "
-                "AND name IS NULL AND role = 'prefix'",
-                [*part, namespace, identity],
-            )
-        return out
-
-    @staticmethod
-    def lru_victim(
-        db: sqlite_utils.Database, namespace: str | None, protect: frozenset[int]
-    ) -> int | None:
-        """The least recently used unpinned snapshot (of ``namespace``), not in ``protect``.
-
-        The SQL form of ``policy.plan_eviction``'s order (used, then id).
-        """
-        where, args = "pinned = 0", list[Any]()
-        if namespace is not None:
-            where, args = "namespace = ? AND pinned = 0", [namespace]
-        if protect:
-            where += f" AND id NOT IN ({','.join('?' * len(protect))})"
-            args += sorted(protect)
-        index = "snapshots_ns_used" if namespace is not None else "snapshots_used"
-        row = db.execute(
-            f"SELECT id FROM snapshots INDEXED BY {index} WHERE {where} ORDER BY used, id LIMIT 1",
-            args,
-        ).fetchone()
-        return None if row is None else int(row[0])
 
     # -- mutations (inside ``write()``) ---------------------------------------
 
@@ -507,24 +355,6 @@ class Index:
             row_of(r)
             for r in db.execute(f"SELECT {SNAPSHOT_COLS} FROM snapshots WHERE {sql}", list(args))
         ]
-
-    @staticmethod
-    def eviction_entries(
-        db: sqlite_utils.Database,
-    ) -> tuple[list[tuple[int, float, bool, tuple[str, ...]]], dict[str, int]]:
-        refs: dict[int, list[str]] = {}
-        for sid, f in db.execute(
-            "SELECT snapshot, blob FROM snapshot_blocks WHERE blob IS NOT NULL"
-        ):
-            refs.setdefault(sid, []).append(f)
-        entries = [
-            (sid, used, bool(pinned), (tail, *refs.get(sid, [])))
-            for sid, used, pinned, tail in db.execute(
-                "SELECT id, used, pinned, tail FROM snapshots"
-            )
-        ]
-        sizes = {f: s for f, s in db.execute("SELECT file, size FROM blobs WHERE dead = 0")}
-        return entries, sizes
 
     def collect(self) -> list[str]:
         """Dead blob files (unreferenced, committed); the caller unlinks them, then forgets."""

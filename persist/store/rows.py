@@ -9,7 +9,23 @@ from typing import Any
 import msgpack
 import xxhash
 
-__all__ = ["SNAPSHOT_COLS", "SnapshotRow", "NewBlob", "BlockRef", "row_digest", "row_of", "cols"]
+from ..errors import InvalidNameError
+from .types import EntryInfo
+
+__all__ = [
+    "SNAPSHOT_COLS",
+    "SnapshotRow",
+    "NewBlob",
+    "BlockRef",
+    "row_digest",
+    "row_of",
+    "cols",
+    "entry_info",
+    "check_name",
+    "MAX_NAME",
+]
+
+MAX_NAME = 1024
 
 
 @dataclass(frozen=True)
@@ -116,3 +132,34 @@ def row_of(r: Sequence[Any]) -> SnapshotRow:
         metadata=bytes(r[20]),
         row_xxh3=bytes(r[21]),
     )
+
+
+def entry_info(r: SnapshotRow) -> EntryInfo:
+    """What a caller sees of a snapshot row."""
+    body = msgpack.unpackb(r.manifest, raw=False)
+    ident = msgpack.unpackb(r.identity_map, raw=False)
+    return EntryInfo(
+        id=r.id,
+        namespace=r.namespace,
+        session=r.name,
+        role=r.role,
+        owner=r.owner,
+        tokens=r.n_tokens,
+        bytes=r.nbytes,
+        trimmable=r.trimmable,
+        min_resume_offset=r.min_resume,
+        kinds=[layer["kind"] for layer in body["layers"]],
+        identity=r.identity,
+        model=str(ident.get("name", "")),
+        created=r.created,
+        used=r.used,
+        pinned=r.pinned,
+        metadata=msgpack.unpackb(r.metadata, raw=False),
+    )
+
+
+def check_name(value: Any, what: str) -> str:
+    """Session and namespace names are plain keys: any text of 1..1024 characters, no NUL."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME or "\x00" in value:
+        raise InvalidNameError(f"{what} must be 1 to {MAX_NAME} characters of text without NUL")
+    return value

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models import cache as mc
 
 import persist
-from persist import sessions
+from persist.store import lookup
 from tests.golden.cases import IDENTITY, kvs
 
 SYSTEM = list(range(1000, 2024))  # a 1,024-token system prompt: four full blocks
@@ -30,10 +30,8 @@ def compared(
 ) -> int:
     """How many stored token lists a lookup compares with the prompt (its hit is ``want``)."""
     calls = []
-    real = sessions.common_prefix_packed
-    monkeypatch.setattr(
-        sessions, "common_prefix_packed", lambda a, b: calls.append(1) or real(a, b)
-    )
+    real = lookup.common_prefix_packed
+    monkeypatch.setattr(lookup, "common_prefix_packed", lambda a, b: calls.append(1) or real(a, b))
     hit = store.lookup(prompt, identity=IDENTITY)
     monkeypatch.undo()
     assert hit is not None and len(hit.tokens) == want

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import persist
+from persist.store import lookup
 from tests.helpers import ROOT, prefill, tokens_for
 from tests.store_helpers import assert_private, clean
 
@@ -153,7 +154,7 @@ def test_tenants_never_touch_each_other(
 
         monkeypatch.setattr(store.blobs, "open", spy_open)
         for tier in ("by_head", "by_blocks"):
-            monkeypatch.setattr(store.index, tier, spy(getattr(store.index, tier)))
+            monkeypatch.setattr(lookup, tier, spy(getattr(lookup, tier)))
         for n in (300, 450, 599):  # B probes A's prompt at several depths
             assert store.lookup(secret_prompt[:n] + [1], identity=identity, namespace="b") is None
         assert not opened and set(seen_rows) <= {"b"}
