@@ -115,3 +115,22 @@ def test_a_second_signal_stops_at_once(model_dir: Any, tmp_path: Path) -> None:
     with persist.Store(store) as s:
         assert {p.kind for p in s.check(fix=True)} <= CRASH_DEBRIS
         assert s.check() == []
+
+
+def test_max_bytes_holds_under_a_burst(model_dir: Any, tmp_path: Path) -> None:
+    store, log = tmp_path / "store", tmp_path / "serve.log"
+    budget = 2 << 20
+    srv = Server(
+        ["persist", "serve", "--model", str(model_dir("llama")), "--store", str(store),
+         "--max-bytes", str(budget)],
+        log,
+    )  # fmt: skip
+    answers, errors = burst(srv, 24)
+    join_all()
+    srv.stop()
+    assert not errors and all(a is not None for a in answers)
+    with persist.Store(store) as s:
+        st = s.stats()
+        assert st.unique_bytes <= budget, st.unique_bytes
+        assert st.counters.get("serve_persisted", 0) >= 24  # written, then evicted to fit
+        assert s.check() == []
