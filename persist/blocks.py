@@ -44,21 +44,6 @@ class Piece:
     data: Any  # host bytes of the piece: a numpy uint8 view shaped (*shape, itemsize)
 
 
-def host_view(a: Any) -> Any:
-    """An evaluated mx.array's bytes on the host, shaped ``(*a.shape, itemsize)``, no MLX op.
-
-    Cutting blocks here rather than with MLX slices keeps a save off the
-    MLX streams: an MLX op on an array another thread computed waits for
-    everything that thread's stream has queued (a whole prefill, in a server).
-    """
-    shape = (*a.shape, a.dtype.size)
-    if a.size == 0:
-        return np.zeros(shape, dtype=np.uint8)
-    view = memoryview(a)
-    raw = view.cast("B") if view.c_contiguous else view.tobytes()  # strided: one copy
-    return np.frombuffer(raw, dtype=np.uint8).reshape(shape)
-
-
 @dataclass(frozen=True)
 class Plan:
     records: list[Record]
@@ -66,7 +51,7 @@ class Plan:
     split: dict[str, int]  # whole-tensor key -> token axis
     n_blocks: int
     block: int
-    arrays: dict[str, Any]  # whole-tensor key -> host view (``host_view``)
+    arrays: dict[str, Any]  # whole-tensor key -> host view (``snapshot.host_bytes``)
 
     def block_pieces(self, i: int) -> list[Piece]:
         return [
@@ -114,8 +99,7 @@ def plan(snap: Snapshot, block: int, dtype_name: Any) -> Plan:
             if key in specs and specs[key].shape[axis] == f.offset:
                 split[key] = axis
     n = len(snap.tokens or [])
-    arrays = {k: host_view(t) for k, t in tensors.items()}
-    return Plan(snap.records, specs, split, n // block, block, arrays)
+    return Plan(snap.records, specs, split, n // block, block, snap.host)
 
 
 def _key(layer: int, axis_name: str) -> str:

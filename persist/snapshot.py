@@ -7,14 +7,16 @@ layer covers.  A cache keyed to other tokens would corrupt every later hit.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from .codecs import decode_record, encode_cache, facts_of
 from .errors import NotResumableError
 from .kinds import is_batched, kind_of
+from .manifest import tensor_keys
 from .records import Record, ResumeFacts
 from .store.chains import check_tokens
 
@@ -26,6 +28,8 @@ class Snapshot:
     records: list[Record]
     facts: list[ResumeFacts]
     tokens: list[int] | None
+    # tensor key ("3/keys") -> its bytes as a zero-copy numpy view (host_bytes)
+    host: dict[str, Any] = field(default_factory=dict)
 
     @property
     def offset(self) -> int | None:
@@ -64,14 +68,26 @@ def capture(cache: Any, tokens: Sequence[int] | None = None) -> Snapshot:
     else:
         common_offset(facts)
     records = [encode_cache(c) for c in layers]
-    # Evaluated here, in the caller's thread and stream: what follows (cutting
-    # blocks, checksums, writes) reads host bytes and runs no MLX op.
-    mx.eval([t for r in records for t in _tensors(r)])
-    return Snapshot(records, facts, toks)
+    # Evaluated here, in the caller's thread and stream; what follows (cutting
+    # blocks, checksums, writes) reads host bytes and runs no MLX op: an MLX op
+    # on an array another thread computed waits for everything queued on that
+    # thread's stream (a whole prefill, in a server).  bfloat16, which numpy
+    # cannot read, is seen through a uint16 view of the same memory.
+    tensors = {key: rec.tensors[name] for key, rec, name in tensor_keys(records)}
+    twins = {k: t.view(mx.uint16) if t.dtype == mx.bfloat16 else t for k, t in tensors.items()}
+    mx.eval([*tensors.values(), *twins.values()])
+    return Snapshot(records, facts, toks, {k: host_bytes(t) for k, t in twins.items()})
 
 
-def _tensors(r: Record) -> list[Any]:
-    return [*r.tensors.values(), *(t for c in r.children for t in _tensors(c))]
+def host_bytes(a: Any) -> Any:
+    """An evaluated array's bytes as a numpy uint8 view shaped ``(*shape, itemsize)``.
+
+    Zero-copy, strides kept (a KV cache's live slice of a larger buffer is
+    not copied): pieces are cut from it one block at a time.
+    """
+    if a.size == 0:
+        return np.zeros((*a.shape, a.dtype.size), dtype=np.uint8)
+    return np.asarray(memoryview(a))[..., None].view(np.uint8)
 
 
 def require_covers(cache: Any, tokens: Sequence[int]) -> None:
