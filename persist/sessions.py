@@ -35,7 +35,7 @@ from .store.chains import (
     unpack_tokens,
 )
 from .store.index import Index, SnapshotRow
-from .store.rows import check_name, entry_info
+from .store.rows import check_name, entry_info, store_root
 from .store.schema import connect
 from .store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
 
@@ -67,7 +67,7 @@ class Store:
         block_tokens: int | None = None,
         namespace_max_bytes: int | Mapping[str, int] | None = None,
     ) -> None:
-        self.root = Path(root)
+        self.root = store_root(root)
         if not self.root.exists():
             self.root.mkdir(mode=0o700, parents=True)
         if block_tokens is not None and not 1 <= block_tokens <= 1 << 20:

@@ -59,7 +59,7 @@ def emit(as_json: bool, data: Any, render: Callable[[Any], None]) -> None:
 def default_store() -> Path:
     home = os.environ.get("PERSIST_HOME")
     if home:
-        return Path(home)
+        return Path(home)  # Store expands ~ and $VARS
     from ..demo import cache_home
 
     return cache_home() / "store"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -23,6 +25,7 @@ __all__ = [
     "entry_info",
     "check_name",
     "MAX_NAME",
+    "store_root",
 ]
 
 MAX_NAME = 1024
@@ -163,3 +166,19 @@ def check_name(value: Any, what: str) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME or "\x00" in value:
         raise InvalidNameError(f"{what} must be 1 to {MAX_NAME} characters of text without NUL")
     return value
+
+
+def store_root(root: str | os.PathLike[str]) -> Path:
+    """A store root as the user meant it: ``~`` and ``$VARS`` expanded.
+
+    Round 1 took ``"~/.cache/persist"`` literally and made a folder named
+    ``~`` in the working directory (one ``rm -rf ~`` away from losing a home).
+    A root that still has a component named ``~`` after expansion is refused.
+    """
+    path = Path(os.path.expandvars(os.path.expanduser(os.fspath(root))))
+    if "~" in path.parts:
+        raise InvalidNameError(
+            f"store root {os.fspath(root)!r} has a folder named '~' (not expanded): "
+            "give a path without it"
+        )
+    return path
