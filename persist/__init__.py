@@ -47,7 +47,7 @@ _LAZY = {
     "GcReport": "store.types",
     "Problem": "store.types",
     "StoreStats": "store.types",
-    "prefill": "prefill",
+    "prefill": "chunked_prefill",  # not "prefill": a submodule of that name would shadow it
     "speculative_greedy": "speculative",
     "ModelIdentity": "identity",
     "Record": "records",
@@ -70,6 +70,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from .chunked_prefill import prefill
     from .files import Loaded, load_file, read_manifest, save_file
     from .identity import ModelIdentity
     from .kinds import (
@@ -81,7 +82,6 @@ if TYPE_CHECKING:
         kind_of,
         register_kind,
     )
-    from .prefill import prefill
     from .records import Record, RecordSpec, ResumeFacts
     from .sessions import Store
     from .snapshot import extract_row

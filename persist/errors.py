@@ -20,6 +20,7 @@ __all__ = [
     "InvalidNameError",
     "InvalidTokensError",
     "IdentityUnavailableError",
+    "AlreadyExistsError",
 ]
 
 
@@ -94,6 +95,10 @@ class InvalidTokensError(PersistError, ValueError):
 
 class IdentityUnavailableError(PersistError, ValueError):
     """A model whose configuration cannot be found, so no identity can vouch for its caches."""
+
+
+class AlreadyExistsError(PersistError, FileExistsError):
+    """A file or session that a command would replace without being told to (``--force``)."""
 
 
 class StoreFullError(PersistError, OSError):

@@ -18,9 +18,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from .chunked_prefill import prefill
 from .errors import SessionNotFoundError
 from .identity import ModelIdentity
-from .prefill import prefill
 from .records import Progress
 from .sessions import Store
 

@@ -37,7 +37,7 @@ from .store.chains import (
 from .store.index import Index, SnapshotRow
 from .store.rows import check_name, entry_info, store_root
 from .store.schema import connect
-from .store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
+from .store.types import EntryInfo, GcReport, Problem, Restored, Rollback, StoreStats
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
     from .saving import Target
@@ -187,7 +187,8 @@ class Store:
                 cache = load_snapshot(self, row, progress, refs=refs)
                 break
             except CorruptBlobError:
-                if row.id == last_id or not self._replaced(row):
+                # damage, unless a newer save replaced the row meanwhile
+                if row.id == last_id or self.index.get(row.id) is not None:
                     raise
                 last_id = row.id
         else:
@@ -200,10 +201,6 @@ class Store:
         """The byte budget of ``namespace`` (None: only the store's ``max_bytes``)."""
         b = self.namespace_max_bytes
         return b.get(namespace) if isinstance(b, Mapping) else b
-
-    def _replaced(self, row: SnapshotRow) -> bool:
-        """Is ``row`` gone from the index (a newer save replaced it)?"""
-        return self.index.get(row.id) is None
 
     def lookup(
         self, tokens: Sequence[int], *, identity: ModelIdentity, namespace: str = "default"
@@ -317,6 +314,20 @@ class Store:
             metadata=loaded.metadata,
         )
 
+    def has_session(self, session: str, *, namespace: str = "default") -> bool:
+        return (
+            self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
+            is not None
+        )
+
+    def pin(self, session: str, *, namespace: str = "default", pinned: bool = True) -> None:
+        """Pin (or unpin) a session and its checkpoints: pinned entries are never evicted."""
+        check_name(session, "session")
+        with self.index.write() as db:
+            changed = Index.set_pinned(db, namespace, session, pinned)
+        if not changed:
+            raise SessionNotFoundError(session, namespace)
+
     def delete(self, session: str, *, namespace: str = "default") -> None:
         """Delete a session and its checkpoints; files go after the commit."""
         check_name(session, "session")
@@ -347,8 +358,8 @@ class Store:
                     victims = self._evict_report(db, budget)
                 if dry_run:
                     after = self.index.unique_bytes(db)
-                    raise _Rollback(GcReport(victims, 0, before - after, after, True))
-        except _Rollback as r:
+                    raise Rollback(GcReport(victims, 0, before - after, after, True))
+        except Rollback as r:
             return r.report
         deleted = self._collect()
         after = self.index.unique_bytes()
@@ -386,10 +397,3 @@ class Store:
 
     def _info(self, r: SnapshotRow) -> EntryInfo:
         return entry_info(r)
-
-
-class _Rollback(Exception):
-    """Raised inside a write transaction to undo it (a dry run) and carry the result."""
-
-    def __init__(self, report: GcReport) -> None:
-        self.report = report

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from ..errors import AlreadyExistsError, SessionNotFoundError
 from ..store.types import EntryInfo
 from .app import cli, emit, human_bytes, json_option, open_store, parse_size, store_option
 
@@ -123,9 +124,14 @@ def gc_cmd(max_bytes: str | None, dry_run: bool, store_dir: Path | None, as_json
 
     def render(_: Any) -> None:
         verb = "would evict" if r.dry_run else "evicted"
+        now, after = r.unique_bytes + r.bytes_freed, r.unique_bytes
+        sizes = (
+            f"now {human_bytes(now)}, after {human_bytes(after)}"
+            if r.dry_run
+            else f"{human_bytes(after)} on disk"
+        )
         click.echo(
-            f"{verb} {len(r.evicted)} entries, freeing {human_bytes(r.bytes_freed)}; "
-            f"{human_bytes(r.unique_bytes)} on disk"
+            f"{verb} {len(r.evicted)} entries, freeing {human_bytes(r.bytes_freed)}; {sizes}"
         )
         for e in r.evicted:
             click.echo("  " + _row(e))
@@ -185,21 +191,27 @@ def stats_cmd(namespace: str | None, store_dir: Path | None, as_json: bool) -> N
     emit(as_json, s.to_dict(), render)
 
 
+_force = click.option("--force", is_flag=True, help="Replace what is already there.")
+
+
 @cli.command("export")
 @click.argument("name")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @_namespace
+@_force
 @store_option
 @json_option
 def export_cmd(
-    name: str, file: Path, namespace: str, store_dir: Path | None, as_json: bool
+    name: str, file: Path, namespace: str, force: bool, store_dir: Path | None, as_json: bool
 ) -> None:
-    """Write a session to a self-contained persist file.
+    """Write a session to a self-contained persist file (an existing file needs --force).
 
     \b
     Example:
       persist export work work.safetensors
     """
+    if file.exists() and not force:
+        raise AlreadyExistsError(f"{file} exists; pass --force to replace it")
     with open_store(store_dir) as store:
         e = store.export(name, file, namespace=namespace)
     emit(
@@ -213,21 +225,78 @@ def export_cmd(
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--session", default=None, help="Session name (default: the file's name).")
 @_namespace
+@_force
 @store_option
 @json_option
 def import_cmd(
-    file: Path, session: str | None, namespace: str, store_dir: Path | None, as_json: bool
+    file: Path,
+    session: str | None,
+    namespace: str,
+    force: bool,
+    store_dir: Path | None,
+    as_json: bool,
 ) -> None:
-    """Store a persist file (from export or save_file) as a session.
+    """Store a persist file (from export or save_file) as a session (an existing one needs --force).
 
     \b
     Example:
       persist import work.safetensors --session work-copy
     """
+    name = session if session is not None else file.name.split(".")[0]
     with open_store(store_dir) as store:
-        e = store.import_file(file, session=session, namespace=namespace)
+        if not force and _exists(store, name, namespace):
+            raise AlreadyExistsError(f"session {name!r} exists; pass --force to replace it")
+        e = store.import_file(file, session=name, namespace=namespace)
     emit(
         as_json,
         e.to_dict(),
         lambda _: click.echo(f"imported {file} as session {e.session!r} ({e.tokens} tokens)"),
     )
+
+
+@cli.command("pin")
+@click.argument("name")
+@_namespace
+@store_option
+@json_option
+def pin_cmd(name: str, namespace: str, store_dir: Path | None, as_json: bool) -> None:
+    """Keep a session (and its checkpoints) out of budget eviction.
+
+    \b
+    Example:
+      persist pin work
+    """
+    _pin(name, namespace, store_dir, as_json, True)
+
+
+@cli.command("unpin")
+@click.argument("name")
+@_namespace
+@store_option
+@json_option
+def unpin_cmd(name: str, namespace: str, store_dir: Path | None, as_json: bool) -> None:
+    """Let a pinned session be evicted again when the store is over its budget.
+
+    \b
+    Example:
+      persist unpin work
+    """
+    _pin(name, namespace, store_dir, as_json, False)
+
+
+def _pin(name: str, namespace: str, store_dir: Path | None, as_json: bool, pinned: bool) -> None:
+    with open_store(store_dir) as store:
+        store.pin(name, namespace=namespace, pinned=pinned)
+    emit(
+        as_json,
+        {"session": name, "namespace": namespace, "pinned": pinned},
+        lambda _: click.echo(f"{'pinned' if pinned else 'unpinned'} session {name!r}"),
+    )
+
+
+def _exists(store: Any, name: str, namespace: str) -> bool:
+    try:
+        store.entry(name, namespace=namespace)
+    except SessionNotFoundError:
+        return False
+    return True

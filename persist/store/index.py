@@ -350,6 +350,23 @@ class Index:
         db.execute("UPDATE blobs SET dead = 1 WHERE refs <= 0")
 
     @staticmethod
+    def set_pinned(db: sqlite_utils.Database, namespace: str, name: str, pinned: bool) -> bool:
+        """Pin a session and its checkpoints (``pinned`` is not in the row checksum)."""
+        if (
+            db.execute(
+                "SELECT 1 FROM snapshots WHERE namespace = ? AND name = ?", [namespace, name]
+            ).fetchone()
+            is None
+        ):
+            return False
+        db.execute(
+            "UPDATE snapshots SET pinned = ? WHERE namespace = ? AND "
+            "(name = ? OR (name IS NULL AND owner = ?))",
+            [int(pinned), namespace, name, name],
+        )
+        return True
+
+    @staticmethod
     def rows_where(db: sqlite_utils.Database, sql: str, args: Sequence[Any]) -> list[SnapshotRow]:
         return [
             row_of(r)

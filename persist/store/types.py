@@ -29,6 +29,15 @@ class EntryInfo:
     pinned: bool
     metadata: dict[str, str] = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        kinds = sorted(set(self.kinds))
+        return (
+            f"EntryInfo(id={self.id}, session={self.session!r}, namespace={self.namespace!r}, "
+            f"role={self.role!r}, tokens={self.tokens}, bytes={self.bytes}, "
+            f"layers={len(self.kinds)} ({', '.join(kinds)}), model={self.model!r}, "
+            f"pinned={self.pinned})"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -40,6 +49,12 @@ class Restored:
     cache: list[Any]
     tokens: list[int]
     entry: EntryInfo
+
+    def __repr__(self) -> str:  # never hundreds of token ids
+        return (
+            f"Restored({len(self.tokens)} tokens {_ids(self.tokens)}, "
+            f"{len(self.cache)} layers, entry={self.entry!r})"
+        )
 
 
 @dataclass(frozen=True)
@@ -81,3 +96,15 @@ class StoreStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "dedup_ratio": self.dedup_ratio}
+
+
+def _ids(tokens: list[int]) -> str:
+    head = ", ".join(str(t) for t in tokens[:4])
+    return f"[{head}{', ...' if len(tokens) > 4 else ''}]"
+
+
+class Rollback(Exception):
+    """Raised inside a write transaction to undo it (a dry run) and carry the result."""
+
+    def __init__(self, report: GcReport) -> None:
+        self.report = report
