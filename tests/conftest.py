@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +59,14 @@ def tiny(model_dir: Any) -> Any:
         return model, tok, d
 
     return get
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Any]:
+    """A fresh store; every test's mutations must leave it consistent."""
+    import persist
+    from tests.store_helpers import clean
+
+    with persist.Store(tmp_path / "store") as s:
+        yield s
+        clean(s)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +20,6 @@ from tests.helpers import (
     tokens_for,
 )
 from tests.store_helpers import assert_private, clean, disk_bytes
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[persist.Store]:
-    with persist.Store(tmp_path / "store") as s:
-        yield s
-        clean(s)  # every test's mutations leave a consistent store
 
 
 def ident(tiny: Any, variant: str, **cfg: Any) -> tuple[Any, persist.ModelIdentity]:

@@ -7,8 +7,7 @@ session it came from) and continue exactly like it, for every cache class.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -26,14 +25,6 @@ from tests.helpers import (
     raw,
     tokens_for,
 )
-from tests.store_helpers import clean
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[persist.Store]:
-    with persist.Store(tmp_path / "store") as s:
-        yield s
-        clean(s)
 
 
 def assert_continues_alike(model: Any, got: list[Any], want: list[Any], rest: list[int]) -> None:
