@@ -19,21 +19,7 @@ __all__ = [
     "supersedes",
     "EvictEntry",
     "plan_eviction",
-    "common_prefix",
 ]
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    lo, hi = 0, n  # the prefix of length lo is common; binary search on slice equality
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def combine_trimmable(layers: Iterable[bool]) -> bool:

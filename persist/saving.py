@@ -275,19 +275,14 @@ def _replace_covered(
 
 
 def _evict(db: Any, store: Store, namespace: str, protect: frozenset[int]) -> None:
-    """Least recently used entries out until the budgets hold, one victim at a time.
+    """Evict down to the budgets; with namespace budgets, only in this namespace.
 
-    Live bytes come from the ``usage`` counters, so a save at the budget costs
-    its victims, not a scan of the store.  With namespace budgets a save
-    evicts only in its own namespace.  If pinned or protected entries leave
-    no room, StoreFullError undoes the whole transaction.
+    If pinned or protected entries leave no room, StoreFullError undoes the
+    whole transaction.
     """
     own = store.namespace_budget(namespace)
     scope = namespace if store.namespace_max_bytes is not None else None
     limits = [(b, ns) for b, ns in ((store.max_bytes, None), (own, namespace)) if b is not None]
-    for budget, ns in limits:
-        while (total := store.index.unique_bytes(db, ns)) > budget:
-            victim = retention.lru_victim(db, scope, protect)
-            if victim is None:
-                raise StoreFullError(total, budget)
-            Index.remove(db, victim)
+    _, over = retention.evict_lru(db, store.index, limits, scope, protect)
+    if over is not None:
+        raise StoreFullError(*over)

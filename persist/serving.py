@@ -92,17 +92,18 @@ class PersistentPromptCache(LRUPromptCache):
             self._count(unkeyed=1)
             return cache, rest
         try:
-            found = self.store.find(tokens, identity=identity, namespace=self.namespace)
-            if found is not None and found[1] > have:
-                hit = self.store.lookup(tokens, identity=identity, namespace=self.namespace)
-                if hit is not None and len(hit.tokens) > have:
-                    self._count(store_hits=1, restored_tokens=len(hit.tokens))
-                    log.info(
-                        "persist: restored %d of %d prompt tokens from the store",
-                        len(hit.tokens),
-                        len(tokens),
-                    )
-                    return hit.cache, list(tokens[len(hit.tokens) :])
+            # one index pass: a hit no longer than the memory tier's is not read
+            hit = self.store.lookup(
+                tokens, identity=identity, namespace=self.namespace, longer_than=have
+            )
+            if hit is not None:
+                self._count(store_hits=1, restored_tokens=len(hit.tokens))
+                log.info(
+                    "persist: restored %d of %d prompt tokens from the store",
+                    len(hit.tokens),
+                    len(tokens),
+                )
+                return hit.cache, list(tokens[len(hit.tokens) :])
         except Exception as e:  # the store must never take the server down
             self._count(store_errors=1)
             log.warning("persist: store lookup failed: %s", e)

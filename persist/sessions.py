@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from . import policy
 from .errors import (
     CorruptBlobError,
     IdentityMismatchError,
@@ -203,12 +202,19 @@ class Store:
         return b.get(namespace) if isinstance(b, Mapping) else b
 
     def lookup(
-        self, tokens: Sequence[int], *, identity: ModelIdentity, namespace: str = "default"
+        self,
+        tokens: Sequence[int],
+        *,
+        identity: ModelIdentity,
+        namespace: str = "default",
+        longer_than: int = 0,
     ) -> Restored | None:
         """The longest usable stored prefix of ``tokens`` (at least one token is left over).
 
         Token-exact: a hit of k tokens holds exactly what a fresh prefill of
-        those k tokens would (the codecs cut every layer to k).
+        those k tokens would (the codecs cut every layer to k).  A hit of at
+        most ``longer_than`` tokens (what a caller already holds in memory)
+        is not read at all and returns None, uncounted.
         """
         from .assemble import load_snapshot
 
@@ -219,6 +225,8 @@ class Store:
             if found is None:
                 break
             row, prefix = found
+            if prefix <= longer_than:
+                return None
             try:
                 cache = load_snapshot(self, row, keep=prefix)
             except CorruptBlobError as e:
@@ -354,8 +362,9 @@ class Store:
         victims: list[EntryInfo] = []
         try:
             with self.index.write() as db:
-                if budget is not None:
-                    victims = self._evict_report(db, budget)
+                if budget is not None:  # the same rule a save applies
+                    rows, _ = retention.evict_lru(db, self.index, [(budget, None)], None)
+                    victims = [self._info(r) for r in rows]
                 if dry_run:
                     after = self.index.unique_bytes(db)
                     raise Rollback(GcReport(victims, 0, before - after, after, True))
@@ -364,18 +373,6 @@ class Store:
         deleted = self._collect()
         after = self.index.unique_bytes()
         return GcReport(victims, deleted, before - after, after, False)
-
-    def _evict_report(self, db: Any, budget: int) -> list[EntryInfo]:
-        entries, sizes = retention.eviction_entries(db)
-        ids = policy.plan_eviction(
-            [policy.EvictEntry(i, u, pin, b) for i, u, pin, b in entries], sizes, budget
-        )
-        marks = ",".join("?" * len(ids))
-        rows = {r.id: r for r in Index.rows_where(db, f"id IN ({marks})", ids)} if ids else {}
-        victims = [self._info(rows[i]) for i in ids]
-        for sid in ids:
-            Index.remove(db, sid)
-        return victims
 
     def stats(self, namespace: str | None = None) -> StoreStats:
         rows = self.index.snapshots(namespace, named_only=False)

@@ -214,3 +214,15 @@ def test_prefixes_shorter_than_sixteen_tokens_never_hit(tiny: Any, store: persis
     stored, prompt = diverging(15, 300, 40)
     store.save(prefill(model, stored)[0], stored, identity=identity)
     assert store.lookup(prompt, identity=identity) is None
+
+
+def test_a_hit_no_longer_than_what_the_caller_holds_is_not_read(
+    tiny: Any, store: persist.Store
+) -> None:
+    model, tok, _ = tiny("llama")
+    identity = persist.ModelIdentity.of(model, tok)
+    stored, prompt = diverging(300, 400, 340)
+    store.save(prefill(model, stored)[0], stored, identity=identity)
+    assert store.lookup(prompt, identity=identity, longer_than=300) is None
+    hit = store.lookup(prompt, identity=identity, longer_than=299)
+    assert hit is not None and len(hit.tokens) == 300

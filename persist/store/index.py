@@ -126,12 +126,6 @@ class Index:
             ).fetchone()
         return (row[0], row[1]) if row else None
 
-    def blob_rows(self) -> dict[str, tuple[int, bytes, int, bool]]:
-        """file -> (size, head_xxh3, refs, dead)."""
-        with self.read() as db:
-            rows = db.execute("SELECT file, size, head_xxh3, refs, dead FROM blobs").fetchall()
-        return {r[0]: (r[1], bytes(r[2]), r[3], bool(r[4])) for r in rows}
-
     def blob_rows_and_pending(
         self,
     ) -> tuple[dict[str, tuple[int, bytes, int, bool]], dict[str, tuple[int, float]]]:

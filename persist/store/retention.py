@@ -15,7 +15,7 @@ from .rows import SnapshotRow
 if TYPE_CHECKING:
     import sqlite_utils
 
-__all__ = ["anonymous_ending_at", "lru_victim", "eviction_entries"]
+__all__ = ["anonymous_ending_at", "lru_victim", "evict_lru"]
 
 
 def anonymous_ending_at(
@@ -56,15 +56,28 @@ def lru_victim(
     return None if row is None else int(row[0])
 
 
-def eviction_entries(
+def evict_lru(
     db: sqlite_utils.Database,
-) -> tuple[list[tuple[int, float, bool, tuple[str, ...]]], dict[str, int]]:
-    refs: dict[int, list[str]] = {}
-    for sid, f in db.execute("SELECT snapshot, blob FROM snapshot_blocks WHERE blob IS NOT NULL"):
-        refs.setdefault(sid, []).append(f)
-    entries = [
-        (sid, used, bool(pinned), (tail, *refs.get(sid, [])))
-        for sid, used, pinned, tail in db.execute("SELECT id, used, pinned, tail FROM snapshots")
-    ]
-    sizes = {f: s for f, s in db.execute("SELECT file, size FROM blobs WHERE dead = 0")}
-    return entries, sizes
+    index: Index,
+    limits: Sequence[tuple[int, str | None]],
+    scope: str | None,
+    protect: frozenset[int] = frozenset(),
+) -> tuple[list[SnapshotRow], tuple[int, int] | None]:
+    """Remove least recently used unpinned snapshots until every (budget, namespace) holds.
+
+    ``namespace`` None means the whole store's bytes; victims come from
+    ``scope`` (None: any namespace), never from ``protect``.  Returns the
+    removed rows and, if the victims ran out first, (bytes, budget) of the
+    limit still exceeded (the caller decides: a save refuses, gc reports).  One victim at a time
+    against the trigger-kept byte counters: the order of
+    ``policy.plan_eviction``, without scanning every block.
+    """
+    removed: list[SnapshotRow] = []
+    for budget, ns in limits:
+        while (total := index.unique_bytes(db, ns)) > budget:
+            victim = lru_victim(db, scope, protect)
+            if victim is None:
+                return removed, (total, budget)
+            removed += Index.rows_where(db, "id = ?", [victim])
+            Index.remove(db, victim)
+    return removed, None

@@ -99,3 +99,36 @@ def test_a_tenant_budget_never_evicts_another_tenant(tmp_path: Path) -> None:
                 [kv(3000, 9)], list(range(3000)), identity=IDENTITY, session="big", namespace="A"
             )
         assert s.check() == []
+
+
+def test_store_eviction_agrees_with_the_policy_rule(tmp_path: Path) -> None:
+    """The store evicts one SQL victim at a time; ``policy.plan_eviction`` is the rule."""
+    import random
+
+    from persist import policy
+
+    rng = random.Random(4)
+    with persist.Store(tmp_path / "s", block_tokens=16) as s:
+        shared = list(range(64))  # four shared blocks
+        for i in range(12):
+            toks = shared[: rng.choice([0, 32, 64])] + [1000 + i] * rng.randrange(20, 80)
+            s.save([kv(len(toks), 40 + i)], toks, identity=IDENTITY, session=f"s{i}", pin=i == 3)
+        for e in s.entries():  # shuffle recency
+            s.index.db.execute("UPDATE snapshots SET used = ? WHERE id = ?", [rng.random(), e.id])
+        db = s.index.db
+        refs: dict[int, list[str]] = {}
+        for sid, f in db.execute(
+            "SELECT snapshot, blob FROM snapshot_blocks WHERE blob IS NOT NULL"
+        ):
+            refs.setdefault(sid, []).append(f)
+        entries = [
+            policy.EvictEntry(sid, used, bool(pinned), (tail, *refs.get(sid, [])))
+            for sid, used, pinned, tail in db.execute(
+                "SELECT id, used, pinned, tail FROM snapshots"
+            )
+        ]
+        sizes = dict(db.execute("SELECT file, size FROM blobs WHERE dead = 0").fetchall())
+        budget = s.stats().unique_bytes // 3
+        want = policy.plan_eviction(entries, sizes, budget)
+        got = [e.id for e in s.gc(budget, dry_run=True).evicted]
+        assert got == want and len(want) > 2
