@@ -18,7 +18,7 @@ from typing import Any
 
 from bench.common import SMALL_LLAMA, machine, write_results
 from bench.servers import Server
-from persist.demo import make_model
+from persist.apps.demo import make_model
 
 
 def conversation(words: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:

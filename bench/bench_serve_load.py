@@ -27,7 +27,7 @@ import psutil
 import persist
 from bench.common import machine, write_results
 from bench.servers import Server
-from persist.demo import make_model
+from persist.apps.demo import make_model
 
 SYSTEM = " ".join(f"rule {i}: keep item {i % 37} dry." for i in range(70))  # ~2,000 tokens (bytes)
 

@@ -36,9 +36,10 @@ from bench.common import (
     warm,
     write_results,
 )
-from persist.blocks import chain_root, chains, head_key
-from persist.saving import pack_tokens
-from persist.store.index import BlockRef, Index
+from persist.engine.blocks import chain_root, chains, head_key
+from persist.format.tokens import pack_tokens
+from persist.store import writes
+from persist.store.index import BlockRef
 
 GB = 1e9
 IDENTITY = persist.ModelIdentity("bench", "c", "w", "t", "h", name="bench")
@@ -143,7 +144,7 @@ def lookup_latency(n: int, tmp: Path, probes: int = 300) -> dict[str, Any]:
             ]
             chs = chains(root, toks, store.block_tokens)
             refs = [BlockRef(j, chs[j + 1], None) for j in range(len(chs) - 1)]
-            Index.insert(
+            writes.insert(
                 db,
                 {
                     "namespace": "default",
@@ -170,7 +171,7 @@ def lookup_latency(n: int, tmp: Path, probes: int = 300) -> dict[str, Any]:
                 refs,
             )
             sid = db.execute("SELECT MAX(id) FROM snapshots").fetchone()[0]
-            Index.add_heads(db, sid, chs, toks, store.block_tokens)
+            writes.add_heads(db, sid, chs, toks, store.block_tokens)
             if i % 500 == 0:
                 stored.append(toks)
     hits, misses = [], []
@@ -207,7 +208,7 @@ def ttft(tokens: int, tmp: Path) -> dict[str, Any]:
     """Time to first token: restore a session and decode, against prefilling it again."""
     from mlx_lm import load
 
-    from persist.demo import make_model
+    from persist.apps.demo import make_model
 
     d = make_model(
         tmp / "model",

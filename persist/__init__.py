@@ -12,43 +12,51 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
+    AlreadyExistsError,
     CorruptBlobError,
     IdentityMismatchError,
     IdentityUnavailableError,
+    InvalidArgumentError,
+    InvalidMetadataError,
     InvalidNameError,
+    InvalidStateError,
     InvalidTokensError,
     NotResumableError,
     PersistError,
     SessionNotFoundError,
+    StorageError,
+    StoreBusyError,
     StoreFullError,
     UnknownKindError,
+    UnsupportedCacheError,
     UnsupportedVersionError,
 )
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it
+# public name -> the module that defines it (the kind registry through
+# ``codecs``, whose import registers the built-in kinds)
 _LAZY = {
-    "kind_of": "kinds",
-    "register_kind": "kinds",
-    "codec_for": "kinds",
-    "is_recurrent": "kinds",
-    "is_rotating": "kinds",
-    "is_quantized": "kinds",
-    "is_batched": "kinds",
-    "save_file": "files",
-    "load_file": "files",
-    "read_manifest": "files",
-    "Loaded": "files",
-    "extract_row": "snapshot",
-    "Store": "sessions",
+    "kind_of": "codecs",
+    "register_kind": "codecs",
+    "codec_for": "codecs",
+    "is_recurrent": "codecs",
+    "is_rotating": "codecs",
+    "is_quantized": "codecs",
+    "is_batched": "codecs",
+    "save_file": "engine.files",
+    "load_file": "engine.files",
+    "read_manifest": "engine.files",
+    "Loaded": "engine.files",
+    "extract_row": "codecs.snapshot",
+    "Store": "engine.store",
     "EntryInfo": "store.types",
     "Restored": "store.types",
     "GcReport": "store.types",
     "Problem": "store.types",
     "StoreStats": "store.types",
-    "prefill": "chunked_prefill",  # not "prefill": a submodule of that name would shadow it
-    "speculative_greedy": "speculative",
+    "prefill": "engine.prefill",
+    "speculative_greedy": "apps.speculative",
     "ModelIdentity": "identity",
     "Record": "records",
     "RecordSpec": "records",
@@ -70,8 +78,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .chunked_prefill import prefill
-    from .files import Loaded, load_file, read_manifest, save_file
+    from .apps.speculative import speculative_greedy
+    from .codecs.snapshot import extract_row
+    from .engine.files import Loaded, load_file, read_manifest, save_file
+    from .engine.prefill import prefill
+    from .engine.store import Store
     from .identity import ModelIdentity
     from .kinds import (
         codec_for,
@@ -83,9 +94,6 @@ if TYPE_CHECKING:
         register_kind,
     )
     from .records import Record, RecordSpec, ResumeFacts
-    from .sessions import Store
-    from .snapshot import extract_row
-    from .speculative import speculative_greedy
     from .store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
 
 __all__ = [
@@ -125,4 +133,11 @@ __all__ = [
     "StoreFullError",
     "InvalidNameError",
     "InvalidTokensError",
+    "UnsupportedCacheError",
+    "InvalidArgumentError",
+    "InvalidMetadataError",
+    "InvalidStateError",
+    "StoreBusyError",
+    "StorageError",
+    "AlreadyExistsError",
 ]

@@ -21,6 +21,12 @@ __all__ = [
     "InvalidTokensError",
     "IdentityUnavailableError",
     "AlreadyExistsError",
+    "UnsupportedCacheError",
+    "InvalidArgumentError",
+    "InvalidMetadataError",
+    "InvalidStateError",
+    "StoreBusyError",
+    "StorageError",
 ]
 
 
@@ -37,17 +43,56 @@ class UnknownKindError(PersistError, ValueError):
         super().__init__(f"{msg}: {detail}" if detail else msg)
 
 
-class UnsupportedVersionError(UnknownKindError):
-    """A record written by a newer codec (or file format) than this code knows."""
+class UnsupportedVersionError(PersistError, ValueError):
+    """A record, file or store index written by a newer persist than this one.
 
-    def __init__(self, kind: str, version: int, known: int) -> None:
+    ``what`` names the versioned thing: a cache kind, ``persist-file`` or
+    ``store-index``.  Not an unknown kind: upgrading persist fixes it.
+    """
+
+    def __init__(self, what: str, version: int, known: int) -> None:
+        self.what = what
+        self.kind = what  # the name round 1 gave it
         self.version = version
         self.known = known
         super().__init__(
-            kind,
-            f"written by codec version {version}, this persist reads up to "
-            f"{known}; upgrade persist to read it",
+            f"{what!r} was written by version {version}, this persist reads up to "
+            f"{known}; upgrade persist to read it"
         )
+
+
+class UnsupportedCacheError(PersistError, TypeError):
+    """A cache persist cannot store: not a cache list, or an array dtype the format lacks."""
+
+
+class InvalidArgumentError(PersistError, ValueError):
+    """A parameter persist cannot use (out of range, contradictory, empty)."""
+
+
+class InvalidMetadataError(PersistError, TypeError):
+    """An argument of a type persist cannot use: metadata that is not a map of
+    strings to strings (or larger than the format allows), a cache
+    configuration that is not a non-negative int."""
+
+
+class InvalidStateError(PersistError, RuntimeError):
+    """An operation out of order: a closed Store, a speculative round not armed."""
+
+
+class StoreBusyError(PersistError, RuntimeError):
+    """Concurrent writers kept replacing what this operation needed; retrying may succeed."""
+
+
+class StorageError(PersistError, OSError):
+    """The system refused a file operation (permissions, a missing folder, I/O)."""
+
+    def __init__(self, what: str, error: OSError) -> None:
+        where = f" {error.filename}" if getattr(error, "filename", None) else ""
+        super().__init__(error.errno, f"{what}: {error.strerror or error}{where}")
+        self.error = error
+
+    def __str__(self) -> str:
+        return str(self.args[1])
 
 
 class IdentityMismatchError(PersistError, ValueError):

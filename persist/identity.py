@@ -18,8 +18,7 @@ from typing import Any
 
 import xxhash
 
-from .errors import IdentityMismatchError, IdentityUnavailableError
-from .records import as_bytes
+from .errors import IdentityMismatchError, IdentityUnavailableError, InvalidMetadataError
 
 __all__ = ["ModelIdentity", "CACHE_CONFIG_KEYS", "CONFIG_ATTRS", "config_digest"]
 
@@ -40,7 +39,7 @@ def _sha(text: str) -> str:
 def _cache_config(cfg: dict[str, Any]) -> tuple[tuple[str, int], ...]:
     unknown = set(cfg) - set(CACHE_CONFIG_KEYS)
     if unknown:
-        raise TypeError(
+        raise InvalidMetadataError(
             f"unknown cache configuration {sorted(unknown)}; known: {list(CACHE_CONFIG_KEYS)}"
         )
     out = []
@@ -49,7 +48,9 @@ def _cache_config(cfg: dict[str, Any]) -> tuple[tuple[str, int], ...]:
         if v is None:
             continue
         if type(v) is not int or v < 0:
-            raise TypeError(f"cache configuration {k} must be a non-negative int, got {v!r}")
+            raise InvalidMetadataError(
+                f"cache configuration {k} must be a non-negative int, got {v!r}"
+            )
         out.append((k, v))
     if cfg.get("kv_bits") is None:
         # Without kv_bits the quantization settings change nothing.
@@ -59,6 +60,8 @@ def _cache_config(cfg: dict[str, Any]) -> tuple[tuple[str, int], ...]:
 
 def _weights_digest(model: Any) -> str:
     from mlx.utils import tree_flatten
+
+    from .format.tensors import as_bytes  # mlx: only when weights are hashed
 
     h = xxhash.xxh3_128()
     params: Any = tree_flatten(model.parameters())

@@ -94,23 +94,10 @@ _lock = threading.Lock()
 _by_class: dict[type, str] = {}
 _codecs: dict[str, Codec] = {}
 _by_name: dict[str, type] = {}
-_builtins_loaded = False
 # Kinds whose class lives in a module persist does not import up front (a
 # model file): kind name -> (module, class name, codec).  The class is taken
 # from that module, never from a name read from a file.
 _lazy: dict[str, tuple[str, str, Codec]] = {}
-
-
-def _ensure_builtins() -> None:
-    # The built-in codecs import mlx-lm; load them on first use, not at import.
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True  # set first: the import below registers through here
-        try:
-            from . import codecs  # noqa: F401
-        except BaseException:
-            _builtins_loaded = False
-            raise
 
 
 def parse_kind(text: str) -> KindNode:
@@ -155,7 +142,6 @@ def register_kind(cls: type, name: str, codec: Codec) -> None:
 
         persist.register_kind(MyKV, "my-kv", persist.codec_for("kv"))
     """
-    _ensure_builtins()
     if not isinstance(cls, type):
         raise TypeError(f"register_kind needs a class, got {cls!r}")
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
@@ -200,7 +186,6 @@ def _lazy_for_class(cls: type) -> None:
 
 def kind_of(cache: Any) -> str:
     """The full kind string of a live cache, looked up by its exact class."""
-    _ensure_builtins()
     if type(cache) not in _by_class:
         _lazy_for_class(type(cache))
     name = _by_class.get(type(cache))
@@ -222,7 +207,6 @@ def kind_of(cache: Any) -> str:
 
 def codec_for(name: str) -> Codec:
     """The codec registered for kind ``name`` (the outer name of a wrapper kind)."""
-    _ensure_builtins()
     node = parse_kind(name)
     _load_lazy(node.name, import_module=True)
     codec = _codecs.get(node.name)
@@ -233,7 +217,6 @@ def codec_for(name: str) -> Codec:
 
 def class_for(name: str) -> type:
     """The class registered under the outer name of ``name``."""
-    _ensure_builtins()
     node = parse_kind(name)
     _load_lazy(node.name, import_module=True)
     cls = _by_name.get(node.name)
@@ -244,7 +227,6 @@ def class_for(name: str) -> type:
 
 def require_known(kind: str) -> KindNode:
     """Parse ``kind`` and check that every name in it has a codec of the right shape."""
-    _ensure_builtins()
     root = parse_kind(kind)
     for node in root.walk():
         _load_lazy(node.name, import_module=True)
@@ -287,6 +269,5 @@ def is_wrapper(kind: str) -> bool:
 
 def registered_kinds() -> dict[str, str]:
     """Kind name -> qualified class name, for diagnostics."""
-    _ensure_builtins()
     with _lock:
         return {n: f"{c.__module__}.{c.__qualname__}" for n, c in _by_name.items()}

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+from .errors import NotResumableError
 
 __all__ = [
     "Candidate",
@@ -16,7 +19,11 @@ __all__ = [
     "choose",
     "combine_trimmable",
     "combine_floor",
+    "common_offset",
+    "could_serve",
     "supersedes",
+    "retire",
+    "covers",
     "EvictEntry",
     "plan_eviction",
 ]
@@ -30,6 +37,17 @@ def combine_trimmable(layers: Iterable[bool]) -> bool:
 def combine_floor(layers: Iterable[int]) -> int:
     """A snapshot's min resume offset is the highest of its layers'."""
     return max(layers, default=0)
+
+
+def common_offset(offsets: Iterable[int | None], what: str = "layers") -> int | None:
+    """The one offset every layer that reports one agrees on (None: no layer reports one).
+
+    Layers that disagree cannot be one snapshot of one token list.
+    """
+    found = {o for o in offsets if o is not None}
+    if len(found) > 1:
+        raise NotResumableError(f"{what} disagree on their offset: {sorted(found)}")
+    return found.pop() if found else None
 
 
 def usable_prefix(
@@ -75,6 +93,13 @@ def could_serve(c: Candidate, matched_at_least: int, prompt_len: int) -> bool:
     return max(c.min_resume, 1) <= min(c.stored_len, prompt_len - 1)
 
 
+# ``could_serve`` over the index's columns (table alias ``s``), for the lookup
+# queries; bind ``prompt_len - 1`` twice.  A property test checks the two agree.
+COULD_SERVE_SQL = (
+    "(s.trimmable = 1 OR s.n_tokens <= ?) AND max(s.min_resume, 1) <= min(s.n_tokens, ?)"
+)
+
+
 def choose(cands: Iterable[tuple[Candidate, int]], prompt_len: int) -> Choice | None:
     """The best (candidate, common prefix) pair: longest usable prefix, then an
     exact-length snapshot (nothing to trim), then the most recently used."""
@@ -100,6 +125,43 @@ def supersedes(
     which may be the only entries a later prompt can use.
     """
     return new_trimmable and old_is_prefix and old_len <= new_len and new_floor <= old_len
+
+
+def retire(
+    new_len: int,
+    new_trimmable: bool,
+    new_floor: int,
+    old_len: int,
+    old_is_prefix: bool,
+    old_is_checkpoint: bool,
+) -> Literal["drop", "keep", "demote"]:
+    """What a new save of a session does with one of that session's older snapshots.
+
+    ``drop`` what the new one supersedes; ``keep`` a checkpoint it cannot
+    stand in for; ``demote`` the old named snapshot to a checkpoint when it
+    is a shorter prefix the new (untrimmable) one cannot serve; else ``drop``
+    (the session moved on to other tokens).
+    """
+    if supersedes(new_len, new_trimmable, new_floor, old_len, old_is_prefix):
+        return "drop"
+    if old_is_checkpoint:
+        return "keep"
+    if old_is_prefix and old_len < new_len:
+        return "demote"
+    return "drop"
+
+
+def covers(
+    new_len: int, new_trimmable: bool, new_floor: int, old_len: int, old_is_prefix: bool
+) -> bool:
+    """Does a new anonymous prefix entry make an older one redundant?
+
+    The same tokens, or a prefix of them it can be trimmed back to: a server
+    that sees one prompt 250 times keeps one entry, not 250.
+    """
+    if not old_is_prefix:
+        return False
+    return old_len == new_len or supersedes(new_len, new_trimmable, new_floor, old_len, True)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ __all__ = [
     "MAX_TOKENS",
     "DTYPE_SIZES",
     "Progress",
-    "as_bytes",
     "TensorSpec",
     "Record",
     "RecordSpec",
@@ -48,24 +47,6 @@ DTYPE_SIZES: dict[str, int] = {
 
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32"})
 INT_DTYPES = frozenset({"I32", "I64", "U32", "I16", "U16", "I8", "U8"})
-
-
-def as_bytes(a: Any) -> memoryview:
-    """The raw row-major bytes of an mx.array (evaluated; copied only if strided)."""
-    import mlx.core as mx
-
-    if a.size == 0:
-        return memoryview(b"")
-    mx.eval(a)
-    if a.ndim:
-        view = memoryview(a)
-        if view.contiguous:
-            return view.cast("B")
-        a = mx.contiguous(a)
-    else:
-        a = a.reshape(1)
-    mx.eval(a)
-    return memoryview(a).cast("B")
 
 
 @dataclass(frozen=True)

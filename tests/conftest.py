@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from mlx_lm import load
 
-from persist.demo import make_model
+from persist.apps.demo import make_model
 
 _loaded: dict[str, tuple[Any, Any]] = {}
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgpack
 
-from persist.stfile import checksum
+from persist.format.container import checksum
 
 
 def split(path: Path) -> tuple[dict[str, Any], bytes]:

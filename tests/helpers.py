@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from persist.codecs import encode_cache
-from persist.manifest import tensor_keys
+from persist.format.manifest import tensor_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 NEXT = [17, 200, 3, 99]

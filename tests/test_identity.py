@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import persist
 from persist import IdentityMismatchError, ModelIdentity
-from persist.demo import make_model
+from persist.apps.demo import make_model
 
 
 def test_from_path_equals_of_loaded_model(tiny: Any) -> None:

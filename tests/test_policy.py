@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import ast
-import subprocess
-import sys
-from pathlib import Path
-
 from hypothesis import given
 from hypothesis import strategies as st
 
 from persist import policy
 from persist.policy import Candidate, EvictEntry
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @given(
@@ -96,25 +89,3 @@ def test_eviction_is_lru_and_respects_pins(
     assert total <= budget or not evictable_left
     used = [by_id[i].used for i in out]
     assert used == sorted(used)  # least recently used first
-
-
-def test_store_never_imports_mlx() -> None:
-    for path in (ROOT / "persist" / "store").glob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-                if node.level and node.module in (None, "", "blocks", "sessions", "snapshot"):
-                    names.append("persist-mlx-module")
-            assert not any(n.startswith(("mlx", "persist-mlx")) for n in names), (path, names)
-
-
-def test_importing_persist_does_not_import_click() -> None:
-    code = "import sys, persist; print('click' in sys.modules)"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
-    )
-    assert out.stdout.strip() == "False"

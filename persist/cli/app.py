@@ -1,7 +1,7 @@
 """The click group, shared options, and the one place errors become exit codes.
 
-Exit codes: 0 success, 1 a PersistError or an OS error (one clear line on
-stderr), 2 usage.
+Exit codes: 0 success, 1 a PersistError (one clear line on stderr), 2 usage,
+3 a bug (with its traceback), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -60,9 +60,10 @@ def default_store() -> Path:
     home = os.environ.get("PERSIST_HOME")
     if home:
         return Path(home)  # Store expands ~ and $VARS
-    from ..demo import cache_home
+    from platformdirs import user_cache_dir
 
-    return cache_home() / "store"
+    # persist's own cache folder (the demo model lives beside the store)
+    return Path(user_cache_dir("persist")) / "store"
 
 
 def store_option(f: F) -> F:
@@ -80,7 +81,7 @@ def json_option(f: F) -> F:
 
 
 def open_store(store_dir: Path | None, **kw: Any) -> Any:
-    from ..sessions import Store
+    from ..engine.store import Store
 
     return Store(store_dir if store_dir is not None else default_store(), **kw)
 
@@ -115,9 +116,10 @@ REPORT = "persist: this is a bug in persist; please report it with the traceback
 
 
 class PersistGroup(click.Group):
-    """Exit codes: 0 done, 1 a PersistError (or the system refused: OSError),
-    2 a usage error (click), 3 a bug (traceback and a line asking to report
-    it), 130 Ctrl-C.  A closed pipe (``persist ls | head``) ends quietly."""
+    """Exit codes: 0 done, 1 a PersistError (the library turns what the system
+    refuses into ``StorageError``), 2 a usage error (click), 3 anything else:
+    a bug (traceback and a line asking to report it), 130 Ctrl-C.  A closed
+    pipe (``persist ls | head``) ends quietly."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -131,10 +133,6 @@ class PersistGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("persist: interrupted", err=True)
             sys.exit(130)
-        except OSError as e:  # the system refused (permissions, a missing path): not a bug
-            where = f": {e.filename}" if getattr(e, "filename", None) else ""
-            click.echo(f"persist: error: {e.strerror or e}{where}", err=True)
-            sys.exit(1)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except Exception:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:  # reading files imports mlx: loaded by these commands only
-    from ..service import FileInfo
+    from ..apps.inspect import FileInfo
 from .app import cli, emit, human_bytes, json_option
 
 
@@ -50,7 +50,7 @@ def inspect(file: Path, as_json: bool) -> None:
     Example:
       persist inspect chat.safetensors --json
     """
-    from ..service import describe_file
+    from ..apps.inspect import describe_file
 
     info = describe_file(file)
     emit(as_json, info.to_dict(), lambda _: _render(info))
@@ -66,7 +66,7 @@ def verify(file: Path, as_json: bool) -> None:
     Example:
       persist verify chat.safetensors
     """
-    from ..service import verify_file
+    from ..apps.inspect import verify_file
 
     info = verify_file(file)
     emit(as_json, info.to_dict(), lambda _: _render(info))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ..demo import ARCHS, make_model
+from ..apps.demo import ARCHS, make_model
 from .app import cli, emit
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:  # generation imports mlx-lm: loaded by these commands only
-    from ..generation import GenerateResult, PrimeResult
+    from ..apps.generate import GenerateResult, PrimeResult
 from .app import cli, emit, json_option, open_store, progress, store_option
 
 _model = click.option(
@@ -74,7 +74,7 @@ def generate_cmd(
     Example:
       persist generate --session work --prompt "Where were we?" --max-tokens 32
     """
-    from ..generation import generate, load_model
+    from ..apps.generate import generate, load_model
 
     model, tok, identity = load_model(model_dir)
     with open_store(store_dir) as store:
@@ -132,7 +132,7 @@ def prime_cmd(
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-file")
     text = prompt if prompt is not None else prompt_file.read()  # type: ignore[attr-defined]
-    from ..generation import load_model, prime
+    from ..apps.generate import load_model, prime
 
     model, tok, identity = load_model(model_dir)
     with open_store(store_dir) as store:

@@ -70,8 +70,8 @@ def serve_cmd(
     Example:
       persist serve --model ./tiny --store ./cache --port 8080
     """
-    from ..demo import demo_model_dir
-    from ..serving import serve
+    from ..apps.demo import demo_model_dir
+    from ..apps.server import serve
 
     serve(
         str(model_dir if model_dir is not None else demo_model_dir()),

@@ -1,4 +1,9 @@
-"""Per-kind codecs for every mlx-lm cache class, registered on import."""
+"""Per-kind codecs for every mlx-lm cache class, registered on import.
+
+The kind registry (``persist.kinds``) imports nothing of this package: the
+built-in kinds are registered here, so code that encodes or decodes caches
+imports ``persist.codecs`` (which re-exports the registry's look-ups).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,33 @@ from mlx_lm.models import cache as _c
 
 from ..caches.delayed import DelayedQuantizedKVCache
 from ..caches.gated_delta import GatedDeltaCache
-from ..kinds import Codec, register_kind, register_lazy_kind
+from ..kinds import (
+    Codec,
+    class_for,
+    codec_for,
+    is_batched,
+    is_quantized,
+    is_recurrent,
+    is_rotating,
+    kind_of,
+    register_kind,
+    register_lazy_kind,
+    registered_kinds,
+)
 from .arrays import ArraysCodec
 from .batch import BatchKVCodec, BatchRotatingKVCodec
 from .cachelist import CacheListCodec
 from .deepseek import CLASS_PATH as DEEPSEEK_V4
 from .deepseek import DeepSeekV4LayerCodec
 from .delayed import DelayedQuantizedCodec
-from .dispatch import check_spec, decode_record, encode_cache, facts_of, trim_record
+from .dispatch import (
+    capacity_of,
+    check_spec,
+    decode_record,
+    encode_cache,
+    facts_of,
+    trim_record,
+)
 from .gated_delta import GatedDeltaCodec
 from .kv import ChunkedKVCodec, ConcatKVCodec, KVCodec
 from .quantized import QuantizedKVCodec
@@ -25,7 +49,17 @@ __all__ = [
     "decode_record",
     "facts_of",
     "trim_record",
+    "capacity_of",
     "BUILTIN_KINDS",
+    "class_for",
+    "codec_for",
+    "is_batched",
+    "is_quantized",
+    "is_recurrent",
+    "is_rotating",
+    "kind_of",
+    "register_kind",
+    "registered_kinds",
 ]
 
 BUILTIN_KINDS: dict[str, tuple[type, Codec]] = {

@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..errors import CorruptBlobError
+from ..format.tensors import MX_TO_NAME, NAME_TO_MX, dtype_name
 from ..records import FLOAT_DTYPES, INT_DTYPES, RecordSpec, TensorSpec
 
 __all__ = [
@@ -33,33 +34,9 @@ __all__ = [
     "cut",
 ]
 
-MX_TO_NAME: dict[Any, str] = {
-    mx.bool_: "BOOL",
-    mx.uint8: "U8",
-    mx.int8: "I8",
-    mx.uint16: "U16",
-    mx.int16: "I16",
-    mx.float16: "F16",
-    mx.bfloat16: "BF16",
-    mx.uint32: "U32",
-    mx.int32: "I32",
-    mx.float32: "F32",
-    mx.uint64: "U64",
-    mx.int64: "I64",
-    mx.float64: "F64",
-}
-NAME_TO_MX: dict[str, Any] = {v: k for k, v in MX_TO_NAME.items()}
-
 # Bounds on integers read from files: generous for real models, small enough
 # that arithmetic on them cannot be used to request absurd allocations.
 MAX_DIM = 1 << 31
-
-
-def dtype_name(a: mx.array) -> str:
-    try:
-        return MX_TO_NAME[a.dtype]
-    except KeyError:
-        raise CorruptBlobError("tensor", f"dtype {a.dtype} cannot be stored") from None
 
 
 def invalid(spec: RecordSpec, detail: str) -> CorruptBlobError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import policy
 from ..errors import NotResumableError
 from ..records import Record, RecordSpec, ResumeFacts
 from .base import blank, expect_tensor_names, invalid, meta_int, meta_opt_int
@@ -64,7 +65,7 @@ class DelayedQuantizedCodec:
 
     def facts(self, cache: Any) -> ResumeFacts:
         inner = facts_of(cache.inner)
-        floor = cache.converted_at or 0
+        floor = policy.combine_floor([inner.min_resume_offset, cache.converted_at or 0])
         return ResumeFacts(
             offset=inner.offset,
             trimmable=inner.trimmable,

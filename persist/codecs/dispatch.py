@@ -10,7 +10,7 @@ from ..kinds import class_for, codec_for, kind_of, require_known
 from ..records import Record, RecordSpec, ResumeFacts
 from .base import invalid
 
-__all__ = ["encode_cache", "check_spec", "decode_record", "facts_of", "trim_record"]
+__all__ = ["encode_cache", "check_spec", "decode_record", "facts_of", "trim_record", "capacity_of"]
 
 
 def encode_cache(cache: Any) -> Record:
@@ -62,3 +62,9 @@ def check_spec(spec: RecordSpec) -> None:
 def decode_record(record: Record) -> Any:
     """Build a live cache from a record that ``check_spec`` accepted."""
     return codec_for(record.kind).decode(record, class_for(record.kind))
+
+
+def capacity_of(spec: RecordSpec) -> dict[str, int]:
+    """Token-axis room per tensor, from the codec's optional ``capacity`` hook."""
+    hook = getattr(codec_for(spec.kind), "capacity", None)
+    return dict(hook(spec, class_for(spec.kind))) if hook is not None else {}

@@ -14,7 +14,6 @@ No mlx here.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import os
 import re
@@ -23,14 +22,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol, TypeVar
 
-import msgpack
-
 from ..errors import CorruptBlobError
-from ..stfile import CHECKSUM_BYTES, Header, Sink, fsync_dir
+from ..format.container import Sink, atomic_write, fsync_dir
 
-__all__ = ["BlobStore", "FileBlobs", "FILE_RE", "blob_metadata", "blob_manifest"]
-
-BLOB_FORMAT = "persist-blob"
+__all__ = ["BlobStore", "FileBlobs", "FILE_RE"]
 
 T = TypeVar("T")
 FILE_RE = re.compile(r"[0-9a-f]{32}\.[0-9a-f]{12}")
@@ -86,25 +81,14 @@ class FileBlobs:
         final = self.path(file)
         _require_real_dir(self.tmp)
         _require_real_dir(self.blobs)
-        tmp = self.tmp / f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
-        sink = Sink(tmp, FILE_MODE, size_hint)
         try:
-            result = write(sink)
-            size = sink.size
-            sink.close()
-            try:
-                final.parent.mkdir(mode=DIR_MODE)
-                fsync_dir(self.blobs)
-            except FileExistsError:
-                pass
-            _require_real_dir(final.parent)
-            os.rename(tmp, final)
-            fsync_dir(final.parent)
-        except BaseException:
-            sink.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+            final.parent.mkdir(mode=DIR_MODE)
+            fsync_dir(self.blobs)
+        except FileExistsError:
+            pass
+        _require_real_dir(final.parent)
+        tmp = self.tmp / f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
+        size, result = atomic_write(tmp, final, write, size_hint, FILE_MODE)
         return file, size, result
 
     def open(self, file: str) -> BinaryIO:
@@ -112,6 +96,12 @@ class FileBlobs:
         _require_real_dir(path.parent, missing_ok=True)
         fd = os.open(path, os.O_RDONLY | NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
         return os.fdopen(fd, "rb")
+
+    def exists(self, file: str) -> bool:
+        try:
+            return self.path(file).is_file()
+        except ValueError:
+            return False
 
     def delete(self, file: str) -> None:
         path = self.path(file)
@@ -189,32 +179,3 @@ def _require_real_dir(d: Path, missing_ok: bool = False) -> None:
         raise CorruptBlobError(str(d), "is a symbolic link; persist never follows links in a store")
     if not missing_ok and not d.is_dir():
         raise CorruptBlobError(str(d), "is not a directory")
-
-
-def blob_metadata(role: str, sums: dict[str, bytes]) -> dict[str, str]:
-    body = msgpack.packb({"role": role, "tensors": sums}, use_bin_type=True)
-    return {
-        "format": BLOB_FORMAT,
-        "format_version": "1",
-        "manifest": base64.b64encode(body).decode("ascii"),
-    }
-
-
-def blob_manifest(header: Header, where: str) -> dict[str, bytes]:
-    """Checksums per tensor from a blob's header (the header itself was verified)."""
-    meta = header.metadata
-    if meta.get("format") != BLOB_FORMAT or meta.get("format_version") != "1":
-        raise CorruptBlobError(where, "not a persist blob")
-    try:
-        body = msgpack.unpackb(
-            base64.b64decode(meta.get("manifest", ""), validate=True),
-            raw=False,
-            max_bin_len=1 << 24,
-            max_str_len=1 << 20,
-        )
-        sums = body["tensors"]
-        assert isinstance(sums, dict) and set(sums) == set(header.tensors)
-        assert all(isinstance(v, bytes) and len(v) == CHECKSUM_BYTES for v in sums.values())
-    except Exception:
-        raise CorruptBlobError(where, "malformed blob manifest") from None
-    return sums

@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 
 from ..errors import CorruptBlobError
+from ..format.container import checksum, read_header
+from ..format.manifest import blob_manifest
 from ..records import Progress
-from ..stfile import checksum, read_header
-from .blobs import FILE_RE, FileBlobs, blob_manifest
+from . import writes
+from .blobs import FILE_RE, FileBlobs
 from .index import Index
 from .types import Problem
 
@@ -228,7 +230,7 @@ def _quarantine(index: Index, blobs: FileBlobs, bad: dict[str, str], fix: bool) 
         if fix:
             with index.write() as db:
                 for sid in users:
-                    Index.remove(db, sid)
+                    writes.remove(db, sid)
             if blobs.path(f).exists():
                 _quarantine_file(blobs, blobs.path(f))
         out.append(Problem("damaged-blob", f, f"{why}; used by snapshots {users}", fix))
@@ -255,7 +257,7 @@ def _rows(index: Index, fix: bool) -> list[Problem]:
         if fix:
             with index.write() as db:
                 if any(r.id == sid for r, _ in Index.damaged_rows(db, sid)):
-                    Index.remove(db, sid)
+                    writes.remove(db, sid)
         out.append(Problem("damaged-row", f"snapshot {sid}", why, fix))
     return out
 
@@ -282,7 +284,7 @@ def _refcounts(index: Index, fix: bool) -> list[Problem]:
         ]
         if fix:
             for (sid,) in dangling:
-                Index.remove(db, sid)
+                writes.remove(db, sid)
             for f, _, want in wrong:
                 db.execute(
                     "UPDATE blobs SET refs = ?, dead = ? WHERE file = ?", [want, int(want == 0), f]

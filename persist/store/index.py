@@ -16,7 +16,6 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptBlobError
-from .chains import HEAD_TOKENS, head_key
 from .rows import (
     SNAPSHOT_COLS,
     BlockRef,
@@ -259,106 +258,6 @@ class Index:
             return q(db)
         with self.read() as d:
             return q(d)
-
-    # -- mutations (inside ``write()``) ---------------------------------------
-
-    @staticmethod
-    def blobs_alive(db: sqlite_utils.Database, files: Sequence[str]) -> bool:
-        for f in set(files):
-            row = db.execute("SELECT dead FROM blobs WHERE file = ?", [f]).fetchone()
-            if row is None or row[0]:
-                return False
-        return True
-
-    @staticmethod
-    def add_blobs(db: sqlite_utils.Database, namespace: str, blobs: Sequence[NewBlob]) -> None:
-        now = time.time()
-        for b in blobs:
-            db.execute(
-                "INSERT INTO blobs(file, key, namespace, size, head_xxh3, refs, dead, created) "
-                "VALUES (?, ?, ?, ?, ?, 0, 0, ?)",
-                [b.file, b.key, namespace, b.size, b.head_xxh3, now],
-            )
-
-    @staticmethod
-    def insert(db: sqlite_utils.Database, row: dict[str, Any], blocks: Sequence[BlockRef]) -> int:
-        # ids are never reused: a check that read an old row must not act on a new one
-        last = db.execute("SELECT value FROM meta WHERE key = 'last_snapshot_id'").fetchone()
-        top = db.execute("SELECT COALESCE(MAX(id), 0) FROM snapshots").fetchone()[0]
-        sid = max(int(last[0]) if last else 0, int(top)) + 1
-        db.execute(
-            "INSERT OR REPLACE INTO meta(key, value) VALUES ('last_snapshot_id', ?)", [str(sid)]
-        )
-        row = {**row, "id": sid, "row_xxh3": row_digest(row, blocks)}
-        db.execute(
-            f"INSERT INTO snapshots({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
-            list(row.values()),
-        )
-        for b in blocks:
-            db.execute(
-                "INSERT INTO snapshot_blocks(snapshot, idx, chain, blob, more) "
-                "VALUES (?, ?, ?, ?, ?)",
-                [sid, b.idx, b.chain, b.blob, int(b.idx < len(blocks) - 1)],
-            )
-        for f in [row["tail"], *(b.blob for b in blocks if b.blob)]:
-            # dead=0: a blob the same transaction unreferenced is still on disk
-            db.execute("UPDATE blobs SET refs = refs + 1, dead = 0 WHERE file = ?", [f])
-        return sid
-
-    @staticmethod
-    def add_heads(
-        db: sqlite_utils.Database,
-        snapshot_id: int,
-        chains: Sequence[bytes],
-        tokens: Sequence[int],
-        block: int,
-    ) -> None:
-        """Head keys of a snapshot at each block boundary that HEAD_TOKENS tokens follow."""
-        for b, chain in enumerate(chains):
-            start = b * block
-            if len(tokens) - start < HEAD_TOKENS:
-                break
-            db.execute(
-                "INSERT INTO heads(snapshot, pos, key) VALUES (?, ?, ?)",
-                [snapshot_id, b, head_key(chain, tokens[start:])],
-            )
-
-    @staticmethod
-    def remove(db: sqlite_utils.Database, snapshot_id: int) -> None:
-        """Delete a snapshot; blobs it was the last user of become dead."""
-        row = db.execute("SELECT tail FROM snapshots WHERE id = ?", [snapshot_id]).fetchone()
-        if row is None:
-            return
-        files = [row[0]] + [
-            r[0]
-            for r in db.execute(
-                "SELECT blob FROM snapshot_blocks WHERE snapshot = ? AND blob IS NOT NULL",
-                [snapshot_id],
-            )
-        ]
-        db.execute("DELETE FROM snapshot_blocks WHERE snapshot = ?", [snapshot_id])
-        db.execute("DELETE FROM heads WHERE snapshot = ?", [snapshot_id])
-        db.execute("DELETE FROM snapshots WHERE id = ?", [snapshot_id])
-        for f in files:
-            db.execute("UPDATE blobs SET refs = refs - 1 WHERE file = ?", [f])
-        db.execute("UPDATE blobs SET dead = 1 WHERE refs <= 0")
-
-    @staticmethod
-    def set_pinned(db: sqlite_utils.Database, namespace: str, name: str, pinned: bool) -> bool:
-        """Pin a session and its checkpoints (``pinned`` is not in the row checksum)."""
-        if (
-            db.execute(
-                "SELECT 1 FROM snapshots WHERE namespace = ? AND name = ?", [namespace, name]
-            ).fetchone()
-            is None
-        ):
-            return False
-        db.execute(
-            "UPDATE snapshots SET pinned = ? WHERE namespace = ? AND "
-            "(name = ? OR (name IS NULL AND owner = ?))",
-            [int(pinned), namespace, name, name],
-        )
-        return True
 
     @staticmethod
     def rows_where(db: sqlite_utils.Database, sql: str, args: Sequence[Any]) -> list[SnapshotRow]:

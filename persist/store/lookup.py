@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..policy import Candidate
+from ..format.tokens import common_prefix_packed, pack_tokens
+from ..policy import COULD_SERVE_SQL, Candidate
 from ..policy import choose as choose_by_policy
-from .chains import HEAD_TOKENS, common_prefix_packed, head_key, pack_tokens
+from .chains import HEAD_TOKENS, head_key
 from .index import BLOCKS_THEN_SNAPSHOTS, MAX_VARIABLES, Index
 from .rows import SnapshotRow
 
@@ -41,13 +42,12 @@ SINGLE_CHAINS = 8
 def _serve_filter(namespace: str, identity: str, prompt_len: int) -> tuple[str, list[Any]]:
     """Rows that could serve a prompt of ``prompt_len`` tokens, from index columns alone.
 
-    The SQL form of ``policy.could_serve``: an untrimmable snapshot longer than
-    the prompt can never serve, nor one whose floor leaves no token to compute.
+    ``policy.COULD_SERVE_SQL``: an untrimmable snapshot longer than the
+    prompt can never serve, nor one whose floor leaves no token to compute.
     """
     return (
-        " AND s.namespace = ? AND s.identity = ?"
-        " AND (s.trimmable = 1 OR s.n_tokens <= ?) AND s.min_resume < ?",
-        [namespace, identity, prompt_len - 1, prompt_len],
+        f" AND s.namespace = ? AND s.identity = ? AND {COULD_SERVE_SQL}",
+        [namespace, identity, prompt_len - 1, prompt_len - 1],
     )
 
 

@@ -6,16 +6,63 @@ what the same transaction removes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..errors import InvalidArgumentError
+from . import writes
+from .blobs import BlobStore
 from .index import MAX_VARIABLES, Index
 from .rows import SnapshotRow
 
 if TYPE_CHECKING:
     import sqlite_utils
 
-__all__ = ["anonymous_ending_at", "lru_victim", "evict_lru"]
+__all__ = ["Budgets", "anonymous_ending_at", "lru_victim", "evict_lru", "collect"]
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Byte budgets: the whole store's, and optionally one per namespace.
+
+    ``per_namespace`` is bytes for every namespace or a map of namespace to
+    bytes; with it a save evicts only entries of its own namespace.
+    """
+
+    max_bytes: int | None = None
+    per_namespace: int | Mapping[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_bytes is not None and (type(self.max_bytes) is not int or self.max_bytes < 0):
+            raise InvalidArgumentError(f"max_bytes must be bytes >= 0, got {self.max_bytes!r}")
+        b = self.per_namespace
+        values = b.values() if isinstance(b, Mapping) else [b]
+        if b is not None and any(type(v) is not int or v < 0 for v in values):
+            raise InvalidArgumentError("namespace_max_bytes must be bytes >= 0 (or a map of them)")
+
+    def of(self, namespace: str) -> int | None:
+        """The budget of ``namespace`` alone (None: only the store's)."""
+        b = self.per_namespace
+        return b.get(namespace) if isinstance(b, Mapping) else b
+
+    def limits(self, namespace: str) -> list[tuple[int, str | None]]:
+        """(budget, namespace or None for the whole store) pairs a save must meet."""
+        both = ((self.max_bytes, None), (self.of(namespace), namespace))
+        return [(b, ns) for b, ns in both if b is not None]
+
+    def scope(self, namespace: str) -> str | None:
+        """Where a save's victims come from: its own namespace once tenants have budgets."""
+        return namespace if self.per_namespace is not None else None
+
+
+def collect(index: Index, blobs: BlobStore) -> int:
+    """Unlink blob files whose last reference was committed away; how many went."""
+    dead = index.collect()
+    for f in dead:
+        blobs.delete(f)
+    index.forget(dead)
+    return len(dead)
 
 
 def anonymous_ending_at(
@@ -79,5 +126,5 @@ def evict_lru(
             if victim is None:
                 return removed, (total, budget)
             removed += Index.rows_where(db, "id = ?", [victim])
-            Index.remove(db, victim)
+            writes.remove(db, victim)
     return removed, None

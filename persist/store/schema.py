@@ -13,7 +13,7 @@ import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import CorruptBlobError, UnsupportedVersionError
+from ..errors import CorruptBlobError, InvalidArgumentError, UnsupportedVersionError
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -145,8 +145,8 @@ MIGRATIONS: dict[int, list[str]] = {
 
 
 def _backfill_heads(db: sqlite_utils.Database) -> None:
-    from .chains import unpack_tokens
-    from .index import Index
+    from ..format.tokens import unpack_tokens
+    from . import writes
 
     block = int(db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0])
     rows = db.execute("SELECT id, root, tokens FROM snapshots").fetchall()
@@ -157,7 +157,7 @@ def _backfill_heads(db: sqlite_utils.Database) -> None:
                 "SELECT chain FROM snapshot_blocks WHERE snapshot = ? ORDER BY idx", [sid]
             )
         ]
-        Index.add_heads(db, sid, chs, unpack_tokens(bytes(raw)), block)
+        writes.add_heads(db, sid, chs, unpack_tokens(bytes(raw)), block)
 
 
 BACKFILLS = {2: _backfill_heads}
@@ -233,7 +233,7 @@ def _check_block_tokens(
                 "INSERT INTO meta(key, value) VALUES ('block_tokens', ?)", [str(block_tokens)]
             )
         elif int(row[0]) != block_tokens and not adopt:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"store {path.parent} uses blocks of {row[0]} tokens, not {block_tokens}"
             )
         db.execute("COMMIT")

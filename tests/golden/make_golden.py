@@ -2,7 +2,7 @@
 
 Commit the output.  Existing golden files are never rewritten: a run only
 adds the cases (new kinds) that have no file yet, so every file ever written
-stays as it was (tests/test_golden.py checks every version):
+stays as it was (tests/format/test_golden.py checks every version):
 
     python -m tests.golden.make_golden
 """
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import persist
-from persist.manifest import FORMAT_VERSION
+from persist.format.manifest import FORMAT_VERSION
 from tests.golden.cases import CASES, IDENTITY, probe
 
 
@@ -41,7 +41,7 @@ def main() -> None:
 
 
 def _offset(cache: object) -> int:
-    facts = persist.snapshot.snapshot_facts([cache])[0]
+    facts = persist.codecs.snapshot.snapshot_facts([cache])[0]
     return facts.offset or 0
 
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from mlx_lm.models import cache as mc
 
 import persist
-from persist.stfile import checksum
+from persist.format.container import checksum
 from tests.helpers import live_state
 from tests.reliability.conftest import scale
 

@@ -16,7 +16,7 @@ MAKE = """
 import sys
 import mlx.core as mx
 from mlx_lm.models import cache as mc
-import persist, persist.store.chains as chains
+import persist, persist.format.tokens as chains
 from tests.golden.cases import IDENTITY
 chains.MAX_TOKENS = 1 << 30  # the hostile writer ignores persist's limit
 c = mc.ArraysCache(2)

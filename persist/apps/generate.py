@@ -1,0 +1,207 @@
+"""Generate with resume, and prime a session: the library behind the CLI.
+
+A session is a token transcript: each prompt's text is appended to the
+tokens the session already covers, the model generates, and the session is
+saved covering prompt and answer.  Before computing anything, persist
+restores the session (or, for a new session, the longest stored prefix of
+the prompt from any session), so only new tokens are prefilled.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from ..engine.prefill import prefill
+from ..engine.store import Store
+from ..errors import InvalidArgumentError, SessionNotFoundError
+from ..identity import ModelIdentity
+from ..records import Progress
+
+__all__ = ["GenerateResult", "PrimeResult", "load_model", "generate", "prime"]
+
+Bars = Callable[[str], Progress]  # a progress callback per phase ("restore", "prefill", ...)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    session: str
+    text: str
+    prompt_tokens: int  # tokens the model had to see for this turn (history included)
+    reused_tokens: int  # of those, restored from the store
+    source: str  # "session", "prefix" or "none"
+    generated_tokens: int
+    first_token_seconds: float
+    generate_seconds: float
+    session_tokens: int  # the session's length after this turn
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PrimeResult:
+    session: str
+    tokens: int
+    checkpoints: int
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_model(model_dir: str | os.PathLike[str] | None) -> tuple[Any, Any, ModelIdentity]:
+    """(model, tokenizer, identity); the built-in demo model when ``model_dir`` is None."""
+    from mlx_lm import load
+
+    from .demo import demo_model_dir
+
+    path = Path(model_dir) if model_dir is not None else demo_model_dir()
+    model, tok = load(str(path))[:2]
+    return model, tok, ModelIdentity.of(model, tok, name=path.name)
+
+
+def _resume(
+    store: Store,
+    session: str,
+    new: list[int],
+    identity: ModelIdentity,
+    namespace: str,
+    bar: Progress | None,
+) -> tuple[list[Any] | None, list[int], int, str]:
+    """(cache or None, all tokens of this turn, tokens already covered, source)."""
+    try:
+        restored = store.restore(session, identity=identity, namespace=namespace, progress=bar)
+    except SessionNotFoundError:
+        hit = store.lookup(new, identity=identity, namespace=namespace)
+        if hit is None:
+            return None, new, 0, "none"
+        return hit.cache, new, len(hit.tokens), "prefix"
+    return restored.cache, restored.tokens + new, len(restored.tokens), "session"
+
+
+def generate(
+    model: Any,
+    tokenizer: Any,
+    identity: ModelIdentity,
+    store: Store,
+    *,
+    session: str,
+    prompt: str,
+    max_tokens: int = 64,
+    temp: float = 0.0,
+    namespace: str = "default",
+    on_text: Callable[[str], None] | None = None,
+    bars: Bars | None = None,
+) -> GenerateResult:
+    """Resume ``session`` (or the best stored prefix), append ``prompt``, generate, save."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    new = list(tokenizer.encode(prompt, add_special_tokens=False))
+    if not new:
+        raise InvalidArgumentError("the prompt is empty after tokenization")
+    t0 = time.perf_counter()
+
+    def bar(phase: str) -> Progress | None:
+        return bars(phase) if bars is not None else None
+
+    cache, tokens, covered, source = _resume(
+        store, session, new, identity, namespace, bar("restore")
+    )
+    cache = make_prompt_cache(model) if cache is None else cache
+    todo = tokens[covered:]
+    detok = tokenizer.detokenizer
+    detok.reset()
+    out: list[int] = []
+    first = 0.0
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    steps = generate_step(
+        mx.array(todo),
+        model,
+        prompt_cache=cache,
+        max_tokens=max_tokens,
+        sampler=make_sampler(temp=temp),
+        prompt_progress_callback=bar("prefill"),
+    )
+    for tok, _ in steps:
+        if not out:
+            first = time.perf_counter() - t0
+        out.append(int(tok))  # generate_step fed it to the cache before yielding it
+        if int(tok) in eos:
+            break
+        detok.add_token(int(tok))
+        segment = detok.last_segment  # reading it consumes it
+        if on_text is not None and segment:
+            on_text(segment)
+    detok.finalize()
+    segment = detok.last_segment
+    if on_text is not None and segment:
+        on_text(segment)
+    elapsed = time.perf_counter() - t0
+    store.save(
+        cache,
+        tokens + out,
+        identity=identity,
+        session=session,
+        namespace=namespace,
+        progress=bar("save"),
+    )
+    return GenerateResult(
+        session=session,
+        text=detok.text,
+        prompt_tokens=len(tokens),
+        reused_tokens=covered,
+        source=source,
+        generated_tokens=len(out),
+        first_token_seconds=first,
+        generate_seconds=elapsed,
+        session_tokens=len(tokens) + len(out),
+    )
+
+
+def prime(
+    model: Any,
+    tokenizer: Any,
+    identity: ModelIdentity,
+    store: Store,
+    *,
+    session: str,
+    text: str,
+    checkpoint_every: int | None = None,
+    namespace: str = "default",
+    bars: Bars | None = None,
+) -> PrimeResult:
+    """Prefill ``text`` into a new session, leaving checkpoints every N tokens."""
+    tokens = list(tokenizer.encode(text, add_special_tokens=False))
+    if not tokens:
+        raise InvalidArgumentError("the prompt is empty after tokenization")
+    t0 = time.perf_counter()
+    before = {e.id for e in store.entries(namespace)}
+    cache = prefill(
+        model,
+        tokens,
+        store=store,
+        identity=identity,
+        session=session,
+        namespace=namespace,
+        checkpoint_every=checkpoint_every,
+        progress=bars("prefill") if bars else None,
+    )
+    store.save(
+        cache,
+        tokens,
+        identity=identity,
+        session=session,
+        namespace=namespace,
+        progress=bars("save") if bars else None,
+    )
+    made = [e for e in store.entries(namespace) if e.id not in before and e.role == "checkpoint"]
+    return PrimeResult(session, len(tokens), len(made), time.perf_counter() - t0)

@@ -1,0 +1,270 @@
+"""A durable prompt cache for mlx-lm's server: memory first, the store behind it.
+
+``PersistentPromptCache`` has the interface mlx-lm's server uses
+(``LRUPromptCache``: ``fetch_nearest_cache``, ``insert_cache``, ``trim_to``,
+``nbytes``, ``stats_by_type``, ...).  Memory stays the first tier.  On a miss,
+or when the store holds a strictly longer usable prefix, it restores from the
+store.  Every insert is written behind to the store by one background thread
+through a bounded queue; the server's own copy is never touched again (mlx-lm
+hands out deep copies), and its arrays are evaluated before hand-off.  The
+server's message-boundary snapshots of hybrid and sliding-window models are
+stored as they come, so they serve prefix hits after a restart too.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache
+
+from ..codecs.snapshot import Snapshot, capture
+from ..engine.store import Store
+from ..errors import InvalidArgumentError
+from ..identity import ModelIdentity
+
+__all__ = ["PersistentPromptCache"]
+
+log = logging.getLogger("persist")
+
+
+Resolver = Callable[[Any], "ModelIdentity | None"]
+
+
+def _constant(identity: ModelIdentity) -> Resolver:
+    return lambda _key: identity
+
+
+class PersistentPromptCache(LRUPromptCache):
+    """mlx-lm's prompt cache with the store behind it.
+
+    ``identity`` is either one ModelIdentity (every cache is that model's) or
+    a resolver from the server's model key (model path, adapter path, draft
+    model path) to the identity of the model loaded under that key.  Every
+    store entry is keyed by the identity of the model that computed it, and
+    looked up by the identity of the model that will consume it; a key the
+    resolver does not know never touches the store.
+    """
+
+    def __init__(
+        self,
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        *,
+        store: Store,
+        identity: ModelIdentity | Resolver,
+        namespace: str = "default",
+        queue_size: int = 64,
+        when_full: str = "block",
+        block_seconds: float = 30.0,
+    ) -> None:
+        super().__init__(max_size, max_bytes)
+        self.store = store
+        self.identity_for: Resolver = (
+            _constant(identity) if isinstance(identity, ModelIdentity) else identity
+        )
+        if when_full not in ("block", "drop"):
+            raise InvalidArgumentError("when_full must be 'block' or 'drop'")
+        self.namespace = namespace
+        # Back-pressure when the disk is slower than generation: wait up to
+        # block_seconds for room (the request was already answered), or drop.
+        self.when_full, self.block_seconds = when_full, block_seconds
+        self.counters: Counter[str] = Counter()
+        self._queue: queue.Queue[tuple[ModelIdentity, list[int], Snapshot] | None] = queue.Queue(
+            queue_size
+        )
+        self._writer = threading.Thread(
+            target=self._write_behind, name="persist-writer", daemon=True
+        )
+        self._writer.start()
+
+    # -- the interface mlx-lm's server calls ---------------------------------
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        have = len(tokens) - len(rest) if cache is not None else 0
+        identity = self.identity_for(model)
+        if identity is None:
+            self._count(unkeyed=1)
+            return cache, rest
+        try:
+            # one index pass: a hit no longer than the memory tier's is not read
+            hit = self.store.lookup(
+                tokens, identity=identity, namespace=self.namespace, longer_than=have
+            )
+            if hit is not None:
+                self._count(store_hits=1, restored_tokens=len(hit.tokens))
+                log.info(
+                    "persist: restored %d of %d prompt tokens from the store",
+                    len(hit.tokens),
+                    len(tokens),
+                )
+                return hit.cache, list(tokens[len(hit.tokens) :])
+        except Exception as e:  # the store must never take the server down
+            self._count(store_errors=1)
+            log.warning("persist: store lookup failed: %s", e)
+        self._count(memory_hits=1 if cache is not None else 0, misses=1 if cache is None else 0)
+        return cache, rest
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: list[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> None:
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        identity = self.identity_for(model)
+        if identity is None:  # no identity vouches for it: memory only
+            self._count(unkeyed=1)
+            return
+        try:
+            # Encoded and evaluated here, on the generation thread: the writer
+            # then handles host bytes only and never waits on this thread's stream.
+            snap = capture(prompt_cache, tokens)
+        except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
+            self._count(persist_errors=1)
+            log.warning("persist: could not persist a cache: %s", e)
+            return
+        item = (identity, list(tokens), snap)
+        try:
+            if self.when_full == "block":
+                self._queue.put(item, timeout=self.block_seconds)
+            else:
+                self._queue.put_nowait(item)
+        except queue.Full:
+            self._count(queue_drops=1)
+            log.warning("persist: write-behind queue full; %d tokens not persisted", len(tokens))
+
+    # -- write-behind --------------------------------------------------------
+
+    def _write_behind(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                identity, tokens, snap = item
+                self.store.save(snap, tokens, identity=identity, namespace=self.namespace)
+                self._count(persisted=1)
+            except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
+                self._count(persist_errors=1)
+                log.warning("persist: could not persist a cache: %s", e)
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued insert is durable in the store."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._writer.join()
+
+    def _count(self, **deltas: int) -> None:
+        deltas = {k: v for k, v in deltas.items() if v}
+        self.counters.update(deltas)
+        if deltas:
+            self.store.count(self.namespace, **{f"serve_{k}": v for k, v in deltas.items()})
+
+
+def cache_config_of(cli_args: Any) -> dict[str, int]:
+    """The server options that change the caches it computes (kv_bits and its settings)."""
+    if getattr(cli_args, "kv_bits", None) is None:
+        return {}
+    return {
+        "kv_bits": int(cli_args.kv_bits),
+        "kv_group_size": int(cli_args.kv_group_size),
+        "quantized_kv_start": int(cli_args.quantized_kv_start),
+    }
+
+
+def track_identities(server: Any) -> dict[Any, ModelIdentity]:
+    """Patch mlx-lm's ModelProvider so each model it loads gets its identity.
+
+    Keyed by the server's own model key (model path, adapter path, draft
+    path); the identity digests the weights as loaded (adapter included),
+    the draft model whose caches ride in the same list, and the kv-bits
+    options.  Host, port, logging and sampling options change no cache.
+    """
+    identities: dict[Any, ModelIdentity] = {}
+    real_load = server.ModelProvider._load
+
+    def _load(self: Any, model_path: Any, adapter_path: Any = None, draft: Any = None) -> None:
+        real_load(self, model_path, adapter_path, draft)
+        ident = ModelIdentity.of(
+            self.model,
+            self.tokenizer,
+            name=Path(str(model_path)).name,
+            **cache_config_of(self.cli_args),
+        )
+        if self.draft_model is not None:
+            ident = ident.with_draft(ModelIdentity.of(self.draft_model))
+        identities[self.model_key] = ident
+
+    server.ModelProvider._load = _load
+    return identities
+
+
+def serve(
+    model_dir: str,
+    store_root: Any,
+    *,
+    max_bytes: int | None = None,
+    namespace: str = "default",
+    server_args: list[str] | None = None,
+    backlog: int = 128,
+    drain_timeout: float = 60.0,
+    queue_size: int = 64,
+    when_full: str = "block",
+) -> None:
+    """Run mlx-lm's server (``mlx_lm.server``) with the store behind its prompt cache.
+
+    Blocks until SIGTERM or Ctrl-C, then stops in order: no new connections,
+    the accepted requests finish (up to ``drain_timeout`` seconds), the
+    write-behind queue is flushed, the store closed.  A second signal exits
+    at once.
+    """
+    import functools
+    import sys
+
+    import mlx_lm.server as server
+
+    from .server_http import serve_until_signal
+
+    identities = track_identities(server)
+    store = Store(store_root, max_bytes=max_bytes)
+    caches: list[PersistentPromptCache] = []
+
+    def make(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
+        pc = PersistentPromptCache(
+            max_size,
+            max_bytes,
+            store=store,
+            identity=identities.get,
+            namespace=namespace,
+            queue_size=queue_size,
+            when_full=when_full,
+        )
+        caches.append(pc)
+        return pc
+
+    server.LRUPromptCache = make  # type: ignore[assignment,misc]
+    server._run_http_server = functools.partial(
+        serve_until_signal, server, backlog=backlog, drain_timeout=drain_timeout
+    )
+    sys.argv = ["mlx_lm.server", "--model", str(model_dir), *(server_args or [])]
+    try:
+        server.main()
+    finally:
+        for pc in caches:
+            pc.close()
+        log.info("persist: store stats %s", store.stats().to_dict())
+        store.close()

@@ -1,0 +1,123 @@
+"""Cut a snapshot into token blocks and a tail, and put it back together.
+
+Block i holds, for every tensor that grows along the sequence from position
+0, its slice for tokens [i*B, (i+1)*B).  The tail holds the last partial
+block of those tensors and the whole state of every other tensor.  Blocks
+are found by chained token hashes (layout-free, so a prompt can look them
+up from its tokens alone) and stored under namespace-salted content keys,
+so two snapshots share a block only if its bytes are identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..codecs.snapshot import Snapshot
+from ..format.container import checksum
+from ..format.manifest import pack_snapshot_manifest, tensor_keys
+from ..records import Record, TensorSpec
+from ..store.chains import HEAD_TOKENS, chain_root, chains, head_key
+
+__all__ = [
+    "HEAD_TOKENS",
+    "chain_root",
+    "chains",
+    "head_key",
+    "Piece",
+    "Plan",
+    "plan",
+    "materialize",
+    "content_key",
+]
+
+
+@dataclass(frozen=True)
+class Piece:
+    key: str  # file key of the whole tensor ("3/keys")
+    spec: TensorSpec  # of the piece
+    data: Any  # host bytes of the piece: a numpy uint8 view shaped (*shape, itemsize)
+
+
+@dataclass(frozen=True)
+class Plan:
+    records: list[Record]
+    specs: dict[str, TensorSpec]  # whole tensors
+    split: dict[str, int]  # whole-tensor key -> token axis
+    n_blocks: int
+    block: int
+    n_tokens: int
+    arrays: dict[str, Any]  # whole-tensor key -> host view (``snapshot.host_bytes``)
+
+    def block_pieces(self, i: int) -> list[Piece]:
+        return [
+            self._piece(k, a, i * self.block, (i + 1) * self.block) for k, a in self.split.items()
+        ]
+
+    def tail_pieces(self, n_tokens: int) -> list[Piece]:
+        start = self.n_blocks * self.block
+        out = [self._piece(k, a, start, n_tokens) for k, a in self.split.items()]
+        out += [Piece(k, self.specs[k], t) for k, t in self.arrays.items() if k not in self.split]
+        return out
+
+    def _piece(self, key: str, axis: int, lo: int, hi: int) -> Piece:
+        whole = self.arrays[key]
+        idx: list[Any] = [slice(None)] * (whole.ndim - 1)  # the last axis is the item's bytes
+        idx[axis] = slice(lo, hi)
+        part = whole[tuple(idx)]
+        return Piece(key, TensorSpec(self.specs[key].dtype, tuple(part.shape[:-1])), part)
+
+    def manifest(self) -> bytes:
+        return pack_snapshot_manifest(self.records, self.specs, self.split, self.block)
+
+
+def plan(snap: Snapshot, block: int, dtype_name: Any) -> Plan:
+    """Which tensors of ``snap`` are cut into blocks (those that grow from position 0).
+
+    The record tensors must be evaluated (``capture`` does it); from here on
+    a save works on host bytes only.
+    """
+    tensors = {key: rec.tensors[name] for key, rec, name in tensor_keys(snap.records)}
+    specs = {k: TensorSpec(dtype_name(t), tuple(t.shape)) for k, t in tensors.items()}
+    split: dict[str, int] = {}
+    for i, f in enumerate(snap.facts):
+        if f.first_token != 0 or f.offset is None:
+            continue
+        for axis_name, axis in f.token_axes.items():
+            key = _key(i, axis_name)
+            if key in specs and specs[key].shape[axis] == f.offset:
+                split[key] = axis
+    n = len(snap.tokens or [])
+    return Plan(snap.records, specs, split, n // block, block, n, snap.host)
+
+
+def _key(layer: int, axis_name: str) -> str:
+    # facts name tensors of inner caches "0.keys.q"; file keys are "3.0/keys.q"
+    parts = axis_name.split(".")
+    path = [str(layer)]
+    while len(parts) > 1 and parts[0].isdigit():
+        path.append(parts.pop(0))
+    return ".".join(path) + "/" + ".".join(parts)
+
+
+def materialize(pieces: list[Piece]) -> list[tuple[Piece, memoryview, bytes]]:
+    """Each piece's bytes, contiguous (a copy only for a strided cut), and their checksum."""
+    out = []
+    for p in pieces:
+        flat = np.ascontiguousarray(p.data).reshape(-1)  # 1-D: zero-length pieces too
+        view = flat.data.cast("B")
+        out.append((p, view, checksum(view)))
+    return out
+
+
+def content_key(seed: bytes, role: bytes, parts: list[tuple[Piece, memoryview, bytes]]) -> str:
+    """Namespace-salted content key: equal only for equal bytes in one namespace."""
+    h = xxhash.xxh3_128(seed=int.from_bytes(seed[:8], "little"))
+    h.update(role)
+    for p, _, s in parts:
+        h.update(f"{p.key}|{p.spec.dtype}|{p.spec.shape}|".encode())
+        h.update(s)
+    return h.hexdigest()

@@ -1,0 +1,173 @@
+"""One self-contained file per cache: a drop-in for mlx-lm's save/load_prompt_cache.
+
+``save_file`` streams live tensors into a safetensors file with a msgpack
+manifest in its header and writes atomically (tmp, fsync, rename, fsync the
+directory).  ``load_file`` validates the header and the manifest, refuses
+unknown kinds and newer codecs, then loads and verifies every tensor's
+checksum before it builds a single cache object.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..codecs import capacity_of, check_spec
+from ..codecs.base import dtype_name
+from ..codecs.snapshot import capture, rebuild, require_covers
+from ..errors import CorruptBlobError, StorageError
+from ..format.container import atomic_write, read_header, write_tensors
+from ..format.manifest import (
+    Manifest,
+    check_metadata,
+    file_metadata,
+    pack_manifest,
+    tensor_keys,
+    unpack_manifest,
+)
+from ..format.tensors import allocate, as_bytes, read_piece
+from ..identity import ModelIdentity
+from ..records import Record, RecordSpec, TensorSpec
+
+__all__ = ["save_file", "load_file", "read_manifest", "Loaded"]
+
+FILE_MODE = 0o600
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What ``load_file`` returns: the live caches and what they cover."""
+
+    cache: list[Any]
+    tokens: list[int] | None
+    metadata: dict[str, str] = field(default_factory=dict)
+    identity: ModelIdentity | None = None
+
+
+def save_file(
+    path: str | os.PathLike[str],
+    cache: Sequence[Any],
+    tokens: Sequence[int] | None = None,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    identity: ModelIdentity | None = None,
+) -> None:
+    """Save a model's cache list (and the tokens it covers) to one file.
+
+    Only live data is written.  With ``tokens`` every layer's offset must
+    equal ``len(tokens)`` (``NotResumableError`` otherwise).
+    """
+    meta = check_metadata(metadata)
+    snap = capture(list(cache), tokens)
+    flat = list(tensor_keys(snap.records))
+    specs = {k: TensorSpec(dtype_name(r.tensors[n]), tuple(r.tensors[n].shape)) for k, r, n in flat}
+    ident = identity.to_dict() if identity is not None else None
+
+    def manifest_meta(sums: dict[str, bytes]) -> dict[str, str]:
+        body = pack_manifest(snap.records, specs, sums, snap.tokens, meta, ident, created)
+        return file_metadata(body)
+
+    created = time.time()
+    items = [(k, specs[k], (lambda a=r.tensors[n]: as_bytes(a))) for k, r, n in flat]
+    size = sum(s.nbytes for s in specs.values())
+    try:
+        _atomic_write(Path(path), lambda f: write_tensors(f, items, manifest_meta), size)
+    except PermissionError as e:
+        raise StorageError(f"cannot write {path}", e) from e
+    except FileNotFoundError as e:
+        raise StorageError(f"cannot write {path} (its folder does not exist)", e) from e
+
+
+def _atomic_write(path: Path, write: Any, size_hint: int) -> None:
+    """A tmp file beside ``path``, then the container's one atomic write path."""
+    directory = path.parent if str(path.parent) else Path(".")
+    tmp = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    atomic_write(tmp, path, write, size_hint, FILE_MODE)
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Validate a file's header and manifest (kinds included) without loading tensors."""
+    where = str(path)
+    with _open(path) as f:
+        header = read_header(f, where)
+    manifest = unpack_manifest(header, where)
+    for i, spec in enumerate(manifest.layers):
+        _check_layer(spec, i, where)
+    return manifest
+
+
+def _open(path: str | os.PathLike[str]) -> BinaryIO:
+    try:
+        return open(path, "rb")
+    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        raise StorageError(f"cannot read {path}", e) from e
+
+
+def _check_layer(spec: RecordSpec, i: int, where: str) -> None:
+    try:
+        check_spec(spec)
+    except CorruptBlobError as e:
+        raise CorruptBlobError(where, f"layer {i}: {e}") from None
+
+
+def load_file(path: str | os.PathLike[str], *, identity: ModelIdentity | None = None) -> Loaded:
+    """Load a file written by ``save_file``; every checksum is verified.
+
+    With ``identity`` a file saved for another model is refused
+    (``IdentityMismatchError`` naming the fields that differ).
+    """
+    where = str(path)
+    manifest = read_manifest(path)
+    saved = _saved_identity(manifest, where)
+    if identity is not None and saved is not None:
+        saved.require_same(identity, f"file {where}")
+    # One layer at a time, read straight into the buffers the caches keep:
+    # peak memory is the restored cache itself.
+    keys = iter(manifest.keys)
+    with _open(path) as f:
+        cache = [
+            rebuild([_read_layer(f.fileno(), s, keys, manifest, where)])[0] for s in manifest.layers
+        ]
+    if manifest.tokens is not None:
+        # The snapshot rule, re-checked on the rebuilt cache: a file cannot
+        # pair a cache with tokens it does not cover.
+        require_covers(cache, manifest.tokens)
+    return Loaded(cache, manifest.tokens, manifest.metadata, saved)
+
+
+def _saved_identity(manifest: Manifest, where: str) -> ModelIdentity | None:
+    if manifest.identity is None:
+        return None
+    try:
+        return ModelIdentity.from_dict(manifest.identity)
+    except (ValueError, TypeError) as e:
+        raise CorruptBlobError(where, f"manifest: identity: {e}") from None
+
+
+def _read_layer(fd: int, spec: RecordSpec, keys: Any, manifest: Manifest, where: str) -> Record:
+    """Read one record of a persist file (and its inner records), verified."""
+    mapping = next(keys)
+    caps = capacity_of(spec)
+    tensors = {}
+    for name, key in mapping.items():
+        stored = manifest.specs[key]
+        out, view = allocate(stored, caps.get(name))
+        read_piece(
+            fd,
+            manifest.offsets[key],
+            stored,
+            view,
+            tuple(out.shape),
+            0,
+            2,
+            manifest.checksums[key],
+            f"{where}: tensor {key!r}",
+        )
+        tensors[name] = out
+    kids = tuple(_read_layer(fd, c, keys, manifest, where) for c in spec.children)
+    return Record(spec.kind, spec.version, spec.meta, tensors, kids)

@@ -1,0 +1,121 @@
+"""Restore and lookup: which stored row to read, what to do when it changes or is damaged.
+
+The Store's ``restore`` and ``lookup`` are thin wrappers over these.  Rows
+and blocks come from the index (``persist.store``), bytes from the blob
+tier through ``loading.load_snapshot``; counters are kept here, once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from ..errors import CorruptBlobError, IdentityMismatchError, SessionNotFoundError
+from ..identity import ModelIdentity
+from ..records import Progress
+from ..store import lookup as lookup_queries
+from ..store.chains import chain_root, chains
+from .loading import load_snapshot
+
+if TYPE_CHECKING:
+    from ..store.blobs import BlobStore
+    from ..store.index import Index, SnapshotRow
+
+__all__ = ["restore_named", "choose", "lookup_prefix", "RESTORE_RETRIES"]
+
+log = logging.getLogger("persist")
+RESTORE_RETRIES = 4  # re-reads of a session that concurrent saves keep replacing
+
+
+def saved_identity(row: SnapshotRow) -> ModelIdentity:
+    return ModelIdentity.from_dict(msgpack.unpackb(row.identity_map, raw=False))
+
+
+def restore_named(
+    index: Index,
+    blobs: BlobStore,
+    namespace: str,
+    session: str,
+    identity: ModelIdentity,
+    progress: Progress | None = None,
+) -> tuple[list[Any], SnapshotRow]:
+    """The named session's caches and row, exactly as saved.
+
+    The row and its blocks are read in one transaction.  If a blob of it is
+    gone because the session was saved again meanwhile (its old blobs
+    collected), the new version is restored instead; a blob missing from
+    a row that did not change is damage (CorruptBlobError).
+    """
+    last_id = None
+    for _attempt in range(RESTORE_RETRIES):
+        found = index.by_name_with_blocks(namespace, session)
+        if found is None:
+            raise SessionNotFoundError(session, namespace)
+        row, refs = found
+        if row.identity != identity.digest:
+            saved = saved_identity(row)
+            raise IdentityMismatchError(f"session {session!r}", saved.diff(identity))
+        try:
+            cache = load_snapshot(index, blobs, row, progress, refs=refs)
+            break
+        except CorruptBlobError:
+            # damage, unless a newer save replaced the row meanwhile
+            if row.id == last_id or index.get(row.id) is not None:
+                raise
+            last_id = row.id
+    else:
+        raise CorruptBlobError(f"session {session!r}", "kept changing while it was read")
+    index.touch(row.id)
+    index.count(namespace, restores=1, restored_tokens=row.n_tokens)
+    return cache, row
+
+
+def choose(
+    index: Index,
+    toks: list[int],
+    identity: ModelIdentity,
+    namespace: str,
+    block_tokens: int,
+    skip: set[int],
+) -> tuple[SnapshotRow, int] | None:
+    """The row and usable prefix a lookup restores, from the index alone (no blob read)."""
+    secret = index.secret(namespace)  # a lookup never creates a namespace
+    if secret is None:
+        return None
+    chs = chains(chain_root(secret, identity.digest), toks, block_tokens)
+    return lookup_queries.choose(index, namespace, identity.digest, chs, toks, block_tokens, skip)
+
+
+def lookup_prefix(
+    index: Index,
+    blobs: BlobStore,
+    toks: list[int],
+    identity: ModelIdentity,
+    namespace: str,
+    block_tokens: int,
+    longer_than: int = 0,
+) -> tuple[list[Any], SnapshotRow, int] | None:
+    """(caches cut to the prefix, row, prefix) of the best usable hit, or None.
+
+    A damaged snapshot is skipped (and counted) and the next best is tried.
+    A hit of at most ``longer_than`` tokens is not read and not counted.
+    """
+    skip: set[int] = set()
+    while (found := choose(index, toks, identity, namespace, block_tokens, skip)) is not None:
+        row, prefix = found
+        if prefix <= longer_than:
+            return None
+        try:
+            cache = load_snapshot(index, blobs, row, keep=prefix)
+        except CorruptBlobError as e:
+            log.warning("persist: skipping a damaged snapshot in lookup: %s", e)
+            index.count(namespace, corrupt_skipped=1)
+            skip.add(row.id)
+            continue
+        index.touch(row.id)
+        index.count(namespace, hits=1, restored_tokens=prefix)
+        return cache, row, prefix
+    index.count(namespace, misses=1)
+    return None

@@ -1,0 +1,280 @@
+"""Saving a snapshot into the store: blocks and tail first, then one commit.
+
+The write protocol of docs/FORMAT.md: every blob is written to tmp,
+fsynced and renamed into place before the transaction that references it;
+blobs a save means to reuse are re-checked inside that transaction (a
+concurrent collection may have killed them), and files are deleted only
+after the commit that unreferenced them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from .. import policy
+from ..codecs.base import dtype_name
+from ..codecs.snapshot import Snapshot, capture
+from ..errors import NotResumableError, StoreBusyError, StoreFullError
+from ..format.container import write_tensors
+from ..format.manifest import blob_metadata
+from ..format.tokens import check_tokens, pack_tokens, unpack_tokens
+from ..identity import ModelIdentity
+from ..records import Progress
+from ..store import retention, writes
+from ..store.blobs import BlobStore
+from ..store.index import BlockRef, Index, NewBlob, SnapshotRow
+from .blocks import Piece, Plan, chain_root, chains, content_key, head_key, materialize, plan
+
+__all__ = ["Target", "save_snapshot"]
+
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a save is for: the model, where it goes, and how it is kept."""
+
+    identity: ModelIdentity
+    namespace: str = "default"
+    name: str | None = None  # a named session
+    owner: str | None = None  # the session a checkpoint belongs to
+    role: str = "prefix"  # "session" | "checkpoint" | "prefix"
+    pin: bool = False
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def save_snapshot(
+    index: Index,
+    blobs: BlobStore,
+    cache: Sequence[Any] | Snapshot,
+    tokens: Sequence[int],
+    target: Target,
+    *,
+    block_tokens: int,
+    budgets: retention.Budgets,
+    progress: Progress | None = None,
+) -> SnapshotRow:
+    """Write blocks and tail, commit the snapshot; return its row as committed."""
+    identity, namespace = target.identity, target.namespace
+    snap = cache if isinstance(cache, Snapshot) else capture(cache, tokens)
+    if isinstance(cache, Snapshot) and snap.tokens != check_tokens(tokens):
+        raise NotResumableError("a captured snapshot is saved with the tokens it was captured with")
+    toks = snap.tokens or []
+    p = plan(snap, block_tokens, dtype_name)
+    estimate = sum(s.nbytes for s in p.specs.values())
+    for budget in (budgets.max_bytes, budgets.of(namespace)):
+        if budget is not None and estimate > budget:
+            raise StoreFullError(estimate, budget)
+    secret = index.secret(namespace, lambda: os.urandom(32))
+    assert secret is not None
+    chs = chains(chain_root(secret, identity.digest), toks, block_tokens)
+    for _attempt in range(3):
+        written: list[NewBlob] = []
+        salt = secrets.token_hex(6)
+        index.begin_pending(salt)
+        try:
+            refs, tail = _write_blobs(
+                index, blobs, p, chs, secret, block_tokens, written, progress, salt
+            )
+            done = _commit(index, p, snap, chs, refs, tail, written, target, salt, budgets)
+        except BaseException as e:
+            # Decide by the index, not by the exception: a Ctrl-C that lands
+            # just after the COMMIT must not unlink what the commit references.
+            if not _committed(index, salt):
+                for b in written:
+                    blobs.delete(b.file)
+                with contextlib.suppress(Exception):
+                    index.end_pending(salt)
+            if isinstance(e, OSError) and e.errno in DISK_FULL:
+                raise StoreFullError(
+                    estimate,
+                    budgets.max_bytes or 0,
+                    f"the disk is full ({e.strerror}); nothing was saved",
+                ) from e
+            raise
+        if done is not None:
+            retention.collect(index, blobs)
+            index.count(namespace, saves=1, bytes_written=sum(b.size for b in written))
+            return done
+        for b in written:  # a reused blob died under us: write everything again
+            blobs.delete(b.file)
+        index.end_pending(salt)
+    raise StoreBusyError("the store kept collecting blobs this save meant to reuse")
+
+
+def _committed(index: Index, salt: str) -> bool:
+    """Did the save registered under ``salt`` commit?  Its commit deletes the pending row."""
+    try:
+        return salt not in index.pending()
+    except Exception:
+        return True  # the index cannot say: keep the files (check removes orphans)
+
+
+def _write_blobs(
+    index: Index,
+    blobs: BlobStore,
+    p: Plan,
+    chs: list[bytes],
+    secret: bytes,
+    block_tokens: int,
+    written: list[NewBlob],
+    progress: Progress | None,
+    salt: str,
+) -> tuple[list[BlockRef], str]:
+    refs = []
+    n = p.n_tokens
+    blocks = n // block_tokens
+    for i in range(blocks):
+        pieces = p.block_pieces(i) if p.split else []
+        blob = _put(index, blobs, secret, b"block", pieces, written, salt) if pieces else None
+        refs.append(BlockRef(i, chs[i + 1], blob))
+        if progress is not None:
+            progress(i + 1, blocks + 1)
+    tail = _put(index, blobs, secret, b"tail", p.tail_pieces(n), written, salt)
+    if progress is not None:
+        progress(blocks + 1, blocks + 1)
+    return refs, tail
+
+
+def _put(
+    index: Index,
+    blobs: BlobStore,
+    secret: bytes,
+    role: bytes,
+    pieces: list[Piece],
+    written: list[NewBlob],
+    salt: str,
+) -> str:
+    mats = materialize(pieces)
+    key = content_key(secret, role, mats)
+    for b in written:  # the same bytes twice in one snapshot: one file
+        if b.key == key:
+            return b.file
+    existing = index.live_blob(key)
+    if existing is not None:
+        return existing[0]
+    items = [(pc.key, pc.spec, (lambda v=view: v)) for pc, view, _ in mats]
+    meta_role = role.decode()
+
+    def write(sink: Any) -> bytes:
+        write_tensors(sink, items, lambda sums: blob_metadata(meta_role, sums))
+        return bytes(sink.head_digest)
+
+    size_hint = sum(pc.spec.nbytes for pc, _, _ in mats)
+    file, size, head = blobs.put(key, write, size_hint, salt)
+    written.append(NewBlob(file, key, size, head))
+    return file
+
+
+def _commit(
+    index: Index,
+    p: Plan,
+    snap: Snapshot,
+    chs: list[bytes],
+    refs: list[BlockRef],
+    tail: str,
+    written: list[NewBlob],
+    target: Target,
+    salt: str,
+    budgets: retention.Budgets,
+) -> SnapshotRow | None:
+    t, namespace, toks = target, target.namespace, snap.tokens or []
+    new_files = {b.file for b in written}
+    used = [f for f in [tail, *(r.blob for r in refs if r.blob)] if f not in new_files]
+    with index.write() as db:
+        if not writes.blobs_alive(db, used):
+            return None
+        writes.add_blobs(db, namespace, written)
+        writes.finish_pending(db, salt)
+        now = time.time()
+        n_blocks = len(refs)
+        sizes = writes.blob_sizes(db, [tail, *(r.blob for r in refs if r.blob)])
+        row = {
+            "namespace": namespace,
+            "name": t.name,
+            "owner": t.owner or t.name,
+            "role": t.role,
+            "identity": t.identity.digest,
+            "identity_map": msgpack.packb(t.identity.to_dict(), use_bin_type=True),
+            "root": chs[0],
+            "last_chain": chs[n_blocks] if n_blocks else head_key(chs[0], toks),
+            "n_blocks": n_blocks,
+            "n_tokens": len(toks),
+            "tokens": pack_tokens(toks),
+            "trimmable": int(snap.trimmable),
+            "min_resume": snap.min_resume_offset,
+            "manifest": p.manifest(),
+            "tail": tail,
+            "bytes": sum(sizes.values()),
+            "pinned": int(t.pin),
+            "created": now,
+            "used": now,
+            "metadata": msgpack.packb(t.metadata, use_bin_type=True),
+        }
+        if t.name is not None:
+            _retire(db, namespace, t.name, t.identity.digest, snap, toks)
+        elif t.role == "prefix":
+            _replace_covered(db, namespace, t.identity.digest, snap, toks, chs, n_blocks)
+        sid = writes.insert(db, row, refs)
+        writes.add_heads(db, sid, chs, toks, p.block)
+        # read back in this transaction: another process may evict it right after
+        (committed,) = Index.rows_where(db, "id = ?", [sid])
+        _evict(db, index, budgets, namespace, frozenset({sid}))
+    return committed
+
+
+def _retire(db: Any, namespace: str, name: str, digest: str, snap: Any, toks: list[int]) -> None:
+    """Replace the session's previous snapshot: supersede it, or keep it as a checkpoint."""
+    for old in writes.session_rows(db, namespace, name):
+        old_toks = unpack_tokens(old.tokens)
+        is_prefix = old.identity == digest and toks[: len(old_toks)] == old_toks
+        action = policy.retire(
+            len(toks),
+            snap.trimmable,
+            snap.min_resume_offset,
+            old.n_tokens,
+            is_prefix,
+            old.name is None,
+        )
+        if action == "drop":
+            writes.remove(db, old.id)
+        elif action == "demote":
+            writes.demote(db, old.id)
+
+
+def _replace_covered(
+    db: Any, namespace: str, digest: str, snap: Any, toks: list[int], chs: list[bytes], n: int
+) -> None:
+    """Anonymous entries the new one covers (``policy.covers``) go: rows stay
+    bounded by distinct prefixes."""
+    ends = [*chs[1 : n + 1], head_key(chs[0], toks)]
+    for old in retention.anonymous_ending_at(db, namespace, digest, ends):
+        old_toks = unpack_tokens(old.tokens)
+        is_prefix = toks[: len(old_toks)] == old_toks
+        if policy.covers(
+            len(toks), snap.trimmable, snap.min_resume_offset, len(old_toks), is_prefix
+        ):
+            writes.remove(db, old.id)
+
+
+def _evict(
+    db: Any, index: Index, budgets: retention.Budgets, namespace: str, protect: frozenset[int]
+) -> None:
+    """Evict down to the budgets; with namespace budgets, only in this namespace.
+
+    If pinned or protected entries leave no room, StoreFullError undoes the
+    whole transaction.
+    """
+    limits, scope = budgets.limits(namespace), budgets.scope(namespace)
+    _, over = retention.evict_lru(db, index, limits, scope, protect)
+    if over is not None:
+        raise StoreFullError(*over)

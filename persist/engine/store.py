@@ -1,0 +1,370 @@
+"""``persist.Store``: named sessions and cross-session prefix reuse.
+
+The engine's one public object.  Its methods are thin: they check names and
+identities, then call ``saving.save_snapshot`` / ``loading.load_snapshot``
+(which take the index and the blob tier, never the Store) or the storage
+layer (``persist.store``: SQL and files, no mlx).  Listing and maintenance
+never import mlx: ``persist ls`` starts in a blink.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import (
+    InvalidArgumentError,
+    InvalidStateError,
+    NotResumableError,
+    SessionNotFoundError,
+    StorageError,
+)
+from ..format.manifest import check_metadata
+from ..format.tokens import check_tokens, unpack_tokens
+from ..identity import ModelIdentity
+from ..records import Progress
+from ..store import retention, writes
+from ..store.blobs import FileBlobs
+from ..store.index import Index, SnapshotRow
+from ..store.rows import check_name, entry_info, store_root
+from ..store.schema import connect
+from ..store.types import EntryInfo, GcReport, Problem, Restored, Rollback, StoreStats
+
+if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
+    from ..codecs.snapshot import Snapshot
+    from .saving import Target
+
+__all__ = ["Store", "check_name"]
+
+log = logging.getLogger("persist")
+DEFAULT_BLOCK = 256
+RESTORE_RETRIES = 4  # re-reads of a session that concurrent saves keep replacing
+
+
+class Store:
+    """A directory of cached states: ``Store(root, max_bytes=None, block_tokens=256)``.
+
+    ``namespace_max_bytes`` (bytes for every namespace, or a map of namespace
+    to bytes) gives tenants budgets of their own: then a save evicts only
+    entries of its own namespace, so one tenant's saves never evict another's
+    sessions, and a save that cannot fit in its namespace is StoreFullError.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        max_bytes: int | None = None,
+        block_tokens: int | None = None,
+        namespace_max_bytes: int | Mapping[str, int] | None = None,
+    ) -> None:
+        self.root = store_root(root)
+        if block_tokens is not None and not 1 <= block_tokens <= 1 << 20:
+            raise InvalidArgumentError("block_tokens must be between 1 and 1048576")
+        self.budgets = retention.Budgets(max_bytes, namespace_max_bytes)
+        self.max_bytes = max_bytes
+        self.namespace_max_bytes = namespace_max_bytes
+        try:
+            if not self.root.exists():
+                self.root.mkdir(mode=0o700, parents=True)
+            self.blobs = FileBlobs(self.root)
+            db = connect(
+                self.root / "index.sqlite",
+                block_tokens or DEFAULT_BLOCK,
+                adopt=block_tokens is None,
+            )
+            for suffix in ("", "-wal", "-shm"):
+                p = self.root / f"index.sqlite{suffix}"
+                if p.exists() and not p.is_symlink():
+                    os.chmod(p, 0o600)
+        except (PermissionError, FileNotFoundError, NotADirectoryError) as e:
+            raise StorageError(f"cannot open the store at {self.root}", e) from e
+        self._index: Index | None = Index(db)
+        self.block_tokens = int(
+            db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0]
+        )
+
+    # -- context manager --------------------------------------------------
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the index; any later call on this Store is InvalidStateError."""
+        if self._index is not None:
+            self._index.db.conn.close()
+            self._index = None
+
+    @property
+    def index(self) -> Index:
+        """The SQLite index (``persist.store.index``); InvalidStateError once closed."""
+        if self._index is None:
+            raise InvalidStateError(f"the store at {self.root} is closed")
+        return self._index
+
+    # -- saving -----------------------------------------------------------
+
+    def save(
+        self,
+        cache: Sequence[Any] | Snapshot,
+        tokens: Sequence[int],
+        *,
+        identity: ModelIdentity,
+        session: str | None = None,
+        namespace: str = "default",
+        pin: bool = False,
+        metadata: Mapping[str, str] | None = None,
+        progress: Progress | None = None,
+    ) -> EntryInfo:
+        """Save ``cache`` (covering exactly ``tokens``); named if ``session`` is given.
+
+        ``cache`` may also be a ``persist.codecs.snapshot.capture(cache, tokens)`` taken
+        earlier, in another thread (a server captures on its generation thread).
+        """
+        from .saving import Target
+
+        role = "prefix" if session is None else "session"
+        target = Target(identity, namespace, session, None, role, pin, check_metadata(metadata))
+        return self._save(cache, tokens, target, progress)
+
+    def checkpoint(
+        self,
+        cache: Sequence[Any] | Snapshot,
+        tokens: Sequence[int],
+        *,
+        identity: ModelIdentity,
+        session: str | None = None,
+        namespace: str = "default",
+    ) -> EntryInfo:
+        """Save a checkpoint: an anonymous snapshot owned by ``session`` (deleted with it)
+        that serves prefix lookups, kept even when it is a prefix of a longer snapshot."""
+        from .saving import Target
+
+        return self._save(cache, tokens, Target(identity, namespace, None, session, "checkpoint"))
+
+    def _save(
+        self,
+        cache: Sequence[Any] | Snapshot,
+        tokens: Sequence[int],
+        target: Target,
+        progress: Progress | None = None,
+    ) -> EntryInfo:
+        from .saving import save_snapshot
+
+        check_name(target.namespace, "namespace")
+        for name in (target.name, target.owner):
+            if name is not None:
+                check_name(name, "session")
+        row = save_snapshot(
+            self.index,
+            self.blobs,
+            cache,
+            tokens,
+            target,
+            block_tokens=self.block_tokens,
+            budgets=self.budgets,
+            progress=progress,
+        )
+        return self._info(row)
+
+    def count(self, namespace: str = "default", **counters: int) -> None:
+        """Add to this store's counters of ``namespace`` (``persist stats`` shows them)."""
+        self.index.count(check_name(namespace, "namespace"), **counters)
+
+    # -- reading ----------------------------------------------------------
+
+    def restore(
+        self,
+        session: str,
+        *,
+        identity: ModelIdentity,
+        namespace: str = "default",
+        progress: Progress | None = None,
+    ) -> Restored:
+        """The named session, as fresh caches, exactly as saved (``reading.restore_named``)."""
+        from .reading import restore_named
+
+        check_name(namespace, "namespace")
+        check_name(session, "session")
+        cache, row = restore_named(self.index, self.blobs, namespace, session, identity, progress)
+        return Restored(cache, unpack_tokens(row.tokens), self._info(row))
+
+    def namespace_budget(self, namespace: str) -> int | None:
+        """The byte budget of ``namespace`` (None: only the store's ``max_bytes``)."""
+        return self.budgets.of(namespace)
+
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        *,
+        identity: ModelIdentity,
+        namespace: str = "default",
+        longer_than: int = 0,
+    ) -> Restored | None:
+        """The longest usable stored prefix of ``tokens`` (at least one token is left over).
+
+        Token-exact: a hit of k tokens holds exactly what a fresh prefill of
+        those k tokens would (the codecs cut every layer to k).  A hit of at
+        most ``longer_than`` tokens (what a caller already holds in memory)
+        is not read at all and returns None, uncounted.
+        """
+        from .reading import lookup_prefix
+
+        toks = check_tokens(tokens)
+        check_name(namespace, "namespace")
+        found = lookup_prefix(
+            self.index, self.blobs, toks, identity, namespace, self.block_tokens, longer_than
+        )
+        if found is None:
+            return None
+        cache, row, prefix = found
+        return Restored(cache, toks[:prefix], self._info(row))
+
+    def find(
+        self, tokens: Sequence[int], *, identity: ModelIdentity, namespace: str = "default"
+    ) -> tuple[EntryInfo, int] | None:
+        """What ``lookup`` would restore (entry, usable prefix), from the index alone."""
+        from .reading import choose
+
+        toks = check_tokens(tokens)
+        check_name(namespace, "namespace")
+        found = choose(self.index, toks, identity, namespace, self.block_tokens, set())
+        return None if found is None else (self._info(found[0]), found[1])
+
+    # -- listing and maintenance --------------------------------------------
+
+    def sessions(self, namespace: str | None = None) -> list[EntryInfo]:
+        return [self._info(r) for r in self.index.snapshots(namespace, named_only=True)]
+
+    def entries(self, namespace: str | None = None) -> list[EntryInfo]:
+        """Every snapshot: sessions, checkpoints and anonymous prefixes."""
+        return [self._info(r) for r in self.index.snapshots(namespace, named_only=False)]
+
+    def entry(self, session: str, *, namespace: str = "default") -> EntryInfo:
+        row = self.index.by_name(namespace, session)
+        if row is None:
+            raise SessionNotFoundError(session, namespace)
+        return self._info(row)
+
+    def export(
+        self, session: str, path: str | os.PathLike[str], *, namespace: str = "default"
+    ) -> EntryInfo:
+        """Write a session to one self-contained persist file (``load_file`` reads it)."""
+        from .files import save_file
+        from .loading import load_snapshot
+        from .reading import saved_identity
+
+        row = self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
+        if row is None:
+            raise SessionNotFoundError(session, namespace)
+        saved = saved_identity(row)
+        info = self._info(row)
+        save_file(
+            path,
+            load_snapshot(self.index, self.blobs, row),
+            unpack_tokens(row.tokens),
+            metadata=info.metadata,
+            identity=saved,
+        )
+        return info
+
+    def import_file(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        session: str | None = None,
+        namespace: str = "default",
+    ) -> EntryInfo:
+        """Store a persist file as a session (named after the file unless ``session``)."""
+        from .files import load_file
+
+        loaded = load_file(path)
+        if loaded.identity is None or loaded.tokens is None:
+            raise NotResumableError(
+                f"{path} records no model identity or no tokens; save it with "
+                "persist.save_file(path, cache, tokens, identity=...) to import it"
+            )
+        name = session if session is not None else Path(path).name.split(".")[0]
+        return self.save(
+            loaded.cache,
+            loaded.tokens,
+            identity=loaded.identity,
+            session=name,
+            namespace=namespace,
+            metadata=loaded.metadata,
+        )
+
+    def has_session(self, session: str, *, namespace: str = "default") -> bool:
+        return (
+            self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
+            is not None
+        )
+
+    def pin(self, session: str, *, namespace: str = "default", pinned: bool = True) -> None:
+        """Pin (or unpin) a session and its checkpoints: pinned entries are never evicted."""
+        check_name(session, "session")
+        with self.index.write() as db:
+            changed = writes.set_pinned(db, namespace, session, pinned)
+        if not changed:
+            raise SessionNotFoundError(session, namespace)
+
+    def delete(self, session: str, *, namespace: str = "default") -> None:
+        """Delete a session and its checkpoints; files go after the commit."""
+        check_name(session, "session")
+        with self.index.write() as db:
+            rows = writes.session_rows(db, namespace, session)
+            if not any(r.name == session for r in rows):
+                raise SessionNotFoundError(session, namespace)
+            for r in rows:
+                writes.remove(db, r.id)
+        retention.collect(self.index, self.blobs)
+
+    def gc(self, max_bytes: int | None = None, *, dry_run: bool = False) -> GcReport:
+        """Evict least recently used unpinned snapshots down to ``max_bytes``.
+
+        Without a budget (here or on the store) it only deletes unreferenced
+        blob files.  ``dry_run`` reports what would go and changes nothing.
+        """
+        budget = self.max_bytes if max_bytes is None else max_bytes
+        before = self.index.unique_bytes()
+        victims: list[EntryInfo] = []
+        try:
+            with self.index.write() as db:
+                if budget is not None:  # the same rule a save applies
+                    rows, _ = retention.evict_lru(db, self.index, [(budget, None)], None)
+                    victims = [self._info(r) for r in rows]
+                if dry_run:
+                    after = self.index.unique_bytes(db)
+                    raise Rollback(GcReport(victims, 0, before - after, after, True))
+        except Rollback as r:
+            return r.report
+        deleted = retention.collect(self.index, self.blobs)
+        after = self.index.unique_bytes()
+        return GcReport(victims, deleted, before - after, after, False)
+
+    def stats(self, namespace: str | None = None) -> StoreStats:
+        rows = self.index.snapshots(namespace, named_only=False)
+        return StoreStats(
+            entries=len(rows),
+            sessions=sum(1 for r in rows if r.name is not None),
+            unique_bytes=self.index.unique_bytes(namespace=namespace),
+            referenced_bytes=sum(r.nbytes for r in rows),
+            counters=self.index.counters(namespace),
+        )
+
+    def check(self, fix: bool = False, *, progress: Progress | None = None) -> list[Problem]:
+        """Reconcile index and files; with ``fix`` repair what can be repaired."""
+        from ..store.check import check_store
+
+        return check_store(self.index, self.blobs, fix, progress)
+
+    # -- helpers ------------------------------------------------------------
+
+    def _info(self, r: SnapshotRow) -> EntryInfo:
+        return entry_info(r)

@@ -1,0 +1,353 @@
+"""The safetensors container: a validating header reader and a streaming writer.
+
+Pure Python, no mlx: the store uses it on blobs too.  The reader checks the
+whole header against the file before anything is allocated (sizes, offsets,
+dtypes, shapes); the writer streams one tensor at a time, hashing as it
+writes, then fills the checksums into a header of fixed length.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import mmap
+import os
+import re
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import BinaryIO, TypeVar
+
+import xxhash
+
+from ..errors import CorruptBlobError
+from ..records import DTYPE_SIZES, TensorSpec
+
+T = TypeVar("T")
+
+__all__ = [
+    "atomic_write",
+    "MAX_HEADER_BYTES",
+    "Entry",
+    "Header",
+    "read_header",
+    "write_tensors",
+    "Sink",
+    "checksum",
+    "fsync_dir",
+    "CHECKSUM_BYTES",
+]
+
+MAX_HEADER_BYTES = 40 << 20  # the largest manifest (32 MiB as base64) and 65,536 tensor entries
+MAX_TENSORS = 1 << 16  # 4,096 layers of up to 16 tensors
+MAX_NDIM = 8
+MAX_JSON_DEPTH = 8  # a safetensors header nests 3 deep; refuse more before parsing
+_INNERMOST = re.compile(rb"[\[{][^\[\]{}]*[\]}]")
+_NOT_STRUCTURE = bytes(set(range(256)) - set(b'"[]{}'))
+CHECKSUM_BYTES = 16
+ALIGN = 8
+
+
+def checksum(data: memoryview | bytes) -> bytes:
+    """xxh3-128 of ``data``: tens of GB/s, so verifying every read is cheap."""
+    return xxhash.xxh3_128_digest(data)
+
+
+@dataclass(frozen=True)
+class Entry:
+    spec: TensorSpec
+    start: int  # absolute file offsets
+    end: int
+
+
+@dataclass(frozen=True)
+class Header:
+    tensors: dict[str, Entry]
+    metadata: dict[str, str]
+    data_start: int
+    file_size: int
+    digest: bytes  # checksum of the header bytes (length prefix included)
+
+
+def _check_nesting(text: bytes, where: str) -> None:
+    """Refuse JSON nested deeper than MAX_JSON_DEPTH, in linear time, without recursion.
+
+    Escapes go first (then no quote is escaped), then everything but quotes
+    and brackets, then strings; what is left is the bracket skeleton.
+    """
+    bare = text.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, delete=_NOT_STRUCTURE)
+    bare = b"".join(bare.split(b'"')[::2])  # outside strings: every other piece
+    for _ in range(MAX_JSON_DEPTH):
+        bare, n = _INNERMOST.subn(b"", bare)
+        if n == 0:
+            break
+    if any(c in bare for c in b"[]{}"):
+        raise CorruptBlobError(where, f"header nests deeper than {MAX_JSON_DEPTH} levels")
+
+
+def read_header(f: BinaryIO, where: str) -> Header:
+    """Read and validate a safetensors header; raise CorruptBlobError if anything is off."""
+    size = os.fstat(f.fileno()).st_size
+    raw = f.read(8)
+    if len(raw) < 8:
+        raise CorruptBlobError(where, f"file of {size} bytes is too short to be safetensors")
+    (n,) = struct.unpack("<Q", raw)
+    if n > MAX_HEADER_BYTES:
+        raise CorruptBlobError(where, f"header of {n} bytes is larger than {MAX_HEADER_BYTES}")
+    if n > size - 8:
+        raise CorruptBlobError(where, f"header length {n} exceeds the file ({size} bytes)")
+    text = f.read(n)
+    if len(text) != n:
+        raise CorruptBlobError(where, "file truncated inside the header")
+    # Counted before parsing: a header of a million empty tensors costs a
+    # gigabyte of Python objects once parsed.
+    if text.count(b'"data_offsets"') > MAX_TENSORS:
+        raise CorruptBlobError(where, f"header lists more than {MAX_TENSORS} tensors")
+    _check_nesting(text, where)
+    try:
+        obj = json.loads(text)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptBlobError(where, f"header is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise CorruptBlobError(where, "header is not a JSON object")
+    meta = obj.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise CorruptBlobError(where, "header metadata must map strings to strings")
+    if len(obj) > MAX_TENSORS:
+        raise CorruptBlobError(where, f"header lists {len(obj)} tensors")
+    data_start = 8 + n
+    entries = {k: _entry(where, k, v, data_start) for k, v in obj.items()}
+    _check_layout(where, entries, data_start, size)
+    return Header(entries, meta, data_start, size, checksum(raw + text))
+
+
+def _entry(where: str, name: str, v: object, base: int) -> Entry:
+    if not isinstance(v, dict) or set(v) != {"dtype", "shape", "data_offsets"}:
+        raise CorruptBlobError(where, f"tensor {name!r}: malformed header entry")
+    dtype, shape, offs = v["dtype"], v["shape"], v["data_offsets"]
+    if dtype not in DTYPE_SIZES:
+        raise CorruptBlobError(where, f"tensor {name!r}: unsupported dtype {dtype!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape)
+    ):
+        raise CorruptBlobError(where, f"tensor {name!r}: malformed shape {shape!r}")
+    if not (
+        isinstance(offs, list)
+        and len(offs) == 2
+        and all(type(o) is int and o >= 0 for o in offs)
+        and offs[0] <= offs[1]
+    ):
+        raise CorruptBlobError(where, f"tensor {name!r}: malformed data_offsets {offs!r}")
+    spec = TensorSpec(dtype, tuple(shape))
+    if offs[1] - offs[0] != DTYPE_SIZES[dtype] * math.prod(shape):
+        raise CorruptBlobError(
+            where, f"tensor {name!r}: {offs[1] - offs[0]} bytes for {dtype}{list(shape)}"
+        )
+    return Entry(spec, base + offs[0], base + offs[1])
+
+
+def _check_layout(where: str, entries: dict[str, Entry], data_start: int, size: int) -> None:
+    # Tensors must tile the data section exactly: no overlap, no gap, no tail.
+    pos = data_start
+    for e in sorted(entries.values(), key=lambda e: (e.start, e.end)):
+        if e.start != pos:
+            raise CorruptBlobError(where, f"tensor data overlaps or leaves a gap at byte {pos}")
+        pos = e.end
+    if pos != size:
+        raise CorruptBlobError(
+            where, f"data section ends at byte {pos} but the file has {size} bytes"
+        )
+
+
+Producer = Callable[[], memoryview]
+
+DIRECT_ALIGN = 4096
+DIRECT_MIN_BYTES = 4 << 20
+STAGE_BYTES = 8 << 20
+
+
+class Sink:
+    """A new file written sequentially, then fsynced.
+
+    Where the filesystem allows it the file is opened with O_DIRECT and fed
+    through an aligned staging buffer: writes then skip the page cache, which
+    on some machines (VMs with cold memory) is several times faster than
+    filling fresh cache pages, and a save does not evict the caller's data.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], mode: int = 0o600, size_hint: int = 0) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        self.direct = False
+        # Small files go through the page cache: no 4 KiB header alignment for them.
+        direct = getattr(os, "O_DIRECT", 0) if size_hint >= DIRECT_MIN_BYTES else 0
+        fd = -1
+        if direct:
+            try:
+                fd = os.open(path, flags | direct, mode)
+                self.direct = True
+            except OSError:
+                fd = -1
+        if fd < 0:
+            fd = os.open(path, flags, mode)
+        self.fd = fd
+        self.size = 0
+        self.head_digest = b""  # set by write_tensors: checksum of the final header
+        self._stage = mmap.mmap(-1, STAGE_BYTES) if self.direct else None
+        self._fill = 0
+
+    @property
+    def align(self) -> int:
+        return DIRECT_ALIGN if self.direct else ALIGN
+
+    def write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        self.size += view.nbytes
+        if self._stage is None:
+            _write_all(self.fd, view)
+            return
+        stage = memoryview(self._stage)
+        while view.nbytes:
+            n = min(view.nbytes, STAGE_BYTES - self._fill)
+            stage[self._fill : self._fill + n] = view[:n]
+            self._fill += n
+            view = view[n:]
+            if self._fill == STAGE_BYTES:
+                _write_all(self.fd, stage)
+                self._fill = 0
+
+    def rewrite_head(self, head: bytes) -> None:
+        """Overwrite the first ``len(head)`` bytes (a multiple of ``align``)."""
+        if self._stage is None:
+            os.pwrite(self.fd, head, 0)
+            return
+        buf = mmap.mmap(-1, len(head))  # page-aligned, as O_DIRECT requires
+        try:
+            buf.write(head)
+            if os.pwrite(self.fd, memoryview(buf), 0) != len(head):
+                raise OSError("short write of the header")
+        finally:
+            buf.close()
+
+    def flush(self) -> None:
+        """Write what is staged and trim the alignment padding (no fsync yet)."""
+        if self._stage is not None and self._fill:
+            padded = -(-self._fill // DIRECT_ALIGN) * DIRECT_ALIGN
+            self._stage[self._fill : padded] = bytes(padded - self._fill)
+            _write_all(self.fd, memoryview(self._stage)[:padded])
+            self._fill = 0
+            os.ftruncate(self.fd, self.size)
+
+    def finish(self) -> None:
+        """Write what is staged, then fsync: nothing is written to the file after this."""
+        self.flush()
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self._stage is not None:
+            # A failed write's traceback may still hold a view of the buffer;
+            # then the garbage collector unmaps it later.
+            with contextlib.suppress(BufferError):
+                self._stage.close()
+            self._stage = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view.nbytes:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def write_tensors(
+    sink: Sink,
+    tensors: Iterable[tuple[str, TensorSpec, Producer]],
+    metadata: Callable[[dict[str, bytes]], dict[str, str]],
+) -> dict[str, bytes]:
+    """Stream tensors into ``sink`` as safetensors; return their checksums.
+
+    Each producer is called once, right before its bytes are written, so at
+    most one materialized tensor is alive at a time.  ``metadata`` is called
+    with placeholder checksums to size the header and again with the real
+    ones; it must produce strings of the same length both times.  The real
+    header is written before the sink's one fsync (``finish``); the caller
+    renames the file after that, never writing to it again.
+    """
+    items = list(tensors)
+    zero = {name: bytes(CHECKSUM_BYTES) for name, _, _ in items}
+    table: dict[str, object] = {}
+    pos = 0
+    for name, spec, _ in items:
+        table[name] = {
+            "dtype": spec.dtype,
+            "shape": list(spec.shape),
+            "data_offsets": [pos, pos + spec.nbytes],
+        }
+        pos += spec.nbytes
+    head = _header_bytes(table, metadata(zero), sink.align)
+    sink.write(head)
+    sums: dict[str, bytes] = {}
+    for name, spec, produce in items:
+        data = produce()
+        if data.nbytes != spec.nbytes:
+            raise ValueError(f"tensor {name!r}: {data.nbytes} bytes, expected {spec.nbytes}")
+        sums[name] = checksum(data)
+        sink.write(data)
+        del data
+    sink.flush()
+    final = _header_bytes(table, metadata(sums), sink.align)
+    if len(final) != len(head):
+        raise RuntimeError("header length changed between passes")  # a bug, not bad input
+    # The real header goes in before the one fsync: after a power cut the disk
+    # holds either no file under its final name or this whole file.
+    sink.rewrite_head(final)
+    sink.head_digest = checksum(final)
+    sink.finish()
+    return sums
+
+
+def _header_bytes(table: dict[str, object], meta: dict[str, str], align: int) -> bytes:
+    body = json.dumps({"__metadata__": meta, **table}, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % align)  # data starts aligned
+    return struct.pack("<Q", len(body)) + body
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(
+    tmp: str | os.PathLike[str],
+    final: str | os.PathLike[str],
+    write: Callable[[Sink], T],
+    size_hint: int = 0,
+    mode: int = 0o600,
+) -> tuple[int, T]:
+    """The one write path of every persist file: tmp, stream, fsync, rename, fsync the folder.
+
+    ``write`` streams into the sink and finishes (fsyncs) it.  Returns the
+    file's size and what ``write`` returned; on any failure the tmp file goes.
+    """
+    sink = Sink(tmp, mode, size_hint)
+    try:
+        result = write(sink)
+        size = sink.size
+        sink.close()
+        os.replace(tmp, final)
+        fsync_dir(os.path.dirname(os.fspath(final)) or ".")
+    except BaseException:
+        sink.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return size, result

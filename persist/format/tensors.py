@@ -1,0 +1,132 @@
+"""Read validated tensors straight into the buffers the caches will use.
+
+Each tensor is read (``preadv``) into a fresh MLX array whose token axis
+already has the capacity its codec asks for, and its checksum is computed
+over exactly the bytes read.  No intermediate copy: peak memory is the
+restored cache itself, and the first decode step after a restore does not
+reallocate.  A tensor stored in pieces (the store's token blocks) is read
+piece by piece into the same buffer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import xxhash
+
+from ..errors import CorruptBlobError, UnsupportedCacheError
+from ..records import DTYPE_SIZES, TensorSpec
+
+__all__ = ["MX_TO_NAME", "NAME_TO_MX", "dtype_name", "as_bytes", "allocate", "read_piece"]
+
+MX_TO_NAME: dict[Any, str] = {
+    mx.bool_: "BOOL",
+    mx.uint8: "U8",
+    mx.int8: "I8",
+    mx.uint16: "U16",
+    mx.int16: "I16",
+    mx.float16: "F16",
+    mx.bfloat16: "BF16",
+    mx.uint32: "U32",
+    mx.int32: "I32",
+    mx.float32: "F32",
+    mx.uint64: "U64",
+    mx.int64: "I64",
+    mx.float64: "F64",
+}
+NAME_TO_MX: dict[str, Any] = {v: k for k, v in MX_TO_NAME.items()}
+
+
+def dtype_name(a: mx.array) -> str:
+    """The file-format name of an array's dtype; a dtype the format lacks is refused."""
+    try:
+        return MX_TO_NAME[a.dtype]
+    except KeyError:
+        names = ", ".join(sorted(NAME_TO_MX))
+        raise UnsupportedCacheError(
+            f"dtype {a.dtype} cannot be stored (the format holds {names})"
+        ) from None
+
+
+def allocate(spec: TensorSpec, cap: int | None, axis: int = 2) -> tuple[mx.array, memoryview]:
+    """A zeroed MLX array for ``spec`` (token axis grown to ``cap``) and a writable view."""
+    shape = list(spec.shape)
+    if cap is not None and len(shape) > axis and cap > shape[axis]:
+        shape[axis] = cap
+    out = mx.zeros(shape, dtype=NAME_TO_MX[spec.dtype])
+    mx.eval(out)
+    if out.size == 0:
+        return out, memoryview(bytearray())
+    view = memoryview(out).cast("B")  # type: ignore[arg-type]
+    if not view.contiguous or view.nbytes != math.prod(shape) * DTYPE_SIZES[spec.dtype]:
+        raise RuntimeError("mlx returned a buffer persist cannot read into")
+    return out, view
+
+
+def read_piece(
+    fd: int,
+    start: int,
+    stored: TensorSpec,
+    into: memoryview,
+    alloc_shape: tuple[int, ...],
+    at: int,
+    axis: int,
+    want: bytes,
+    where: str,
+) -> None:
+    """Read a stored tensor into ``into`` at position ``at`` of ``axis``; verify it."""
+    h = xxhash.xxh3_128()
+    pos = start
+    for chunk in _regions(into, stored.shape, alloc_shape, at, axis, DTYPE_SIZES[stored.dtype]):
+        got = os.preadv(fd, [chunk], pos)
+        if got != chunk.nbytes:
+            raise CorruptBlobError(where, "file truncated inside a tensor")
+        h.update(chunk)
+        pos += got
+    if h.digest() != want:
+        raise CorruptBlobError(where, "checksum mismatch in tensor data")
+
+
+def _regions(
+    view: memoryview,
+    stored: tuple[int, ...],
+    alloc: tuple[int, ...],
+    at: int,
+    axis: int,
+    item: int,
+) -> Iterator[memoryview]:
+    """The regions of ``view`` that receive the stored tensor, in file order."""
+    if tuple(stored) == tuple(alloc) and at == 0:
+        if view.nbytes:
+            yield view
+        return
+    inner = math.prod(stored[axis + 1 :]) * item
+    size = stored[axis] * inner
+    stride = alloc[axis] * inner
+    if not size:
+        return
+    for r in range(math.prod(stored[:axis])):
+        base = r * stride + at * inner
+        yield view[base : base + size]
+
+
+def as_bytes(a: Any) -> memoryview:
+    """The raw row-major bytes of an mx.array (evaluated; copied only if strided)."""
+    import mlx.core as mx
+
+    if a.size == 0:
+        return memoryview(b"")
+    mx.eval(a)
+    if a.ndim:
+        view = memoryview(a)
+        if view.c_contiguous:  # .contiguous is also true of column-major (a.T)
+            return view.cast("B")
+        a = mx.contiguous(a)
+    else:
+        a = a.reshape(1)
+    mx.eval(a)
+    return memoryview(a).cast("B")

@@ -1,0 +1,101 @@
+"""Errors that mean what they say: each bad input a typed PersistError that is also
+the builtin it resembles, raised before anything is written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+import persist
+from persist.errors import (
+    InvalidArgumentError,
+    InvalidStateError,
+    PersistError,
+    StorageError,
+    UnknownKindError,
+    UnsupportedCacheError,
+    UnsupportedVersionError,
+)
+from tests.golden.cases import IDENTITY
+
+
+def kv(dtype: Any, n: int = 3) -> KVCache:
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 1, n, 4), dtype=dtype), mx.zeros((1, 1, n, 4), dtype=dtype))
+    return c
+
+
+def test_a_dtype_the_format_lacks_is_refused_before_any_write(store: persist.Store) -> None:
+    before = sorted(p.name for p in store.root.rglob("*") if p.is_file())
+    with pytest.raises(UnsupportedCacheError, match="complex64") as e:
+        store.save([kv(mx.complex64)], [1, 2, 3], identity=IDENTITY, session="c")
+    assert isinstance(e.value, TypeError) and not store.has_session("c")
+    assert sorted(p.name for p in store.root.rglob("*") if p.is_file()) == before
+    with pytest.raises(UnsupportedCacheError):
+        persist.save_file(store.root.parent / "c.safetensors", [kv(mx.complex64)], [1, 2, 3])
+    assert not (store.root.parent / "c.safetensors").exists()
+
+
+def test_a_cache_that_is_not_a_list_is_an_unsupported_cache(store: persist.Store) -> None:
+    with pytest.raises(UnsupportedCacheError):
+        store.save(kv(mx.float16), [1, 2, 3], identity=IDENTITY)  # type: ignore[arg-type]
+
+
+def test_versions_are_not_unknown_kinds() -> None:
+    e = UnsupportedVersionError("store-index", 9, 2)
+    assert not isinstance(e, UnknownKindError) and isinstance(e, ValueError)
+    assert "store-index" in str(e) and "upgrade persist" in str(e)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda root: persist.Store(root, block_tokens=0),
+        lambda root: persist.Store(root, max_bytes=-1),
+        lambda root: persist.Store(root, namespace_max_bytes={"a": -5}),
+    ],
+)
+def test_bad_store_options_are_invalid_arguments(tmp_path: Path, make: Any) -> None:
+    with pytest.raises(InvalidArgumentError) as e:
+        make(tmp_path / "s")
+    assert isinstance(e.value, ValueError)
+
+
+def test_a_closed_store_says_so(tmp_path: Path) -> None:
+    s = persist.Store(tmp_path / "s")
+    s.close()
+    s.close()  # twice is fine
+    for call in (s.sessions, lambda: s.entry("x"), s.stats, lambda: s.gc()):
+        with pytest.raises(InvalidStateError, match="closed"):
+            call()
+
+
+def test_a_store_the_system_refuses_is_a_storage_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(StorageError) as e:
+        persist.Store(tmp_path / "file" / "s")
+    assert isinstance(e.value, OSError) and "file" in str(e.value)
+    if os.geteuid() != 0:  # root ignores permissions
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(StorageError):
+            persist.Store(locked / "s")
+
+
+def test_files_the_system_refuses_are_storage_errors(tmp_path: Path) -> None:
+    with pytest.raises(StorageError, match="does not exist"):
+        persist.save_file(tmp_path / "no" / "x.safetensors", [kv(mx.float16)], [1, 2, 3])
+    with pytest.raises(StorageError):
+        persist.load_file(tmp_path / "missing.safetensors")
+    with pytest.raises(PersistError):
+        persist.read_manifest(tmp_path)
+
+
+def test_prefill_arguments_are_checked() -> None:
+    with pytest.raises(InvalidArgumentError):
+        persist.prefill(object(), [1, 2], step=0)

@@ -1,0 +1,78 @@
+"""Tensor I/O alone: dtype names, host bytes, capacity-sized buffers, verified piece reads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from persist.errors import CorruptBlobError, UnsupportedCacheError
+from persist.format.container import checksum
+from persist.format.tensors import (
+    MX_TO_NAME,
+    NAME_TO_MX,
+    allocate,
+    as_bytes,
+    dtype_name,
+    read_piece,
+)
+from persist.records import DTYPE_SIZES, TensorSpec
+
+
+def test_every_storable_dtype_has_one_name_and_size() -> None:
+    for dt, name in MX_TO_NAME.items():
+        assert NAME_TO_MX[name] == dt and DTYPE_SIZES[name] == dt.size
+        assert dtype_name(mx.zeros((1,), dtype=dt)) == name
+
+
+def test_a_dtype_the_format_lacks_is_an_unsupported_cache() -> None:
+    with pytest.raises(UnsupportedCacheError, match="complex64") as e:
+        dtype_name(mx.zeros((2,), dtype=mx.complex64))
+    assert isinstance(e.value, TypeError)
+
+
+def test_host_bytes_of_strided_and_scalar_arrays() -> None:
+    a = mx.arange(12, dtype=mx.int32).reshape(3, 4)
+    assert bytes(as_bytes(a.T)) == bytes(as_bytes(mx.contiguous(a.T)))
+    assert bytes(as_bytes(mx.array(7, dtype=mx.int32))) == (7).to_bytes(4, "little")
+    assert bytes(as_bytes(mx.zeros((0, 4)))) == b""
+
+
+def _file(tmp_path: Path, data: bytes) -> int:
+    p = tmp_path / "raw"
+    p.write_bytes(data)
+    return os.open(p, os.O_RDONLY)
+
+
+def test_pieces_fill_a_buffer_with_room_to_grow(tmp_path: Path) -> None:
+    whole = mx.arange(2 * 6, dtype=mx.float32).reshape(1, 1, 6, 2)
+    spec = TensorSpec("F32", (1, 1, 6, 2))
+    out, view = allocate(spec, 8, 2)  # capacity 8 along the token axis
+    assert out.shape == (1, 1, 8, 2)
+    first, second = whole[:, :, :4], whole[:, :, 4:]
+    data = bytes(as_bytes(first)) + bytes(as_bytes(second))
+    fd = _file(tmp_path, data)
+    try:
+        n = len(bytes(as_bytes(first)))
+        read_piece(
+            fd, 0, TensorSpec("F32", (1, 1, 4, 2)), view, out.shape, 0, 2, checksum(data[:n]), "p"
+        )
+        read_piece(
+            fd, n, TensorSpec("F32", (1, 1, 2, 2)), view, out.shape, 4, 2, checksum(data[n:]), "p"
+        )
+    finally:
+        os.close(fd)
+    assert out[:, :, :6].tolist() == whole.tolist()
+
+
+def test_a_piece_with_a_wrong_checksum_is_refused(tmp_path: Path) -> None:
+    spec = TensorSpec("F32", (1, 1, 2, 2))
+    out, view = allocate(spec, None, 2)
+    fd = _file(tmp_path, bytes(16))
+    try:
+        with pytest.raises(CorruptBlobError, match="checksum"):
+            read_piece(fd, 0, spec, view, out.shape, 0, 2, checksum(b"other"), "p")
+    finally:
+        os.close(fd)

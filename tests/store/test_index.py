@@ -1,0 +1,132 @@
+"""The index alone (real SQLite, no mlx): commits, reference counts, retirement, ids."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from persist.errors import CorruptBlobError
+from persist.format.tokens import pack_tokens
+from persist.store import retention, writes
+from persist.store.blobs import FileBlobs
+from persist.store.index import MAX_VARIABLES, Index
+from persist.store.rows import BlockRef, NewBlob
+from persist.store.schema import connect
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> Index:
+    return Index(connect(tmp_path / "index.sqlite", 4))
+
+
+def blob(i: int) -> NewBlob:
+    return NewBlob(f"{i:032x}.{i:012x}", f"{i:032x}", 100 + i, bytes(16))
+
+
+def row(name: str | None, tokens: list[int], tail: str, **kw: Any) -> dict[str, Any]:
+    now = time.time()
+    return {
+        "namespace": "default",
+        "name": name,
+        "owner": name,
+        "role": "session" if name else "prefix",
+        "identity": "digest",
+        "identity_map": msgpack.packb({}),
+        "root": b"r" * 16,
+        "last_chain": b"c" * 16,
+        "n_blocks": 0,
+        "n_tokens": len(tokens),
+        "tokens": pack_tokens(tokens),
+        "trimmable": 1,
+        "min_resume": 0,
+        "manifest": b"",
+        "tail": tail,
+        "bytes": 0,
+        "pinned": 0,
+        "created": now,
+        "used": now,
+        "metadata": msgpack.packb({}),
+        **kw,
+    }
+
+
+def commit(index: Index, name: str | None, tail: NewBlob, blocks: Sequence[NewBlob] = ()) -> int:
+    new = [b for b in [tail, *blocks] if index.blob_head(b.file) is None]
+    with index.write() as db:
+        writes.add_blobs(db, "default", new)
+        refs = [BlockRef(i, bytes([i]) * 16, b.file) for i, b in enumerate(blocks)]
+        return writes.insert(db, row(name, [1, 2, 3], tail.file, n_blocks=len(refs)), refs)
+
+
+def test_shared_blobs_die_with_their_last_user(index: Index) -> None:
+    shared, t1, t2 = blob(1), blob(2), blob(3)
+    a = commit(index, "a", t1, [shared])
+    b = commit(index, "b", t2, [shared])
+    assert index.blocks(a)[0].blob == index.blocks(b)[0].blob == shared.file
+    with index.write() as db:
+        writes.remove(db, a)
+    assert index.collect() == [t1.file]  # the shared block still has a user
+    with index.write() as db:
+        writes.remove(db, b)
+    assert sorted(index.collect()) == sorted([t1.file, t2.file, shared.file])
+
+
+def test_ids_are_never_reused(index: Index) -> None:
+    first = commit(index, "a", blob(1))
+    with index.write() as db:
+        writes.remove(db, first)
+    assert commit(index, "a", blob(2)) == first + 1
+
+
+def test_a_verified_row_reads_back_and_a_damaged_one_is_refused(index: Index) -> None:
+    sid = commit(index, "a", blob(1), [blob(2)])
+    got = index.by_name("default", "a")
+    assert got is not None and got.id == sid and index.verified_blocks(got)[0].blob == blob(2).file
+    with index.write() as db:
+        db.execute("UPDATE snapshots SET tokens = ? WHERE id = ?", [pack_tokens([9, 9, 9]), sid])
+    damaged = index.by_name("default", "a")
+    assert damaged is not None
+    with pytest.raises(CorruptBlobError):
+        index.verified_blocks(damaged)
+
+
+def test_session_rows_demote_and_pin(index: Index) -> None:
+    sid = commit(index, "a", blob(1))
+    with index.write() as db:
+        writes.demote(db, sid)
+        assert [r.name for r in writes.session_rows(db, "default", "a")] == [None]
+        assert not writes.set_pinned(db, "default", "a", True)  # no named row left
+    commit(index, "a", blob(2))
+    with index.write() as db:
+        assert writes.set_pinned(db, "default", "a", True)
+        assert all(r.pinned for r in writes.session_rows(db, "default", "a"))
+
+
+def test_blob_sizes_beyond_one_query(index: Index) -> None:
+    many = [blob(i) for i in range(MAX_VARIABLES + 7)]
+    with index.write() as db:
+        writes.add_blobs(db, "default", many)
+        sizes = writes.blob_sizes(db, [b.file for b in many])
+    assert sizes == {b.file: b.size for b in many}
+
+
+def test_budgets_evict_least_recently_used_first(index: Index, tmp_path: Path) -> None:
+    ids = [commit(index, n, blob(i)) for i, n in enumerate("abc", start=1)]
+    index.touch(ids[0])  # a is now the most recently used
+    with index.write() as db:
+        removed, over = retention.evict_lru(db, index, [(index.unique_bytes(db) - 1, None)], None)
+    assert [r.name for r in removed] == ["b"] and over is None
+    assert retention.collect(index, FileBlobs(tmp_path)) == 1
+
+
+def test_budgets_are_checked() -> None:
+    with pytest.raises(ValueError):
+        retention.Budgets(max_bytes=-1)
+    b = retention.Budgets(10, {"t": 5})
+    assert b.of("t") == 5 and b.of("u") is None and b.scope("t") == "t"
+    assert b.limits("t") == [(10, None), (5, "t")]

@@ -1,0 +1,139 @@
+"""The package's import arrows, from an AST pass over every module (imports in
+functions and under TYPE_CHECKING count too): each layer imports only the
+layers listed for it, and no two modules import each other, directly or round
+a longer circle.
+
+    cli -> apps -> engine -> {codecs, store, policy, format, identity}
+        codecs -> {format, policy, kinds, caches};  store -> {format, policy}
+        format -> {records, errors};  everything -> {records, errors}
+
+Runtime guarantees (what ``import persist`` really loads) live in test_imports.py.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.helpers import ROOT
+
+PACKAGE = ROOT / "persist"
+
+# layer -> the layers it may import (besides itself).  One place, read top-down.
+BASE = {"errors", "records"}
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "records": {"errors"},
+    "policy": BASE,
+    "kinds": BASE,
+    "identity": BASE | {"format"},  # weights are hashed as the format stores them
+    "caches": BASE,
+    "format": BASE,
+    "codecs": BASE | {"format", "policy", "kinds", "caches"},
+    "store": BASE | {"format", "policy"},
+    "engine": BASE | {"format", "policy", "kinds", "identity", "codecs", "store"},
+    "apps": BASE | {"format", "policy", "kinds", "identity", "codecs", "store", "engine", "caches"},
+    "cli": BASE | {"identity", "store", "engine", "apps"},
+    "__main__": {"cli"},
+    # re-exports by name (PEP 562); its TYPE_CHECKING block names every layer
+    "__init__": BASE | {"policy", "kinds", "identity", "codecs", "store", "engine", "apps"},
+}
+NEVER_MLX = {"errors", "records", "policy", "kinds", "store"}  # numpy neither
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def imports(path: Path) -> set[str]:
+    """Absolute names of everything ``path`` imports, anywhere in it."""
+    mod = module_name(path)
+    pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.add(target)
+            # "from . import policy" imports a module, not a name
+            out |= {f"{target}.{a.name}" for a in node.names if _is_module(f"{target}.{a.name}")}
+    return out
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (ROOT / rel).with_suffix(".py").exists() or (ROOT / rel / "__init__.py").exists()
+
+
+def graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        mod = module_name(path)
+        found = imports(path)
+        edges[mod] = {i for i in found if i.startswith("persist.") and _is_module(i) and i != mod}
+    return edges
+
+
+def test_every_arrow_points_down() -> None:
+    bad = []
+    for mod, targets in graph().items():
+        for t in targets:
+            src, dst = layer(mod), layer(t)
+            if src != dst and dst not in ALLOWED[src]:
+                bad.append(f"{mod} -> {t}")
+    assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_circles() -> None:
+    edges = graph()
+    # a module's package __init__ runs before it: parent packages are not arrows
+    for mod in edges:
+        edges[mod] = {t for t in edges[mod] if not mod.startswith(t + ".")}
+    seen: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[str] = []
+
+    def visit(m: str) -> None:
+        seen[m] = 1
+        stack.append(m)
+        for t in sorted(edges.get(m, ())):
+            if seen.get(t) == 1:
+                circles.append(" -> ".join([*stack[stack.index(t) :], t]))
+            elif t not in seen:
+                visit(t)
+        stack.pop()
+        seen[m] = 2
+
+    for m in sorted(edges):
+        if m not in seen:
+            visit(m)
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_low_layers_never_import_mlx() -> None:
+    for path in PACKAGE.rglob("*.py"):
+        mod = module_name(path)
+        if layer(mod) in NEVER_MLX:
+            heavy = {i for i in imports(path) if i.split(".")[0] in {"mlx", "mlx_lm", "numpy"}}
+            assert not heavy, (mod, heavy)
+
+
+def test_the_graph_sees_real_arrows() -> None:
+    """The test can fail: it finds the arrows it forbids when they are there."""
+    edges = graph()
+    assert "persist.engine.saving" in edges["persist.engine.store"]
+    assert "persist.store.index" in edges["persist.engine.store"]
+    assert "persist.kinds" in edges["persist.codecs"]
+    assert "persist.codecs" not in edges["persist.kinds"]
