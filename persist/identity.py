@@ -18,7 +18,12 @@ from typing import Any
 
 import xxhash
 
-from .errors import IdentityMismatchError, IdentityUnavailableError, InvalidMetadataError
+from .errors import (
+    IdentityMismatchError,
+    IdentityUnavailableError,
+    InvalidArgumentError,
+    InvalidMetadataError,
+)
 
 __all__ = ["ModelIdentity", "CACHE_CONFIG_KEYS", "CONFIG_ATTRS", "config_digest"]
 
@@ -256,19 +261,19 @@ class ModelIdentity:
     def from_dict(cls, d: Any) -> ModelIdentity:
         """Inverse of ``to_dict``; ValueError on anything malformed."""
         if not isinstance(d, dict):
-            raise ValueError("identity must be a map")
+            raise InvalidArgumentError("identity must be a map")
         strs: dict[str, str] = {}
         for k in ("model_type", "config", "weights", "tokenizer", "chat_template", "name"):
             v = d.get(k)
             if not isinstance(v, str) or len(v) > 4096:
-                raise ValueError(f"identity field {k} must be a string")
+                raise InvalidArgumentError(f"identity field {k} must be a string")
             strs[k] = v
         draft = d.get("draft", "")
         if not isinstance(draft, str) or len(draft) > 4096:
-            raise ValueError("identity field draft must be a string")
+            raise InvalidArgumentError("identity field draft must be a string")
         cc, ver = d.get("cache_config"), d.get("versions", {})
         if not isinstance(cc, dict) or not isinstance(ver, dict):
-            raise ValueError("identity cache_config and versions must be maps")
+            raise InvalidArgumentError("identity cache_config and versions must be maps")
         ident = cls(
             model_type=strs["model_type"],
             config=strs["config"],
@@ -281,5 +286,5 @@ class ModelIdentity:
             draft=draft,
         )
         if d.get("digest") != ident.digest:
-            raise ValueError("identity digest does not match its fields")
+            raise InvalidArgumentError("identity digest does not match its fields")
         return ident

@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import UnknownKindError
+from .errors import InvalidArgumentError, InvalidMetadataError, UnknownKindError
 from .records import Record, RecordSpec, ResumeFacts
 
 __all__ = [
@@ -143,18 +143,20 @@ def register_kind(cls: type, name: str, codec: Codec) -> None:
         persist.register_kind(MyKV, "my-kv", persist.codec_for("kv"))
     """
     if not isinstance(cls, type):
-        raise TypeError(f"register_kind needs a class, got {cls!r}")
+        raise InvalidMetadataError(f"register_kind needs a class, got {cls!r}")
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise ValueError(f"kind name {name!r} must match [a-z][a-z0-9-]*")
+        raise InvalidArgumentError(f"kind name {name!r} must match [a-z][a-z0-9-]*")
     if not isinstance(codec, Codec):
-        raise TypeError(f"{codec!r} is not a codec (encode, check, decode, facts, ...)")
+        raise InvalidMetadataError(f"{codec!r} is not a codec (encode, check, decode, facts, ...)")
     with _lock:
         old = _by_class.get(cls)
         if old is not None and old != name:
-            raise ValueError(f"{cls.__qualname__} is already registered as kind {old!r}")
+            raise InvalidArgumentError(f"{cls.__qualname__} is already registered as kind {old!r}")
         owner = _by_name.get(name)
         if owner is not None and owner is not cls:
-            raise ValueError(f"kind {name!r} is already registered to {owner.__qualname__}")
+            raise InvalidArgumentError(
+                f"kind {name!r} is already registered to {owner.__qualname__}"
+            )
         _by_class[cls] = name
         _by_name[name] = cls
         _codecs[name] = codec

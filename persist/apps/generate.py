@@ -117,20 +117,46 @@ def generate(
         store, session, new, identity, namespace, bar("restore")
     )
     cache = make_prompt_cache(model) if cache is None else cache
-    todo = tokens[covered:]
-    detok = tokenizer.detokenizer
-    detok.reset()
-    out: list[int] = []
-    first = 0.0
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     steps = generate_step(
-        mx.array(todo),
+        mx.array(tokens[covered:]),
         model,
         prompt_cache=cache,
         max_tokens=max_tokens,
         sampler=make_sampler(temp=temp),
         prompt_progress_callback=bar("prefill"),
     )
+    out, text, first = _decode(steps, tokenizer, on_text, t0)
+    elapsed = time.perf_counter() - t0
+    store.save(
+        cache,
+        tokens + out,
+        identity=identity,
+        session=session,
+        namespace=namespace,
+        progress=bar("save"),
+    )
+    return GenerateResult(
+        session=session,
+        text=text,
+        prompt_tokens=len(tokens),
+        reused_tokens=covered,
+        source=source,
+        generated_tokens=len(out),
+        first_token_seconds=first,
+        generate_seconds=elapsed,
+        session_tokens=len(tokens) + len(out),
+    )
+
+
+def _decode(
+    steps: Any, tokenizer: Any, on_text: Callable[[str], None] | None, t0: float
+) -> tuple[list[int], str, float]:
+    """Run the generation steps to the end or an EOS: (tokens, text, seconds to the first)."""
+    detok = tokenizer.detokenizer
+    detok.reset()
+    out: list[int] = []
+    first = 0.0
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     for tok, _ in steps:
         if not out:
             first = time.perf_counter() - t0
@@ -145,26 +171,7 @@ def generate(
     segment = detok.last_segment
     if on_text is not None and segment:
         on_text(segment)
-    elapsed = time.perf_counter() - t0
-    store.save(
-        cache,
-        tokens + out,
-        identity=identity,
-        session=session,
-        namespace=namespace,
-        progress=bar("save"),
-    )
-    return GenerateResult(
-        session=session,
-        text=detok.text,
-        prompt_tokens=len(tokens),
-        reused_tokens=covered,
-        source=source,
-        generated_tokens=len(out),
-        first_token_seconds=first,
-        generate_seconds=elapsed,
-        session_tokens=len(tokens) + len(out),
-    )
+    return out, detok.text, first
 
 
 def prime(

@@ -18,13 +18,15 @@ from typing import Any
 
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["DelayedQuantizedKVCache"]
 
 
 class DelayedQuantizedKVCache:
     def __init__(self, start: int, bits: int = 4, group_size: int = 64) -> None:
         if start < 0:
-            raise ValueError("start must be >= 0")
+            raise InvalidArgumentError("start must be >= 0")
         self.start = start
         self.quant_bits = bits
         self.quant_group_size = group_size
@@ -68,7 +70,7 @@ class DelayedQuantizedKVCache:
     def update_and_fetch(self, keys: Any, values: Any) -> Any:
         room = self.max_append_tokens()
         if room is not None and keys.shape[2] > room > 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"this forward adds {keys.shape[2]} positions but the precision changes after "
                 f"{room}; split it at max_append_tokens()"
             )

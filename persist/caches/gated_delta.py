@@ -25,6 +25,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
+from ..errors import InvalidArgumentError, InvalidStateError
+
 __all__ = ["GatedDeltaCache", "make_cache", "row_offset"]
 
 
@@ -49,31 +51,31 @@ class GatedDeltaCache(ArraysCache):
 
     def spec_round_begin(self) -> None:
         if self.round_armed:
-            raise RuntimeError("a speculative round is already armed")
+            raise InvalidStateError("a speculative round is already armed")
         self._round = {"state": (list(self.cache), self.offsets), "layer": None}
 
     def record(self, layer: Any, inputs: Any, mask: Any) -> None:
         """Called by the layer during the verify forward of an armed round."""
         if self._round is not None:
             if self._round["layer"] is not None:
-                raise RuntimeError("at most one forward per armed speculative round")
+                raise InvalidStateError("at most one forward per armed speculative round")
             self._round.update(layer=layer, inputs=inputs, mask=mask)
 
     def spec_round_commit(self) -> None:
         if self._round is None:
-            raise RuntimeError("no speculative round is armed")
+            raise InvalidStateError("no speculative round is armed")
         self._round = None
 
     def spec_round_rollback(self, keep: int) -> None:
         """Restore the pre-round state and replay the first ``keep`` window positions."""
         r = self._round
         if r is None:
-            raise RuntimeError("no speculative round is armed")
+            raise InvalidStateError("no speculative round is armed")
         if r["layer"] is None:
-            raise RuntimeError("rollback before the verify forward of the round")
+            raise InvalidStateError("rollback before the verify forward of the round")
         window = r["inputs"].shape[1]
         if not 0 <= keep <= window:
-            raise ValueError(f"keep must be in [0, {window}], got {keep}")
+            raise InvalidArgumentError(f"keep must be in [0, {window}], got {keep}")
         self._round = None
         self.cache, self.offsets = list(r["state"][0]), r["state"][1]
         if keep:
@@ -86,7 +88,9 @@ class GatedDeltaCache(ArraysCache):
     def offset(self) -> int:
         """Positions this cache covers (one row; a batch has ``offsets``)."""
         if self.offsets.size != 1:
-            raise ValueError("a batch of several rows has one offset per row: use .offsets")
+            raise InvalidArgumentError(
+                "a batch of several rows has one offset per row: use .offsets"
+            )
         return row_offset(self.offsets)
 
     def advance(self, n: int) -> None:
