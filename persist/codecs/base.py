@@ -29,6 +29,7 @@ __all__ = [
     "blank",
     "LeafCodec",
     "step_capacity",
+    "room",
     "live",
     "MAX_DIM",
     "cut",
@@ -96,8 +97,15 @@ class LeafCodec:
 
 
 def step_capacity(spec: RecordSpec, cls: type[Any], n: int) -> dict[str, int]:
-    """Every tensor of ``spec`` gets ``n`` rounded up to the class's step (256)."""
-    return dict.fromkeys(spec.tensors, round_up(n, getattr(cls, "step", 256))) if n else {}
+    """Every tensor of ``spec`` gets the room of ``n`` positions (``room``)."""
+    return dict.fromkeys(spec.tensors, room(n, cls)) if n else {}
+
+
+def room(n: int, cls: type[Any]) -> int:
+    """Capacity for ``n`` restored positions: the class's step (256) rounded up past
+    ``n``, so the first decode step after a restore writes in place instead of
+    copying the whole cache to grow it (a live cache pays that growth once per step)."""
+    return round_up(n + 1, getattr(cls, "step", 256))
 
 
 def blank(cls: type[Any]) -> Any:

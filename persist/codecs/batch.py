@@ -25,7 +25,7 @@ from .base import (
     live,
     meta_bool,
     meta_int,
-    round_up,
+    room,
     with_capacity,
 )
 from .kv import KV_NAMES, check_kv_pair
@@ -84,7 +84,7 @@ class BatchKVCodec(LeafCodec):
 
     def capacity(self, spec: RecordSpec, cls: type[Any]) -> dict[str, int]:
         n = spec.meta["idx"]
-        cap = round_up(n, getattr(cls, "step", 256))
+        cap = room(n, cls)
         return {"keys": cap, "values": cap} if n else {}
 
     def decode(self, record: Record, cls: type[Any]) -> Any:
@@ -95,7 +95,7 @@ class BatchKVCodec(LeafCodec):
         c._right_padding = None
         c.keys = c.values = None
         if n:
-            cap = round_up(n, getattr(cls, "step", 256))
+            cap = room(n, cls)
             c.keys, c.values = with_capacity(t["keys"], cap), with_capacity(t["values"], cap)
         return c
 

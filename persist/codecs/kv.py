@@ -22,7 +22,7 @@ from .base import (
     invalid,
     live,
     meta_int,
-    round_up,
+    room,
     step_capacity,
     with_capacity,
 )
@@ -80,7 +80,7 @@ class KVCodec(LeafCodec):
         c.keys = c.values = None
         c.offset = n = record.meta["offset"]
         if n:
-            cap = round_up(n, getattr(cls, "step", 256))
+            cap = room(n, cls)
             c.keys = with_capacity(record.tensors["keys"], cap)
             c.values = with_capacity(record.tensors["values"], cap)
         return c
@@ -147,7 +147,7 @@ class ChunkedKVCodec(LeafCodec):
         c.chunk_size = m["chunk_size"]
         n = c.offset - c.start_position
         if record.tensors:
-            cap = round_up(n, getattr(cls, "step", 256))
+            cap = room(n, cls)
             c.keys = with_capacity(record.tensors["keys"], cap)
             c.values = with_capacity(record.tensors["values"], cap)
         return c

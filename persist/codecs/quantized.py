@@ -23,7 +23,7 @@ from .base import (
     invalid,
     live,
     meta_int,
-    round_up,
+    room,
     step_capacity,
     with_capacity,
 )
@@ -94,7 +94,7 @@ class QuantizedKVCodec(LeafCodec):
         c.keys = c.values = None
         c.min_resume_offset = m["min_resume_offset"]
         if c.offset:
-            cap = round_up(c.offset, getattr(cls, "step", 256))
+            cap = room(c.offset, cls)
             t = record.tensors
             c.keys = tuple(with_capacity(t[f"keys.{p}"], cap) for p in PARTS)
             c.values = tuple(with_capacity(t[f"values.{p}"], cap) for p in PARTS)

@@ -10,6 +10,7 @@ so two snapshots share a block only if its bytes are identical.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,6 @@ import numpy as np
 import xxhash
 
 from ..codecs.snapshot import Snapshot
-from ..format.container import checksum
 from ..format.manifest import pack_snapshot_manifest, tensor_keys
 from ..records import Record, TensorSpec
 from ..store.chains import HEAD_TOKENS, chain_root, chains, head_key
@@ -103,17 +103,33 @@ def _key(layer: int, axis_name: str) -> str:
     return ".".join(path) + "/" + ".".join(parts)
 
 
-def materialize(pieces: list[Piece]) -> list[tuple[Piece, memoryview, bytes]]:
-    """Each piece's bytes, contiguous (a copy only for a strided cut), and their checksum."""
+Parts = list[memoryview]  # a piece's bytes as contiguous runs, in row-major order
+
+
+def materialize(pieces: list[Piece]) -> list[tuple[Piece, Parts, bytes]]:
+    """Each piece as contiguous runs of the cache's own host memory (no copy) and
+    their checksum, hashed once here and trusted by the writer."""
     out = []
     for p in pieces:
-        flat = np.ascontiguousarray(p.data).reshape(-1)  # 1-D: zero-length pieces too
-        view = flat.data.cast("B")
-        out.append((p, view, checksum(view)))
+        runs = list(_runs(p.data))
+        h = xxhash.xxh3_128()
+        for r in runs:
+            h.update(r)
+        out.append((p, runs, h.digest()))
     return out
 
 
-def content_key(seed: bytes, role: bytes, parts: list[tuple[Piece, memoryview, bytes]]) -> str:
+def _runs(a: np.ndarray) -> Iterator[memoryview]:
+    """The contiguous runs of a strided view, in row-major order (a block cut along
+    the token axis is one run per batch row and head)."""
+    if a.flags.c_contiguous or a.size == 0:
+        yield a.reshape(-1).data.cast("B") if a.size else memoryview(b"")
+        return
+    for sub in a:
+        yield from _runs(sub)
+
+
+def content_key(seed: bytes, role: bytes, parts: list[tuple[Piece, Parts, bytes]]) -> str:
     """Namespace-salted content key: equal only for equal bytes in one namespace."""
     h = xxhash.xxh3_128(seed=int.from_bytes(seed[:8], "little"))
     h.update(role)

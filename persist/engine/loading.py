@@ -19,13 +19,15 @@ from ..errors import CorruptBlobError
 from ..format.container import Header, read_header
 from ..format.manifest import blob_manifest, snapshot_specs
 from ..format.tensors import allocate, read_piece
-from ..records import Progress, Record, RecordSpec
+from ..records import Progress, Record, RecordSpec, TensorSpec
 
 if TYPE_CHECKING:
     from ..store.blobs import BlobStore
     from ..store.index import BlockRef, Index, SnapshotRow
 
 __all__ = ["load_snapshot", "open_blob"]
+
+AHEAD = 8  # blobs asked of the disk at once: a deep queue, bounded page-cache use
 
 
 class _Blob:
@@ -77,18 +79,31 @@ def load_snapshot(
     files = [ref.blob for ref in refs if ref.blob is not None]
     if split and len(files) != row.n_blocks:
         raise CorruptBlobError(f"snapshot {row.id}", "block list is incomplete")
-    buffers = _allocate(specs, split)
+    # A hit of k tokens that ends within the full blocks reads only the blocks
+    # covering [0, k) and the tail's other tensors: split tensors hold their
+    # first need*B positions, which is all a trim to k looks at.
+    partial = bool(
+        keep is not None and keep < row.n_tokens and split and keep <= len(files) * block
+    )
+    need = -(-keep // block) if partial and keep is not None else len(files)
+    buffers = _allocate(specs, split, need * block if partial else None)
     # One blob open at a time (a 70,000-token session has hundreds of blocks,
     # more than a default open-file limit): block i fills positions [i*B, (i+1)*B)
     # of every split tensor, the tail the rest and every other tensor.
-    pieces = [(f, i * block, True) for i, f in enumerate(files) if split]
-    pieces.append((row.tail, len(files) * block if split else 0, False))
-    for done, (file, at, block_only) in enumerate(pieces):
+    pieces = [(f, i * block, "split") for i, f in enumerate(files[:need]) if split]
+    pieces.append((row.tail, len(files) * block if split else 0, "rest" if partial else "all"))
+    prefetch = getattr(blobs, "prefetch", None)
+    for done, (file, at, which) in enumerate(pieces):
+        if prefetch is not None and done % AHEAD == 0:
+            for ahead, _, _ in pieces[done : done + AHEAD]:
+                prefetch(ahead)  # the disk reads these while earlier blobs are copied
         blob = open_blob(index, blobs, file)
         try:
             for key, (out, view, axis) in buffers.items():
-                if key in split or not block_only:
-                    _fill(blob, key, out, view, at if key in split else 0, axis)
+                if key in split and which != "rest":
+                    _fill(blob, key, out, view, at, axis)
+                elif key not in split and which != "split":
+                    _fill(blob, key, out, view, 0, axis)
         finally:
             with contextlib.suppress(OSError):
                 blob.f.close()
@@ -103,14 +118,20 @@ def load_snapshot(
 Buffers = dict[str, tuple[Any, memoryview, int]]  # tensor key -> (array, writable view, axis)
 
 
-def _allocate(specs: list[RecordSpec], split: dict[str, int]) -> Buffers:
+def _allocate(specs: list[RecordSpec], split: dict[str, int], length: int | None) -> Buffers:
+    """Buffers for every tensor; with ``length``, split tensors get exactly that many
+    positions (a partial read, trimmed next) instead of their whole, capacity-sized shape."""
     out: Buffers = {}
 
     def walk(spec: RecordSpec, path: str) -> None:
-        caps = capacity_of(spec)
+        caps = {} if length is not None else capacity_of(spec)
         for name, whole in spec.tensors.items():
             key = f"{path}/{name}"
             axis = split.get(key, 2)
+            if length is not None and key in split:
+                shape = list(whole.shape)
+                shape[axis] = length
+                whole = TensorSpec(whole.dtype, tuple(shape))
             arr, view = allocate(whole, caps.get(name), axis)
             out[key] = (arr, view, axis)
         for j, c in enumerate(spec.children):

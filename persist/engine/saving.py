@@ -162,11 +162,12 @@ def _put(
     existing = index.live_blob(key)
     if existing is not None:
         return existing[0]
-    items = [(pc.key, pc.spec, (lambda v=view: v)) for pc, view, _ in mats]
+    items = [(pc.key, pc.spec, (lambda runs=runs: runs)) for pc, runs, _ in mats]
+    sums = {pc.key: s for pc, _, s in mats}
     meta_role = role.decode()
 
     def write(sink: Any) -> bytes:
-        write_tensors(sink, items, lambda sums: blob_metadata(meta_role, sums))
+        write_tensors(sink, items, lambda got: blob_metadata(meta_role, got), sums)
         return bytes(sink.head_digest)
 
     size_hint = sum(pc.spec.nbytes for pc, _, _ in mats)

@@ -15,7 +15,7 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, TypeVar
 
@@ -164,7 +164,8 @@ def _check_layout(where: str, entries: dict[str, Entry], data_start: int, size: 
         )
 
 
-Producer = Callable[[], memoryview]
+# A tensor's bytes, in one buffer or several contiguous ones in row-major order.
+Producer = Callable[[], memoryview | Sequence[memoryview]]
 
 DIRECT_ALIGN = 4096
 DIRECT_MIN_BYTES = 4 << 20
@@ -269,15 +270,19 @@ def write_tensors(
     sink: Sink,
     tensors: Iterable[tuple[str, TensorSpec, Producer]],
     metadata: Callable[[dict[str, bytes]], dict[str, str]],
+    checksums: dict[str, bytes] | None = None,
 ) -> dict[str, bytes]:
     """Stream tensors into ``sink`` as safetensors; return their checksums.
 
     Each producer is called once, right before its bytes are written, so at
-    most one materialized tensor is alive at a time.  ``metadata`` is called
-    with placeholder checksums to size the header and again with the real
-    ones; it must produce strings of the same length both times.  The real
-    header is written before the sink's one fsync (``finish``); the caller
-    renames the file after that, never writing to it again.
+    most one materialized tensor is alive at a time; it may hand back several
+    buffers (a strided tensor's contiguous runs), written and hashed in order
+    without a copy.  ``checksums`` the caller already computed are trusted
+    (one pass over the bytes, not two).  ``metadata`` is called with
+    placeholder checksums to size the header and again with the real ones;
+    it must produce strings of the same length both times.  The real header
+    is written before the sink's one fsync (``finish``); the caller renames
+    the file after that, never writing to it again.
     """
     items = list(tensors)
     zero = {name: bytes(CHECKSUM_BYTES) for name, _, _ in items}
@@ -295,11 +300,17 @@ def write_tensors(
     sums: dict[str, bytes] = {}
     for name, spec, produce in items:
         data = produce()
-        if data.nbytes != spec.nbytes:
-            raise ValueError(f"tensor {name!r}: {data.nbytes} bytes, expected {spec.nbytes}")
-        sums[name] = checksum(data)
-        sink.write(data)
-        del data
+        parts = [data] if isinstance(data, memoryview) else list(data)
+        if sum(p.nbytes for p in parts) != spec.nbytes:
+            raise ValueError(f"tensor {name!r}: wrong byte count, expected {spec.nbytes}")
+        known = None if checksums is None else checksums.get(name)
+        h = None if known is not None else xxhash.xxh3_128()
+        for part in parts:
+            if h is not None:
+                h.update(part)
+            sink.write(part)
+        sums[name] = h.digest() if h is not None else bytes(known or b"")
+        del data, parts
     sink.flush()
     final = _header_bytes(table, metadata(sums), sink.align)
     if len(final) != len(head):

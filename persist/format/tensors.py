@@ -21,6 +21,8 @@ import xxhash
 from ..errors import CorruptBlobError, UnsupportedCacheError
 from ..records import DTYPE_SIZES, TensorSpec
 
+IOV_MAX = min(getattr(os, "IOV_MAX", 1024), 1024)  # buffers per preadv
+
 __all__ = ["MX_TO_NAME", "NAME_TO_MX", "dtype_name", "as_bytes", "allocate", "read_piece"]
 
 MX_TO_NAME: dict[Any, str] = {
@@ -81,12 +83,17 @@ def read_piece(
     """Read a stored tensor into ``into`` at position ``at`` of ``axis``; verify it."""
     h = xxhash.xxh3_128()
     pos = start
-    for chunk in _regions(into, stored.shape, alloc_shape, at, axis, DTYPE_SIZES[stored.dtype]):
-        got = os.preadv(fd, [chunk], pos)
-        if got != chunk.nbytes:
+    regions = list(_regions(into, stored.shape, alloc_shape, at, axis, DTYPE_SIZES[stored.dtype]))
+    # Scatter reads straight into the buffer, many regions per system call.
+    for i in range(0, len(regions), IOV_MAX):
+        batch = regions[i : i + IOV_MAX]
+        size = sum(r.nbytes for r in batch)
+        got = os.preadv(fd, batch, pos) if size else 0
+        if got != size:
             raise CorruptBlobError(where, "file truncated inside a tensor")
-        h.update(chunk)
         pos += got
+    for r in regions:
+        h.update(r)
     if h.digest() != want:
         raise CorruptBlobError(where, "checksum mismatch in tensor data")
 

@@ -1,0 +1,397 @@
+"""Save and restore against the hardware limit, as ratios, in one run.
+
+    python -m bench.bench_throughput                 # 1k, 8k, 32k Llama-3-8B + Qwen3-Next hybrid
+    python -m bench.bench_throughput --quick         # 1k and 8k Llama-3-8B only
+    python -m bench.bench_throughput --prefill       # adds prefill time on a real model (GPU)
+
+For every case: store save / save_file / mlx-lm save+fsync / raw write+fsync;
+restore + first decode step, warm and cold / load_file / mlx-lm load + the same
+step / raw read; a partial hit (1/8 of the tokens): bytes and time against a
+full restore; turn n+1 (256 new tokens): time and bytes against a full save;
+peak memory above the cache.  Minimum of interleaved repetitions.  Results in
+bench/results/throughput-<device>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, save_prompt_cache
+
+import persist
+from bench.common import RESULTS, direct_write, evict, raw_read, raw_write, warm
+
+IDENTITY = persist.ModelIdentity("bench", "c", "w", "t", "h", name="bench")
+Op = tuple[Callable[[], Any] | None, Callable[[], Any]]
+
+
+def llama(tokens: int) -> list[Any]:
+    """Llama-3-8B's cache shape: 32 layers, 8 KV heads, head dim 128, bfloat16."""
+    return [_kv(tokens, 8, 128, i) for i in range(32)]
+
+
+def qwen3_next(tokens: int) -> list[Any]:
+    """Qwen3-Next-80B-A3B's shape: 48 layers, every 4th full attention (2 KV heads of
+    256), the rest gated-DeltaNet state (conv 3 x 8192 bf16, recurrent 32 x 128 x 128 f32)."""
+    out: list[Any] = []
+    for i in range(48):
+        if i % 4 == 3:
+            out.append(_kv(tokens, 2, 256, i))
+        else:
+            c = ArraysCache(2)
+            key = mx.random.key(i)
+            c[0] = mx.random.normal((1, 3, 8192), key=key).astype(mx.bfloat16)
+            c[1] = mx.random.normal((1, 32, 128, 128), key=key)
+            out.append(c)
+    mx.eval([c.state for c in out])
+    return out
+
+
+def _kv(tokens: int, heads: int, dim: int, seed: int) -> KVCache:
+    c = KVCache()
+    k = mx.random.normal((1, heads, tokens, dim), key=mx.random.key(seed)).astype(mx.bfloat16)
+    c.update_and_fetch(k, k * 0.5)
+    mx.eval(c.keys, c.values)
+    return c
+
+
+def first_step(cache: list[Any]) -> None:
+    """What one decode step does to a cache: append one position to every attention layer."""
+    for c in cache:
+        if isinstance(c, KVCache):
+            _, h, _, d = c.keys.shape
+            one = mx.zeros((1, h, 1, d), dtype=c.keys.dtype)
+            c.update_and_fetch(one, one)
+    mx.eval([c.state for c in cache])
+
+
+def load_file(path: Path) -> list[Any]:
+    return list(persist.load_file(path).cache)
+
+
+def mlx_load(path: Path) -> list[Any]:
+    return list(load_prompt_cache(str(path)))
+
+
+def evaluate(r: Any) -> None:
+    mx.eval([c.state for c in r.cache])
+
+
+def extend(cache: list[Any], new: int) -> None:
+    for i, c in enumerate(cache):
+        if isinstance(c, KVCache):
+            _, h, _, d = c.keys.shape
+            k = mx.random.normal((1, h, new, d), key=mx.random.key(1000 + i)).astype(mx.bfloat16)
+            c.update_and_fetch(k, k)
+    mx.eval([c.state for c in cache])
+
+
+class Peak:
+    """Peak resident memory of this process while a block runs (sampled every 2 ms)."""
+
+    def __enter__(self) -> Peak:
+        import psutil
+
+        self.proc = psutil.Process()
+        self.base = self.peak = self.proc.memory_info().rss
+        self.done = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self.done:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc: object) -> None:
+        self.done = True
+        self.thread.join()
+
+    @property
+    def above(self) -> int:
+        return self.peak - self.base
+
+
+def minimum(ops: dict[str, Op], reps: int) -> dict[str, float]:
+    """Minimum seconds per op over ``reps`` interleaved rounds (after a warm-up round)."""
+    best = dict.fromkeys(ops, float("inf"))
+    for round_ in range(reps + 1):
+        for name, (setup, fn) in ops.items():
+            if setup is not None:
+                setup()
+            gc.collect()
+            t = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t
+            if round_:
+                best[name] = min(best[name], dt)
+    return best
+
+
+def case(
+    name: str, build: Callable[[int], list[Any]], tokens: int, tmp: Path, reps: int
+) -> dict[str, Any]:
+    cache = build(tokens)
+    toks = list(range(tokens))
+    f, m = tmp / "f.safetensors", tmp / "m.safetensors"
+    store = persist.Store(tmp / "store")
+    persist.save_file(f, cache, toks)
+    save_prompt_cache(str(m), cache)
+    nbytes = f.stat().st_size
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    raw_path, dst = tmp / "raw.bin", bytearray(nbytes)
+    raw_write(raw_path, memoryview(src), True)
+
+    def fresh_save() -> None:
+        store.save(cache, toks, identity=IDENTITY, session="s")
+
+    def drop() -> None:
+        if store.has_session("s"):
+            store.delete("s")
+
+    def restore_step() -> None:
+        first_step(store.restore("s", identity=IDENTITY).cache)
+
+    def blobs() -> list[Path]:
+        return list((tmp / "store" / "blobs").rglob("*.safetensors"))
+
+    def mlx_save() -> None:
+        save_prompt_cache(str(m), cache)
+        fd = os.open(m, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    fresh_save()
+    ops: dict[str, Op] = {
+        "store save": (drop, fresh_save),
+        "save_file": (None, lambda: persist.save_file(f, cache, toks)),
+        "mlx-lm save + fsync": (None, mlx_save),
+        "raw write+fsync": (None, lambda: raw_write(raw_path, memoryview(src), True)),
+        "raw O_DIRECT write+fsync": (None, lambda: direct_write(tmp / "d.bin", memoryview(src))),
+    }
+    if not store.has_session("s"):
+        fresh_save()
+    ops |= {
+        "store restore + step (warm)": (lambda: [warm(p) for p in blobs()], restore_step),
+        "load_file + step (warm)": (
+            lambda: warm(f),
+            lambda: first_step(load_file(f)),
+        ),
+        "mlx-lm load + step (warm)": (
+            lambda: warm(m),
+            lambda: first_step(mlx_load(m)),
+        ),
+        "raw read (warm)": (lambda: warm(raw_path), lambda: raw_read(raw_path, dst)),
+        "store restore + step (cold)": (lambda: [evict(p) for p in blobs()], restore_step),
+        "load_file + step (cold)": (
+            lambda: evict(f),
+            lambda: first_step(load_file(f)),
+        ),
+        "mlx-lm load + step (cold)": (
+            lambda: evict(m),
+            lambda: first_step(mlx_load(m)),
+        ),
+        "raw read (cold)": (lambda: evict(raw_path), lambda: raw_read(raw_path, dst)),
+    }
+    times = minimum(ops, reps)
+    if not store.has_session("s"):
+        fresh_save()
+    out = {
+        "case": name,
+        "tokens": tokens,
+        "cache_bytes": nbytes,
+        "store_bytes": sum(p.stat().st_size for p in blobs()),
+        "seconds": times,
+        "partial": partial(store, toks, reps),
+        "turn": turn(store, cache, toks, tmp),
+    }
+    toks = [*toks, *range(len(toks), len(toks) + 256)]  # turn() grew the cache
+    with Peak() as save_peak:
+        info = store.save(cache, toks, identity=IDENTITY, session="peak")
+    cache.clear()  # the ops above hold the list, not its layers
+    gc.collect()
+    with Peak() as restore_peak:
+        r = store.restore("peak", identity=IDENTITY)
+        mx.eval([c.state for c in r.cache])
+    restored = sum(a.nbytes for c in r.cache for a in _arrays(c.state))
+    del r
+    out["peak_above_cache"] = {"save": save_peak.above, "restore": restore_peak.above - restored}
+    out["peak_session_bytes"] = info.bytes
+    store.close()
+    return out
+
+
+def partial(store: persist.Store, toks: list[int], reps: int) -> dict[str, Any]:
+    """A lookup hit of 1/8 of a session's tokens, against restoring it whole."""
+    k = max(16, len(toks) // 8)
+    prompt = [*toks[:k], 7, 7]
+    read: list[int] = []
+    real_open = store.blobs.open
+
+    def counting(file: str) -> Any:
+        read.append(store.blobs.path(file).stat().st_size)
+        return real_open(file)
+
+    store.blobs.open = counting  # type: ignore[method-assign]
+    try:
+        times = minimum(
+            {
+                "hit": (
+                    None,
+                    lambda: mx.eval(
+                        [c.state for c in store.lookup(prompt, identity=IDENTITY).cache]
+                    ),
+                ),  # type: ignore[union-attr]
+                "full": (
+                    None,
+                    lambda: evaluate(store.restore("s", identity=IDENTITY)),
+                ),
+            },
+            reps,
+        )
+        read.clear()
+        store.lookup(prompt, identity=IDENTITY)
+        hit_bytes = sum(read)
+        read.clear()
+        store.restore("s", identity=IDENTITY)
+        full_bytes = sum(read)
+    finally:
+        del store.blobs.open
+    return {
+        "hit_tokens": k,
+        "hit_s": times["hit"],
+        "full_s": times["full"],
+        "hit_bytes": hit_bytes,
+        "full_bytes": full_bytes,
+    }
+
+
+def turn(
+    store: persist.Store, cache: list[Any], toks: list[int], tmp: Path, new: int = 256
+) -> dict[str, Any]:
+    """Saving a session one turn later (``new`` tokens more) against a full save of it."""
+    store.save(cache, toks, identity=IDENTITY, session="t")  # turn n
+    extend(cache, new)  # the conversation goes on, in the same cache
+    longer = [*toks, *range(len(toks), len(toks) + new)]
+    before = store.stats().unique_bytes
+    t = time.perf_counter()
+    store.save(cache, longer, identity=IDENTITY, session="t")
+    inc = time.perf_counter() - t
+    grew = store.stats().unique_bytes - before
+    with persist.Store(tmp / "full") as other:  # nothing to share with
+        t = time.perf_counter()
+        other.save(cache, longer, identity=IDENTITY, session="t")
+        full = time.perf_counter() - t
+        full_bytes = other.stats().unique_bytes
+    return {
+        "new_tokens": new,
+        "turn_s": inc,
+        "full_s": full,
+        "grew_bytes": grew,
+        "full_bytes": full_bytes,
+    }
+
+
+def _arrays(x: Any) -> list[Any]:
+    if isinstance(x, mx.array):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [a for v in x for a in _arrays(v)]
+    return []
+
+
+def device() -> str:
+    d = mx.default_device()
+    if d.type == mx.gpu and mx.cuda.is_available():
+        return "cuda"
+    return "metal" if d.type == mx.gpu else "cpu"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--label", default=None)
+    args = ap.parse_args()
+    cases: list[tuple[str, Callable[[int], list[Any]], int]] = [
+        ("llama3-8b", llama, 1024),
+        ("llama3-8b", llama, 8192),
+    ]
+    if not args.quick:
+        cases += [("llama3-8b", llama, 32768), ("qwen3-next", qwen3_next, 8192)]
+    label = args.label or device()
+    results = []
+    for name, build, tokens in cases:
+        tmp = Path(tempfile.mkdtemp(dir=Path(__file__).parent))
+        try:
+            results.append(case(name, build, tokens, tmp, args.reps))
+            print(json.dumps(results[-1]), flush=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    r = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": label},
+        "cases": results,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    stem = f"throughput-{label}" + ("-quick" if args.quick else "")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(r, indent=2) + "\n")
+    (RESULTS / f"{stem}.md").write_text(markdown(r))
+    print(markdown(r))
+
+
+def markdown(r: dict[str, Any]) -> str:
+    m = r["machine"]
+    lines = [
+        f"# Throughput ({m['device']}, {m['platform']}, {m['cpus']} CPUs)",
+        "",
+        "Minimum of interleaved repetitions. Ratios: persist over the reference (lower is better).",
+        "",
+        "| case | save / raw write+fsync | save / mlx-lm save+fsync | restore+step warm / mlx-lm | "
+        "restore+step cold / raw cold read | cold / mlx-lm cold | partial bytes | partial time | "
+        "turn n+1 time | turn n+1 bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in r["cases"]:
+        s, p, t = c["seconds"], c["partial"], c["turn"]
+        lines.append(
+            f"| {c['case']} {c['tokens']} ({c['cache_bytes'] / 2**30:.2f} GiB) "
+            f"| {s['store save'] / s['raw write+fsync']:.2f}x "
+            f"| {s['store save'] / s['mlx-lm save + fsync']:.2f}x "
+            f"| {s['store restore + step (warm)'] / s['mlx-lm load + step (warm)']:.2f}x "
+            f"| {s['store restore + step (cold)'] / s['raw read (cold)']:.2f}x "
+            f"| {s['store restore + step (cold)'] / s['mlx-lm load + step (cold)']:.2f}x "
+            f"| {p['hit_bytes'] / p['full_bytes']:.3f}x "
+            f"| {p['hit_s'] / p['full_s']:.3f}x "
+            f"| {t['turn_s'] / t['full_s']:.3f}x "
+            f"| {t['grew_bytes'] / t['full_bytes']:.3f}x |"
+        )
+    lines += ["", "Seconds:", ""]
+    for c in r["cases"]:
+        lines.append(
+            f"- {c['case']} {c['tokens']}: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in c["seconds"].items())
+        )
+        pk = c["peak_above_cache"]
+        lines.append(
+            f"  peak memory above the cache: save {pk['save'] / 2**20:.0f} MiB, "
+            f"restore {pk['restore'] / 2**20:.0f} MiB"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
