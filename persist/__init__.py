@@ -23,6 +23,7 @@ from .errors import (
     InvalidTokensError,
     NotResumableError,
     PersistError,
+    SessionConflictError,
     SessionNotFoundError,
     StorageError,
     StoreBusyError,
@@ -138,6 +139,7 @@ __all__ = [
     "InvalidMetadataError",
     "InvalidStateError",
     "StoreBusyError",
+    "SessionConflictError",
     "StorageError",
     "AlreadyExistsError",
 ]

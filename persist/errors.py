@@ -26,6 +26,7 @@ __all__ = [
     "InvalidMetadataError",
     "InvalidStateError",
     "StoreBusyError",
+    "SessionConflictError",
     "StorageError",
 ]
 
@@ -79,6 +80,20 @@ class InvalidStateError(PersistError, RuntimeError):
     """An operation out of order: a closed Store, a speculative round not armed."""
 
 
+class SessionConflictError(PersistError, RuntimeError):
+    """A save of a session that changed since the version the caller read (``if_version``)."""
+
+    def __init__(self, session: str, namespace: str, expected: int, found: int) -> None:
+        self.session, self.namespace = session, namespace
+        self.expected, self.found = expected, found
+        was = f"version {expected}" if expected else "no session"
+        now = f"version {found}" if found else "no session"
+        super().__init__(
+            f"session {session!r} in namespace {namespace!r} changed while it was in use "
+            f"(expected {was}, found {now}); nothing was saved"
+        )
+
+
 class StoreBusyError(PersistError, RuntimeError):
     """Concurrent writers kept replacing what this operation needed; retrying may succeed."""
 
@@ -98,10 +113,13 @@ class StorageError(PersistError, OSError):
 class IdentityMismatchError(PersistError, ValueError):
     """A session saved under one model identity restored under another."""
 
-    def __init__(self, what: str, fields: Sequence[str]) -> None:
+    def __init__(self, what: str, fields: Sequence[str], saved: str = "", given: str = "") -> None:
         self.fields = list(fields)
+        self.saved, self.given = saved, given
+        models = f" ({saved}; this is {given})" if saved and given else ""
         super().__init__(
-            f"{what} was saved for another model: fields that differ: " + ", ".join(self.fields)
+            f"{what} was saved for another model{models}: fields that differ: "
+            + ", ".join(self.fields)
         )
 
 

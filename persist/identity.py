@@ -203,7 +203,7 @@ class ModelIdentity:
             tokenizer=tok,
             chat_template=template,
             cache_config=_cache_config(cache_config),
-            name=name or model_type,
+            name=name or model_type,  # one display rule: the model_type unless named
             versions=tuple(sorted(_versions().items())),
         )
 
@@ -225,7 +225,7 @@ class ModelIdentity:
         path = Path(model_dir)
         adapter = None if adapter_path is None else str(adapter_path)
         model, tokenizer = load(str(path), adapter_path=adapter, lazy=True)[:2]
-        return cls.of(model, tokenizer, name=path.name, **cache_config)
+        return cls.of(model, tokenizer, **cache_config)
 
     def diff(self, other: ModelIdentity) -> list[str]:
         """The digested fields that differ, by name (cache_config per key)."""
@@ -243,9 +243,14 @@ class ModelIdentity:
         return out
 
     def require_same(self, other: ModelIdentity, what: str) -> None:
+        """Refuse ``other`` unless it equals this (saved) identity, naming both models."""
         fields = self.diff(other)
         if fields:
-            raise IdentityMismatchError(what, fields)
+            raise IdentityMismatchError(what, fields, self.display(), other.display())
+
+    def display(self) -> str:
+        """The one display rule: the model's name and the start of its digest."""
+        return f"{self.name or self.model_type} {self.digest[:12]}"
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self._digested() if k != "cache_config"}

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from ..engine.prefill import prefill
 from ..engine.store import Store
-from ..errors import InvalidArgumentError, SessionNotFoundError
+from ..errors import InvalidArgumentError, SessionConflictError, SessionNotFoundError
 from ..identity import ModelIdentity
 from ..records import Progress
 
@@ -40,6 +40,8 @@ class GenerateResult:
     first_token_seconds: float
     generate_seconds: float
     session_tokens: int  # the session's length after this turn
+    # the session it was asked for when it changed meanwhile (the turn went to ``session``)
+    conflict_with: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,6 +53,7 @@ class PrimeResult:
     tokens: int
     checkpoints: int
     seconds: float
+    reused_tokens: int = 0  # resumed from a checkpoint or prefix (an interrupted prime)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,7 +67,16 @@ def load_model(model_dir: str | os.PathLike[str] | None) -> tuple[Any, Any, Mode
 
     path = Path(model_dir) if model_dir is not None else demo_model_dir()
     model, tok = load(str(path))[:2]
-    return model, tok, ModelIdentity.of(model, tok, name=path.name)
+    return model, tok, ModelIdentity.of(model, tok)
+
+
+@dataclass(frozen=True)
+class _Resumed:
+    cache: list[Any] | None
+    tokens: list[int]  # every token of this turn, the session's history included
+    covered: int  # of those, restored from the store
+    source: str  # "session", "prefix" or "none"
+    version: int  # the session's version read (0: none): the save checks it is unchanged
 
 
 def _resume(
@@ -74,16 +86,49 @@ def _resume(
     identity: ModelIdentity,
     namespace: str,
     bar: Progress | None,
-) -> tuple[list[Any] | None, list[int], int, str]:
-    """(cache or None, all tokens of this turn, tokens already covered, source)."""
+) -> _Resumed:
     try:
         restored = store.restore(session, identity=identity, namespace=namespace, progress=bar)
     except SessionNotFoundError:
         hit = store.lookup(new, identity=identity, namespace=namespace)
         if hit is None:
-            return None, new, 0, "none"
-        return hit.cache, new, len(hit.tokens), "prefix"
-    return restored.cache, restored.tokens + new, len(restored.tokens), "session"
+            return _Resumed(None, new, 0, "none", 0)
+        return _Resumed(hit.cache, new, len(hit.tokens), "prefix", 0)
+    tokens = restored.tokens + new
+    return _Resumed(restored.cache, tokens, len(restored.tokens), "session", restored.entry.id)
+
+
+def save_turn(
+    store: Store,
+    cache: list[Any],
+    tokens: list[int],
+    *,
+    identity: ModelIdentity,
+    session: str,
+    namespace: str,
+    version: int,
+    metadata: dict[str, str] | None = None,
+    progress: Progress | None = None,
+) -> str:
+    """Save a turn if the session is still the version it was read at; else keep it
+    under the first free ``session~N`` (returned) instead of dropping it."""
+    name, n = session, 1
+    while True:
+        try:
+            store.save(
+                cache,
+                tokens,
+                identity=identity,
+                session=name,
+                namespace=namespace,
+                metadata=metadata,
+                progress=progress,
+                if_version=version,
+            )
+            return name
+        except SessionConflictError:
+            n += 1
+            name, version = f"{session}~{n}", 0
 
 
 def generate(
@@ -113,10 +158,9 @@ def generate(
     def bar(phase: str) -> Progress | None:
         return bars(phase) if bars is not None else None
 
-    cache, tokens, covered, source = _resume(
-        store, session, new, identity, namespace, bar("restore")
-    )
-    cache = make_prompt_cache(model) if cache is None else cache
+    got = _resume(store, session, new, identity, namespace, bar("restore"))
+    tokens, covered = got.tokens, got.covered
+    cache = make_prompt_cache(model) if got.cache is None else got.cache
     steps = generate_step(
         mx.array(tokens[covered:]),
         model,
@@ -127,24 +171,27 @@ def generate(
     )
     out, text, first = _decode(steps, tokenizer, on_text, t0)
     elapsed = time.perf_counter() - t0
-    store.save(
+    saved_as = save_turn(
+        store,
         cache,
         tokens + out,
         identity=identity,
         session=session,
         namespace=namespace,
+        version=got.version,
         progress=bar("save"),
     )
     return GenerateResult(
-        session=session,
+        session=saved_as,
         text=text,
         prompt_tokens=len(tokens),
         reused_tokens=covered,
-        source=source,
+        source=got.source,
         generated_tokens=len(out),
         first_token_seconds=first,
         generate_seconds=elapsed,
         session_tokens=len(tokens) + len(out),
+        conflict_with=session if saved_as != session else None,
     )
 
 
@@ -192,9 +239,13 @@ def prime(
         raise InvalidArgumentError("the prompt is empty after tokenization")
     t0 = time.perf_counter()
     before = {e.id for e in store.entries(namespace)}
+    # An interrupted prime left checkpoints: continue from the deepest usable one
+    # (or any stored prefix) instead of computing and storing them again.
+    hit = store.lookup(tokens, identity=identity, namespace=namespace)
     cache = prefill(
         model,
         tokens,
+        cache=None if hit is None else hit.cache,
         store=store,
         identity=identity,
         session=session,
@@ -211,4 +262,5 @@ def prime(
         progress=bars("save") if bars else None,
     )
     made = [e for e in store.entries(namespace) if e.id not in before and e.role == "checkpoint"]
-    return PrimeResult(session, len(tokens), len(made), time.perf_counter() - t0)
+    reused = 0 if hit is None else len(hit.tokens)
+    return PrimeResult(session, len(tokens), len(made), time.perf_counter() - t0, reused)

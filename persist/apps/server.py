@@ -18,7 +18,6 @@ import queue
 import threading
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache
@@ -199,12 +198,8 @@ def track_identities(server: Any) -> dict[Any, ModelIdentity]:
 
     def _load(self: Any, model_path: Any, adapter_path: Any = None, draft: Any = None) -> None:
         real_load(self, model_path, adapter_path, draft)
-        ident = ModelIdentity.of(
-            self.model,
-            self.tokenizer,
-            name=Path(str(model_path)).name,
-            **cache_config_of(self.cli_args),
-        )
+        config: dict[str, Any] = cache_config_of(self.cli_args)
+        ident = ModelIdentity.of(self.model, self.tokenizer, **config)
         if self.draft_model is not None:
             ident = ident.with_draft(ModelIdentity.of(self.draft_model))
         identities[self.model_key] = ident

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import click
 
-from ..errors import PersistError
+from ..errors import IdentityMismatchError, PersistError
 
 __all__ = [
     "cli",
@@ -126,6 +126,8 @@ class PersistGroup(click.Group):
             return super().invoke(ctx)
         except PersistError as e:
             click.echo(f"persist: error: {e}", err=True)
+            if isinstance(e, IdentityMismatchError):
+                click.echo("persist: hint: pass --model with the model it was saved for", err=True)
             sys.exit(1)
         except BrokenPipeError:
             _quiet_stdout()

@@ -38,6 +38,12 @@ def _render_generate(r: GenerateResult, streamed: bool) -> None:
         f"{r.generated_tokens} tokens generated; session now {r.session_tokens} tokens",
         err=True,
     )
+    if r.conflict_with is not None:
+        click.echo(
+            f"persist: session {r.conflict_with!r} changed while this turn ran; "
+            f"this turn is saved as {r.session!r}",
+            err=True,
+        )
 
 
 @cli.command("generate")
@@ -151,7 +157,7 @@ def prime_cmd(
         as_json,
         r.to_dict(),
         lambda _: click.echo(
-            f"primed session {r.session!r}: {r.tokens} tokens, {r.checkpoints} checkpoints, "
-            f"{r.seconds:.2f} s"
+            f"primed session {r.session!r}: {r.tokens} tokens ({r.reused_tokens} resumed "
+            f"from the store), {r.checkpoints} new checkpoints, {r.seconds:.2f} s"
         ),
     )

@@ -47,12 +47,29 @@ def ls_cmd(namespace: str | None, show_all: bool, store_dir: Path | None, as_jso
       persist ls --all --json
     """
     with open_store(store_dir) as store:
-        rows = store.entries(namespace) if show_all else store.sessions(namespace)
-    emit(
-        as_json,
-        [r.to_dict() for r in rows],
-        lambda _: click.echo("\n".join(_row(r) for r in rows) or "no sessions"),
-    )
+        every = store.entries(namespace)
+    rows = every if show_all else [e for e in every if e.session is not None]
+    hidden = _hidden(every) if not show_all else ""
+
+    def render(_: Any) -> None:
+        click.echo("\n".join(_row(r) for r in rows) or "no sessions")
+        if hidden:
+            click.echo(hidden)
+
+    emit(as_json, [r.to_dict() for r in rows], render)
+
+
+def _hidden(entries: list[EntryInfo]) -> str:
+    """The line that says what plain ``ls`` does not list, and how to see it."""
+    roles = [e.role for e in entries if e.session is None]
+    names = (("checkpoint", "checkpoint", "checkpoints"), ("prefix", "prefix", "prefixes"))
+    parts = [
+        f"{n} {one if n == 1 else many}" for role, one, many in names if (n := roles.count(role))
+    ]
+    if not parts:
+        return ""
+    why = " (prompts persist serve cached)" if "prefix" in roles else ""
+    return f"also {' and '.join(parts)}{why}: persist ls --all lists them"
 
 
 @cli.command("show")

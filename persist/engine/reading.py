@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from ..errors import CorruptBlobError, IdentityMismatchError, SessionNotFoundError
+from ..errors import CorruptBlobError, SessionNotFoundError
 from ..identity import ModelIdentity
 from ..records import Progress
 from ..store import lookup as lookup_queries
@@ -55,8 +55,7 @@ def restore_named(
             raise SessionNotFoundError(session, namespace)
         row, refs = found
         if row.identity != identity.digest:
-            saved = saved_identity(row)
-            raise IdentityMismatchError(f"session {session!r}", saved.diff(identity))
+            saved_identity(row).require_same(identity, f"session {session!r}")
         try:
             cache = load_snapshot(index, blobs, row, progress, refs=refs)
             break

@@ -23,7 +23,7 @@ import msgpack
 from .. import policy
 from ..codecs.base import dtype_name
 from ..codecs.snapshot import Snapshot, capture
-from ..errors import NotResumableError, StoreBusyError, StoreFullError
+from ..errors import NotResumableError, SessionConflictError, StoreBusyError, StoreFullError
 from ..format.container import write_tensors
 from ..format.manifest import blob_metadata
 from ..format.tokens import check_tokens, pack_tokens, unpack_tokens
@@ -50,6 +50,8 @@ class Target:
     role: str = "prefix"  # "session" | "checkpoint" | "prefix"
     pin: bool = False
     metadata: dict[str, str] = field(default_factory=dict)
+    # the session's version (EntryInfo.id) the caller read; 0: it must not exist yet
+    if_version: int | None = None
 
 
 def save_snapshot(
@@ -222,9 +224,12 @@ def _commit(
             "metadata": msgpack.packb(t.metadata, use_bin_type=True),
         }
         if t.name is not None:
+            _check_version(db, t)
             _retire(db, namespace, t.name, t.identity.digest, snap, toks)
         elif t.role == "prefix":
             _replace_covered(db, namespace, t.identity.digest, snap, toks, chs, n_blocks)
+        elif t.owner is not None:  # a checkpoint saved again (a resumed prime): one row
+            _replace_same_checkpoint(db, namespace, t.owner, t.identity.digest, toks)
         sid = writes.insert(db, row, refs)
         writes.add_heads(db, sid, chs, toks, p.block)
         # read back in this transaction: another process may evict it right after
@@ -250,6 +255,23 @@ def _retire(db: Any, namespace: str, name: str, digest: str, snap: Any, toks: li
             writes.remove(db, old.id)
         elif action == "demote":
             writes.demote(db, old.id)
+
+
+def _check_version(db: Any, t: Target) -> None:
+    """Refuse to overwrite a session that changed since the caller read it."""
+    if t.if_version is None or t.name is None:
+        return
+    current = next((r.id for r in writes.session_rows(db, t.namespace, t.name) if r.name), 0)
+    if current != t.if_version:
+        raise SessionConflictError(t.name, t.namespace, t.if_version, current)
+
+
+def _replace_same_checkpoint(
+    db: Any, namespace: str, owner: str, digest: str, toks: list[int]
+) -> None:
+    for old in writes.session_rows(db, namespace, owner):
+        if old.name is None and old.identity == digest and unpack_tokens(old.tokens) == toks:
+            writes.remove(db, old.id)
 
 
 def _replace_covered(

@@ -121,16 +121,23 @@ class Store:
         pin: bool = False,
         metadata: Mapping[str, str] | None = None,
         progress: Progress | None = None,
+        if_version: int | None = None,
     ) -> EntryInfo:
         """Save ``cache`` (covering exactly ``tokens``); named if ``session`` is given.
 
-        ``cache`` may also be a ``persist.codecs.snapshot.capture(cache, tokens)`` taken
-        earlier, in another thread (a server captures on its generation thread).
+        ``cache`` may also be a ``persist.codecs.snapshot.capture(cache, tokens)``
+        taken earlier, in another thread (a server captures on its generation thread).
+        ``if_version`` is the session's version as the caller read it
+        (``Restored.entry.id``; 0 for a session that must not exist yet): if the
+        session changed meanwhile the save is refused (``SessionConflictError``)
+        and nothing is written, instead of one writer's turn silently replacing
+        another's.
         """
         from .saving import Target
 
         role = "prefix" if session is None else "session"
-        target = Target(identity, namespace, session, None, role, pin, check_metadata(metadata))
+        meta = check_metadata(metadata)
+        target = Target(identity, namespace, session, None, role, pin, meta, if_version)
         return self._save(cache, tokens, target, progress)
 
     def checkpoint(
@@ -315,11 +322,15 @@ class Store:
             raise SessionNotFoundError(session, namespace)
 
     def delete(self, session: str, *, namespace: str = "default") -> None:
-        """Delete a session and its checkpoints; files go after the commit."""
+        """Delete a session and its checkpoints; files go after the commit.
+
+        Checkpoints that an interrupted ``prefill``/``persist prime`` left
+        without a session go too: the name owns them.
+        """
         check_name(session, "session")
         with self.index.write() as db:
             rows = writes.session_rows(db, namespace, session)
-            if not any(r.name == session for r in rows):
+            if not rows:
                 raise SessionNotFoundError(session, namespace)
             for r in rows:
                 writes.remove(db, r.id)
