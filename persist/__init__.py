@@ -30,6 +30,7 @@ from .errors import (
     StoreFullError,
     UnknownKindError,
     UnsupportedCacheError,
+    UnsupportedFormatError,
     UnsupportedVersionError,
 )
 
@@ -135,6 +136,7 @@ __all__ = [
     "InvalidNameError",
     "InvalidTokensError",
     "UnsupportedCacheError",
+    "UnsupportedFormatError",
     "InvalidArgumentError",
     "InvalidMetadataError",
     "InvalidStateError",

@@ -22,6 +22,7 @@ __all__ = [
     "IdentityUnavailableError",
     "AlreadyExistsError",
     "UnsupportedCacheError",
+    "UnsupportedFormatError",
     "InvalidArgumentError",
     "InvalidMetadataError",
     "InvalidStateError",
@@ -60,6 +61,11 @@ class UnsupportedVersionError(PersistError, ValueError):
             f"{what!r} was written by version {version}, this persist reads up to "
             f"{known}; upgrade persist to read it"
         )
+
+
+class UnsupportedFormatError(PersistError, ValueError):
+    """A valid file of another format (an mlx-lm prompt cache) where a persist file was
+    expected, or a format name persist does not write; the message names what to run."""
 
 
 class UnsupportedCacheError(PersistError, TypeError):

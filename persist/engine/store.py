@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from ..errors import (
     InvalidArgumentError,
     InvalidStateError,
-    NotResumableError,
     SessionNotFoundError,
     StorageError,
 )
@@ -260,25 +259,27 @@ class Store:
         return self._info(row)
 
     def export(
-        self, session: str, path: str | os.PathLike[str], *, namespace: str = "default"
+        self,
+        session: str,
+        path: str | os.PathLike[str],
+        *,
+        namespace: str = "default",
+        format: str = "persist",
     ) -> EntryInfo:
-        """Write a session to one self-contained persist file (``load_file`` reads it)."""
-        from .files import save_file
+        """Write a session to one file: a persist file (``load_file`` reads it, with
+        tokens and identity) or, with ``format="mlx-lm"``, one mlx-lm's
+        ``load_prompt_cache`` reads (caches and metadata only)."""
         from .loading import load_snapshot
         from .reading import saved_identity
+        from .transfer import write_file
 
         row = self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
         if row is None:
             raise SessionNotFoundError(session, namespace)
-        saved = saved_identity(row)
         info = self._info(row)
-        save_file(
-            path,
-            load_snapshot(self.index, self.blobs, row),
-            unpack_tokens(row.tokens),
-            metadata=info.metadata,
-            identity=saved,
-        )
+        cache = load_snapshot(self.index, self.blobs, row)
+        tokens = unpack_tokens(row.tokens)
+        write_file(path, cache, tokens, saved_identity(row), info.metadata, format)
         return info
 
     def import_file(
@@ -287,24 +288,27 @@ class Store:
         *,
         session: str | None = None,
         namespace: str = "default",
+        identity: ModelIdentity | None = None,
+        tokens: Sequence[int] | None = None,
     ) -> EntryInfo:
-        """Store a persist file as a session (named after the file unless ``session``)."""
-        from .files import load_file
+        """Store a file as a session (named after the file unless ``session``).
 
-        loaded = load_file(path)
-        if loaded.identity is None or loaded.tokens is None:
-            raise NotResumableError(
-                f"{path} records no model identity or no tokens; save it with "
-                "persist.save_file(path, cache, tokens, identity=...) to import it"
-            )
+        A persist file carries its tokens and identity (``identity``, if given,
+        must match).  An mlx-lm prompt cache carries neither: pass the
+        ``identity`` of the model that computed it and the ``tokens`` it covers
+        (checked against every layer's offset).
+        """
+        from .transfer import read_importable
+
+        got = read_importable(path, identity=identity, tokens=tokens)
         name = session if session is not None else Path(path).name.split(".")[0]
         return self.save(
-            loaded.cache,
-            loaded.tokens,
-            identity=loaded.identity,
+            got.cache,
+            got.tokens,
+            identity=got.identity,
             session=name,
             namespace=namespace,
-            metadata=loaded.metadata,
+            metadata=got.metadata,
         )
 
     def has_session(self, session: str, *, namespace: str = "default") -> bool:

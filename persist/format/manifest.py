@@ -18,7 +18,12 @@ from typing import Any
 
 import msgpack
 
-from ..errors import CorruptBlobError, InvalidMetadataError, UnsupportedVersionError
+from ..errors import (
+    CorruptBlobError,
+    InvalidMetadataError,
+    UnsupportedFormatError,
+    UnsupportedVersionError,
+)
 from ..records import MAX_TOKENS, Record, RecordSpec, TensorSpec
 from .container import CHECKSUM_BYTES, Header, checksum
 from .tokens import pack_tokens, unpack_tokens
@@ -116,9 +121,19 @@ def file_metadata(manifest: bytes) -> dict[str, str]:
     }
 
 
+def is_mlx_lm_metadata(meta: dict[str, str]) -> bool:
+    """mlx-lm's save_prompt_cache flattens [metadata, class names, scalars]: keys "1.0", ..."""
+    return meta.get("format") != FORMAT and "1.0" in meta and "2.0" in meta
+
+
 def unpack_manifest(header: Header, where: str) -> Manifest:
     """Validate the header's manifest against the header's tensor table."""
     meta = header.metadata
+    if is_mlx_lm_metadata(meta):
+        raise UnsupportedFormatError(
+            f"{where} is an mlx-lm prompt cache (save_prompt_cache), not a persist file; "
+            f"store it with: persist import {where} --model MODEL --prompt TEXT"
+        )
     if meta.get("format") != FORMAT:
         raise CorruptBlobError(where, "not a persist file (no persist manifest in its header)")
     version = meta.get("format_version", "")

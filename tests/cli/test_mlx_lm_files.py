@@ -1,0 +1,107 @@
+"""mlx-lm's own prompt-cache files, in and out: import with the tokens and model they
+lack, export one mlx-lm loads, and a typed refusal where a persist file was expected."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+import persist
+from tests.helpers import ROOT, assert_same_state, continue_run, live_state, prefill, raw
+
+PROMPT = "a prompt cached by mlx_lm.cache_prompt, then resumed through persist"
+
+
+def cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PERSIST_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "persist", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture
+def mlx_file(tiny: Any, tmp_path: Path) -> tuple[Path, list[int]]:
+    model, tok, _ = tiny("llama")
+    ids = list(tok.encode(PROMPT, add_special_tokens=False))
+    cache, _ = prefill(model, ids)
+    path = tmp_path / "prompt.safetensors"
+    save_prompt_cache(str(path), cache, {"note": "from mlx-lm"})
+    return path, ids
+
+
+def test_import_an_mlx_lm_file_with_its_prompt(
+    mlx_file: tuple[Path, list[int]], tiny: Any, model_dir: Any, tmp_path: Path
+) -> None:
+    path, ids = mlx_file
+    home = tmp_path / "home"
+    m = str(model_dir("llama"))
+    out = cli(home, "import", str(path), "--session", "p", "--model", m, "--prompt", PROMPT)
+    assert out.returncode == 0, out.stderr
+    model, tok, _ = tiny("llama")
+    with persist.Store(home) as store:
+        r = store.restore("p", identity=persist.ModelIdentity.of(model, tok))
+    assert r.tokens == ids and r.entry.metadata == {"note": "from mlx-lm"}
+    theirs = load_prompt_cache(str(path))
+    assert_same_state(live_state(r.cache), live_state(theirs))
+    la, ga = continue_run(model, r.cache, [5, 6, 7])
+    lb, gb = continue_run(model, theirs, [5, 6, 7])
+    assert ga == gb and all(raw(a) == raw(b) for a, b in zip(la, lb, strict=True))
+
+
+def test_an_mlx_lm_file_needs_its_tokens_and_model(
+    mlx_file: tuple[Path, list[int]], model_dir: Any, tmp_path: Path
+) -> None:
+    path, ids = mlx_file
+    home = tmp_path / "home"
+    bare = cli(home, "import", str(path))
+    assert bare.returncode == 1 and "--model DIR --prompt TEXT" in bare.stderr
+    m = str(model_dir("llama"))
+    wrong = cli(home, "import", str(path), "--model", m, "--tokens", "1,2,3")
+    assert wrong.returncode == 1 and f"covers {len(ids)} positions" in wrong.stderr
+    assert cli(home, "ls", "--all", "--json").stdout.strip() == "[]"
+
+
+def test_load_file_names_the_import_command(mlx_file: tuple[Path, list[int]]) -> None:
+    path, _ = mlx_file
+    with pytest.raises(persist.UnsupportedFormatError, match="persist import") as e:
+        persist.load_file(path)
+    assert isinstance(e.value, ValueError) and not isinstance(e.value, persist.CorruptBlobError)
+    with pytest.raises(persist.UnsupportedFormatError):
+        persist.read_manifest(path)
+
+
+def test_export_a_file_mlx_lm_loads(tiny: Any, model_dir: Any, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    m = str(model_dir("llama"))
+    gen = cli(home, "generate", "--model", m, "--session", "w", "--prompt", PROMPT,
+              "--max-tokens", "3")  # fmt: skip
+    assert gen.returncode == 0, gen.stderr
+    out = tmp_path / "w-mlx.safetensors"
+    assert cli(home, "export", "w", str(out), "--format", "mlx-lm").returncode == 0
+    model, tok, _ = tiny("llama")
+    with persist.Store(home) as store:
+        ours = store.restore("w", identity=persist.ModelIdentity.of(model, tok)).cache
+    assert_same_state(live_state(load_prompt_cache(str(out))), live_state(ours))
+    again = cli(home, "export", "w", str(out), "--format", "mlx-lm")
+    assert again.returncode == 1 and "--force" in again.stderr
+
+
+def test_class_names_are_never_looked_up_outside_the_registry(tmp_path: Path) -> None:
+    path = tmp_path / "evil.safetensors"
+    meta = {"1.0": "load_prompt_cache", "2.0": ""}
+    mx.save_safetensors(str(path), {"0.0": mx.zeros((1, 1, 2, 4))}, meta)
+    with pytest.raises(persist.UnknownKindError, match="load_prompt_cache"):
+        persist.Store(tmp_path / "s").import_file(
+            path, identity=persist.ModelIdentity("t", "c", "w", "k", "h"), tokens=[1, 2]
+        )
