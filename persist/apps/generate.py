@@ -20,9 +20,10 @@ import mlx.core as mx
 
 from ..engine.prefill import prefill
 from ..engine.store import Store
-from ..errors import InvalidArgumentError, SessionConflictError, SessionNotFoundError
+from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
 from ..records import Progress
+from .resume import chat_metadata, resume_chat, resume_text, save_turn
 
 __all__ = ["GenerateResult", "PrimeResult", "load_model", "generate", "prime"]
 
@@ -70,67 +71,6 @@ def load_model(model_dir: str | os.PathLike[str] | None) -> tuple[Any, Any, Mode
     return model, tok, ModelIdentity.of(model, tok)
 
 
-@dataclass(frozen=True)
-class _Resumed:
-    cache: list[Any] | None
-    tokens: list[int]  # every token of this turn, the session's history included
-    covered: int  # of those, restored from the store
-    source: str  # "session", "prefix" or "none"
-    version: int  # the session's version read (0: none): the save checks it is unchanged
-
-
-def _resume(
-    store: Store,
-    session: str,
-    new: list[int],
-    identity: ModelIdentity,
-    namespace: str,
-    bar: Progress | None,
-) -> _Resumed:
-    try:
-        restored = store.restore(session, identity=identity, namespace=namespace, progress=bar)
-    except SessionNotFoundError:
-        hit = store.lookup(new, identity=identity, namespace=namespace)
-        if hit is None:
-            return _Resumed(None, new, 0, "none", 0)
-        return _Resumed(hit.cache, new, len(hit.tokens), "prefix", 0)
-    tokens = restored.tokens + new
-    return _Resumed(restored.cache, tokens, len(restored.tokens), "session", restored.entry.id)
-
-
-def save_turn(
-    store: Store,
-    cache: list[Any],
-    tokens: list[int],
-    *,
-    identity: ModelIdentity,
-    session: str,
-    namespace: str,
-    version: int,
-    metadata: dict[str, str] | None = None,
-    progress: Progress | None = None,
-) -> str:
-    """Save a turn if the session is still the version it was read at; else keep it
-    under the first free ``session~N`` (returned) instead of dropping it."""
-    name, n = session, 1
-    while True:
-        try:
-            store.save(
-                cache,
-                tokens,
-                identity=identity,
-                session=name,
-                namespace=namespace,
-                metadata=metadata,
-                progress=progress,
-                if_version=version,
-            )
-            return name
-        except SessionConflictError:
-            n += 1
-            name, version = f"{session}~{n}", 0
-
-
 def generate(
     model: Any,
     tokenizer: Any,
@@ -144,21 +84,35 @@ def generate(
     namespace: str = "default",
     on_text: Callable[[str], None] | None = None,
     bars: Bars | None = None,
+    chat: bool = False,
+    system: str | None = None,
 ) -> GenerateResult:
-    """Resume ``session`` (or the best stored prefix), append ``prompt``, generate, save."""
+    """Resume ``session`` (or the best stored prefix), append ``prompt``, generate, save.
+
+    With ``chat`` the prompt is a user message rendered by the tokenizer's chat
+    template (``system`` opens a new chat), and the session keeps its messages.
+    """
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
-    new = list(tokenizer.encode(prompt, add_special_tokens=False))
-    if not new:
-        raise InvalidArgumentError("the prompt is empty after tokenization")
+    if system is not None and not chat:
+        raise InvalidArgumentError("--system needs --chat")
     t0 = time.perf_counter()
 
     def bar(phase: str) -> Progress | None:
         return bars(phase) if bars is not None else None
 
-    got = _resume(store, session, new, identity, namespace, bar("restore"))
+    messages: list[dict[str, str]] = []
+    if chat:
+        got, messages = resume_chat(
+            store, session, tokenizer, prompt, system, identity, namespace, bar("restore")
+        )
+    else:
+        new = list(tokenizer.encode(prompt, add_special_tokens=False))
+        got = resume_text(store, session, new, identity, namespace, bar("restore"))
+    if len(got.tokens) == got.covered:
+        raise InvalidArgumentError("the prompt is empty after tokenization")
     tokens, covered = got.tokens, got.covered
     cache = make_prompt_cache(model) if got.cache is None else got.cache
     steps = generate_step(
@@ -179,6 +133,7 @@ def generate(
         session=session,
         namespace=namespace,
         version=got.version,
+        metadata=chat_metadata(messages, text) if chat else None,
         progress=bar("save"),
     )
     return GenerateResult(

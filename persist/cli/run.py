@@ -58,6 +58,12 @@ def _render_generate(r: GenerateResult, streamed: bool) -> None:
     show_default=True,
     help="Sampling temperature (0: greedy).",
 )
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="The session is a conversation: the prompt is a user message (chat template).",
+)
+@click.option("--system", default=None, help="With --chat: the system prompt of a new chat.")
 @_namespace
 @store_option
 @json_option
@@ -67,6 +73,8 @@ def generate_cmd(
     prompt: str,
     max_tokens: int,
     temp: float,
+    chat: bool,
+    system: str | None,
     namespace: str,
     store_dir: Path | None,
     as_json: bool,
@@ -74,12 +82,17 @@ def generate_cmd(
     """Resume a session (or the best stored prefix), generate, save the session.
 
     Only tokens the store does not already hold are prefilled; the text is
-    streamed as it is generated.
+    streamed as it is generated.  Without --chat a session is a transcript
+    (each prompt appended as text); with --chat it is a conversation, and a
+    new chat with the same --system prompt reuses it.
 
     \b
     Example:
       persist generate --session work --prompt "Where were we?" --max-tokens 32
+      persist generate --session c1 --chat --system "Be brief." --prompt "Hi"
     """
+    if system is not None and not chat:
+        raise click.UsageError("--system needs --chat")
     from ..apps.generate import generate, load_model
 
     model, tok, identity = load_model(model_dir)
@@ -100,6 +113,8 @@ def generate_cmd(
             namespace=namespace,
             on_text=None if as_json else write,
             bars=progress,
+            chat=chat,
+            system=system,
         )
     emit(as_json, r.to_dict(), lambda _: _render_generate(r, streamed=True))
 

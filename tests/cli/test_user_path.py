@@ -77,7 +77,7 @@ def test_a_turn_that_lost_a_race_is_kept_under_a_new_name(
     ident = persist.ModelIdentity.of(model, tok)
     with persist.Store(tmp_path / "s") as store:
         gen_mod.generate(model, tok, ident, store, session="work", prompt="hello", max_tokens=3)
-        real = gen_mod._resume
+        real = gen_mod.resume_text
 
         def racing(*a: Any, **k: Any) -> Any:
             got = real(*a, **k)  # another process saves a turn after this one read
@@ -85,7 +85,7 @@ def test_a_turn_that_lost_a_race_is_kept_under_a_new_name(
             store.save(other.cache, other.tokens, identity=ident, session="work")
             return got
 
-        monkeypatch.setattr(gen_mod, "_resume", racing)
+        monkeypatch.setattr(gen_mod, "resume_text", racing)
         r = gen_mod.generate(model, tok, ident, store, session="work", prompt="again", max_tokens=3)
         assert r.session == "work~2" and r.conflict_with == "work"
         assert {e.session for e in store.sessions()} == {"work", "work~2"}
@@ -162,3 +162,27 @@ def test_a_session_for_another_model_names_both(model_dir: Any, tmp_path: Path) 
     assert "hint: pass --model" in bad.stderr
     listed = json.loads(cli(home, "ls", "--json").stdout)
     assert [e["model"] for e in listed] == ["llama"]  # the model_type, as from Python
+
+
+def test_chats_keep_their_turns_and_share_a_system_prompt(model_dir: Any, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    m = str(model_dir("llama"))
+    system = "You are a terse assistant who answers in one short line, always. " * 3
+
+    def chat(session: str, prompt: str, *extra: str) -> dict[str, Any]:
+        args = ["generate", "--model", m, "--session", session, "--chat", "--prompt", prompt]
+        return dict(json.loads(cli(home, *args, "--max-tokens", "4", *extra, "--json").stdout))
+
+    first = chat("c1", "What is a cache?", "--system", system)
+    second = chat("c1", "And a prefix?")
+    assert second["source"] == "session" and second["reused_tokens"] == first["session_tokens"]
+    other = chat("c2", "Something else.", "--system", system)
+    assert other["source"] == "prefix" and other["reused_tokens"] > len(system) // 2
+    with persist.Store(home) as store:
+        messages = json.loads(store.entry("c1").metadata["persist.chat"])
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+    raw = cli(home, "generate", "--model", m, "--session", "c1", "--prompt", "x", check=False)
+    assert raw.returncode == 1 and "continue it with --chat" in raw.stderr
+    bad = cli(home, "generate", "--model", m, "--session", "t", "--system", "s", "--prompt", "x",
+              check=False)  # fmt: skip
+    assert bad.returncode == 2 and "--system needs --chat" in bad.stderr

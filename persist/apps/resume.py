@@ -1,0 +1,129 @@
+"""Where a turn starts: the session as saved, or the longest stored prefix; and where
+it ends: saved only over the version it started from.
+
+A text session appends the prompt's tokens to the session's.  A chat session
+(``--chat``) keeps its messages in the session's metadata and renders them
+with the tokenizer's chat template each turn; when the rendering extends the
+stored tokens, only the new turn is prefilled, otherwise the longest stored
+prefix of the rendering is used (correct, just less reuse), and a new chat
+that starts with the same system prompt reuses another chat's prefix.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.store import Store
+from ..errors import InvalidArgumentError, SessionConflictError, SessionNotFoundError
+from ..identity import ModelIdentity
+from ..records import Progress
+
+__all__ = ["Resumed", "resume_text", "resume_chat", "save_turn", "CHAT_KEY"]
+
+CHAT_KEY = "persist.chat"  # session metadata: the chat's messages, as JSON
+
+
+@dataclass(frozen=True)
+class Resumed:
+    cache: list[Any] | None
+    tokens: list[int]  # every token of this turn, the session's history included
+    covered: int  # of those, restored from the store
+    source: str  # "session", "prefix" or "none"
+    version: int  # the session's version read (0: none): the save checks it is unchanged
+
+
+def resume_text(
+    store: Store,
+    session: str,
+    new: list[int],
+    identity: ModelIdentity,
+    namespace: str,
+    bar: Progress | None,
+) -> Resumed:
+    try:
+        restored = store.restore(session, identity=identity, namespace=namespace, progress=bar)
+    except SessionNotFoundError:
+        hit = store.lookup(new, identity=identity, namespace=namespace)
+        if hit is None:
+            return Resumed(None, new, 0, "none", 0)
+        return Resumed(hit.cache, new, len(hit.tokens), "prefix", 0)
+    if CHAT_KEY in restored.entry.metadata:  # raw text would end the chat's messages
+        raise InvalidArgumentError(f"session {session!r} is a chat; continue it with --chat")
+    tokens = restored.tokens + new
+    return Resumed(restored.cache, tokens, len(restored.tokens), "session", restored.entry.id)
+
+
+def save_turn(
+    store: Store,
+    cache: list[Any],
+    tokens: list[int],
+    *,
+    identity: ModelIdentity,
+    session: str,
+    namespace: str,
+    version: int,
+    metadata: dict[str, str] | None = None,
+    progress: Progress | None = None,
+) -> str:
+    """Save a turn if the session is still the version it was read at; else keep it
+    under the first free ``session~N`` (returned) instead of dropping it."""
+    name, n = session, 1
+    while True:
+        try:
+            store.save(
+                cache,
+                tokens,
+                identity=identity,
+                session=name,
+                namespace=namespace,
+                metadata=metadata,
+                progress=progress,
+                if_version=version,
+            )
+            return name
+        except SessionConflictError:
+            n += 1
+            name, version = f"{session}~{n}", 0
+
+
+def resume_chat(
+    store: Store,
+    session: str,
+    tokenizer: Any,
+    prompt: str,
+    system: str | None,
+    identity: ModelIdentity,
+    namespace: str,
+    bar: Progress | None,
+) -> tuple[Resumed, list[dict[str, str]]]:
+    """The turn's start and the chat's messages with the new user message appended."""
+    try:
+        restored = store.restore(session, identity=identity, namespace=namespace, progress=bar)
+    except SessionNotFoundError:
+        restored = None
+    messages: list[dict[str, str]] = []
+    if restored is not None:
+        if CHAT_KEY not in restored.entry.metadata:
+            raise InvalidArgumentError(
+                f"session {session!r} is a text session, not a chat; continue it without --chat"
+            )
+        messages = json.loads(restored.entry.metadata[CHAT_KEY])
+        if system is not None:
+            raise InvalidArgumentError("--system starts a chat; this chat has begun already")
+    elif system is not None:
+        messages = [{"role": "system", "content": system}]
+    messages.append({"role": "user", "content": prompt})
+    full = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    version = 0 if restored is None else restored.entry.id
+    if restored is not None and full[: len(restored.tokens)] == restored.tokens:
+        return Resumed(restored.cache, full, len(restored.tokens), "session", version), messages
+    hit = store.lookup(full, identity=identity, namespace=namespace)
+    if hit is None:
+        return Resumed(None, full, 0, "none", version), messages
+    return Resumed(hit.cache, full, len(hit.tokens), "prefix", version), messages
+
+
+def chat_metadata(messages: list[dict[str, str]], answer: str) -> dict[str, str]:
+    return {CHAT_KEY: json.dumps([*messages, {"role": "assistant", "content": answer}])}
