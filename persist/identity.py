@@ -76,6 +76,23 @@ def _weights_digest(model: Any) -> str:
     return h.hexdigest()
 
 
+def _remembered_weights(
+    model: Any, path: str | os.PathLike[str] | None, adapter: str | os.PathLike[str] | None
+) -> str:
+    if path is None:
+        return _weights_digest(model)
+    from . import weights_memo
+
+    dirs = [Path(path), None if adapter is None else Path(adapter)]
+    key = weights_memo.files_key(dirs, _versions())
+    known = weights_memo.recall(key)
+    if known is not None:
+        return known
+    digest = _weights_digest(model)
+    weights_memo.remember(key, digest)
+    return digest
+
+
 def _tokenizer_digests(tokenizer: Any) -> tuple[str, str]:
     if tokenizer is None:
         return "none", "none"
@@ -191,15 +208,27 @@ class ModelIdentity:
 
     @classmethod
     def of(
-        cls, model: Any, tokenizer: Any = None, *, name: str | None = None, **cache_config: Any
+        cls,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        name: str | None = None,
+        path: str | os.PathLike[str] | None = None,
+        adapter_path: str | os.PathLike[str] | None = None,
+        **cache_config: Any,
     ) -> ModelIdentity:
-        """The identity of a loaded mlx-lm model (and its tokenizer)."""
+        """The identity of a loaded mlx-lm model (and its tokenizer).
+
+        With the ``path`` (and ``adapter_path``) the model was loaded from,
+        the weights digest is remembered by those files (``weights_memo``):
+        computed once, then looked up, the same digest either way.
+        """
         model_type, config = config_digest(model)
         tok, template = _tokenizer_digests(tokenizer)
         return cls(
             model_type=model_type,
             config=config,
-            weights=_weights_digest(model),
+            weights=_remembered_weights(model, path, adapter_path),
             tokenizer=tok,
             chat_template=template,
             cache_config=_cache_config(cache_config),
@@ -225,7 +254,7 @@ class ModelIdentity:
         path = Path(model_dir)
         adapter = None if adapter_path is None else str(adapter_path)
         model, tokenizer = load(str(path), adapter_path=adapter, lazy=True)[:2]
-        return cls.of(model, tokenizer, **cache_config)
+        return cls.of(model, tokenizer, path=path, adapter_path=adapter, **cache_config)
 
     def diff(self, other: ModelIdentity) -> list[str]:
         """The digested fields that differ, by name (cache_config per key)."""

@@ -26,7 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     "records": {"errors"},
     "policy": BASE,
     "kinds": BASE,
-    "identity": BASE | {"format"},  # weights are hashed as the format stores them
+    "weights_memo": set(),
+    "identity": BASE | {"format", "weights_memo"},  # weights hashed as the format stores them
     "caches": BASE,
     "format": BASE,
     "codecs": BASE | {"format", "policy", "kinds", "caches"},
@@ -38,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     # re-exports by name (PEP 562); its TYPE_CHECKING block names every layer
     "__init__": BASE | {"policy", "kinds", "identity", "codecs", "store", "engine", "apps"},
 }
-NEVER_MLX = {"errors", "records", "policy", "kinds", "store"}  # numpy neither
+NEVER_MLX = {"errors", "records", "policy", "kinds", "store", "weights_memo"}  # numpy neither
 
 
 def module_name(path: Path) -> str:

@@ -68,7 +68,7 @@ def load_model(model_dir: str | os.PathLike[str] | None) -> tuple[Any, Any, Mode
 
     path = Path(model_dir) if model_dir is not None else demo_model_dir()
     model, tok = load(str(path))[:2]
-    return model, tok, ModelIdentity.of(model, tok)
+    return model, tok, ModelIdentity.of(model, tok, path=path)
 
 
 def generate(

@@ -18,6 +18,7 @@ import queue
 import threading
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache
@@ -199,7 +200,14 @@ def track_identities(server: Any) -> dict[Any, ModelIdentity]:
     def _load(self: Any, model_path: Any, adapter_path: Any = None, draft: Any = None) -> None:
         real_load(self, model_path, adapter_path, draft)
         config: dict[str, Any] = cache_config_of(self.cli_args)
-        ident = ModelIdentity.of(self.model, self.tokenizer, **config)
+        # a local directory lets the weights digest be remembered across restarts
+        local = [
+            p if p is not None and Path(str(p)).is_dir() else None
+            for p in (model_path, adapter_path)
+        ]
+        ident = ModelIdentity.of(
+            self.model, self.tokenizer, path=local[0], adapter_path=local[1], **config
+        )
         if self.draft_model is not None:
             ident = ident.with_draft(ModelIdentity.of(self.draft_model))
         identities[self.model_key] = ident

@@ -1,0 +1,78 @@
+"""Remember a model's weights digest, keyed by the files it was loaded from.
+
+Hashing every weight costs about 0.2 s per GiB, in every process.  The digest
+is of the weights as mlx-lm loads them (sanitized, adapters applied), so it
+can only be remembered, not read from the files: the first ``from_path`` (or
+``of(model, path=...)``) computes it and writes it here; later ones look it up
+by a key of every weight file (name, size, mtime, inode and device; or the
+sha256 that a Hugging Face cache path names, ``blobs/<sha256>``), the adapter
+files, the config and the mlx / mlx-lm versions.  Anything that changes a
+file changes the key.  No mlx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+
+__all__ = ["files_key", "recall", "remember", "memo_dir"]
+
+HF_BLOB = re.compile(r"[0-9a-f]{64}")
+WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin", ".json")
+
+
+def memo_dir() -> Path:
+    """Where digests are kept (``PERSIST_IDENTITY_CACHE``, else the user cache dir)."""
+    env = os.environ.get("PERSIST_IDENTITY_CACHE")
+    if env:
+        return Path(os.path.expandvars(os.path.expanduser(env)))
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("persist")) / "identity"
+
+
+def _file_facts(path: Path) -> list[object]:
+    real = path.resolve()
+    if real.parent.name == "blobs" and HF_BLOB.fullmatch(real.name):
+        return [path.name, "sha256", real.name]  # the content hash the HF cache names
+    st = real.stat()
+    return [path.name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+
+
+def files_key(dirs: Iterable[Path | None], versions: dict[str, str]) -> str:
+    """The key of every file a load reads from ``dirs`` (weights, configs, adapters)."""
+    facts: list[object] = [sorted(versions.items())]
+    for d in dirs:
+        if d is None:
+            facts.append(None)
+            continue
+        files = sorted(p for p in Path(d).iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
+        facts.append([str(Path(d).resolve()), [_file_facts(p) for p in files]])
+    return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()
+
+
+def recall(key: str) -> str | None:
+    """The remembered digest, or None (missing or unreadable: computed again)."""
+    try:
+        data = json.loads((memo_dir() / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    digest = data.get("weights") if isinstance(data, dict) else None
+    ok = isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{32}", digest) is not None
+    return digest if ok else None
+
+
+def remember(key: str, digest: str) -> None:
+    """Write the digest atomically; a cache that cannot be written is only slower."""
+    d = memo_dir()
+    with contextlib.suppress(OSError):
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = d / f".{key}.{secrets.token_hex(4)}.tmp"
+        tmp.write_text(json.dumps({"weights": digest}))
+        os.replace(tmp, d / f"{key}.json")
