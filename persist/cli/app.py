@@ -125,9 +125,9 @@ class PersistGroup(click.Group):
         try:
             return super().invoke(ctx)
         except PersistError as e:
-            click.echo(f"persist: error: {e}", err=True)
-            if isinstance(e, IdentityMismatchError):
-                click.echo("persist: hint: pass --model with the model it was saved for", err=True)
+            hint = "; pass --model with the model it was saved for"
+            extra = hint if isinstance(e, IdentityMismatchError) else ""
+            click.echo(f"persist: error: {e}{extra}", err=True)
             sys.exit(1)
         except BrokenPipeError:
             _quiet_stdout()

@@ -36,7 +36,7 @@ def test_builtin_errors_are_bugs_not_user_errors(
     def broken(*_: Any, **__: Any) -> Any:
         raise error
 
-    monkeypatch.setattr(persist.Store, "sessions", broken)
+    monkeypatch.setattr(persist.Store, "entries", broken)
     res = CliRunner().invoke(cli, ["ls", "--store", str(tmp_path / "s")])
     assert res.exit_code == 3 and "please report it" in res.output
 
@@ -51,7 +51,7 @@ def test_ctrl_c_is_exit_130(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     def interrupted(*_: Any, **__: Any) -> Any:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(persist.Store, "sessions", interrupted)
+    monkeypatch.setattr(persist.Store, "entries", interrupted)
     res = CliRunner().invoke(cli, ["ls", "--store", str(tmp_path / "s")])
     assert res.exit_code == 130
 

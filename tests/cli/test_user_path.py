@@ -159,7 +159,7 @@ def test_a_session_for_another_model_names_both(model_dir: Any, tmp_path: Path) 
               "--prompt", "hi", "--max-tokens", "2", check=False)  # fmt: skip
     assert bad.returncode == 1
     assert "saved for another model (llama " in bad.stderr and "this is gemma3" in bad.stderr
-    assert "hint: pass --model" in bad.stderr
+    assert "; pass --model with the model it was saved for" in bad.stderr
     listed = json.loads(cli(home, "ls", "--json").stdout)
     assert [e["model"] for e in listed] == ["llama"]  # the model_type, as from Python
 

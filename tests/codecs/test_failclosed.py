@@ -243,5 +243,10 @@ def test_not_a_persist_file(tmp_path: Path) -> None:
     from mlx_lm.models.cache import save_prompt_cache
 
     save_prompt_cache(str(tmp_path / "mlx.safetensors"), [c])
-    with pytest.raises(CorruptBlobError, match="not a persist file"):
+    # a valid mlx-lm file is not damage: a typed refusal naming the import command
+    with pytest.raises(persist.UnsupportedFormatError, match="not a persist file"):
         persist.load_file(tmp_path / "mlx.safetensors")
+    junk = tmp_path / "other.safetensors"
+    mx.save_safetensors(str(junk), {"x": mx.zeros((2,))}, {"a": "b"})
+    with pytest.raises(CorruptBlobError, match="not a persist file"):
+        persist.load_file(junk)
