@@ -340,13 +340,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--label", default=None)
+    ap.add_argument("--cases", nargs="+", default=None, help="e.g. llama3-8b:32768 qwen3-next:8192")
     args = ap.parse_args()
+    builds = {"llama3-8b": llama, "qwen3-next": qwen3_next}
     cases: list[tuple[str, Callable[[int], list[Any]], int]] = [
         ("llama3-8b", llama, 1024),
         ("llama3-8b", llama, 8192),
     ]
     if not args.quick:
         cases += [("llama3-8b", llama, 32768), ("qwen3-next", qwen3_next, 8192)]
+    if args.cases:
+        picked = [c.split(":") for c in args.cases]
+        cases = [(name, builds[name], int(n)) for name, n in picked]
     label = args.label or device()
     results = []
     for name, build, tokens in cases:
@@ -362,6 +367,8 @@ def main() -> None:
     }
     RESULTS.mkdir(exist_ok=True)
     stem = f"throughput-{label}" + ("-quick" if args.quick else "")
+    if args.cases:
+        stem += "-" + "-".join(c.replace(":", "") for c in args.cases)
     (RESULTS / f"{stem}.json").write_text(json.dumps(r, indent=2) + "\n")
     (RESULTS / f"{stem}.md").write_text(markdown(r))
     print(markdown(r))
