@@ -31,6 +31,22 @@ def main() -> None:
     cache, secs = prefill(model, tokens)
     print(f"prefill {n}: {secs:.2f} s", flush=True)
     steps(model, cache, "before the save")
+    if "--phase" in sys.argv:  # persist's own path, in two processes: save, then restore
+        phase, root = sys.argv[sys.argv.index("--phase") + 1], Path(sys.argv[-1])
+        with persist.Store(root) as store:
+            if phase == "save":
+                toks = [*tokens.tolist(), *[7] * 4]
+                t = time.perf_counter()
+                store.save(cache, toks, identity=IDENTITY, session="s")
+                print(f"save {time.perf_counter() - t:.2f} s", flush=True)
+                steps(model, cache, "after persist's save")
+            else:
+                t = time.perf_counter()
+                restored = store.restore("s", identity=IDENTITY).cache
+                print(f"restore {time.perf_counter() - t:.2f} s", flush=True)
+                steps(model, restored, "the restored cache")
+                steps(model, cache, "a prefilled cache, after the restore")
+        return
     if "--copy-first" in sys.argv:  # save from a device copy; keep decoding the original
         copied = [type(c)() for c in cache]
         for c, o in zip(copied, cache, strict=True):

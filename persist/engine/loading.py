@@ -18,7 +18,7 @@ from ..codecs.snapshot import rebuild
 from ..errors import CorruptBlobError
 from ..format.container import Header, read_header
 from ..format.manifest import blob_manifest, snapshot_specs
-from ..format.tensors import allocate, read_piece
+from ..format.tensors import allocate, device_copy, on_cuda, read_piece
 from ..records import Progress, Record, RecordSpec, TensorSpec
 
 if TYPE_CHECKING:
@@ -160,6 +160,8 @@ def _fill(blob: _Blob, key: str, out: Any, view: memoryview, at: int, axis: int)
 
 
 def _record(spec: RecordSpec, path: str, buffers: Buffers) -> Record:
-    tensors = {name: buffers[f"{path}/{name}"][0] for name in spec.tensors}
+    # on CUDA the host wrote these buffers: the caches get device copies of them
+    settle = device_copy if on_cuda() else (lambda a: a)
+    tensors = {name: settle(buffers[f"{path}/{name}"][0]) for name in spec.tensors}
     kids = tuple(_record(c, f"{path}.{j}", buffers) for j, c in enumerate(spec.children))
     return Record(spec.kind, spec.version, spec.meta, tensors, kids)

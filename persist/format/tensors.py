@@ -23,7 +23,16 @@ from ..records import DTYPE_SIZES, TensorSpec
 
 IOV_MAX = min(getattr(os, "IOV_MAX", 1024), 1024)  # buffers per preadv
 
-__all__ = ["MX_TO_NAME", "NAME_TO_MX", "dtype_name", "as_bytes", "allocate", "read_piece"]
+__all__ = [
+    "MX_TO_NAME",
+    "NAME_TO_MX",
+    "dtype_name",
+    "as_bytes",
+    "allocate",
+    "read_piece",
+    "on_cuda",
+    "device_copy",
+]
 
 MX_TO_NAME: dict[Any, str] = {
     mx.bool_: "BOOL",
@@ -137,3 +146,21 @@ def as_bytes(a: Any) -> memoryview:
         a = a.reshape(1)
     mx.eval(a)
     return memoryview(a).cast("B")
+
+
+def on_cuda() -> bool:
+    """Is MLX computing on its CUDA backend (where host access to arrays is costly)?"""
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device().type == mx.gpu and cuda is not None and bool(cuda.is_available())
+
+
+_SAME_SIZE_UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+def device_copy(a: mx.array) -> mx.array:
+    """A bit-exact copy in a buffer of its own (an integer view plus zero: -0.0 and
+    NaN payloads stay as they are)."""
+    if a.size == 0 or a.dtype == mx.bool_:
+        return mx.array(a)
+    u = _SAME_SIZE_UINT[a.dtype.size]
+    return (a.view(u) + mx.array(0, dtype=u)).view(a.dtype)
