@@ -112,23 +112,34 @@ def included(name: str) -> list[str]:
 
 
 def main() -> None:
-    files, store, serve = load("files"), load("store"), load("serve")
-    m = files["machine"]
+    serve = load("serve")
+    m = load("throughput-cpu")["machine"]
     lines = [
         "## Benchmarks",
         "",
         f"Measured on this project's CI machine ({m['cpus']} CPUs, 24 GiB, a VM whose fresh "
-        "memory and page cache are slow), median of interleaved runs after a warm-up round; "
-        "reproduce with `python -m bench.bench_files`, `python -m bench.bench_store` and "
-        "`python -m bench.bench_serve` (results in `bench/results/`, this section from "
+        "memory and page cache are slow) and on an NVIDIA H200 through MLX's CUDA backend; "
+        "minimum of interleaved runs after a warm-up round. Reproduce with "
+        "`python -m bench.bench_throughput`, `bench.bench_recompute`, `bench.bench_identity`, "
+        "`bench.bench_lookup`, `bench.bench_budget`, `bench.bench_serve` and "
+        "`bench.bench_serve_load` (results in `bench/results/`, this section from "
         "`python -m bench.report`).",
         "",
-        "`save_file`/`load_file` against mlx-lm and the machine's raw limits (persist fsyncs and "
-        "verifies every checksum; mlx-lm does neither):",
+        "Save and restore against mlx-lm and the machine's raw limits, this machine "
+        "(persist fsyncs and verifies every checksum; mlx-lm does neither):",
         "",
-        *files_section(files),
+        *included("throughput-cpu"),
+        "The same on the NVIDIA H200:",
         "",
-        *store_section(store),
+        *included("throughput-cuda-llama3-8b1024-llama3-8b8192-qwen3-next8192"),
+        *included("throughput-cuda-llama3-8b32768"),
+        "Restore or recompute on the H200 (a random-weight Llama-3-8B, bf16): at these "
+        "lengths its prefill is faster than reading the cache back from the host, so there "
+        "persist's value is a cache that survives restarts and is shared across prompts "
+        "longer than these, not speed:",
+        "",
+        *included("recompute-cuda"),
+        *included("identity"),
         *serve_section(serve),
         "",
         "Lookups against the number of sessions that share a prompt's prefix:",
