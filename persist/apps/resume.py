@@ -16,13 +16,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.store import Store
-from ..errors import InvalidArgumentError, SessionConflictError, SessionNotFoundError
+from ..errors import (
+    InvalidArgumentError,
+    InvalidMetadataError,
+    SessionConflictError,
+    SessionNotFoundError,
+)
+from ..format.manifest import MAX_USER_METADATA
 from ..identity import ModelIdentity
 from ..records import Progress
 
 __all__ = ["Resumed", "resume_text", "resume_chat", "save_turn", "CHAT_KEY"]
 
 CHAT_KEY = "persist.chat"  # session metadata: the chat's messages, as JSON
+ANSWER_ROOM = 256 << 10  # metadata kept free for the answer a turn adds
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,12 @@ def resume_chat(
     elif system is not None:
         messages = [{"role": "system", "content": system}]
     messages.append({"role": "user", "content": prompt})
+    size = len(json.dumps(messages).encode())
+    if size > MAX_USER_METADATA - ANSWER_ROOM:  # refused before the turn, not after it
+        raise InvalidMetadataError(
+            f"the chat's messages take {size} bytes; a session keeps at most "
+            f"{MAX_USER_METADATA >> 20} MiB of metadata: start a new chat"
+        )
     full = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     version = 0 if restored is None else restored.entry.id
     if restored is not None and full[: len(restored.tokens)] == restored.tokens:

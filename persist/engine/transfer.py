@@ -18,7 +18,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptBlobError, NotResumableError, UnknownKindError, UnsupportedFormatError
+from ..errors import (
+    CorruptBlobError,
+    NotResumableError,
+    PersistError,
+    UnknownKindError,
+    UnsupportedFormatError,
+)
 from ..format.container import fsync_dir, read_header
 from ..format.manifest import is_mlx_lm_metadata
 from ..identity import ModelIdentity
@@ -102,12 +108,20 @@ def read_mlx_lm(path: str | os.PathLike[str]) -> tuple[list[Any], dict[str, str]
         raise CorruptBlobError(where, "malformed mlx-lm prompt-cache metadata") from None
     known: dict[str, Any] = _classes()
     cache = []
-    for name, state in zip(names, states, strict=True):
+    for i, (name, state) in enumerate(zip(names, states, strict=True)):
         cls = known.get(name)
         if cls is None:
             raise UnknownKindError(name, f"{where}: not an mlx-lm cache class persist stores")
-        cache.append(cls.from_state(state))
-    capture(cache)  # every layer through its codec: refused here, not at a later save
+        try:
+            cache.append(cls.from_state(state))
+        except Exception as e:  # mlx-lm's setters assume a well-formed state
+            raise CorruptBlobError(where, f"layer {i} ({name}): malformed state: {e}") from None
+    try:
+        capture(cache)  # every layer through its codec: refused here, not at a later save
+    except PersistError:
+        raise
+    except Exception as e:
+        raise CorruptBlobError(where, f"a layer does not hold a valid cache: {e}") from None
     return cache, {str(k): str(v) for k, v in dict(user or {}).items()}
 
 
@@ -132,6 +146,12 @@ def write_mlx_lm(
     """A file mlx-lm's ``load_prompt_cache`` reads: its writer, then fsync and rename."""
     from mlx_lm.models.cache import save_prompt_cache
 
+    foreign = sorted({type(c).__name__ for c in cache} - set(_classes()))
+    if foreign:  # load_prompt_cache looks classes up in mlx_lm.models.cache alone
+        raise UnsupportedFormatError(
+            f"mlx-lm cannot load caches of {', '.join(foreign)} (not mlx-lm classes); "
+            "export this session in the persist format"
+        )
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp.safetensors")
     try:

@@ -105,3 +105,37 @@ def test_class_names_are_never_looked_up_outside_the_registry(tmp_path: Path) ->
         persist.Store(tmp_path / "s").import_file(
             path, identity=persist.ModelIdentity("t", "c", "w", "k", "h"), tokens=[1, 2]
         )
+
+
+@pytest.mark.parametrize(
+    "arrays, classes",
+    [
+        ({"0.0": (1, 1, 2, 4)}, ["KVCache"]),  # too few state arrays
+        ({"0.0": (2, 4), "0.1": (2, 4), "0.2": (1,)}, ["KVCache"]),  # wrong dims
+        ({"0.0": (1, 1, 2, 4), "0.1": (1, 1, 2, 4)}, ["RotatingKVCache"]),  # no meta state
+        ({"0.0": (1, 1, 2, 4)}, ["KVCache", "KVCache"]),  # two classes, one state
+    ],
+)
+def test_malformed_mlx_lm_files_are_typed_refusals(
+    arrays: dict[str, tuple[int, ...]], classes: list[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "bad.safetensors"
+    meta = {**{f"1.{i}": c for i, c in enumerate(classes)}, "2.0": ""}
+    mx.save_safetensors(str(path), {k: mx.zeros(s) for k, s in arrays.items()}, meta)
+    with pytest.raises(persist.CorruptBlobError):
+        persist.Store(tmp_path / "s").import_file(
+            path, identity=persist.ModelIdentity("t", "c", "w", "k", "h"), tokens=[1, 2]
+        )
+
+
+def test_a_session_mlx_lm_cannot_load_is_not_exported_for_it(tmp_path: Path) -> None:
+    from persist.caches import DelayedQuantizedKVCache
+    from tests.golden.cases import IDENTITY
+
+    c = DelayedQuantizedKVCache(start=64)
+    c.update_and_fetch(mx.zeros((1, 1, 3, 32)), mx.zeros((1, 1, 3, 32)))
+    with persist.Store(tmp_path / "s") as store:
+        store.save([c], [1, 2, 3], identity=IDENTITY, session="d")
+        with pytest.raises(persist.UnsupportedFormatError, match="DelayedQuantizedKVCache"):
+            store.export("d", tmp_path / "d.safetensors", format="mlx-lm")
+    assert not list(tmp_path.glob("*d.safetensors*"))
