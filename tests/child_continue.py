@@ -1,7 +1,8 @@
 """Run in a fresh process: load a persist file, continue it, write the results.
 
 argv: model_dir job.json.  The job lists (cache file, next tokens, out file);
-a job with "store" and "session" restores a named session from a store instead.
+a job with "store" and "session" restores a named session from a store instead
+("shared": a shared tier's URL; "lookup": a prompt to look up instead of a session).
 Each out file is a safetensors file of the step logits and the live state
 after the continuation, plus the greedy tokens in its metadata.
 """
@@ -23,10 +24,14 @@ def main() -> None:
     model_dir, job_path = sys.argv[1], sys.argv[2]
     model, tok = load(model_dir)
     for job in json.loads(Path(job_path).read_text()):
-        if "store" in job:  # restore a named session from a store
+        if "store" in job:  # restore a named session (or look up a prompt) from a store
             ident = persist.ModelIdentity.of(model, tok, **job.get("cache_config", {}))
-            with persist.Store(job["store"]) as store:
-                loaded = store.restore(job["session"], identity=ident)
+            with persist.Store(job["store"], shared=job.get("shared")) as store:
+                if "lookup" in job:
+                    loaded = store.lookup(job["lookup"], identity=ident)
+                    assert loaded is not None, "no hit"
+                else:
+                    loaded = store.restore(job["session"], identity=ident)
         else:
             loaded = persist.load_file(job["file"])
         before = live_state(loaded.cache)

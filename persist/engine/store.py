@@ -28,9 +28,11 @@ from ..records import Progress
 from ..store import retention, writes
 from ..store.blobs import FileBlobs
 from ..store.index import Index, SnapshotRow
+from ..store.redis_tier import RedisTier
 from ..store.rows import check_name, entry_info, store_root
 from ..store.schema import connect
 from ..store.types import EntryInfo, GcReport, Problem, Restored, Rollback, StoreStats
+from . import tiers
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
     from ..codecs.snapshot import Snapshot
@@ -59,6 +61,7 @@ class Store:
         max_bytes: int | None = None,
         block_tokens: int | None = None,
         namespace_max_bytes: int | Mapping[str, int] | None = None,
+        shared: str | None = None,
     ) -> None:
         self.root = store_root(root)
         if block_tokens is not None and not 1 <= block_tokens <= 1 << 20:
@@ -82,6 +85,8 @@ class Store:
         except (PermissionError, FileNotFoundError, NotADirectoryError) as e:
             raise StorageError(f"cannot open the store at {self.root}", e) from e
         self._index: Index | None = Index(db)
+        # a Redis-protocol server every machine of a fleet shares (engine/tiers.py)
+        self.shared = tiers.Shared(RedisTier(shared)) if shared else None
         self.block_tokens = int(
             db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0]
         )
@@ -167,6 +172,8 @@ class Store:
         for name in (target.name, target.owner):
             if name is not None:
                 check_name(name, "session")
+        if self.shared is not None:
+            self.shared.agree(self.index, target.namespace, create=True)
         row = save_snapshot(
             self.index,
             self.blobs,
@@ -177,6 +184,8 @@ class Store:
             budgets=self.budgets,
             progress=progress,
         )
+        if self.shared is not None:
+            self.shared.push(self.index, self.blobs, row.namespace, row.id)
         return self._info(row)
 
     def count(self, namespace: str = "default", **counters: int) -> None:
@@ -198,12 +207,10 @@ class Store:
 
         check_name(namespace, "namespace")
         check_name(session, "session")
+        if self.shared is not None and not self.has_session(session, namespace=namespace):
+            self.shared.pull_session(self.index, self.blobs, namespace, session)
         cache, row = restore_named(self.index, self.blobs, namespace, session, identity, progress)
         return Restored(cache, unpack_tokens(row.tokens), self._info(row))
-
-    def namespace_budget(self, namespace: str) -> int | None:
-        """The byte budget of ``namespace`` (None: only the store's ``max_bytes``)."""
-        return self.budgets.of(namespace)
 
     def lookup(
         self,
@@ -224,6 +231,10 @@ class Store:
 
         toks = check_tokens(tokens)
         check_name(namespace, "namespace")
+        if self.shared is not None:
+            self.shared.pull_prefix(
+                self.index, self.blobs, toks, identity, namespace, self.block_tokens
+            )
         found = lookup_prefix(
             self.index, self.blobs, toks, identity, namespace, self.block_tokens, longer_than
         )

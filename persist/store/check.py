@@ -14,6 +14,7 @@ import re
 import stat
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import CorruptBlobError
 from ..format.container import checksum, read_header
@@ -198,18 +199,24 @@ def _damaged(
 def _verify(path: Path, size: int, head: bytes) -> str | None:
     try:
         with open(path, "rb") as fh:
-            header = read_header(fh, str(path))
-            if header.file_size != size or header.digest != head:
-                return "size or header does not match the index"
-            sums = blob_manifest(header, str(path))
-            for key, e in header.tensors.items():
-                fh.seek(e.start)
-                if checksum(fh.read(e.end - e.start)) != sums[key]:
-                    return f"checksum mismatch in tensor {key!r}"
-    except CorruptBlobError as err:
-        return err.detail
+            return verify_blob(fh, str(path), size, head)
     except OSError as err:
         return f"unreadable: {err}"
+
+
+def verify_blob(fh: BinaryIO, where: str, size: int, head: bytes) -> str | None:
+    """What is wrong with an open blob file (size, header, every tensor), or None."""
+    try:
+        header = read_header(fh, where)
+        if header.file_size != size or header.digest != head:
+            return "size or header does not match the index"
+        sums = blob_manifest(header, where)
+        for key, e in header.tensors.items():
+            fh.seek(e.start)
+            if checksum(fh.read(e.end - e.start)) != sums[key]:
+                return f"checksum mismatch in tensor {key!r}"
+    except CorruptBlobError as err:
+        return err.detail
     return None
 
 

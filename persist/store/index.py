@@ -125,6 +125,27 @@ class Index:
             ).fetchone()
         return (row[0], row[1]) if row else None
 
+    def blob_facts(self, files: Sequence[str]) -> dict[str, tuple[str, int, bytes]]:
+        """file -> (content key, size, header checksum) of live blobs."""
+        out: dict[str, tuple[str, int, bytes]] = {}
+        with self.read() as db:
+            for f in set(files):
+                row = db.execute(
+                    "SELECT key, size, head_xxh3 FROM blobs WHERE file = ? AND dead = 0", [f]
+                ).fetchone()
+                if row is not None:
+                    out[f] = (row[0], row[1], bytes(row[2]))
+        return out
+
+    def set_secret(self, namespace: str, secret: bytes) -> bytes:
+        """Adopt ``secret`` for a namespace this store has not used yet; the one in force."""
+        with self.write() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO namespaces(name, secret) VALUES (?, ?)", [namespace, secret]
+            )
+            row = db.execute("SELECT secret FROM namespaces WHERE name = ?", [namespace]).fetchone()
+        return bytes(row[0])
+
     def blob_rows_and_pending(
         self,
     ) -> tuple[dict[str, tuple[int, bytes, int, bool]], dict[str, tuple[int, float]]]:

@@ -1,0 +1,252 @@
+"""Snapshots between the local store and a shared tier: push after a commit, pull on a miss.
+
+A snapshot travels as a *record* (its index row, its block list by content
+key, each blob's size and header checksum, and a checksum of all that) plus
+its blobs.  Pulling writes the blobs into the local store, checked against the
+record before anything is committed, then commits the row exactly as a local
+save would; from then on the local store serves it.  A tier that fails never
+fails the local operation: the caller counts it and goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from typing import Any
+
+import msgpack
+import xxhash
+
+from ..errors import CorruptBlobError
+from ..format.tokens import unpack_tokens
+from ..store import writes
+from ..store.blobs import BlobStore
+from ..store.chains import chain_root, chains
+from ..store.check import verify_blob
+from ..store.index import Index
+from ..store.redis_tier import RedisTier, TierUnavailable
+from ..store.rows import BlockRef, NewBlob
+
+__all__ = ["Shared", "push", "pull", "shared_secret"]
+
+log = logging.getLogger("persist")
+ROW_FIELDS = (
+    "name", "owner", "role", "identity", "identity_map", "root", "last_chain", "n_blocks",
+    "n_tokens", "tokens", "trimmable", "min_resume", "manifest", "metadata", "created",
+)  # fmt: skip
+
+
+class Shared:
+    """A Store's shared tier: which namespaces agree with it, and the operations that
+    never fail the local one (a tier that is down or refuses is counted and skipped)."""
+
+    def __init__(self, tier: RedisTier) -> None:
+        self.tier = tier
+        self._agreed: dict[str, bool] = {}
+
+    def agree(self, index: Index, namespace: str, create: bool = False) -> bool:
+        """Does this namespace's secret agree with the tier's?  Only a save (``create``)
+        puts a secret on the tier: a read never creates a namespace anywhere."""
+        if namespace not in self._agreed:
+            ok = self._run(lambda: shared_secret(index, self.tier, namespace, create))
+            if ok is None:
+                return False  # down, or nothing shared yet: asked again next time
+            self._agreed[namespace] = bool(ok)
+        return self._agreed[namespace]
+
+    def _run(self, op: Any) -> Any:
+        try:
+            return op()
+        except TierUnavailable:
+            return None
+
+    def push(self, index: Index, blobs: BlobStore, namespace: str, sid: int) -> None:
+        if self.agree(index, namespace, create=True):
+            self._run(lambda: push(index, blobs, self.tier, namespace, sid))
+
+    def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> None:
+        """A named session the local store lacks, from the tier (CorruptBlobError if damaged)."""
+        if not self.agree(index, namespace):
+            return
+        record = self._run(lambda: self.tier.session_record(namespace, name))
+        if record is not None:
+            pull(index, blobs, self.tier, namespace, record, named=True)
+
+    def pull_prefix(
+        self,
+        index: Index,
+        blobs: BlobStore,
+        toks: list[int],
+        identity: Any,
+        namespace: str,
+        block: int,
+    ) -> None:
+        """Pull the tier's deepest snapshot of this prompt if it beats the local one."""
+        from .reading import choose
+
+        if not self.agree(index, namespace):  # adopts the fleet's secret on a new machine
+            return
+        secret = index.secret(namespace)
+        if secret is None:
+            return
+        local = choose(index, toks, identity, namespace, block, set())
+        chs = chains(chain_root(secret, identity.digest), toks, block)[1:]
+        found = self._run(lambda: self.tier.deepest_chain(namespace, chs))
+        if found is None or found[0] * block <= (local[1] if local else 0):
+            return
+        try:
+            self._run(lambda: pull(index, blobs, self.tier, namespace, found[1], named=False))
+        except CorruptBlobError as e:  # never a wrong cache: the local answer stands
+            self.tier.counters["corrupt_skipped"] = self.tier.counters.get("corrupt_skipped", 0) + 1
+            log.warning("persist: skipping a damaged shared snapshot: %s", e)
+
+
+def shared_secret(index: Index, tier: RedisTier, namespace: str, create: bool) -> bool | None:
+    """Make the namespace's chain secret the tier's (so chains and content keys agree on
+    every machine); False if this store already chained it with another one; None if
+    the tier has none and ``create`` is false."""
+    local = index.secret(namespace)
+    if not create:
+        held = tier.get_secret(namespace)
+        if held is None:
+            return None
+        theirs = held
+    else:
+        theirs = tier.secret(namespace, local if local is not None else os.urandom(32))
+    if local is None:
+        local = index.set_secret(namespace, theirs)
+    if local != theirs:
+        log.warning(
+            "persist: namespace %r has another secret on %s: not shared", namespace, tier.url
+        )
+        return False
+    return True
+
+
+def push(index: Index, blobs: BlobStore, tier: RedisTier, namespace: str, sid: int) -> None:
+    """Write a committed snapshot's missing blobs and its record to the tier."""
+    with index.read() as db:
+        (row,) = Index.rows_where(db, "id = ?", [sid])
+        refs = Index.blocks_in(db, sid)
+    files = [row.tail, *(r.blob for r in refs if r.blob)]
+    facts = index.blob_facts(files)
+    if len(facts) != len(set(files)):
+        return  # evicted or replaced meanwhile: nothing to share
+    for key in tier.missing_blobs(namespace, [facts[f][0] for f in set(files)]):
+        file = next(f for f in files if facts[f][0] == key)
+        with blobs.open(file) as fh:
+            tier.put_blob(namespace, key, fh.read(), bool(row.pinned))
+    body = {
+        "v": 1,
+        "row": {k: getattr(row, k) for k in ROW_FIELDS},
+        "blocks": [[r.idx, r.chain, facts[r.blob][0] if r.blob else None] for r in refs],
+        "tail": facts[row.tail][0],
+        "blobs": {facts[f][0]: [facts[f][1], facts[f][2]] for f in set(files)},
+    }
+    packed = msgpack.packb(body, use_bin_type=True)
+    record = msgpack.packb({"body": packed, "sum": xxhash.xxh3_128_digest(packed)})
+    rkey = xxhash.xxh3_128_hexdigest(packed)
+    name = row.name if row.role == "session" else None
+    tier.put_record(namespace, rkey, record, name, [r.chain for r in refs])
+
+
+def pull(
+    index: Index, blobs: BlobStore, tier: RedisTier, namespace: str, record: bytes, named: bool
+) -> int:
+    """Commit a record's snapshot into the local store (as a session if ``named``, else an
+    anonymous prefix); CorruptBlobError if the record or a blob fails its checksum."""
+    body = _body(record)
+    keys = sorted(body["blobs"])
+    got = tier.get_blobs(namespace, keys)
+    salt = secrets.token_hex(6)
+    index.begin_pending(salt)
+    written: list[NewBlob] = []
+    try:
+        files = {
+            k: _local(index, blobs, k, got.get(k), body["blobs"][k], salt, written) for k in keys
+        }
+        return _commit(index, namespace, body, files, written, salt, named)
+    except BaseException:
+        for b in written:
+            blobs.delete(b.file)
+        index.end_pending(salt)
+        raise
+
+
+def _body(record: bytes) -> dict[str, Any]:
+    try:
+        outer = msgpack.unpackb(record, raw=False)
+        packed = outer["body"]
+        if xxhash.xxh3_128_digest(packed) != outer["sum"]:
+            raise ValueError("checksum")
+        body: dict[str, Any] = msgpack.unpackb(packed, raw=False)
+        assert body["v"] == 1 and isinstance(body["blobs"], dict)
+        return body
+    except Exception:
+        raise CorruptBlobError("shared tier", "a damaged snapshot record") from None
+
+
+def _local(
+    index: Index,
+    blobs: BlobStore,
+    key: str,
+    data: bytes | None,
+    facts: list[Any],
+    salt: str,
+    written: list[NewBlob],
+) -> str:
+    """The local file of blob ``key``: one the store holds, or the tier's bytes, checked."""
+    held = index.live_blob(key)
+    if held is not None:
+        return held[0]
+    where = f"shared blob {key}"
+    if data is None:
+        raise CorruptBlobError(where, "the shared tier no longer holds it")
+    size, digest = facts[0], bytes(facts[1])
+
+    def write(sink: Any) -> bytes:
+        sink.write(data)
+        sink.finish()
+        return digest
+
+    file, n, h = blobs.put(key, write, len(data), salt)
+    written.append(NewBlob(file, key, n, h))
+    with blobs.open(file) as fh:  # every tensor checked before anything is committed
+        problem = verify_blob(fh, where, size, digest)
+    if problem is not None:
+        raise CorruptBlobError(where, problem)
+    return file
+
+
+def _commit(
+    index: Index,
+    namespace: str,
+    body: dict[str, Any],
+    files: dict[str, str],
+    written: list[NewBlob],
+    salt: str,
+    named: bool,
+) -> int:
+    r = dict(body["row"])
+    refs = [BlockRef(i, bytes(c), files[k] if k else None) for i, c, k in body["blocks"]]
+    now = time.time()
+    row = {
+        **r,
+        "namespace": namespace,
+        "name": r["name"] if named else None,
+        "role": r["role"] if named else "prefix",
+        "tail": files[body["tail"]],
+        "bytes": sum(f[0] for f in body["blobs"].values()),
+        "pinned": 0,
+        "used": now,
+    }
+    with index.write() as db:
+        writes.add_blobs(db, namespace, written)
+        writes.finish_pending(db, salt)
+        sid = writes.insert(db, row, refs)
+        chs = [bytes(r["root"]), *(ref.chain for ref in refs)]
+        block = int(msgpack.unpackb(r["manifest"], raw=False)["block"])
+        writes.add_heads(db, sid, chs, unpack_tokens(r["tokens"]), block)
+    return sid

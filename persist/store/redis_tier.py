@@ -1,0 +1,220 @@
+"""A shared tier on a Redis-protocol server (Redis, Valkey): blobs and snapshot records
+that every machine of a fleet can read.  No mlx.
+
+Keys live under one prefix per namespace, ``persist:<tag>:`` with ``tag`` the
+first 16 hex digits of sha256(namespace), so a Redis ACL key pattern confines
+a tenant.  Under it:
+
+- ``secret``: the namespace's chain secret (the same on every machine);
+- ``blob:<content key>``: a blob file's bytes, or ``parts:<n>`` and the parts
+  ``blob:<key>:<i>`` of at most 8 MiB; written with SET NX (content-addressed,
+  write-once) and a TTL unless the snapshot is pinned;
+- ``rec:<record key>``: a snapshot record (msgpack, ``engine/tiers.py``);
+- ``sess:<name>``: the record key of a named session;
+- ``blk:<chain hex>``: the record key of a snapshot holding that block.
+
+Every value read is checked by the caller (blob headers against the record's
+checksums, records by their own checksum): a corrupt or evicted value is a
+miss, never a wrong cache.  A server that is down costs one connect timeout,
+then a breaker skips it for ``retry_after`` seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import PersistError
+
+__all__ = ["RedisTier", "PART_BYTES", "TierUnavailable"]
+
+log = logging.getLogger("persist")
+PART_BYTES = 8 << 20  # values of at most 8 MiB
+SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://")
+
+
+class TierUnavailable(PersistError, ConnectionError):
+    """The shared tier did not answer (down, timed out, or refused by its ACL)."""
+
+
+class RedisTier:
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_s: int | None = 7 * 24 * 3600,
+        connect_timeout_s: float = 1.0,
+        retry_after_s: float = 10.0,
+    ) -> None:
+        if not url.startswith(SCHEMES):
+            raise ValueError(f"a shared tier URL starts with {' or '.join(SCHEMES)}: {url!r}")
+        try:
+            import redis
+        except ImportError:
+            raise PersistError(
+                'a shared tier needs redis-py: pip install "mlx-persist[shared]"'
+            ) from None
+        self.url = url.replace("valkey", "redis", 1)
+        self._redis = redis
+        self._client = redis.Redis.from_url(
+            self.url, socket_connect_timeout=connect_timeout_s, socket_timeout=2 * connect_timeout_s
+        )
+        self.ttl_s, self.retry_after_s = ttl_s, retry_after_s
+        self._down_until = 0.0
+        self.counters: dict[str, int] = {}
+
+    # -- the breaker -------------------------------------------------------
+
+    def _call(self, what: str, fn: Any) -> Any:
+        if time.monotonic() < self._down_until:
+            self._count("skipped")
+            raise TierUnavailable(f"shared tier {self.url} is down (skipping it for a while)")
+        try:
+            return fn()
+        except self._redis.RedisError as e:
+            if self._down_until == 0.0:  # once per outage
+                log.warning("persist: shared tier %s failed (%s): %s", self.url, what, e)
+            self._down_until = time.monotonic() + self.retry_after_s
+            self._count("errors")
+            raise TierUnavailable(f"shared tier {self.url}: {what}: {e}") from None
+
+    def _ok(self) -> None:
+        self._down_until = 0.0
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    @staticmethod
+    def prefix(namespace: str) -> str:
+        return f"persist:{hashlib.sha256(namespace.encode()).hexdigest()[:16]}:"
+
+    # -- the namespace secret ------------------------------------------------
+
+    def secret(self, namespace: str, mine: bytes) -> bytes:
+        """The namespace's secret on the tier: ``mine`` if the tier had none."""
+        key = self.prefix(namespace) + "secret"
+
+        def run() -> bytes:
+            self._client.set(key, mine, nx=True)
+            got: Any = self._client.get(key)
+            return bytes(got) if got is not None else mine
+
+        out: bytes = self._call("secret", run)
+        self._ok()
+        return out
+
+    def get_secret(self, namespace: str) -> bytes | None:
+        """The namespace's secret if the tier has one (a read: nothing is created)."""
+        key = self.prefix(namespace) + "secret"
+        got: Any = self._call("secret", lambda: self._client.get(key))
+        self._ok()
+        return None if got is None else bytes(got)
+
+    # -- blobs ----------------------------------------------------------------
+
+    def missing_blobs(self, namespace: str, keys: Sequence[str]) -> list[str]:
+        p = self.prefix(namespace)
+
+        def run() -> list[str]:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(f"{p}blob:{k}")
+            return [k for k, n in zip(keys, pipe.execute(), strict=True) if not n]
+
+        out: list[str] = self._call("exists", run)
+        self._ok()
+        return out
+
+    def put_blob(self, namespace: str, key: str, data: bytes, pinned: bool) -> None:
+        p, ttl = self.prefix(namespace), None if pinned else self.ttl_s
+
+        def run() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            if len(data) <= PART_BYTES:
+                pipe.set(f"{p}blob:{key}", data, nx=True, ex=ttl)
+            else:
+                parts = range(0, len(data), PART_BYTES)
+                for i, at in enumerate(parts):
+                    pipe.set(f"{p}blob:{key}:{i}", data[at : at + PART_BYTES], ex=ttl)
+                pipe.set(f"{p}blob:{key}", f"parts:{len(parts)}".encode(), nx=True, ex=ttl)
+            pipe.execute()
+
+        self._call("put blob", run)
+        self._count("bytes_pushed", len(data))
+        self._ok()
+
+    def get_blobs(self, namespace: str, keys: Sequence[str]) -> dict[str, bytes | None]:
+        """Each blob's bytes, or None where the tier lacks it (evicted, never written)."""
+        p = self.prefix(namespace)
+
+        def run() -> dict[str, bytes | None]:
+            heads: Any = self._client.mget([f"{p}blob:{k}" for k in keys]) if keys else []
+            out: dict[str, bytes | None] = {}
+            for k, v in zip(keys, heads, strict=True):
+                if v is not None and v.startswith(b"parts:"):
+                    n = int(v[6:])
+                    parts: Any = self._client.mget([f"{p}blob:{k}:{i}" for i in range(n)])
+                    v = None if any(x is None for x in parts) else b"".join(parts)
+                out[k] = None if v is None else bytes(v)
+            return out
+
+        got: dict[str, bytes | None] = self._call("get blobs", run)
+        self._count("bytes_pulled", sum(len(v) for v in got.values() if v))
+        self._ok()
+        return got
+
+    # -- records and pointers --------------------------------------------------
+
+    def put_record(
+        self, namespace: str, rkey: str, record: bytes, name: str | None, chains: Sequence[bytes]
+    ) -> None:
+        p = self.prefix(namespace)
+
+        def run() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(f"{p}rec:{rkey}", record, ex=self.ttl_s if name is None else None)
+            if name is not None:
+                pipe.set(f"{p}sess:{name}", rkey.encode())
+            for c in chains:
+                pipe.set(f"{p}blk:{c.hex()}", rkey.encode(), ex=self.ttl_s)
+            pipe.execute()
+
+        self._call("put record", run)
+        self._ok()
+
+    def session_record(self, namespace: str, name: str) -> bytes | None:
+        p = self.prefix(namespace)
+
+        def run() -> bytes | None:
+            rkey: Any = self._client.get(f"{p}sess:{name}")
+            if rkey is None:
+                return None
+            record: Any = self._client.get(f"{p}rec:{rkey.decode()}")
+            return None if record is None else bytes(record)
+
+        out: bytes | None = self._call("get session", run)
+        self._ok()
+        return out
+
+    def deepest_chain(self, namespace: str, chains: Sequence[bytes]) -> tuple[int, bytes] | None:
+        """(blocks matched, record) for the longest run of the prompt's chains that the
+        tier holds from the start, in one round trip (an LRU may drop a parent and
+        keep its child: only the consecutive prefix counts)."""
+        p = self.prefix(namespace)
+
+        def run() -> tuple[int, bytes] | None:
+            found: Any = self._client.mget([f"{p}blk:{c.hex()}" for c in chains]) if chains else []
+            depth = 0
+            while depth < len(found) and found[depth] is not None:
+                depth += 1
+            if depth == 0:
+                return None
+            record: Any = self._client.get(f"{p}rec:{found[depth - 1].decode()}")
+            return None if record is None else (depth, bytes(record))
+
+        out: tuple[int, bytes] | None = self._call("lookup", run)
+        self._ok()
+        return out

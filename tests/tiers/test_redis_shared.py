@@ -1,0 +1,110 @@
+"""Two machines (separate processes, separate roots) sharing one real Redis: sessions and
+prefixes saved on one are restored on the other bit for bit; a tier that is down, evicts,
+or returns damaged bytes never fails a local operation and never hands out a wrong cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import persist
+from persist.store.redis_tier import RedisTier
+from tests.helpers import check_against_child, prefill, run_child, tokens_for
+
+FAMILIES = {"llama": 300, "qwen3_next": 300, "gemma3": 100}
+
+
+@pytest.mark.parametrize("variant", sorted(FAMILIES))
+def test_a_session_saved_on_one_machine_restores_on_another(
+    variant: str, tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    model, tok, model_dir = tiny(variant)
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(FAMILIES[variant], seed=5)
+    cache, _ = prefill(model, toks)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(cache, toks, identity=ident, session="work")
+    out = tmp_path / "out.safetensors"
+    job = {"store": str(tmp_path / "b"), "shared": redis_server.url, "session": "work"}
+    run_child(model_dir, [{**job, "next": [3, 9], "out": str(out)}], tmp_path)
+    check_against_child(model, cache, out, toks, next_tokens=[3, 9])
+    with persist.Store(tmp_path / "b") as b:  # what it pulled is local now
+        assert b.entry("work").tokens == len(toks)
+
+
+def test_a_prefix_computed_on_one_machine_serves_another(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    model, tok, model_dir = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    stored = tokens_for(600, seed=6)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, stored)[0], stored, identity=ident)  # an anonymous prefix
+    prompt = [*stored[:300], (stored[300] + 1) % 256, 4, 4]
+    out = tmp_path / "out.safetensors"
+    job = {"store": str(tmp_path / "b"), "shared": redis_server.url, "lookup": prompt}
+    run_child(model_dir, [{**job, "next": [8], "out": str(out)}], tmp_path)
+    want, _ = prefill(model, stored[:300])  # the hit holds exactly a prefill of the prefix
+    check_against_child(model, want, out, stored[:300], next_tokens=[8])
+
+
+def test_namespaces_never_cross(tiny: Any, redis_server: Any, tmp_path: Path) -> None:
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(300, seed=7)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, toks)[0], toks, identity=ident, session="s", namespace="tenant-a")
+    with persist.Store(tmp_path / "b", shared=redis_server.url) as b:
+        assert b.lookup([*toks, 1], identity=ident, namespace="tenant-b") is None
+        with pytest.raises(persist.SessionNotFoundError):
+            b.restore("s", identity=ident, namespace="tenant-b")
+        assert b.restore("s", identity=ident, namespace="tenant-a").tokens == toks
+    prefixes = {k.decode().split(":")[1] for k in redis_server.client().keys("persist:*")}
+    assert prefixes == {RedisTier.prefix("tenant-a").split(":")[1]}
+
+
+def test_damaged_or_evicted_values_are_never_used(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(600, seed=8)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, toks)[0], toks, identity=ident, session="s")
+    r = redis_server.client()
+    blob = next(k for k in r.keys("persist:*:blob:*") if r.strlen(k) > 1000)
+    value = bytearray(r.get(blob))
+    value[-5] ^= 0xFF  # a flipped byte inside a tensor
+    r.set(blob, bytes(value))
+    with persist.Store(tmp_path / "b", shared=redis_server.url) as b:
+        with pytest.raises(persist.CorruptBlobError):
+            b.restore("s", identity=ident)
+        assert b.entries() == []  # nothing of it was committed
+    for k in r.keys("persist:*:blk:*"):  # an LRU took the block pointers
+        r.delete(k)
+    with persist.Store(tmp_path / "c", shared=redis_server.url) as c:
+        assert c.lookup([*toks[:400], 1, 1], identity=ident) is None  # a miss, not an error
+
+
+def test_a_tier_that_is_down_never_fails_local_work(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(300, seed=9)
+    cache, _ = prefill(model, toks)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(cache, toks, identity=ident, session="before")
+        redis_server.stop()
+        a.save(cache, toks, identity=ident, session="during")  # local save stands
+        a.save(cache, toks, identity=ident, session="during-2")
+        assert a.shared is not None
+        counters = a.shared.tier.counters
+        assert counters.get("errors", 0) == 1 and counters.get("skipped", 0) >= 1  # one timeout
+        assert a.restore("during", identity=ident).tokens == toks
+        redis_server.start()  # same port
+        a.shared.tier._down_until = 0.0  # the breaker's retry time, without waiting for it
+        a.save(cache, toks, identity=ident, session="after")
+    assert redis_server.client().exists(f"{RedisTier.prefix('default')}sess:after")
