@@ -67,6 +67,14 @@ def default_store() -> Path:
 
 
 def store_option(f: F) -> F:
+    f = click.option(
+        "--shared",
+        envvar="PERSIST_SHARED",
+        default=None,
+        expose_value=False,
+        callback=_remember_shared,
+        help="A shared tier every machine reads, redis://host:port/db ($PERSIST_SHARED).",
+    )(f)
     return click.option(
         "--store",
         "store_dir",
@@ -76,6 +84,16 @@ def store_option(f: F) -> F:
     )(f)
 
 
+def _remember_shared(ctx: click.Context, _: Any, value: str | None) -> None:
+    ctx.meta["persist.shared"] = value
+
+
+def shared_url() -> str | None:
+    """The --shared URL of the command running (or $PERSIST_SHARED)."""
+    ctx = click.get_current_context(silent=True)
+    return None if ctx is None else ctx.meta.get("persist.shared")
+
+
 def json_option(f: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(f)
 
@@ -83,6 +101,7 @@ def json_option(f: F) -> F:
 def open_store(store_dir: Path | None, **kw: Any) -> Any:
     from ..engine.store import Store
 
+    kw.setdefault("shared", shared_url())
     return Store(store_dir if store_dir is not None else default_store(), **kw)
 
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import PersistError
+from ..errors import InvalidArgumentError, PersistError
 
 __all__ = ["RedisTier", "PART_BYTES", "TierUnavailable"]
 
@@ -50,7 +50,9 @@ class RedisTier:
         retry_after_s: float = 10.0,
     ) -> None:
         if not url.startswith(SCHEMES):
-            raise ValueError(f"a shared tier URL starts with {' or '.join(SCHEMES)}: {url!r}")
+            raise InvalidArgumentError(
+                f"a shared tier URL starts with {' or '.join(SCHEMES)}: {url!r}"
+            )
         try:
             import redis
         except ImportError:

@@ -108,3 +108,40 @@ def test_a_tier_that_is_down_never_fails_local_work(
         a.shared.tier._down_until = 0.0  # the breaker's retry time, without waiting for it
         a.save(cache, toks, identity=ident, session="after")
     assert redis_server.client().exists(f"{RedisTier.prefix('default')}sess:after")
+
+
+def test_the_cli_continues_a_session_another_machine_saved(
+    model_dir: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    m = str(model_dir("llama"))
+
+    def generate(home: str, prompt: str, *shared: str) -> dict[str, Any]:
+        env = {**os.environ, "PERSIST_HOME": str(tmp_path / home), "PYTHONPATH": str(ROOT)}
+        args = ["generate", "--model", m, "--session", "w", "--prompt", prompt, *shared]
+        out = subprocess.run(
+            [sys.executable, "-m", "persist", *args, "--max-tokens", "3", "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr
+        return dict(json.loads(out.stdout))
+
+    first = generate("a", "a conversation that began on machine a", "--shared", redis_server.url)
+    env_shared = {"PERSIST_SHARED": redis_server.url}
+    os.environ.update(env_shared)
+    try:
+        second = generate("b", " and goes on on machine b")
+    finally:
+        os.environ.pop("PERSIST_SHARED")
+    assert second["source"] == "session" and second["reused_tokens"] == first["session_tokens"]
+    alone = generate("c", " and on machine c, which shares nothing")
+    assert alone["source"] == "none"
