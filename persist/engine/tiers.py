@@ -29,7 +29,12 @@ from ..store.index import Index
 from ..store.redis_tier import RedisTier, TierUnavailable
 from ..store.rows import BlockRef, NewBlob
 
-__all__ = ["Shared", "push", "pull", "shared_secret"]
+__all__ = ["Shared", "push", "pull", "shared_secret", "EvictedError"]
+
+
+class EvictedError(CorruptBlobError):
+    """A value the tier dropped (an LRU may drop anything): a miss, not damage."""
+
 
 log = logging.getLogger("persist")
 ROW_FIELDS = (
@@ -64,7 +69,8 @@ class Shared:
 
     def push(self, index: Index, blobs: BlobStore, namespace: str, sid: int) -> None:
         if self.agree(index, namespace, create=True):
-            self._run(lambda: push(index, blobs, self.tier, namespace, sid))
+            done = self._run(lambda: push(index, blobs, self.tier, namespace, sid))
+            index.count(namespace, **({"shared_pushes": 1} if done else {"shared_errors": 1}))
 
     def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> None:
         """A named session the local store lacks, from the tier (CorruptBlobError if damaged)."""
@@ -72,7 +78,11 @@ class Shared:
             return
         record = self._run(lambda: self.tier.session_record(namespace, name))
         if record is not None:
-            pull(index, blobs, self.tier, namespace, record, named=True)
+            try:
+                pull(index, blobs, self.tier, namespace, record, named=True)
+                index.count(namespace, shared_pulls=1)
+            except EvictedError:  # the LRU took part of it: the session is not there
+                index.count(namespace, shared_incomplete=1)
 
     def pull_prefix(
         self,
@@ -98,8 +108,11 @@ class Shared:
             return
         try:
             self._run(lambda: pull(index, blobs, self.tier, namespace, found[1], named=False))
+            index.count(namespace, shared_pulls=1)
+        except EvictedError:  # a shorter hit or none, never an error
+            index.count(namespace, shared_incomplete=1)
         except CorruptBlobError as e:  # never a wrong cache: the local answer stands
-            self.tier.counters["corrupt_skipped"] = self.tier.counters.get("corrupt_skipped", 0) + 1
+            index.count(namespace, shared_corrupt_skipped=1)
             log.warning("persist: skipping a damaged shared snapshot: %s", e)
 
 
@@ -125,7 +138,7 @@ def shared_secret(index: Index, tier: RedisTier, namespace: str, create: bool) -
     return True
 
 
-def push(index: Index, blobs: BlobStore, tier: RedisTier, namespace: str, sid: int) -> None:
+def push(index: Index, blobs: BlobStore, tier: RedisTier, namespace: str, sid: int) -> bool:
     """Write a committed snapshot's missing blobs and its record to the tier."""
     with index.read() as db:
         (row,) = Index.rows_where(db, "id = ?", [sid])
@@ -133,7 +146,7 @@ def push(index: Index, blobs: BlobStore, tier: RedisTier, namespace: str, sid: i
     files = [row.tail, *(r.blob for r in refs if r.blob)]
     facts = index.blob_facts(files)
     if len(facts) != len(set(files)):
-        return  # evicted or replaced meanwhile: nothing to share
+        return True  # evicted or replaced meanwhile: nothing to share
     for key in tier.missing_blobs(namespace, [facts[f][0] for f in set(files)]):
         file = next(f for f in files if facts[f][0] == key)
         with blobs.open(file) as fh:
@@ -150,6 +163,7 @@ def push(index: Index, blobs: BlobStore, tier: RedisTier, namespace: str, sid: i
     rkey = xxhash.xxh3_128_hexdigest(packed)
     name = row.name if row.role == "session" else None
     tier.put_record(namespace, rkey, record, name, [r.chain for r in refs])
+    return True
 
 
 def pull(
@@ -203,7 +217,7 @@ def _local(
         return held[0]
     where = f"shared blob {key}"
     if data is None:
-        raise CorruptBlobError(where, "the shared tier no longer holds it")
+        raise EvictedError(where, "the shared tier no longer holds it")
     size, digest = facts[0], bytes(facts[1])
 
     def write(sink: Any) -> bytes:

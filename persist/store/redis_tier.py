@@ -76,6 +76,10 @@ class RedisTier:
             raise TierUnavailable(f"shared tier {self.url} is down (skipping it for a while)")
         try:
             return fn()
+        except self._redis.exceptions.NoPermissionError as e:
+            # an ACL confines this user to other namespaces: a refusal, not an outage
+            self._count("denied")
+            raise TierUnavailable(f"shared tier {self.url} refused {what}: {e}") from None
         except self._redis.RedisError as e:
             if self._down_until == 0.0:  # once per outage
                 log.warning("persist: shared tier %s failed (%s): %s", self.url, what, e)

@@ -11,7 +11,14 @@ import pytest
 
 import persist
 from persist.store.redis_tier import RedisTier
-from tests.helpers import check_against_child, prefill, run_child, tokens_for
+from tests.helpers import (
+    assert_same_state,
+    check_against_child,
+    live_state,
+    prefill,
+    run_child,
+    tokens_for,
+)
 
 FAMILIES = {"llama": 300, "qwen3_next": 300, "gemma3": 100}
 
@@ -145,3 +152,66 @@ def test_the_cli_continues_a_session_another_machine_saved(
     assert second["source"] == "session" and second["reused_tokens"] == first["session_tokens"]
     alone = generate("c", " and on machine c, which shares nothing")
     assert alone["source"] == "none"
+
+
+def test_an_acl_confines_a_tenant_to_its_prefix(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """The README's ACL example: a user allowed only namespace a's keys."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(300, seed=11)
+    cache, _ = prefill(model, toks)
+    with persist.Store(tmp_path / "admin", shared=redis_server.url) as admin:
+        admin.save(cache, toks, identity=ident, session="s", namespace="b")
+    pattern = f"~{RedisTier.prefix('a')}*"
+    redis_server.client().execute_command("ACL", "SETUSER", "alice", "on", ">pw", pattern, "+@all")
+    alice = redis_server.url.replace("redis://", "redis://alice:pw@")
+    with persist.Store(tmp_path / "alice", shared=alice) as store:
+        store.save(cache, toks, identity=ident, session="mine", namespace="a")  # allowed
+        with pytest.raises(persist.SessionNotFoundError):  # denied: a clean miss, no hang
+            store.restore("s", identity=ident, namespace="b")
+        assert store.lookup([*toks, 2], identity=ident, namespace="b") is None
+        assert store.shared is not None and store.shared.tier.counters.get("denied", 0) >= 1
+    assert redis_server.client().exists(f"{RedisTier.prefix('a')}sess:mine")
+
+
+def test_an_lru_that_evicts_gives_exact_hits_or_none(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    r = redis_server.client()
+    r.config_set("maxmemory", "1mb")
+    r.config_set("maxmemory-policy", "allkeys-lru")
+    sessions = {f"s{i}": tokens_for(300, seed=20 + i) for i in range(12)}
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        for name, toks in sessions.items():
+            a.save(prefill(model, toks)[0], toks, identity=ident, session=name)
+    restored = 0
+    with persist.Store(tmp_path / "b", shared=redis_server.url) as b:
+        for name, toks in sessions.items():
+            try:
+                got = b.restore(name, identity=ident)
+            except persist.SessionNotFoundError:
+                continue  # evicted: absent, never wrong
+            restored += 1
+            want, _ = prefill(model, toks)
+            assert_same_state(live_state(got.cache), live_state(want))
+    assert restored < len(sessions)  # the LRU did evict
+
+
+def test_local_eviction_never_loses_what_the_tier_holds(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    old, new = tokens_for(300, seed=30), tokens_for(300, seed=31)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, old)[0], old, identity=ident, session="old")
+        size = a.stats().unique_bytes
+        a.gc(max_bytes=0)  # the local copy goes
+        assert not a.has_session("old")
+        assert a.restore("old", identity=ident).tokens == old  # fetched back
+        a.save(prefill(model, new)[0], new, identity=ident, session="new")
+        assert a.stats().unique_bytes >= size
