@@ -26,7 +26,8 @@ def main() -> None:
     for job in json.loads(Path(job_path).read_text()):
         if "store" in job:  # restore a named session (or look up a prompt) from a store
             ident = persist.ModelIdentity.of(model, tok, **job.get("cache_config", {}))
-            with persist.Store(job["store"], shared=job.get("shared")) as store:
+            tiers = {"shared": job.get("shared"), "cold": job.get("cold")}
+            with persist.Store(job["store"], **tiers) as store:
                 if "lookup" in job:
                     loaded = store.lookup(job["lookup"], identity=ident)
                     assert loaded is not None, "no hit"

@@ -228,6 +228,7 @@ def serve(
     queue_size: int = 64,
     when_full: str = "block",
     shared: str | None = None,
+    cold: str | None = None,
 ) -> None:
     """Run mlx-lm's server (``mlx_lm.server``) with the store behind its prompt cache.
 
@@ -244,7 +245,7 @@ def serve(
     from .server_http import serve_until_signal
 
     identities = track_identities(server)
-    store = Store(store_root, max_bytes=max_bytes, shared=shared)
+    store = Store(store_root, max_bytes=max_bytes, shared=shared, cold=cold)
     caches: list[PersistentPromptCache] = []
 
     def make(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:

@@ -68,6 +68,14 @@ def default_store() -> Path:
 
 def store_option(f: F) -> F:
     f = click.option(
+        "--cold",
+        envvar="PERSIST_COLD",
+        default=None,
+        expose_value=False,
+        callback=_remember_cold,
+        help="A durable cold tier for named sessions, s3://bucket/prefix ($PERSIST_COLD).",
+    )(f)
+    f = click.option(
         "--shared",
         envvar="PERSIST_SHARED",
         default=None,
@@ -88,6 +96,15 @@ def _remember_shared(ctx: click.Context, _: Any, value: str | None) -> None:
     ctx.meta["persist.shared"] = value
 
 
+def _remember_cold(ctx: click.Context, _: Any, value: str | None) -> None:
+    ctx.meta["persist.cold"] = value
+
+
+def cold_url() -> str | None:
+    ctx = click.get_current_context(silent=True)
+    return None if ctx is None else ctx.meta.get("persist.cold")
+
+
 def shared_url() -> str | None:
     """The --shared URL of the command running (or $PERSIST_SHARED)."""
     ctx = click.get_current_context(silent=True)
@@ -102,6 +119,7 @@ def open_store(store_dir: Path | None, **kw: Any) -> Any:
     from ..engine.store import Store
 
     kw.setdefault("shared", shared_url())
+    kw.setdefault("cold", cold_url())
     return Store(store_dir if store_dir is not None else default_store(), **kw)
 
 

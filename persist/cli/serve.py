@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .app import cli, default_store, parse_size, shared_url, store_option
+from .app import cli, cold_url, default_store, parse_size, shared_url, store_option
 
 
 @cli.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -84,4 +84,5 @@ def serve_cmd(
         queue_size=write_queue,
         when_full=when_full,
         shared=shared_url(),
+        cold=cold_url(),
     )

@@ -30,6 +30,7 @@ from ..store.blobs import FileBlobs
 from ..store.index import Index, SnapshotRow
 from ..store.redis_tier import RedisTier
 from ..store.rows import check_name, entry_info, store_root
+from ..store.s3_tier import S3Tier
 from ..store.schema import connect
 from ..store.types import EntryInfo, GcReport, Problem, Restored, Rollback, StoreStats
 from . import tiers
@@ -62,6 +63,7 @@ class Store:
         block_tokens: int | None = None,
         namespace_max_bytes: int | Mapping[str, int] | None = None,
         shared: str | None = None,
+        cold: str | None = None,
     ) -> None:
         self.root = store_root(root)
         if block_tokens is not None and not 1 <= block_tokens <= 1 << 20:
@@ -87,6 +89,8 @@ class Store:
         self._index: Index | None = Index(db)
         # a Redis-protocol server every machine of a fleet shares (engine/tiers.py)
         self.shared = tiers.Shared(RedisTier(shared)) if shared else None
+        self.cold = tiers.Shared(S3Tier(cold)) if cold else None  # durable: named sessions
+        self.tiers = [t for t in (self.shared, self.cold) if t is not None]
         self.block_tokens = int(
             db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0]
         )
@@ -172,8 +176,8 @@ class Store:
         for name in (target.name, target.owner):
             if name is not None:
                 check_name(name, "session")
-        if self.shared is not None:
-            self.shared.agree(self.index, target.namespace, create=True)
+        for tier in self.tiers:
+            tier.agree(self.index, target.namespace, create=True)
         row = save_snapshot(
             self.index,
             self.blobs,
@@ -184,8 +188,8 @@ class Store:
             budgets=self.budgets,
             progress=progress,
         )
-        if self.shared is not None:
-            self.shared.push(self.index, self.blobs, row.namespace, row.id)
+        for tier in self.tiers:
+            tier.push(self.index, self.blobs, row.namespace, row.id)
         return self._info(row)
 
     def count(self, namespace: str = "default", **counters: int) -> None:
@@ -207,8 +211,9 @@ class Store:
 
         check_name(namespace, "namespace")
         check_name(session, "session")
-        if self.shared is not None and not self.has_session(session, namespace=namespace):
-            self.shared.pull_session(self.index, self.blobs, namespace, session)
+        for tier in self.tiers:  # the shared tier first, then the durable one
+            if not self.has_session(session, namespace=namespace):
+                tier.pull_session(self.index, self.blobs, namespace, session)
         cache, row = restore_named(self.index, self.blobs, namespace, session, identity, progress)
         return Restored(cache, unpack_tokens(row.tokens), self._info(row))
 
@@ -231,10 +236,8 @@ class Store:
 
         toks = check_tokens(tokens)
         check_name(namespace, "namespace")
-        if self.shared is not None:
-            self.shared.pull_prefix(
-                self.index, self.blobs, toks, identity, namespace, self.block_tokens
-            )
+        for tier in self.tiers:  # the fleet's deepest snapshot, if it beats this store's
+            tier.pull_prefix(self.index, self.blobs, toks, identity, namespace, self.block_tokens)
         found = lookup_prefix(
             self.index, self.blobs, toks, identity, namespace, self.block_tokens, longer_than
         )

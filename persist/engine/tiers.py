@@ -28,6 +28,7 @@ from ..store.check import verify_blob
 from ..store.index import Index
 from ..store.redis_tier import RedisTier, TierUnavailable
 from ..store.rows import BlockRef, NewBlob
+from ..store.s3_tier import S3Tier
 
 __all__ = ["Shared", "push", "pull", "shared_secret", "EvictedError"]
 
@@ -37,6 +38,7 @@ class EvictedError(CorruptBlobError):
 
 
 log = logging.getLogger("persist")
+Tier = RedisTier | S3Tier
 ROW_FIELDS = (
     "name", "owner", "role", "identity", "identity_map", "root", "last_chain", "n_blocks",
     "n_tokens", "tokens", "trimmable", "min_resume", "manifest", "metadata", "created",
@@ -47,7 +49,7 @@ class Shared:
     """A Store's shared tier: which namespaces agree with it, and the operations that
     never fail the local one (a tier that is down or refuses is counted and skipped)."""
 
-    def __init__(self, tier: RedisTier) -> None:
+    def __init__(self, tier: Tier) -> None:
         self.tier = tier
         self._agreed: dict[str, bool] = {}
 
@@ -116,7 +118,7 @@ class Shared:
             log.warning("persist: skipping a damaged shared snapshot: %s", e)
 
 
-def shared_secret(index: Index, tier: RedisTier, namespace: str, create: bool) -> bool | None:
+def shared_secret(index: Index, tier: Tier, namespace: str, create: bool) -> bool | None:
     """Make the namespace's chain secret the tier's (so chains and content keys agree on
     every machine); False if this store already chained it with another one; None if
     the tier has none and ``create`` is false."""
@@ -138,7 +140,7 @@ def shared_secret(index: Index, tier: RedisTier, namespace: str, create: bool) -
     return True
 
 
-def push(index: Index, blobs: BlobStore, tier: RedisTier, namespace: str, sid: int) -> bool:
+def push(index: Index, blobs: BlobStore, tier: Tier, namespace: str, sid: int) -> bool:
     """Write a committed snapshot's missing blobs and its record to the tier."""
     with index.read() as db:
         (row,) = Index.rows_where(db, "id = ?", [sid])
@@ -167,7 +169,7 @@ def push(index: Index, blobs: BlobStore, tier: RedisTier, namespace: str, sid: i
 
 
 def pull(
-    index: Index, blobs: BlobStore, tier: RedisTier, namespace: str, record: bytes, named: bool
+    index: Index, blobs: BlobStore, tier: Tier, namespace: str, record: bytes, named: bool
 ) -> int:
     """Commit a record's snapshot into the local store (as a session if ``named``, else an
     anonymous prefix); CorruptBlobError if the record or a blob fails its checksum."""

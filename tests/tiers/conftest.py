@@ -63,3 +63,60 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+class S3Server:
+    """moto's S3 server mode on 127.0.0.1, with one bucket, and the AWS variables set."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port, self.tmp = free_port(), tmp
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.url = "s3://persist-test/fleet"
+
+    def start(self) -> None:
+        exe = shutil.which("moto_server")
+        if exe is None:
+            pytest.fail("moto_server is not installed (the test extra brings moto[server])")
+        args = [exe, "-H", "127.0.0.1", "-p", str(self.port)]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise RuntimeError("moto_server did not listen within 20 s")
+        self.client().create_bucket(Bucket="persist-test")
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+@pytest.fixture
+def s3_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
+    server = S3Server(tmp_path)
+    for k, v in {
+        "AWS_ENDPOINT_URL": server.endpoint,
+        "AWS_ALLOW_HTTP": "true",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(k, v)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
