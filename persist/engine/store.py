@@ -89,7 +89,7 @@ class Store:
         self._index: Index | None = Index(db)
         # a Redis-protocol server every machine of a fleet shares (engine/tiers.py)
         self.shared = tiers.Shared(RedisTier(shared)) if shared else None
-        self.cold = tiers.Shared(S3Tier(cold)) if cold else None  # durable: named sessions
+        self.cold = tiers.Shared(S3Tier(cold), "cold") if cold else None  # named sessions
         self.tiers = [t for t in (self.shared, self.cold) if t is not None]
         self.block_tokens = int(
             db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0]

@@ -49,9 +49,12 @@ class Shared:
     """A Store's shared tier: which namespaces agree with it, and the operations that
     never fail the local one (a tier that is down or refuses is counted and skipped)."""
 
-    def __init__(self, tier: Tier) -> None:
-        self.tier = tier
+    def __init__(self, tier: Tier, name: str = "shared") -> None:
+        self.tier, self.name = tier, name  # name: the prefix of its counters in persist stats
         self._agreed: dict[str, bool] = {}
+
+    def _count(self, index: Index, namespace: str, what: str) -> None:
+        index.count(namespace, **{f"{self.name}_{what}": 1})
 
     def agree(self, index: Index, namespace: str, create: bool = False) -> bool:
         """Does this namespace's secret agree with the tier's?  Only a save (``create``)
@@ -72,7 +75,7 @@ class Shared:
     def push(self, index: Index, blobs: BlobStore, namespace: str, sid: int) -> None:
         if self.agree(index, namespace, create=True):
             done = self._run(lambda: push(index, blobs, self.tier, namespace, sid))
-            index.count(namespace, **({"shared_pushes": 1} if done else {"shared_errors": 1}))
+            self._count(index, namespace, "pushes" if done else "errors")
 
     def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> None:
         """A named session the local store lacks, from the tier (CorruptBlobError if damaged)."""
@@ -82,9 +85,9 @@ class Shared:
         if record is not None:
             try:
                 pull(index, blobs, self.tier, namespace, record, named=True)
-                index.count(namespace, shared_pulls=1)
+                self._count(index, namespace, "pulls")
             except EvictedError:  # the LRU took part of it: the session is not there
-                index.count(namespace, shared_incomplete=1)
+                self._count(index, namespace, "incomplete")
 
     def pull_prefix(
         self,
@@ -110,11 +113,11 @@ class Shared:
             return
         try:
             self._run(lambda: pull(index, blobs, self.tier, namespace, found[1], named=False))
-            index.count(namespace, shared_pulls=1)
+            self._count(index, namespace, "pulls")
         except EvictedError:  # a shorter hit or none, never an error
-            index.count(namespace, shared_incomplete=1)
+            self._count(index, namespace, "incomplete")
         except CorruptBlobError as e:  # never a wrong cache: the local answer stands
-            index.count(namespace, shared_corrupt_skipped=1)
+            self._count(index, namespace, "corrupt_skipped")
             log.warning("persist: skipping a damaged shared snapshot: %s", e)
 
 
