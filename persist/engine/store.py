@@ -340,11 +340,8 @@ class Store:
             raise SessionNotFoundError(session, namespace)
 
     def delete(self, session: str, *, namespace: str = "default") -> None:
-        """Delete a session and its checkpoints; files go after the commit.
-
-        Checkpoints that an interrupted ``prefill``/``persist prime`` left
-        without a session go too: the name owns them.
-        """
+        """Delete a session and its checkpoints (also those an interrupted prime left
+        without a session: the name owns them); files go after the commit."""
         check_name(session, "session")
         with self.index.write() as db:
             rows = writes.session_rows(db, namespace, session)
@@ -393,7 +390,9 @@ class Store:
 
         return check_store(self.index, self.blobs, fix, progress)
 
-    # -- helpers ------------------------------------------------------------
+    def sync(self, *, namespace: str | None = None, pull: Sequence[str] = ()) -> dict[str, Any]:
+        """Push what the tiers lack (every snapshot), pull the named sessions ``pull``."""
+        return tiers.sync(self.index, self.blobs, self.tiers, namespace, list(pull))
 
     def _info(self, r: SnapshotRow) -> EntryInfo:
         return entry_info(r)

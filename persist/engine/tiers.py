@@ -30,7 +30,7 @@ from ..store.redis_tier import RedisTier, TierUnavailable
 from ..store.rows import BlockRef, NewBlob
 from ..store.s3_tier import S3Tier
 
-__all__ = ["Shared", "push", "pull", "shared_secret", "EvictedError"]
+__all__ = ["Shared", "push", "pull", "sync", "shared_secret", "EvictedError"]
 
 
 class EvictedError(CorruptBlobError):
@@ -72,22 +72,35 @@ class Shared:
         except TierUnavailable:
             return None
 
+    def _bytes(self, index: Index, namespace: str, before: dict[str, int]) -> None:
+        """Bytes this operation moved, into the store's counters (persist stats)."""
+        for what in ("bytes_pushed", "bytes_pulled"):
+            n = self.tier.counters.get(what, 0) - before.get(what, 0)
+            if n:
+                index.count(namespace, **{f"{self.name}_{what}": n})
+
     def push(self, index: Index, blobs: BlobStore, namespace: str, sid: int) -> None:
         if self.agree(index, namespace, create=True):
+            before = dict(self.tier.counters)
             done = self._run(lambda: push(index, blobs, self.tier, namespace, sid))
             self._count(index, namespace, "pushes" if done else "errors")
+            self._bytes(index, namespace, before)
 
     def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> None:
         """A named session the local store lacks, from the tier (CorruptBlobError if damaged)."""
         if not self.agree(index, namespace):
             return
         record = self._run(lambda: self.tier.session_record(namespace, name))
-        if record is not None:
-            try:
-                pull(index, blobs, self.tier, namespace, record, named=True)
-                self._count(index, namespace, "pulls")
-            except EvictedError:  # the LRU took part of it: the session is not there
-                self._count(index, namespace, "incomplete")
+        if record is None:
+            self._count(index, namespace, "misses")
+            return
+        before = dict(self.tier.counters)
+        try:
+            if self._run(lambda: pull(index, blobs, self.tier, namespace, record, named=True)):
+                self._count(index, namespace, "hits")
+        except EvictedError:  # the LRU took part of it: the session is not there
+            self._count(index, namespace, "incomplete")
+        self._bytes(index, namespace, before)
 
     def pull_prefix(
         self,
@@ -110,15 +123,38 @@ class Shared:
         chs = chains(chain_root(secret, identity.digest), toks, block)[1:]
         found = self._run(lambda: self.tier.deepest_chain(namespace, chs))
         if found is None or found[0] * block <= (local[1] if local else 0):
+            self._count(index, namespace, "misses")
             return
+        before = dict(self.tier.counters)
         try:
-            self._run(lambda: pull(index, blobs, self.tier, namespace, found[1], named=False))
-            self._count(index, namespace, "pulls")
+            if self._run(lambda: pull(index, blobs, self.tier, namespace, found[1], named=False)):
+                self._count(index, namespace, "hits")
+            self._bytes(index, namespace, before)
         except EvictedError:  # a shorter hit or none, never an error
             self._count(index, namespace, "incomplete")
         except CorruptBlobError as e:  # never a wrong cache: the local answer stands
             self._count(index, namespace, "corrupt_skipped")
             log.warning("persist: skipping a damaged shared snapshot: %s", e)
+
+
+def sync(
+    index: Index, blobs: BlobStore, shared: list[Shared], namespace: str | None, names: list[str]
+) -> dict[str, Any]:
+    """Push every local snapshot (of ``namespace``) to the tiers (each push writes only
+    what a tier lacks), then pull the named sessions this store lacks."""
+    rows = index.snapshots(namespace, named_only=False)
+    for row in rows:
+        for tier in shared:
+            tier.push(index, blobs, row.namespace, row.id)
+    pulled = []
+    for name in names:
+        ns = namespace or "default"
+        for tier in shared:
+            if index.by_name(ns, name) is None:
+                tier.pull_session(index, blobs, ns, name)
+        if index.by_name(ns, name) is not None:
+            pulled.append(name)
+    return {"pushed": len(rows), "pulled": pulled, "missing": sorted(set(names) - set(pulled))}
 
 
 def shared_secret(index: Index, tier: Tier, namespace: str, create: bool) -> bool | None:

@@ -215,3 +215,39 @@ def test_local_eviction_never_loses_what_the_tier_holds(
         assert a.restore("old", identity=ident).tokens == old  # fetched back
         a.save(prefill(model, new)[0], new, identity=ident, session="new")
         assert a.stats().unique_bytes >= size
+
+
+def test_sync_pushes_what_the_tier_lacks_and_pulls_named_sessions(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(300, seed=50)
+    with persist.Store(tmp_path / "a") as a:  # saved while no tier was configured
+        a.save(prefill(model, toks)[0], toks, identity=ident, session="offline")
+
+    def cli(home: str, *args: str) -> dict[str, Any]:
+        env = {**os.environ, "PERSIST_HOME": str(tmp_path / home), "PYTHONPATH": str(ROOT)}
+        out = subprocess.run(
+            [sys.executable, "-m", "persist", "sync", "--shared", redis_server.url, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        return dict(json.loads(out.stdout))
+
+    assert cli("a", "--json")["pushed"] == 1
+    got = cli("b", "--pull", "offline", "--pull", "nope", "--json")
+    assert got["pulled"] == ["offline"] and got["missing"] == ["nope"]
+    with persist.Store(tmp_path / "b") as b:  # local now, no tier needed
+        assert b.restore("offline", identity=ident).tokens == toks
+        assert b.stats().counters["shared_hits"] == 1
