@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
@@ -188,10 +189,14 @@ def push(index: Index, blobs: BlobStore, tier: Tier, namespace: str, sid: int) -
     facts = index.blob_facts(files)
     if len(facts) != len(set(files)):
         return True  # evicted or replaced meanwhile: nothing to share
-    for key in tier.missing_blobs(namespace, [facts[f][0] for f in set(files)]):
-        file = next(f for f in files if facts[f][0] == key)
-        with blobs.open(file) as fh:
+    by_key = {facts[f][0]: f for f in set(files)}
+
+    def put(key: str) -> None:
+        with blobs.open(by_key[key]) as fh:
             tier.put_blob(namespace, key, fh.read(), bool(row.pinned))
+
+    with ThreadPoolExecutor(4) as pool:  # the tier's client is thread-safe
+        list(pool.map(put, tier.missing_blobs(namespace, sorted(by_key))))
     body = {
         "v": 1,
         "row": {k: getattr(row, k) for k in ROW_FIELDS},

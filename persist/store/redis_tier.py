@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import InvalidArgumentError, PersistError
@@ -33,6 +35,7 @@ __all__ = ["RedisTier", "PART_BYTES", "TierUnavailable"]
 
 log = logging.getLogger("persist")
 PART_BYTES = 8 << 20  # values of at most 8 MiB
+FETCHERS = 2  # blobs fetched at once (more only competes with the server for cores)
 SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://")
 
 
@@ -67,6 +70,7 @@ class RedisTier:
         self.ttl_s, self.retry_after_s = ttl_s, retry_after_s
         self._down_until = 0.0
         self.counters: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     # -- the breaker -------------------------------------------------------
 
@@ -91,7 +95,8 @@ class RedisTier:
         self._down_until = 0.0
 
     def _count(self, name: str, n: int = 1) -> None:
-        self.counters[name] = self.counters.get(name, 0) + n
+        with self._lock:  # blobs move on several threads
+            self.counters[name] = self.counters.get(name, 0) + n
 
     @staticmethod
     def prefix(namespace: str) -> str:
@@ -156,16 +161,16 @@ class RedisTier:
         """Each blob's bytes, or None where the tier lacks it (evicted, never written)."""
         p = self.prefix(namespace)
 
+        def one(k: str) -> bytes | None:
+            v: Any = self._client.get(f"{p}blob:{k}")
+            if v is not None and v.startswith(b"parts:"):
+                parts: Any = self._client.mget([f"{p}blob:{k}:{i}" for i in range(int(v[6:]))])
+                v = None if any(x is None for x in parts) else b"".join(parts)
+            return None if v is None else bytes(v)
+
         def run() -> dict[str, bytes | None]:
-            heads: Any = self._client.mget([f"{p}blob:{k}" for k in keys]) if keys else []
-            out: dict[str, bytes | None] = {}
-            for k, v in zip(keys, heads, strict=True):
-                if v is not None and v.startswith(b"parts:"):
-                    n = int(v[6:])
-                    parts: Any = self._client.mget([f"{p}blob:{k}:{i}" for i in range(n)])
-                    v = None if any(x is None for x in parts) else b"".join(parts)
-                out[k] = None if v is None else bytes(v)
-            return out
+            with ThreadPoolExecutor(FETCHERS) as pool:  # connections from redis-py's pool
+                return dict(zip(keys, pool.map(one, keys), strict=True))
 
         got: dict[str, bytes | None] = self._call("get blobs", run)
         self._count("bytes_pulled", sum(len(v) for v in got.values() if v))

@@ -18,8 +18,10 @@ import datetime
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import InvalidArgumentError, PersistError
@@ -58,6 +60,7 @@ class S3Tier:
         self.retry_after_s = retry_after_s
         self._down_until = 0.0
         self.counters: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def _path(self, namespace: str, *parts: str) -> str:
         tag = hashlib.sha256(namespace.encode()).hexdigest()[:16]
@@ -118,10 +121,13 @@ class S3Tier:
 
     def put_blob(self, namespace: str, key: str, data: bytes, pinned: bool) -> None:
         self._create(self._path(namespace, "blob", key), data)
-        self.counters["bytes_pushed"] = self.counters.get("bytes_pushed", 0) + len(data)
+        with self._lock:  # blobs move on several threads
+            self.counters["bytes_pushed"] = self.counters.get("bytes_pushed", 0) + len(data)
 
     def get_blobs(self, namespace: str, keys: Sequence[str]) -> dict[str, bytes | None]:
-        out = {k: self._get(self._path(namespace, "blob", k)) for k in keys}
+        with ThreadPoolExecutor(4) as pool:
+            got = pool.map(lambda k: self._get(self._path(namespace, "blob", k)), keys)
+            out = dict(zip(keys, got, strict=True))
         self.counters["bytes_pulled"] = self.counters.get("bytes_pulled", 0) + sum(
             len(v) for v in out.values() if v
         )
