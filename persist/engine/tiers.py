@@ -10,6 +10,7 @@ fails the local operation: the caller counts it and goes on.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import secrets
@@ -265,6 +266,10 @@ def _local(
     if data is None:
         raise EvictedError(where, "the shared tier no longer holds it")
     size, digest = facts[0], bytes(facts[1])
+    # every tensor checked in memory, before a byte is written or committed
+    problem = verify_blob(io.BytesIO(data), where, size, digest, len(data))
+    if problem is not None:
+        raise CorruptBlobError(where, problem)
 
     def write(sink: Any) -> bytes:
         sink.write(data)
@@ -273,10 +278,6 @@ def _local(
 
     file, n, h = blobs.put(key, write, len(data), salt)
     written.append(NewBlob(file, key, n, h))
-    with blobs.open(file) as fh:  # every tensor checked before anything is committed
-        problem = verify_blob(fh, where, size, digest)
-    if problem is not None:
-        raise CorruptBlobError(where, problem)
     return file
 
 

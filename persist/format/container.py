@@ -87,9 +87,11 @@ def _check_nesting(text: bytes, where: str) -> None:
         raise CorruptBlobError(where, f"header nests deeper than {MAX_JSON_DEPTH} levels")
 
 
-def read_header(f: BinaryIO, where: str) -> Header:
-    """Read and validate a safetensors header; raise CorruptBlobError if anything is off."""
-    size = os.fstat(f.fileno()).st_size
+def read_header(f: BinaryIO, where: str, size: int | None = None) -> Header:
+    """Read and validate a safetensors header; raise CorruptBlobError if anything is off.
+
+    ``size`` is the file's size when ``f`` is not a file (bytes from a tier)."""
+    size = os.fstat(f.fileno()).st_size if size is None else size
     raw = f.read(8)
     if len(raw) < 8:
         raise CorruptBlobError(where, f"file of {size} bytes is too short to be safetensors")

@@ -206,10 +206,13 @@ def _verify(path: Path, size: int, head: bytes) -> str | None:
         return f"unreadable: {err}"
 
 
-def verify_blob(fh: BinaryIO, where: str, size: int, head: bytes) -> str | None:
-    """What is wrong with an open blob file (size, header, every tensor), or None."""
+def verify_blob(
+    fh: BinaryIO, where: str, size: int, head: bytes, length: int | None = None
+) -> str | None:
+    """What is wrong with an open blob file (size, header, every tensor), or None;
+    ``length`` for bytes that are not a file yet (``io.BytesIO``)."""
     try:
-        header = read_header(fh, where)
+        header = read_header(fh, where, length)
         if header.file_size != size or header.digest != head:
             return "size or header does not match the index"
         sums = blob_manifest(header, where)
