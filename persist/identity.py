@@ -76,6 +76,16 @@ def _weights_digest(model: Any) -> str:
     return h.hexdigest()
 
 
+def current_backend() -> str:
+    """The MLX backend computing here: "cuda", "metal" or "cpu"."""
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.gpu:
+        return "cpu"
+    cuda = getattr(mx, "cuda", None)
+    return "cuda" if cuda is not None and cuda.is_available() else "metal"
+
+
 def _remembered_weights(
     model: Any, path: str | os.PathLike[str] | None, adapter: str | os.PathLike[str] | None
 ) -> str:
@@ -194,6 +204,9 @@ class ModelIdentity:
     # The digest of a speculative draft model whose caches ride in the same
     # cache list (mlx-lm's server appends them): another draft, another cache.
     draft: str = ""
+    # where the cache was computed ("cpu", "metal", "cuda"): not digested, since the
+    # state is valid anywhere; Store(strict_backend=True) refuses another backend's
+    backend: str = field(default="", compare=False)
 
     def _digested(self) -> tuple[str, ...]:
         return DIGEST_FIELDS + tuple(k for k in OPTIONAL_FIELDS if getattr(self, k))
@@ -234,6 +247,7 @@ class ModelIdentity:
             cache_config=_cache_config(cache_config),
             name=name or model_type,  # one display rule: the model_type unless named
             versions=tuple(sorted(_versions().items())),
+            backend=current_backend(),
         )
 
     @classmethod
@@ -289,6 +303,7 @@ class ModelIdentity:
             "name": self.name,
             "versions": dict(self.versions),
             "digest": self.digest,
+            **({"backend": self.backend} if self.backend else {}),
         }
 
     @classmethod
@@ -302,9 +317,9 @@ class ModelIdentity:
             if not isinstance(v, str) or len(v) > 4096:
                 raise InvalidArgumentError(f"identity field {k} must be a string")
             strs[k] = v
-        draft = d.get("draft", "")
-        if not isinstance(draft, str) or len(draft) > 4096:
-            raise InvalidArgumentError("identity field draft must be a string")
+        draft, backend = d.get("draft", ""), d.get("backend", "")
+        if not all(isinstance(v, str) and len(v) <= 4096 for v in (draft, backend)):
+            raise InvalidArgumentError("identity fields draft and backend must be strings")
         cc, ver = d.get("cache_config"), d.get("versions", {})
         if not isinstance(cc, dict) or not isinstance(ver, dict):
             raise InvalidArgumentError("identity cache_config and versions must be maps")
@@ -318,6 +333,7 @@ class ModelIdentity:
             name=strs["name"] or "",
             versions=tuple(sorted((str(k), str(v)) for k, v in ver.items())),
             draft=draft,
+            backend=backend,
         )
         if d.get("digest") != ident.digest:
             raise InvalidArgumentError("identity digest does not match its fields")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from ..errors import CorruptBlobError, SessionNotFoundError
+from ..errors import CorruptBlobError, IdentityMismatchError, SessionNotFoundError
 from ..identity import ModelIdentity
 from ..records import Progress
 from ..store import lookup as lookup_queries
@@ -40,6 +40,7 @@ def restore_named(
     session: str,
     identity: ModelIdentity,
     progress: Progress | None = None,
+    strict_backend: bool = False,
 ) -> tuple[list[Any], SnapshotRow]:
     """The named session's caches and row, exactly as saved.
 
@@ -56,6 +57,11 @@ def restore_named(
         row, refs = found
         if row.identity != identity.digest:
             saved_identity(row).require_same(identity, f"session {session!r}")
+        if strict_backend and _other_backend(row, identity):
+            saved = saved_identity(row)
+            raise IdentityMismatchError(
+                f"session {session!r}", ["backend"], saved.display(), identity.display()
+            )
         try:
             cache = load_snapshot(index, blobs, row, progress, refs=refs)
             break
@@ -69,6 +75,11 @@ def restore_named(
     index.touch(row.id)
     index.count(namespace, restores=1, restored_tokens=row.n_tokens)
     return cache, row
+
+
+def _other_backend(row: SnapshotRow, identity: ModelIdentity) -> bool:
+    saved = saved_identity(row).backend
+    return bool(saved and identity.backend and saved != identity.backend)
 
 
 def choose(
@@ -95,6 +106,7 @@ def lookup_prefix(
     namespace: str,
     block_tokens: int,
     longer_than: int = 0,
+    strict_backend: bool = False,
 ) -> tuple[list[Any], SnapshotRow, int] | None:
     """(caches cut to the prefix, row, prefix) of the best usable hit, or None.
 
@@ -104,6 +116,9 @@ def lookup_prefix(
     skip: set[int] = set()
     while (found := choose(index, toks, identity, namespace, block_tokens, skip)) is not None:
         row, prefix = found
+        if strict_backend and _other_backend(row, identity):
+            skip.add(row.id)  # computed on another backend: not for a strict store
+            continue
         if prefix <= longer_than:
             return None
         try:

@@ -49,11 +49,9 @@ RESTORE_RETRIES = 4  # re-reads of a session that concurrent saves keep replacin
 class Store:
     """A directory of cached states: ``Store(root, max_bytes=None, block_tokens=256)``.
 
-    ``namespace_max_bytes`` (bytes for every namespace, or a map of namespace
-    to bytes) gives tenants budgets of their own: then a save evicts only
-    entries of its own namespace, so one tenant's saves never evict another's
-    sessions, and a save that cannot fit in its namespace is StoreFullError.
-    """
+    ``namespace_max_bytes`` (bytes for every namespace, or a map of namespace to
+    bytes) gives tenants budgets of their own: a save evicts only in its own
+    namespace, and one that cannot fit there is StoreFullError."""
 
     def __init__(
         self,
@@ -64,13 +62,14 @@ class Store:
         namespace_max_bytes: int | Mapping[str, int] | None = None,
         shared: str | None = None,
         cold: str | None = None,
+        strict_backend: bool = False,
     ) -> None:
         self.root = store_root(root)
         if block_tokens is not None and not 1 <= block_tokens <= 1 << 20:
             raise InvalidArgumentError("block_tokens must be between 1 and 1048576")
         self.budgets = retention.Budgets(max_bytes, namespace_max_bytes)
-        self.max_bytes = max_bytes
-        self.namespace_max_bytes = namespace_max_bytes
+        self.max_bytes, self.namespace_max_bytes = max_bytes, namespace_max_bytes
+        self.strict_backend = strict_backend  # refuse caches another MLX backend computed
         try:
             if not self.root.exists():
                 self.root.mkdir(mode=0o700, parents=True)
@@ -193,7 +192,7 @@ class Store:
         return self._info(row)
 
     def count(self, namespace: str = "default", **counters: int) -> None:
-        """Add to this store's counters of ``namespace`` (``persist stats`` shows them)."""
+        """Add to ``namespace``'s counters (``persist stats`` shows them)."""
         self.index.count(check_name(namespace, "namespace"), **counters)
 
     # -- reading ----------------------------------------------------------
@@ -214,7 +213,9 @@ class Store:
         for tier in self.tiers:  # the shared tier first, then the durable one
             if not self.has_session(session, namespace=namespace):
                 tier.pull_session(self.index, self.blobs, namespace, session)
-        cache, row = restore_named(self.index, self.blobs, namespace, session, identity, progress)
+        cache, row = restore_named(
+            self.index, self.blobs, namespace, session, identity, progress, self.strict_backend
+        )
         return Restored(cache, unpack_tokens(row.tokens), self._info(row))
 
     def lookup(
@@ -238,9 +239,8 @@ class Store:
         check_name(namespace, "namespace")
         for tier in self.tiers:  # the fleet's deepest snapshot, if it beats this store's
             tier.pull_prefix(self.index, self.blobs, toks, identity, namespace, self.block_tokens)
-        found = lookup_prefix(
-            self.index, self.blobs, toks, identity, namespace, self.block_tokens, longer_than
-        )
+        i, b, strict = self.index, self.block_tokens, self.strict_backend
+        found = lookup_prefix(i, self.blobs, toks, identity, namespace, b, longer_than, strict)
         if found is None:
             return None
         cache, row, prefix = found
