@@ -251,3 +251,28 @@ def test_sync_pushes_what_the_tier_lacks_and_pulls_named_sessions(
     with persist.Store(tmp_path / "b") as b:  # local now, no tier needed
         assert b.restore("offline", identity=ident).tokens == toks
         assert b.stats().counters["shared_hits"] == 1
+
+
+def test_ctrl_c_during_a_pull_leaves_a_consistent_store(
+    tiny: Any, redis_server: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Interrupted after the blobs are written, before the commit: nothing stays."""
+    from persist.engine import tiers
+
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(300, seed=70)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, toks)[0], toks, identity=ident, session="s")
+
+    def interrupted(*_: Any, **__: Any) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tiers, "_commit", interrupted)
+    with persist.Store(tmp_path / "b", shared=redis_server.url) as b:
+        with pytest.raises(KeyboardInterrupt):
+            b.restore("s", identity=ident)
+        assert b.entries() == [] and b.check() == []
+        assert not list((tmp_path / "b" / "blobs").rglob("*.safetensors"))
+        monkeypatch.undo()
+        assert b.restore("s", identity=ident).tokens == toks  # and the next try works
