@@ -156,3 +156,20 @@ def kv_quantized(
     ):
         pass
     return cache
+
+
+def persist_cli(
+    home: Path, *args: str, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m persist ARGS`` as a user runs it, with PERSIST_HOME=home."""
+    full = {**os.environ, "PERSIST_HOME": str(home), "PYTHONPATH": str(ROOT), **(env or {})}
+    out = subprocess.run(
+        [sys.executable, "-m", "persist", *args],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if check:
+        assert out.returncode == 0, out.stderr
+    return out

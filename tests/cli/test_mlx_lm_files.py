@@ -3,9 +3,7 @@ lack, export one mlx-lm loads, and a typed refusal where a persist file was expe
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,20 +12,13 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 import persist
-from tests.helpers import ROOT, assert_same_state, continue_run, live_state, prefill, raw
+from tests.helpers import assert_same_state, continue_run, live_state, persist_cli, prefill, raw
 
 PROMPT = "a prompt cached by mlx_lm.cache_prompt, then resumed through persist"
 
 
 def cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PERSIST_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "persist", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return persist_cli(home, *args, check=False)
 
 
 @pytest.fixture

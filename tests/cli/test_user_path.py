@@ -14,23 +14,13 @@ import pytest
 
 import persist
 from persist.apps import generate as gen_mod
-from tests.helpers import ROOT
+from tests.helpers import ROOT, persist_cli
 
 TEXT = " ".join(f"line {i} of a long manual about caches." for i in range(60))
 
 
 def cli(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PERSIST_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(
-        [sys.executable, "-m", "persist", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if check:
-        assert out.returncode == 0, out.stderr
-    return out
+    return persist_cli(home, *args, check=check)
 
 
 def test_an_interrupted_prime_resumes_and_rm_takes_its_checkpoints(

@@ -15,6 +15,7 @@ from tests.helpers import (
     assert_same_state,
     check_against_child,
     live_state,
+    persist_cli,
     prefill,
     run_child,
     tokens_for,
@@ -121,34 +122,16 @@ def test_the_cli_continues_a_session_another_machine_saved(
     model_dir: Any, redis_server: Any, tmp_path: Path
 ) -> None:
     import json
-    import os
-    import subprocess
-    import sys
-
-    from tests.helpers import ROOT
 
     m = str(model_dir("llama"))
 
-    def generate(home: str, prompt: str, *shared: str) -> dict[str, Any]:
-        env = {**os.environ, "PERSIST_HOME": str(tmp_path / home), "PYTHONPATH": str(ROOT)}
+    def generate(home: str, prompt: str, *shared: str, **env: str) -> dict[str, Any]:
         args = ["generate", "--model", m, "--session", "w", "--prompt", prompt, *shared]
-        out = subprocess.run(
-            [sys.executable, "-m", "persist", *args, "--max-tokens", "3", "--json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stderr
+        out = persist_cli(tmp_path / home, *args, "--max-tokens", "3", "--json", env=env)
         return dict(json.loads(out.stdout))
 
     first = generate("a", "a conversation that began on machine a", "--shared", redis_server.url)
-    env_shared = {"PERSIST_SHARED": redis_server.url}
-    os.environ.update(env_shared)
-    try:
-        second = generate("b", " and goes on on machine b")
-    finally:
-        os.environ.pop("PERSIST_SHARED")
+    second = generate("b", " and goes on on machine b", PERSIST_SHARED=redis_server.url)
     assert second["source"] == "session" and second["reused_tokens"] == first["session_tokens"]
     alone = generate("c", " and on machine c, which shares nothing")
     assert alone["source"] == "none"
@@ -221,11 +204,6 @@ def test_sync_pushes_what_the_tier_lacks_and_pulls_named_sessions(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
     import json
-    import os
-    import subprocess
-    import sys
-
-    from tests.helpers import ROOT
 
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
@@ -234,15 +212,7 @@ def test_sync_pushes_what_the_tier_lacks_and_pulls_named_sessions(
         a.save(prefill(model, toks)[0], toks, identity=ident, session="offline")
 
     def cli(home: str, *args: str) -> dict[str, Any]:
-        env = {**os.environ, "PERSIST_HOME": str(tmp_path / home), "PYTHONPATH": str(ROOT)}
-        out = subprocess.run(
-            [sys.executable, "-m", "persist", "sync", "--shared", redis_server.url, *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert out.returncode == 0, out.stderr
+        out = persist_cli(tmp_path / home, "sync", "--shared", redis_server.url, *args)
         return dict(json.loads(out.stdout))
 
     assert cli("a", "--json")["pushed"] == 1

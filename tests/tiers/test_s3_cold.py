@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import persist
-from tests.helpers import check_against_child, prefill, run_child, tokens_for
+from tests.helpers import check_against_child, persist_cli, prefill, run_child, tokens_for
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3_next"])
@@ -73,25 +73,12 @@ def test_the_cli_takes_a_session_to_a_new_machine_through_s3(
     model_dir: Any, s3_server: Any, tmp_path: Path
 ) -> None:
     import json
-    import os
-    import subprocess
-    import sys
-
-    from tests.helpers import ROOT
 
     m = str(model_dir("llama"))
 
     def generate(home: str, prompt: str, **env: str) -> dict[str, Any]:
-        full = {**os.environ, "PERSIST_HOME": str(tmp_path / home), "PYTHONPATH": str(ROOT), **env}
         args = ["generate", "--model", m, "--session", "w", "--prompt", prompt, "--json"]
-        out = subprocess.run(
-            [sys.executable, "-m", "persist", *args, "--max-tokens", "3"],
-            env=full,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stderr
+        out = persist_cli(tmp_path / home, *args, "--max-tokens", "3", env=env)
         return dict(json.loads(out.stdout))
 
     first = generate("a", "a session kept in the durable tier", PERSIST_COLD=s3_server.url)
