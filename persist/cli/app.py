@@ -66,23 +66,22 @@ def default_store() -> Path:
     return Path(user_cache_dir("persist")) / "store"
 
 
+TIER_OPTIONS = {  # option -> (environment variable, help)
+    "shared": ("PERSIST_SHARED", "A shared tier every machine reads, redis://host:port/db."),
+    "cold": ("PERSIST_COLD", "A durable cold tier for named sessions, s3://bucket/prefix."),
+}
+
+
 def store_option(f: F) -> F:
-    f = click.option(
-        "--cold",
-        envvar="PERSIST_COLD",
-        default=None,
-        expose_value=False,
-        callback=_remember_cold,
-        help="A durable cold tier for named sessions, s3://bucket/prefix ($PERSIST_COLD).",
-    )(f)
-    f = click.option(
-        "--shared",
-        envvar="PERSIST_SHARED",
-        default=None,
-        expose_value=False,
-        callback=_remember_shared,
-        help="A shared tier every machine reads, redis://host:port/db ($PERSIST_SHARED).",
-    )(f)
+    for name, (env, text) in TIER_OPTIONS.items():
+        f = click.option(
+            f"--{name}",
+            envvar=env,
+            default=None,
+            expose_value=False,  # read by open_store and serve through tier_urls()
+            callback=_remember_tier,
+            help=f"{text} (${env})",
+        )(f)
     return click.option(
         "--store",
         "store_dir",
@@ -92,23 +91,15 @@ def store_option(f: F) -> F:
     )(f)
 
 
-def _remember_shared(ctx: click.Context, _: Any, value: str | None) -> None:
-    ctx.meta["persist.shared"] = value
+def _remember_tier(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    ctx.meta[f"persist.{param.name}"] = value
 
 
-def _remember_cold(ctx: click.Context, _: Any, value: str | None) -> None:
-    ctx.meta["persist.cold"] = value
-
-
-def cold_url() -> str | None:
+def tier_urls() -> dict[str, str | None]:
+    """The tier URLs of the command running (--shared, --cold, or their variables)."""
     ctx = click.get_current_context(silent=True)
-    return None if ctx is None else ctx.meta.get("persist.cold")
-
-
-def shared_url() -> str | None:
-    """The --shared URL of the command running (or $PERSIST_SHARED)."""
-    ctx = click.get_current_context(silent=True)
-    return None if ctx is None else ctx.meta.get("persist.shared")
+    meta = {} if ctx is None else ctx.meta
+    return {name: meta.get(f"persist.{name}") for name in TIER_OPTIONS}
 
 
 def json_option(f: F) -> F:
@@ -118,8 +109,7 @@ def json_option(f: F) -> F:
 def open_store(store_dir: Path | None, **kw: Any) -> Any:
     from ..engine.store import Store
 
-    kw.setdefault("shared", shared_url())
-    kw.setdefault("cold", cold_url())
+    kw = {**tier_urls(), **kw}
     return Store(store_dir if store_dir is not None else default_store(), **kw)
 
 

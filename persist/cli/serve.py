@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .app import cli, cold_url, default_store, parse_size, shared_url, store_option
+from .app import cli, default_store, parse_size, store_option, tier_urls
 
 
 @cli.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -83,6 +83,5 @@ def serve_cmd(
         drain_timeout=drain_timeout,
         queue_size=write_queue,
         when_full=when_full,
-        shared=shared_url(),
-        cold=cold_url(),
+        **tier_urls(),
     )

@@ -28,16 +28,14 @@ from ..records import Progress
 from ..store import retention, writes
 from ..store.blobs import FileBlobs
 from ..store.index import Index, SnapshotRow
-from ..store.redis_tier import RedisTier
 from ..store.rows import check_name, entry_info, store_root
-from ..store.s3_tier import S3Tier
 from ..store.schema import connect
 from ..store.types import EntryInfo, GcReport, Problem, Restored, Rollback, StoreStats
-from . import tiers
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
     from ..codecs.snapshot import Snapshot
     from .saving import Target
+    from .tiers import Shared
 
 __all__ = ["Store", "check_name"]
 
@@ -68,7 +66,6 @@ class Store:
         if block_tokens is not None and not 1 <= block_tokens <= 1 << 20:
             raise InvalidArgumentError("block_tokens must be between 1 and 1048576")
         self.budgets = retention.Budgets(max_bytes, namespace_max_bytes)
-        self.max_bytes, self.namespace_max_bytes = max_bytes, namespace_max_bytes
         self.strict_backend = strict_backend  # refuse caches another MLX backend computed
         try:
             if not self.root.exists():
@@ -86,9 +83,12 @@ class Store:
         except (PermissionError, FileNotFoundError, NotADirectoryError) as e:
             raise StorageError(f"cannot open the store at {self.root}", e) from e
         self._index: Index | None = Index(db)
-        # a Redis-protocol server every machine of a fleet shares (engine/tiers.py)
-        self.shared = tiers.Shared(RedisTier(shared)) if shared else None
-        self.cold = tiers.Shared(S3Tier(cold), "cold") if cold else None  # named sessions
+        self.shared: Shared | None = None  # a Redis-protocol server every machine shares
+        self.cold: Shared | None = None  # S3, for named sessions
+        if shared or cold:  # the tier code and clients load only when asked for
+            from .tiers import open_tiers
+
+            self.shared, self.cold = open_tiers(shared, cold)
         self.tiers = [t for t in (self.shared, self.cold) if t is not None]
         self.block_tokens = int(
             db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0]
@@ -357,7 +357,7 @@ class Store:
         Without a budget (here or on the store) it only deletes unreferenced
         blob files.  ``dry_run`` reports what would go and changes nothing.
         """
-        budget = self.max_bytes if max_bytes is None else max_bytes
+        budget = self.budgets.max_bytes if max_bytes is None else max_bytes
         before = self.index.unique_bytes()
         victims: list[EntryInfo] = []
         try:
@@ -392,7 +392,9 @@ class Store:
 
     def sync(self, *, namespace: str | None = None, pull: Sequence[str] = ()) -> dict[str, Any]:
         """Push what the tiers lack (every snapshot), pull the named sessions ``pull``."""
-        return tiers.sync(self.index, self.blobs, self.tiers, namespace, list(pull))
+        from .tiers import sync
+
+        return sync(self.index, self.blobs, self.tiers, namespace, list(pull))
 
     def _info(self, r: SnapshotRow) -> EntryInfo:
         return entry_info(r)

@@ -139,6 +139,14 @@ class Shared:
             log.warning("persist: skipping a damaged shared snapshot: %s", e)
 
 
+def open_tiers(shared: str | None, cold: str | None) -> tuple[Shared | None, Shared | None]:
+    """The shared (Redis) and cold (S3) tiers of these URLs (None where not given)."""
+    return (
+        Shared(RedisTier(shared)) if shared else None,
+        Shared(S3Tier(cold), "cold") if cold else None,
+    )
+
+
 def sync(
     index: Index, blobs: BlobStore, shared: list[Shared], namespace: str | None, names: list[str]
 ) -> dict[str, Any]:

@@ -39,6 +39,11 @@ FETCHERS = 2  # blobs fetched at once (more only competes with the server for co
 SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://")
 
 
+def namespace_tag(namespace: str) -> str:
+    """A namespace's key prefix in every tier: an ACL or bucket policy can name it."""
+    return hashlib.sha256(namespace.encode()).hexdigest()[:16]
+
+
 class TierUnavailable(PersistError, ConnectionError):
     """The shared tier did not answer (down, timed out, or refused by its ACL)."""
 
@@ -100,7 +105,7 @@ class RedisTier:
 
     @staticmethod
     def prefix(namespace: str) -> str:
-        return f"persist:{hashlib.sha256(namespace.encode()).hexdigest()[:16]}:"
+        return f"persist:{namespace_tag(namespace)}:"
 
     # -- the namespace secret ------------------------------------------------
 

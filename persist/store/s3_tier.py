@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import logging
 import os
 import threading
@@ -25,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import InvalidArgumentError, PersistError
-from .redis_tier import TierUnavailable
+from .redis_tier import TierUnavailable, namespace_tag
 
 __all__ = ["S3Tier"]
 
@@ -63,8 +62,7 @@ class S3Tier:
         self._lock = threading.Lock()
 
     def _path(self, namespace: str, *parts: str) -> str:
-        tag = hashlib.sha256(namespace.encode()).hexdigest()[:16]
-        return "/".join([self._root, tag, *parts])
+        return "/".join([self._root, namespace_tag(namespace), *parts])
 
     def _call(self, what: str, fn: Any) -> Any:
         if time.monotonic() < self._down_until:
