@@ -77,13 +77,26 @@ def _weights_digest(model: Any) -> str:
 
 
 def current_backend() -> str:
-    """The MLX backend computing here: "cuda", "metal" or "cpu"."""
+    """The MLX backend and device computing here: "cuda:NVIDIA H200", "metal:Apple M2
+    Max", "cpu:..." (the part before the colon is what ``strict_backend`` compares)."""
     import mlx.core as mx
 
     if mx.default_device().type != mx.gpu:
-        return "cpu"
-    cuda = getattr(mx, "cuda", None)
-    return "cuda" if cuda is not None and cuda.is_available() else "metal"
+        kind = "cpu"
+    else:
+        cuda = getattr(mx, "cuda", None)
+        kind = "cuda" if cuda is not None and cuda.is_available() else "metal"
+    try:
+        name = str(mx.device_info().get("device_name", ""))
+    except Exception:  # an MLX without device_info: the kind alone
+        name = ""
+    name = "".join(c for c in name if c.isprintable())[:120].strip()
+    return f"{kind}:{name}" if name else kind
+
+
+def backend_kind(backend: str) -> str:
+    """ "cuda" of "cuda:NVIDIA H200"; "" when unknown."""
+    return backend.split(":", 1)[0]
 
 
 def _remembered_weights(

@@ -6,7 +6,7 @@ replaces which, and what to evict lives here, so it can be tested alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +26,11 @@ __all__ = [
     "covers",
     "EvictEntry",
     "plan_eviction",
+    "rate_bucket",
+    "prefill_seconds",
+    "restore_seconds",
+    "CostDecision",
+    "decide_cost",
 ]
 
 
@@ -200,3 +205,85 @@ def plan_eviction(
             if refs[b] == 0:
                 total -= blob_sizes.get(b, 0)
     return out
+
+
+# -- restore or recompute -------------------------------------------------------
+#
+# Rates are measured on real restores (bytes/s, per tier) and real prefills
+# (tokens/s, per context length) and kept per power of two of the amount:
+# restores have a fixed cost that small ones feel, and a token's prefill cost
+# grows with the context before it (attention).
+
+
+def rate_bucket(amount: int) -> int:
+    """The bucket a measurement of ``amount`` (bytes, or a context position) falls in:
+    positions [2**(b-1), 2**b) are bucket b; 0 is bucket 0."""
+    return max(0, int(amount)).bit_length()
+
+
+def _rate_near(rates: Mapping[int, float], b: int) -> float | None:
+    """The rate of bucket ``b``, else of the nearest measured one (the lower on a tie)."""
+    good = [k for k, r in rates.items() if r > 0]
+    if not good:
+        return None
+    return rates[min(good, key=lambda k: (abs(k - b), k))]
+
+
+def prefill_seconds(rates: Mapping[int, float], start: int, end: int) -> float | None:
+    """Predicted seconds to prefill positions [start, end) after ``start`` cached ones:
+    the per-bucket tokens/s integrated over the positions; None before any measurement."""
+    if _rate_near(rates, 0) is None:
+        return None
+    total, pos = 0.0, max(0, start)
+    while pos < end:
+        b = rate_bucket(pos)
+        stop = min(end, 1 << b)  # the first position of the next bucket
+        rate = _rate_near(rates, b)
+        assert rate is not None
+        total += (stop - pos) / rate
+        pos = stop
+    return total
+
+
+def restore_seconds(rates: Mapping[int, float], nbytes: int) -> float | None:
+    """Predicted seconds to restore ``nbytes`` at the measured bytes/s; None unmeasured."""
+    rate = _rate_near(rates, rate_bucket(nbytes))
+    return None if rate is None else nbytes / rate
+
+
+@dataclass(frozen=True)
+class CostDecision:
+    """Restore a hit of ``tokens`` tokens (``nbytes`` to read), or prefill them again."""
+
+    tokens: int
+    nbytes: int
+    tier: str  # where the bytes are: "local", "shared", "cold"
+    restore_s: float | None  # predicted; None: never measured here
+    prefill_s: float | None
+    restore: bool
+    reason: Literal["unmeasured", "faster", "slower", "max_cost"]
+
+
+def decide_cost(
+    tokens: int,
+    nbytes: int,
+    tier: str,
+    restore_s: float | None,
+    prefill_s: float | None,
+    max_cost: float | None = None,
+) -> CostDecision:
+    """Take a hit only when restoring it is predicted to beat prefilling the same tokens.
+
+    ``max_cost`` (seconds) replaces the predicted prefill as the limit.  Before
+    anything was measured a hit is restored: persist's behaviour without a model.
+    """
+    if restore_s is None or (prefill_s is None and max_cost is None):
+        return CostDecision(tokens, nbytes, tier, restore_s, prefill_s, True, "unmeasured")
+    if max_cost is not None:
+        ok = restore_s <= max_cost
+        return CostDecision(tokens, nbytes, tier, restore_s, prefill_s, ok, "max_cost")
+    assert prefill_s is not None
+    ok = restore_s < prefill_s
+    return CostDecision(
+        tokens, nbytes, tier, restore_s, prefill_s, ok, "faster" if ok else "slower"
+    )

@@ -43,6 +43,8 @@ class GenerateResult:
     session_tokens: int  # the session's length after this turn
     # the session it was asked for when it changed meanwhile (the turn went to ``session``)
     conflict_with: str | None = None
+    # restore or recompute (``policy.CostDecision`` as a map), when a lookup was made
+    decision: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,6 +116,7 @@ def generate(
     if len(got.tokens) == got.covered:
         raise InvalidArgumentError("the prompt is empty after tokenization")
     tokens, covered = got.tokens, got.covered
+    decision = store.costs.last
     cache = make_prompt_cache(model) if got.cache is None else got.cache
     steps = generate_step(
         mx.array(tokens[covered:]),
@@ -123,8 +126,11 @@ def generate(
         sampler=make_sampler(temp=temp),
         prompt_progress_callback=bar("prefill"),
     )
+    started = time.perf_counter()
     out, text, first = _decode(steps, tokenizer, on_text, t0)
     elapsed = time.perf_counter() - t0
+    if out:  # the prompt's forward (and one step) until the first token: a prefill rate
+        store.record_prefill(identity, covered, len(tokens), t0 + first - started)
     saved_as = save_turn(
         store,
         cache,
@@ -147,6 +153,7 @@ def generate(
         generate_seconds=elapsed,
         session_tokens=len(tokens) + len(out),
         conflict_with=session if saved_as != session else None,
+        decision=None if decision is None else asdict(decision),
     )
 
 

@@ -186,7 +186,9 @@ def cache_config_of(cli_args: Any) -> dict[str, int]:
     }
 
 
-def track_identities(server: Any) -> dict[Any, ModelIdentity]:
+def track_identities(
+    server: Any, by_model: dict[int, ModelIdentity] | None = None
+) -> dict[Any, ModelIdentity]:
     """Patch mlx-lm's ModelProvider so each model it loads gets its identity.
 
     Keyed by the server's own model key (model path, adapter path, draft
@@ -211,9 +213,56 @@ def track_identities(server: Any) -> dict[Any, ModelIdentity]:
         if self.draft_model is not None:
             ident = ident.with_draft(ModelIdentity.of(self.draft_model))
         identities[self.model_key] = ident
+        if by_model is not None:  # what the server's generators see: the model object
+            by_model[id(self.model)] = ident
 
     server.ModelProvider._load = _load
     return identities
+
+
+def measure_prefills(server: Any, store: Store, identity_of: Callable[[Any], Any]) -> None:
+    """Patch mlx-lm's server so its prefills feed the store's cost model.
+
+    One request at a time (``stream_generate``): mlx-lm's own prompt time of
+    the first response.  Batched (``BatchGenerator``): the prompt time its
+    counters add during each ``next()``, at the batch's context positions.
+    ``identity_of`` maps a loaded model object to its identity.
+    """
+    real_stream, real_batch = server.stream_generate, server.BatchGenerator
+
+    def stream_generate(*args: Any, **kwargs: Any) -> Any:
+        model, cache = kwargs.get("model"), kwargs.get("prompt_cache")
+        start = _offset(cache)
+        for i, r in enumerate(real_stream(*args, **kwargs)):
+            ident = identity_of(model)
+            if i == 0 and ident is not None and r.prompt_tps > 0:
+                n = r.prompt_tokens
+                store.record_prefill(ident, start, start + n, n / r.prompt_tps)
+            yield r
+
+    class BatchGenerator(real_batch):  # type: ignore[misc,valid-type]
+        def next(self) -> Any:
+            counters = getattr(self, "_counters", None)
+            before = (getattr(counters, "prompt_tokens", 0), getattr(counters, "prompt_time", 0.0))
+            out = super().next()
+            ident = identity_of(getattr(self, "model", None))
+            n = getattr(counters, "prompt_tokens", 0) - before[0]
+            secs = getattr(counters, "prompt_time", 0.0) - before[1]
+            ends = [r.progress[0] for r in out[0] if getattr(r, "progress", None)]
+            if ident is not None and n > 0 and secs > 0 and ends:
+                # each sequence got n/len tokens in secs: a single prompt is no slower
+                end = sum(ends) // len(ends)
+                store.record_prefill(ident, max(0, end - n // len(ends)), end, secs)
+            return out
+
+    server.stream_generate, server.BatchGenerator = stream_generate, BatchGenerator
+
+
+def _offset(cache: Any) -> int:
+    try:
+        return int(getattr(cache[0], "offset", 0) or 0) if cache else 0
+    except Exception:
+        return 0
 
 
 def serve(
@@ -244,8 +293,10 @@ def serve(
 
     from .server_http import serve_until_signal
 
-    identities = track_identities(server)
+    by_model: dict[int, ModelIdentity] = {}
+    identities = track_identities(server, by_model)
     store = Store(store_root, max_bytes=max_bytes, shared=shared, cold=cold)
+    measure_prefills(server, store, lambda model: by_model.get(id(model)))
     caches: list[PersistentPromptCache] = []
 
     def make(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:

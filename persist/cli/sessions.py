@@ -204,8 +204,37 @@ def stats_cmd(namespace: str | None, store_dir: Path | None, as_json: bool) -> N
         )
         for k, v in sorted(s.counters.items()):
             click.echo(f"{k} {v}")
+        for r in s.rates:
+            click.echo(_render_rate(r))
+        for d in s.decisions:
+            click.echo(_render_decision(d))
 
     emit(as_json, s.to_dict(), render)
+
+
+def _render_rate(r: dict[str, Any]) -> str:
+    """One measured rate: restores in bytes/s per tier, prefills in tokens/s per model."""
+    lo = 1 << max(0, r["bucket"] - 1)
+    if r["what"] == "restore":
+        return (
+            f"rate {r['machine']} restore from {r['key']} ({human_bytes(lo)}+): "
+            f"{human_bytes(int(r['rate']))}/s ({r['samples']} runs)"
+        )
+    return (
+        f"rate {r['machine']} prefill at {lo}+ tokens of {r['key'][:12]}: "
+        f"{r['rate']:.0f} tokens/s ({r['samples']} runs)"
+    )
+
+
+def _render_decision(d: dict[str, Any]) -> str:
+    def secs(v: float | None) -> str:
+        return "unmeasured" if v is None else f"{v:.3f} s"
+
+    chosen = "restore" if d["restore"] else "recompute"
+    return (
+        f"decision {chosen}: {d['tokens']} tokens from {d['tier']}, restore "
+        f"{secs(d['restore_s'])} vs prefill {secs(d['prefill_s'])} ({d['reason']})"
+    )
 
 
 @cli.command("pin")

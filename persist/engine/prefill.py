@@ -8,6 +8,7 @@ with blocks shared, each checkpoint costs about its own tail.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +51,8 @@ def prefill(
 
     ``cache`` may already cover a prefix of ``tokens`` (its offset says how
     much); prefill continues from there.  Checkpoints belong to ``session``
-    (deleted with it) and serve prefix lookups of any prompt.
+    (deleted with it) and serve prefix lookups of any prompt.  With ``store`` and
+    ``identity``, every forward's time goes to the store's cost model.
     """
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -76,8 +78,11 @@ def prefill(
             # A cache whose precision changes ahead (DelayedQuantizedKVCache) gets a
             # forward that stops exactly at its boundary.
             upto = min(end, done + _room(cache, end - done))
+            t0 = time.perf_counter()
             model(mx.array([toks[done:upto]]), cache=cache)
             mx.eval([c.state for c in cache])
+            if store is not None and identity is not None:  # the cost model's prefill rate
+                store.record_prefill(identity, done, upto, time.perf_counter() - t0)
             done = upto
         if progress is not None:
             progress(done, len(toks))

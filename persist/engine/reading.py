@@ -7,16 +7,18 @@ tier through ``loading.load_snapshot``; counters are kept here, once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from ..errors import CorruptBlobError, IdentityMismatchError, SessionNotFoundError
-from ..identity import ModelIdentity
+from ..identity import ModelIdentity, backend_kind
 from ..records import Progress
 from ..store import lookup as lookup_queries
 from ..store.chains import chain_root, chains
+from .costs import LOCAL, CostModel, hit_bytes
 from .loading import load_snapshot
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ def restore_named(
     identity: ModelIdentity,
     progress: Progress | None = None,
     strict_backend: bool = False,
+    costs: CostModel | None = None,
 ) -> tuple[list[Any], SnapshotRow]:
     """The named session's caches and row, exactly as saved.
 
@@ -63,7 +66,8 @@ def restore_named(
                 f"session {session!r}", ["backend"], saved.display(), identity.display()
             )
         try:
-            cache = load_snapshot(index, blobs, row, progress, refs=refs)
+            with _timed(costs, identity, row.nbytes):
+                cache = load_snapshot(index, blobs, row, progress, refs=refs)
             break
         except CorruptBlobError:
             # damage, unless a newer save replaced the row meanwhile
@@ -77,9 +81,16 @@ def restore_named(
     return cache, row
 
 
+def _timed(costs: CostModel | None, identity: ModelIdentity, nbytes: int) -> Any:
+    """Time a local restore into the cost model (a no-op without one)."""
+    if costs is None:
+        return contextlib.nullcontext()
+    return costs.timing_restore(identity, LOCAL, nbytes)
+
+
 def _other_backend(row: SnapshotRow, identity: ModelIdentity) -> bool:
-    saved = saved_identity(row).backend
-    return bool(saved and identity.backend and saved != identity.backend)
+    saved, here = backend_kind(saved_identity(row).backend), backend_kind(identity.backend)
+    return bool(saved and here and saved != here)
 
 
 def choose(
@@ -107,11 +118,15 @@ def lookup_prefix(
     block_tokens: int,
     longer_than: int = 0,
     strict_backend: bool = False,
+    costs: CostModel | None = None,
+    max_cost: float | None = None,
 ) -> tuple[list[Any], SnapshotRow, int] | None:
     """(caches cut to the prefix, row, prefix) of the best usable hit, or None.
 
     A damaged snapshot is skipped (and counted) and the next best is tried.
     A hit of at most ``longer_than`` tokens is not read and not counted.
+    With ``costs``, a hit predicted to restore slower than a prefill of its
+    tokens (or than ``max_cost`` seconds) is declined: None, as a miss.
     """
     skip: set[int] = set()
     while (found := choose(index, toks, identity, namespace, block_tokens, skip)) is not None:
@@ -121,8 +136,13 @@ def lookup_prefix(
             continue
         if prefix <= longer_than:
             return None
+        nbytes = hit_bytes(index, row, prefix)
+        decide = costs.decide if costs is not None else None
+        if decide and not decide(identity, namespace, [(LOCAL, nbytes)], prefix, max_cost).restore:
+            return None  # recomputing is faster here: counted as cost_recomputed
         try:
-            cache = load_snapshot(index, blobs, row, keep=prefix)
+            with _timed(costs, identity, nbytes):
+                cache = load_snapshot(index, blobs, row, keep=prefix)
         except CorruptBlobError as e:
             log.warning("persist: skipping a damaged snapshot in lookup: %s", e)
             index.count(namespace, corrupt_skipped=1)

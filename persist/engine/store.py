@@ -25,12 +25,13 @@ from ..format.manifest import check_metadata
 from ..format.tokens import check_tokens, unpack_tokens
 from ..identity import ModelIdentity
 from ..records import Progress
-from ..store import retention, writes
+from ..store import rates, retention, writes
 from ..store.blobs import FileBlobs
 from ..store.index import Index, SnapshotRow
 from ..store.rows import check_name, entry_info, store_root
 from ..store.schema import connect
-from ..store.types import EntryInfo, GcReport, Problem, Restored, Rollback, StoreStats
+from ..store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
+from .costs import CostModel
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
     from ..codecs.snapshot import Snapshot
@@ -83,6 +84,7 @@ class Store:
         except (PermissionError, FileNotFoundError, NotADirectoryError) as e:
             raise StorageError(f"cannot open the store at {self.root}", e) from e
         self._index: Index | None = Index(db)
+        self.costs = CostModel(self._index)  # restore or recompute, from measured rates
         self.shared: Shared | None = None  # a Redis-protocol server every machine shares
         self.cold: Shared | None = None  # S3, for named sessions
         if shared or cold:  # the tier code and clients load only when asked for
@@ -213,8 +215,9 @@ class Store:
         for tier in self.tiers:  # the shared tier first, then the durable one
             if not self.has_session(session, namespace=namespace):
                 tier.pull_session(self.index, self.blobs, namespace, session)
+        i, strict = self.index, self.strict_backend
         cache, row = restore_named(
-            self.index, self.blobs, namespace, session, identity, progress, self.strict_backend
+            i, self.blobs, namespace, session, identity, progress, strict, self.costs
         )
         return Restored(cache, unpack_tokens(row.tokens), self._info(row))
 
@@ -225,26 +228,38 @@ class Store:
         identity: ModelIdentity,
         namespace: str = "default",
         longer_than: int = 0,
+        max_cost: float | None = None,
     ) -> Restored | None:
         """The longest usable stored prefix of ``tokens`` (at least one token is left over).
 
         Token-exact: a hit of k tokens holds exactly what a fresh prefill of
         those k tokens would (the codecs cut every layer to k).  A hit of at
         most ``longer_than`` tokens (what a caller already holds in memory)
-        is not read at all and returns None, uncounted.
+        is not read at all and returns None, uncounted.  A hit predicted to
+        restore slower than prefilling its tokens here (rates measured on
+        this machine; ``max_cost`` seconds instead, if given) is declined:
+        None.  ``self.costs.last`` is the decision.
         """
         from .reading import lookup_prefix
 
         toks = check_tokens(tokens)
         check_name(namespace, "namespace")
+        i, b, strict, costs = self.index, self.block_tokens, self.strict_backend, self.costs
+        self.costs.last = None
         for tier in self.tiers:  # the fleet's deepest snapshot, if it beats this store's
-            tier.pull_prefix(self.index, self.blobs, toks, identity, namespace, self.block_tokens)
-        i, b, strict = self.index, self.block_tokens, self.strict_backend
-        found = lookup_prefix(i, self.blobs, toks, identity, namespace, b, longer_than, strict)
+            tier.pull_prefix(i, self.blobs, toks, identity, namespace, b, costs, max_cost)
+        found = lookup_prefix(
+            i, self.blobs, toks, identity, namespace, b, longer_than, strict, costs, max_cost
+        )
         if found is None:
             return None
         cache, row, prefix = found
         return Restored(cache, toks[:prefix], self._info(row))
+
+    def record_prefill(self, identity: ModelIdentity, start: int, end: int, seconds: float) -> None:
+        """Tell the cost model a prefill of positions [start, end) took ``seconds`` here
+        (``persist.prefill``, ``persist generate`` and ``persist serve`` do)."""
+        self.costs.prefilled(identity, start, end, seconds)
 
     def find(
         self, tokens: Sequence[int], *, identity: ModelIdentity, namespace: str = "default"
@@ -283,18 +298,13 @@ class Store:
         """Write a session to one file: a persist file (``load_file`` reads it, with
         tokens and identity) or, with ``format="mlx-lm"``, one mlx-lm's
         ``load_prompt_cache`` reads (caches and metadata only)."""
-        from .loading import load_snapshot
-        from .reading import saved_identity
-        from .transfer import write_file
+        from .transfer import export_row
 
         row = self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
         if row is None:
             raise SessionNotFoundError(session, namespace)
-        info = self._info(row)
-        cache = load_snapshot(self.index, self.blobs, row)
-        tokens = unpack_tokens(row.tokens)
-        write_file(path, cache, tokens, saved_identity(row), info.metadata, format)
-        return info
+        export_row(self.index, self.blobs, row, path, format)
+        return self._info(row)
 
     def import_file(
         self,
@@ -358,21 +368,7 @@ class Store:
         blob files.  ``dry_run`` reports what would go and changes nothing.
         """
         budget = self.budgets.max_bytes if max_bytes is None else max_bytes
-        before = self.index.unique_bytes()
-        victims: list[EntryInfo] = []
-        try:
-            with self.index.write() as db:
-                if budget is not None:  # the same rule a save applies
-                    rows, _ = retention.evict_lru(db, self.index, [(budget, None)], None)
-                    victims = [self._info(r) for r in rows]
-                if dry_run:
-                    after = self.index.unique_bytes(db)
-                    raise Rollback(GcReport(victims, 0, before - after, after, True))
-        except Rollback as r:
-            return r.report
-        deleted = retention.collect(self.index, self.blobs)
-        after = self.index.unique_bytes()
-        return GcReport(victims, deleted, before - after, after, False)
+        return retention.gc(self.index, self.blobs, budget, dry_run)
 
     def stats(self, namespace: str | None = None) -> StoreStats:
         rows = self.index.snapshots(namespace, named_only=False)
@@ -382,6 +378,8 @@ class Store:
             unique_bytes=self.index.unique_bytes(namespace=namespace),
             referenced_bytes=sum(r.nbytes for r in rows),
             counters=self.index.counters(namespace),
+            rates=rates.all_rates(self.index),
+            decisions=rates.decisions(self.index, namespace),
         )
 
     def check(self, fix: bool = False, *, progress: Progress | None = None) -> list[Problem]:

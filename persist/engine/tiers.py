@@ -31,6 +31,7 @@ from ..store.index import Index
 from ..store.redis_tier import RedisTier, TierUnavailable
 from ..store.rows import BlockRef, NewBlob
 from ..store.s3_tier import S3Tier
+from .costs import LOCAL, CostModel
 
 __all__ = ["Shared", "push", "pull", "sync", "shared_secret", "EvictedError"]
 
@@ -112,8 +113,11 @@ class Shared:
         identity: Any,
         namespace: str,
         block: int,
+        costs: CostModel | None = None,
+        max_cost: float | None = None,
     ) -> None:
-        """Pull the tier's deepest snapshot of this prompt if it beats the local one."""
+        """Pull the tier's deepest snapshot of this prompt if it beats the local one
+        (and, with ``costs``, if pulling and restoring it beats a prefill)."""
         from .reading import choose
 
         if not self.agree(index, namespace):  # adopts the fleet's secret on a new machine
@@ -127,16 +131,47 @@ class Shared:
         if found is None or found[0] * block <= (local[1] if local else 0):
             self._count(index, namespace, "misses")
             return
+        if costs is not None and not self._worth(costs, identity, namespace, found, max_cost):
+            return
         before = dict(self.tier.counters)
         try:
+            t0 = time.perf_counter()
             if self._run(lambda: pull(index, blobs, self.tier, namespace, found[1], named=False)):
                 self._count(index, namespace, "hits")
+                moved = self.tier.counters.get("bytes_pulled", 0) - before.get("bytes_pulled", 0)
+                if costs is not None:
+                    costs.restored(identity, self.name, moved, time.perf_counter() - t0)
             self._bytes(index, namespace, before)
         except EvictedError:  # a shorter hit or none, never an error
             self._count(index, namespace, "incomplete")
         except CorruptBlobError as e:  # never a wrong cache: the local answer stands
             self._count(index, namespace, "corrupt_skipped")
             log.warning("persist: skipping a damaged shared snapshot: %s", e)
+
+    def _worth(
+        self,
+        costs: CostModel,
+        identity: Any,
+        namespace: str,
+        found: tuple[int, bytes],
+        max_cost: float | None,
+    ) -> bool:
+        """Is pulling this record's blobs, then restoring them, predicted to beat a prefill?"""
+        try:
+            body = _body(found[1])
+        except CorruptBlobError:
+            return True  # the pull itself refuses it, and counts it
+        nbytes = sum(int(v[0]) for v in body["blobs"].values())
+        tokens = min(int(body["row"]["n_tokens"]), found[0] * self._block(body))
+        via = [(self.name, nbytes), (LOCAL, nbytes)]
+        if costs.decide(identity, namespace, via, tokens, max_cost).restore:
+            return True
+        self._count(costs.index, namespace, "declined")
+        return False
+
+    @staticmethod
+    def _block(body: dict[str, Any]) -> int:
+        return int(msgpack.unpackb(body["row"]["manifest"], raw=False)["block"])
 
 
 def open_tiers(shared: str | None, cold: str | None) -> tuple[Shared | None, Shared | None]:

@@ -30,7 +30,14 @@ from ..format.manifest import is_mlx_lm_metadata
 from ..identity import ModelIdentity
 from .files import load_file, save_file
 
-__all__ = ["Importable", "read_importable", "write_mlx_lm", "read_mlx_lm", "FORMATS"]
+__all__ = [
+    "Importable",
+    "read_importable",
+    "write_mlx_lm",
+    "read_mlx_lm",
+    "export_row",
+    "FORMATS",
+]
 
 FORMATS = ("persist", "mlx-lm")
 
@@ -183,3 +190,15 @@ def write_file(
         write_mlx_lm(path, cache, metadata)
     else:
         raise UnsupportedFormatError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+def export_row(index: Any, blobs: Any, row: Any, path: str | os.PathLike[str], format: str) -> None:
+    """``Store.export``: a stored snapshot, restored, written as one file."""
+    from ..format.tokens import unpack_tokens
+    from ..store.rows import entry_info
+    from .loading import load_snapshot
+    from .reading import saved_identity
+
+    cache = load_snapshot(index, blobs, row)
+    meta = entry_info(row).metadata
+    write_file(path, cache, unpack_tokens(row.tokens), saved_identity(row), meta, format)

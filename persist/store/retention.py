@@ -14,12 +14,13 @@ from ..errors import InvalidArgumentError
 from . import writes
 from .blobs import BlobStore
 from .index import MAX_VARIABLES, Index
-from .rows import SnapshotRow
+from .rows import SnapshotRow, entry_info
+from .types import GcReport, Rollback
 
 if TYPE_CHECKING:
     import sqlite_utils
 
-__all__ = ["Budgets", "anonymous_ending_at", "lru_victim", "evict_lru", "collect"]
+__all__ = ["Budgets", "anonymous_ending_at", "lru_victim", "evict_lru", "collect", "gc"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +129,23 @@ def evict_lru(
             removed += Index.rows_where(db, "id = ?", [victim])
             writes.remove(db, victim)
     return removed, None
+
+
+def gc(index: Index, blobs: BlobStore, budget: int | None, dry_run: bool) -> GcReport:
+    """``Store.gc``: evict LRU snapshots down to ``budget`` (the rule a save applies),
+    then delete unreferenced blob files; a dry run reports and changes nothing."""
+    before = index.unique_bytes()
+    victims = []
+    try:
+        with index.write() as db:
+            if budget is not None:
+                rows, _ = evict_lru(db, index, [(budget, None)], None)
+                victims = [entry_info(r) for r in rows]
+            if dry_run:
+                after = index.unique_bytes(db)
+                raise Rollback(GcReport(victims, 0, before - after, after, True))
+    except Rollback as r:
+        return r.report
+    deleted = collect(index, blobs)
+    after = index.unique_bytes()
+    return GcReport(victims, deleted, before - after, after, False)

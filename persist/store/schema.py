@@ -1,6 +1,6 @@
 """The SQLite index: schema, migrations, connection settings.  No mlx here.
 
-Schema version 2.  Each migration is a list of statements applied in one
+Schema version 3.  Each migration is a list of statements applied in one
 transaction, then its Python step if it has one (a backfill);
 ``meta.schema_version`` records where a store is.
 """
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SCHEMA_VERSION", "connect"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 MIGRATIONS: dict[int, list[str]] = {
     1: [
@@ -140,6 +140,28 @@ MIGRATIONS: dict[int, list[str]] = {
         # Snapshot ids are never reused (a stale check must not hit a new row).
         """INSERT OR IGNORE INTO meta(key, value)
            SELECT 'last_snapshot_id', CAST(COALESCE(MAX(id), 0) AS TEXT) FROM snapshots""",
+    ],
+    3: [
+        # Measured speeds for the restore-or-recompute decision (persist.store.rates):
+        # per machine, what ("restore" per tier, "prefill" per model), power-of-two bucket.
+        """CREATE TABLE rates (
+            machine TEXT NOT NULL,
+            what TEXT NOT NULL,
+            key TEXT NOT NULL,
+            bucket INTEGER NOT NULL,
+            rate REAL NOT NULL,
+            samples INTEGER NOT NULL,
+            updated REAL NOT NULL,
+            PRIMARY KEY (machine, what, key, bucket)
+        )""",
+        # The latest decisions, for persist stats (a bounded ring per namespace).
+        """CREATE TABLE decisions (
+            id INTEGER PRIMARY KEY,
+            namespace TEXT NOT NULL,
+            at REAL NOT NULL,
+            body BLOB NOT NULL
+        )""",
+        """CREATE INDEX decisions_ns ON decisions(namespace, id)""",
     ],
 }
 

@@ -89,6 +89,8 @@ class StoreStats:
     unique_bytes: int
     referenced_bytes: int
     counters: dict[str, int]
+    rates: list[dict[str, Any]] = field(default_factory=list)  # measured here and elsewhere
+    decisions: list[dict[str, Any]] = field(default_factory=list)  # restore or recompute
 
     @property
     def dedup_ratio(self) -> float:

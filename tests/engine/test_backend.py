@@ -10,18 +10,19 @@ from typing import Any
 import pytest
 
 import persist
-from persist.identity import current_backend
+from persist.identity import backend_kind, current_backend
 from tests.helpers import prefill, tokens_for
 
 
 def test_the_backend_is_recorded_and_not_digested(tiny: Any) -> None:
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
-    assert ident.backend == current_backend() == "cpu"
-    other = dataclasses.replace(ident, backend="cuda")
+    assert ident.backend == current_backend()
+    assert backend_kind(ident.backend) == "cpu" and ident.backend.startswith("cpu:")
+    other = dataclasses.replace(ident, backend="cuda:NVIDIA H200")
     assert other == ident and other.digest == ident.digest
     back = persist.ModelIdentity.from_dict(other.to_dict())
-    assert back.backend == "cuda" and back == ident
+    assert back.backend == "cuda:NVIDIA H200" and back == ident
     old = {k: v for k, v in ident.to_dict().items() if k != "backend"}  # round 1's rows
     assert persist.ModelIdentity.from_dict(old).backend == ""
 
@@ -29,7 +30,7 @@ def test_the_backend_is_recorded_and_not_digested(tiny: Any) -> None:
 def test_strict_stores_refuse_another_backends_caches(tiny: Any, tmp_path: Path) -> None:
     model, tok, _ = tiny("llama")
     here = persist.ModelIdentity.of(model, tok)
-    there = dataclasses.replace(here, backend="cuda")  # as an H200 would have saved it
+    there = dataclasses.replace(here, backend="cuda:NVIDIA H200")  # as an H200 saved it
     toks = tokens_for(300, seed=60)
     with persist.Store(tmp_path / "s") as store:
         store.save(prefill(model, toks)[0], toks, identity=there, session="gpu")
@@ -40,3 +41,15 @@ def test_strict_stores_refuse_another_backends_caches(tiny: Any, tmp_path: Path)
             strict.restore("gpu", identity=here)
         assert strict.lookup([*toks, 1], identity=here) is None
         assert strict.restore("gpu", identity=there).tokens == toks
+
+
+def test_strict_compares_the_backend_not_the_device(tiny: Any, tmp_path: Path) -> None:
+    """Another GPU of the same backend is the same backend (the device is informational)."""
+    model, tok, _ = tiny("llama")
+    here = persist.ModelIdentity.of(model, tok)
+    same_kind = dataclasses.replace(here, backend=backend_kind(here.backend) + ":another chip")
+    toks = tokens_for(300, seed=61)
+    with persist.Store(tmp_path / "s", strict_backend=True) as strict:
+        strict.save(prefill(model, toks)[0], toks, identity=same_kind, session="s")
+        assert strict.restore("s", identity=here).tokens == toks
+        assert strict.lookup([*toks, 1], identity=here) is not None

@@ -64,7 +64,11 @@ def test_restart_keeps_the_prompt_cache(variant: str, model_dir: Any, tmp_path: 
     assert text(got) == text(want)
     with persist.Store(store) as s:
         assert s.check() == []
-        assert s.stats().counters["serve_store_hits"] == 1
+        stats = s.stats()
+        assert stats.counters["serve_store_hits"] == 1
+        # the server measured its prefills, and its store hit was a decision
+        assert any(r["what"] == "prefill" for r in stats.rates)
+        assert stats.decisions and stats.decisions[0]["restore"] is True
 
 
 def test_sigkill_during_write_behind(model_dir: Any, tmp_path: Path) -> None:

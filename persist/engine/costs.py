@@ -1,0 +1,101 @@
+"""Restore or recompute: measured rates in, a decision out (``policy.decide_cost``).
+
+Restores are timed where they happen (``reading``: the local store; ``tiers``:
+a pull from Redis or S3) and prefills where they happen (``persist.prefill``,
+``persist generate``, ``persist serve``); the rates live in the index
+(``persist.store.rates``), per machine, so every process on this machine
+learns from the others.  No measurement yet: restore, as persist always did.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+import msgpack
+
+from .. import policy
+from ..identity import ModelIdentity
+from ..store import rates
+
+if TYPE_CHECKING:
+    from ..store.index import Index, SnapshotRow
+
+__all__ = ["CostModel", "LOCAL", "hit_bytes"]
+
+LOCAL = "local"  # the tier name of this store's own files
+MIN_PREFILL = 16  # tokens: shorter forwards are decode steps, not a prefill rate
+
+
+def hit_bytes(index: Index, row: SnapshotRow, prefix: int) -> int:
+    """Bytes a hit of ``prefix`` tokens reads: the blocks covering them and the tail
+    (the partial-read rule of ``loading.load_snapshot``)."""
+    if prefix >= row.n_tokens or row.n_blocks == 0:
+        return row.nbytes
+    body = msgpack.unpackb(row.manifest, raw=False)
+    split, block = body.get("split"), int(body.get("block", 1))
+    head = index.blob_head(row.tail)
+    tail = head[0] if head is not None else 0
+    if not split or prefix > row.n_blocks * block:
+        return row.nbytes
+    need = -(-prefix // block)
+    return tail + (row.nbytes - tail) * need // row.n_blocks
+
+
+class CostModel:
+    """A store's rates and decisions; ``last`` is the latest decision of this process."""
+
+    def __init__(self, index: Index) -> None:
+        self.index = index
+        self.last: policy.CostDecision | None = None
+
+    def _machine(self, identity: ModelIdentity) -> str:
+        return rates.machine_name(identity.backend)
+
+    def restore_seconds(self, identity: ModelIdentity, tier: str, nbytes: int) -> float | None:
+        got = rates.rates(self.index, self._machine(identity), "restore", tier)
+        return policy.restore_seconds(got, nbytes)
+
+    def prefill_seconds(self, identity: ModelIdentity, start: int, end: int) -> float | None:
+        got = rates.rates(self.index, self._machine(identity), "prefill", identity.digest)
+        return policy.prefill_seconds(got, start, end)
+
+    def decide(
+        self,
+        identity: ModelIdentity,
+        namespace: str,
+        tiers: list[tuple[str, int]],
+        tokens: int,
+        max_cost: float | None,
+    ) -> policy.CostDecision:
+        """Restore ``tokens`` tokens through ``tiers`` ((tier, bytes) read from each)?"""
+        parts = [self.restore_seconds(identity, t, n) for t, n in tiers]
+        restore = None if any(p is None for p in parts) else sum(p for p in parts if p)
+        prefill = self.prefill_seconds(identity, 0, tokens)
+        d = policy.decide_cost(tokens, tiers[0][1], tiers[0][0], restore, prefill, max_cost)
+        self.last = d
+        rates.note_decision(self.index, namespace, asdict(d))
+        self.index.count(namespace, **{"cost_restored" if d.restore else "cost_recomputed": 1})
+        return d
+
+    def restored(self, identity: ModelIdentity, tier: str, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            here, bucket = self._machine(identity), policy.rate_bucket(nbytes)
+            rates.record(self.index, here, "restore", tier, bucket, nbytes / seconds)
+
+    def prefilled(self, identity: ModelIdentity, start: int, end: int, seconds: float) -> None:
+        """A measured prefill of positions [start, end) (the forward and its evaluation)."""
+        if end - start >= MIN_PREFILL and seconds > 0:
+            here, bucket = self._machine(identity), policy.rate_bucket((start + end) // 2)
+            rate = (end - start) / seconds
+            rates.record(self.index, here, "prefill", identity.digest, bucket, rate)
+
+    @contextmanager
+    def timing_restore(self, identity: ModelIdentity, tier: str, nbytes: int) -> Iterator[None]:
+        """Time the block as a restore of ``nbytes`` from ``tier`` (only if it completes)."""
+        t0 = time.perf_counter()
+        yield
+        self.restored(identity, tier, nbytes, time.perf_counter() - t0)

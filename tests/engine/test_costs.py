@@ -1,0 +1,165 @@
+"""Restore or recompute: a hit is taken only when restoring it is predicted to beat a
+prefill of its tokens, from rates measured on real restores and prefills here.
+
+The slow and fast cases are made on purpose, not hoped for: a blob tier that
+sleeps in every open (restores slower than any prefill of a tiny model), and a
+model that sleeps in every forward (prefills slower than any tiny restore).
+Both are real stores, real files and real forwards, only slowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import mlx.core as mx
+
+import persist
+from persist.apps.generate import generate
+from persist.store import rates
+from persist.store.blobs import FileBlobs
+from tests.helpers import continue_run, persist_cli, prefill, raw, tokens_for
+
+
+class SlowBlobs(FileBlobs):
+    """The store's own files, each open delayed: a slow disk or a far tier."""
+
+    def __init__(self, root: Path, delay: float) -> None:
+        super().__init__(root)
+        self.delay = delay
+
+    def open(self, file: str) -> BinaryIO:
+        time.sleep(self.delay)
+        return super().open(file)
+
+
+class SlowModel:
+    """A real model whose every forward also sleeps: a slow accelerator."""
+
+    def __init__(self, model: Any, delay: float) -> None:
+        self.model, self.delay = model, delay
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self.delay)
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def _primed(model: Any, tok: Any, root: Path, toks: list[int]) -> persist.Store:
+    """A store with a session of ``toks`` and the prefill rates of computing it."""
+    ident = persist.ModelIdentity.of(model, tok)
+    store = persist.Store(root)
+    cache = persist.prefill(model, toks, store=store, identity=ident, step=128)
+    store.save(cache, toks, identity=ident, session="doc")
+    return store
+
+
+def test_a_slow_tier_is_declined_and_the_answer_is_a_plain_prefill(
+    tiny: Any, tmp_path: Path
+) -> None:
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(600, seed=70)
+    prompt = [*toks, 5, 6, 7]
+    with _primed(model, tok, tmp_path / "s", toks) as store:
+        store.blobs = SlowBlobs(store.root, 0.3)
+        first = store.lookup(prompt, identity=ident)  # no restore measured yet: restore
+        assert first is not None and store.costs.last is not None
+        assert store.costs.last.restore and store.costs.last.reason == "unmeasured"
+        assert store.lookup(prompt, identity=ident) is None  # now known to be slow
+        d = store.costs.last
+        assert d is not None and not d.restore and d.reason == "slower"
+        assert d.restore_s is not None and d.prefill_s is not None and d.restore_s > d.prefill_s
+        assert d.tokens == 600 and d.tier == "local"
+        # what the caller does with a declined hit: a plain prefill, bit for bit the same
+        cache, logits = prefill(model, prompt)
+        fresh, fresh_logits = prefill(model, prompt)
+        assert raw(logits) == raw(fresh_logits)
+        assert raw(continue_run(model, cache, [9])[0][0]) == raw(
+            continue_run(model, fresh, [9])[0][0]
+        )
+        stats = store.stats()
+        assert stats.counters["cost_recomputed"] == 1 and stats.counters["cost_restored"] == 1
+        newest = stats.decisions[0]
+        assert newest["restore"] is False and newest["restore_s"] > newest["prefill_s"]
+        assert {r["what"] for r in stats.rates} == {"restore", "prefill"}
+        # a caller who accepts a slower restore says so in seconds
+        assert store.lookup(prompt, identity=ident, max_cost=math.inf) is not None
+        assert store.costs.last is not None and store.costs.last.reason == "max_cost"
+        assert store.lookup(prompt, identity=ident, max_cost=0.0) is None
+
+
+def test_a_fast_tier_is_taken_and_restores_exactly(tiny: Any, tmp_path: Path) -> None:
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(600, seed=71)
+    prompt = [*toks, 5, 6, 7]
+    slow = SlowModel(model, 0.05)  # 5 forwards of 128 tokens: a quarter second of prefill
+    with _primed(slow, tok, tmp_path / "s", toks) as store:
+        for _ in range(3):  # measured, then decided from the measurement
+            hit = store.lookup(prompt, identity=ident)
+            assert hit is not None and len(hit.tokens) == 600
+        d = store.costs.last
+        assert d is not None and d.restore and d.reason == "faster"
+        assert d.restore_s is not None and d.prefill_s is not None and d.restore_s < d.prefill_s
+        _, want = prefill(model, prompt)
+        got = model(mx.array([prompt[600:]]), cache=hit.cache)[0, -1]
+        assert raw(got) == raw(want)
+
+
+def test_rates_belong_to_their_machine_and_model(tiny: Any, tmp_path: Path) -> None:
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(600, seed=72)
+    with _primed(model, tok, tmp_path / "s", toks) as store:
+        store.blobs = SlowBlobs(store.root, 0.3)
+        store.lookup([*toks, 1], identity=ident)  # measured slow, here
+        machines = {r["machine"] for r in rates.all_rates(store.index)}
+        assert machines == {rates.machine_name(ident.backend)}
+        elsewhere = dataclasses.replace(ident, backend="cuda:NVIDIA H200")  # same model
+        assert store.lookup([*toks, 1], identity=elsewhere) is not None
+        assert store.costs.last is not None and store.costs.last.reason == "unmeasured"
+        other = persist.ModelIdentity.of(*tiny("llama_hd64")[:2])  # another model, same machine
+        assert store.costs.prefill_seconds(other, 0, 600) is None
+        assert store.costs.prefill_seconds(ident, 0, 600) is not None
+
+
+def test_generate_reports_the_decision(tiny: Any, tmp_path: Path) -> None:
+    """``persist generate --json`` carries it: the declined hit and the plain prefill."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    text = "the quick brown fox jumps over the lazy dog " * 30
+    with persist.Store(tmp_path / "plain") as plain:
+        want = generate(model, tok, ident, plain, session="a", prompt=text, max_tokens=6)
+    with persist.Store(tmp_path / "s") as store:
+        generate(model, tok, ident, store, session="a", prompt=text, max_tokens=6)
+        store.blobs = SlowBlobs(store.root, 0.3)
+        generate(model, tok, ident, store, session="b", prompt=text, max_tokens=6)  # measures
+        got = generate(model, tok, ident, store, session="c", prompt=text, max_tokens=6)
+    assert got.decision is not None and got.decision["restore"] is False
+    assert got.source == "none" and got.reused_tokens == 0
+    assert got.text == want.text and got.to_dict()["decision"]["reason"] == "slower"
+
+
+def test_persist_stats_shows_rates_and_decisions(tiny: Any, tmp_path: Path) -> None:
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(600, seed=73)
+    with _primed(model, tok, tmp_path / "s", toks) as store:
+        store.blobs = SlowBlobs(store.root, 0.3)
+        store.lookup([*toks, 1], identity=ident)
+        store.lookup([*toks, 1], identity=ident)
+    out = persist_cli(tmp_path, "stats", "--store", str(tmp_path / "s")).stdout
+    assert "decision recompute: 600 tokens from local" in out and "(slower)" in out
+    assert "decision restore: 600 tokens from local" in out and "(unmeasured)" in out
+    assert "prefill at" in out and "tokens/s" in out and "restore from local" in out
+    got = json.loads(
+        persist_cli(tmp_path, "stats", "--store", str(tmp_path / "s"), "--json").stdout
+    )
+    assert got["decisions"][0]["restore"] is False and got["counters"]["cost_recomputed"] == 1
