@@ -134,11 +134,17 @@ def main() -> None:
         *included("throughput-cuda-llama3-8b1024-llama3-8b8192-qwen3-next8192"),
         *included("throughput-cuda-llama3-8b32768"),
         "Restore or recompute on the H200 (a random-weight Llama-3-8B, bf16): at these "
-        "lengths its prefill is faster than reading the cache back from the host, so there "
-        "persist's value is a cache that survives restarts and is shared across prompts "
-        "longer than these, not speed:",
+        "lengths its prefill is faster than reading the cache back from the host, and the "
+        "cost model, from the rates the same run measured, declines those hits (the last "
+        "column); there persist's value is a cache that survives restarts, not speed:",
         "",
         *included("recompute-cuda"),
+        "The same for a Qwen3-Next-shaped hybrid (48 layers, 36 of them gated-DeltaNet; 16 "
+        "experts instead of 512, 10 active as there). mlx-lm's gated-delta kernel is Metal "
+        "only, so on CUDA its prefill runs the reference ops and restoring wins by 77-122x; "
+        "the cost model restores:",
+        "",
+        *included("recompute-cuda-qwen3-next"),
         *included("identity"),
         *serve_section(serve),
         "",

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -154,6 +155,14 @@ def check_against_child(
 # and the logits of the fed tokens within this tolerance, relative to their scale.
 ON_CUDA = on_cuda()
 CUDA_RTOL = 2e-2
+# MLX 0.32's CUDA quantized_matmul has no kernel for the tiny models' shapes
+# ("No implementation for problem shape: 64x128x64x4"): kv_bits caches cannot be built
+NO_KV_BITS_HERE = "MLX's CUDA quantized_matmul lacks the tiny models' shapes"
+
+
+def another_backend(here: str) -> str:
+    """A backend that is not this machine's (for identities "saved elsewhere")."""
+    return "metal:Apple M2 Max" if here.split(":")[0] != "metal" else "cuda:NVIDIA H200"
 
 
 def _close_on_cuda(model: Any, cache: list[Any], nxt: list[int], arrays: dict[str, Any]) -> None:
@@ -169,6 +178,8 @@ def kv_quantized(
     model: Any, prompt: list[int], start: int, bits: int = 4, group: int = 32
 ) -> list[Any]:
     """A cache that mlx-lm's generate_step converts to QuantizedKVCache at ``start``."""
+    if ON_CUDA:
+        pytest.skip(NO_KV_BITS_HERE)
     cache = make_prompt_cache(model)
     for _ in generate_step(
         mx.array(prompt),
