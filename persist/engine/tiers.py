@@ -25,7 +25,7 @@ from ..errors import CorruptBlobError
 from ..format.tokens import unpack_tokens
 from ..store import writes
 from ..store.blobs import BlobStore
-from ..store.chains import chain_root, chains
+from ..store.chains import HEAD_TOKENS, chain_root, chains, head_key
 from ..store.check import verify_blob
 from ..store.index import Index
 from ..store.redis_tier import RedisTier, TierUnavailable
@@ -126,12 +126,18 @@ class Shared:
         if secret is None:
             return
         local = choose(index, toks, identity, namespace, block, set())
-        chs = chains(chain_root(secret, identity.digest), toks, block)[1:]
-        found = self._run(lambda: self.tier.deepest_chain(namespace, chs))
-        if found is None or found[0] * block <= (local[1] if local else 0):
+        every = chains(chain_root(secret, identity.digest), toks, block)
+        heads = [  # prefixes that end inside a block: 16 tokens past each boundary
+            head_key(c, toks[b * block :])
+            for b, c in enumerate(every)
+            if len(toks) - b * block >= HEAD_TOKENS
+        ]
+        found = self._run(lambda: self.tier.deepest_chain(namespace, every[1:], heads))
+        at_least = 0 if found is None else found[0] * block + (HEAD_TOKENS if found[2] else 0)
+        if found is None or at_least <= (local[1] if local else 0):
             self._count(index, namespace, "misses")
             return
-        if costs is not None and not self._worth(costs, identity, namespace, found, max_cost):
+        if not self._worth(costs, identity, namespace, found[1], at_least, max_cost):
             return
         before = dict(self.tier.counters)
         try:
@@ -150,28 +156,27 @@ class Shared:
 
     def _worth(
         self,
-        costs: CostModel,
+        costs: CostModel | None,
         identity: Any,
         namespace: str,
-        found: tuple[int, bytes],
+        record: bytes,
+        at_least: int,
         max_cost: float | None,
     ) -> bool:
         """Is pulling this record's blobs, then restoring them, predicted to beat a prefill?"""
+        if costs is None:
+            return True
         try:
-            body = _body(found[1])
+            body = _body(record)
         except CorruptBlobError:
             return True  # the pull itself refuses it, and counts it
         nbytes = sum(int(v[0]) for v in body["blobs"].values())
-        tokens = min(int(body["row"]["n_tokens"]), found[0] * self._block(body))
+        tokens = min(int(body["row"]["n_tokens"]), at_least)
         via = [(self.name, nbytes), (LOCAL, nbytes)]
         if costs.decide(identity, namespace, via, tokens, max_cost).restore:
             return True
         self._count(costs.index, namespace, "declined")
         return False
-
-    @staticmethod
-    def _block(body: dict[str, Any]) -> int:
-        return int(msgpack.unpackb(body["row"]["manifest"], raw=False)["block"])
 
 
 def open_tiers(shared: str | None, cold: str | None) -> tuple[Shared | None, Shared | None]:
@@ -252,7 +257,15 @@ def push(index: Index, blobs: BlobStore, tier: Tier, namespace: str, sid: int) -
     record = msgpack.packb({"body": packed, "sum": xxhash.xxh3_128_digest(packed)})
     rkey = xxhash.xxh3_128_hexdigest(packed)
     name = row.name if row.role == "session" else None
-    tier.put_record(namespace, rkey, record, name, [r.chain for r in refs])
+    toks = unpack_tokens(row.tokens)
+    block = int(msgpack.unpackb(row.manifest, raw=False)["block"])
+    every = [row.root, *(r.chain for r in refs)]
+    heads = [
+        head_key(c, toks[b * block :])
+        for b, c in enumerate(every)
+        if len(toks) - b * block >= HEAD_TOKENS
+    ]
+    tier.put_record(namespace, rkey, record, name, [r.chain for r in refs], heads)
     return True
 
 

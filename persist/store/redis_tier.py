@@ -37,6 +37,7 @@ log = logging.getLogger("persist")
 PART_BYTES = 8 << 20  # values of at most 8 MiB
 FETCHERS = 2  # blobs fetched at once (more only competes with the server for cores)
 SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://")
+CLUSTER_SCHEMES = tuple(s.replace("://", "+cluster://") for s in SCHEMES)
 
 
 def namespace_tag(namespace: str) -> str:
@@ -57,21 +58,29 @@ class RedisTier:
         connect_timeout_s: float = 1.0,
         retry_after_s: float = 10.0,
     ) -> None:
-        if not url.startswith(SCHEMES):
+        if not url.startswith(SCHEMES + CLUSTER_SCHEMES):
             raise InvalidArgumentError(
-                f"a shared tier URL starts with {' or '.join(SCHEMES)}: {url!r}"
+                f"a shared tier URL starts with {' or '.join(SCHEMES + CLUSTER_SCHEMES)}: {url!r}"
             )
         try:
             import redis
+            import redis.cluster
         except ImportError:
             raise PersistError(
                 'a shared tier needs redis-py: pip install "mlx-persist[shared]"'
             ) from None
         self.url = url.replace("valkey", "redis", 1)
         self._redis = redis
-        self._client = redis.Redis.from_url(
-            self.url, socket_connect_timeout=connect_timeout_s, socket_timeout=2 * connect_timeout_s
-        )
+        self.cluster = self.url.startswith(CLUSTER_SCHEMES)
+        timeouts: dict[str, Any] = {
+            "socket_connect_timeout": connect_timeout_s,
+            "socket_timeout": 2 * connect_timeout_s,
+        }
+        if self.cluster:  # the cluster's slot map is asked for on first use, not here
+            self._client_: Any = None
+            self._connect = lambda: cluster_client(self.url, timeouts)
+        else:
+            self._client_ = redis.Redis.from_url(self.url, **timeouts)
         self.ttl_s, self.retry_after_s = ttl_s, retry_after_s
         self._down_until = 0.0
         self.counters: dict[str, int] = {}
@@ -89,7 +98,7 @@ class RedisTier:
             # an ACL confines this user to other namespaces: a refusal, not an outage
             self._count("denied")
             raise TierUnavailable(f"shared tier {self.url} refused {what}: {e}") from None
-        except self._redis.RedisError as e:
+        except (self._redis.RedisError, self._redis.exceptions.RedisClusterException) as e:
             if self._down_until == 0.0:  # once per outage
                 log.warning("persist: shared tier %s failed (%s): %s", self.url, what, e)
             self._down_until = time.monotonic() + self.retry_after_s
@@ -98,6 +107,20 @@ class RedisTier:
 
     def _ok(self) -> None:
         self._down_until = 0.0
+
+    @property
+    def _client(self) -> Any:
+        if self._client_ is None:  # a cluster: connected on first use, inside _call
+            with self._lock:
+                if self._client_ is None:
+                    self._client_ = self._connect()
+        return self._client_
+
+    def _mget(self, keys: list[str]) -> list[Any]:
+        """MGET; on a cluster, one pipelined MGET per node (keys of many slots)."""
+        if self.cluster:
+            return list(self._client.mget_nonatomic(keys))
+        return list(self._client.mget(keys))
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:  # blobs move on several threads
@@ -169,7 +192,7 @@ class RedisTier:
         def one(k: str) -> bytes | None:
             v: Any = self._client.get(f"{p}blob:{k}")
             if v is not None and v.startswith(b"parts:"):
-                parts: Any = self._client.mget([f"{p}blob:{k}:{i}" for i in range(int(v[6:]))])
+                parts: Any = self._mget([f"{p}blob:{k}:{i}" for i in range(int(v[6:]))])
                 v = None if any(x is None for x in parts) else b"".join(parts)
             return None if v is None else bytes(v)
 
@@ -185,7 +208,13 @@ class RedisTier:
     # -- records and pointers --------------------------------------------------
 
     def put_record(
-        self, namespace: str, rkey: str, record: bytes, name: str | None, chains: Sequence[bytes]
+        self,
+        namespace: str,
+        rkey: str,
+        record: bytes,
+        name: str | None,
+        chains: Sequence[bytes],
+        heads: Sequence[bytes] = (),
     ) -> None:
         p = self.prefix(namespace)
 
@@ -196,6 +225,8 @@ class RedisTier:
                 pipe.set(f"{p}sess:{name}", rkey.encode())
             for c in chains:
                 pipe.set(f"{p}blk:{c.hex()}", rkey.encode(), ex=self.ttl_s)
+            for h in heads:
+                pipe.set(f"{p}head:{h.hex()}", rkey.encode(), ex=self.ttl_s)
             pipe.execute()
 
         self._call("put record", run)
@@ -215,22 +246,62 @@ class RedisTier:
         self._ok()
         return out
 
-    def deepest_chain(self, namespace: str, chains: Sequence[bytes]) -> tuple[int, bytes] | None:
-        """(blocks matched, record) for the longest run of the prompt's chains that the
-        tier holds from the start, in one round trip (an LRU may drop a parent and
-        keep its child: only the consecutive prefix counts)."""
+    def deepest_chain(
+        self, namespace: str, chains: Sequence[bytes], heads: Sequence[bytes] = ()
+    ) -> tuple[int, bytes, bool] | None:
+        """(blocks matched, record, head) for the deepest snapshot of the prompt the tier
+        knows, in one round trip for every key: the longest run of the prompt's chains
+        from the start (an LRU may drop a parent and keep its child: only the
+        consecutive run counts), or a head key (``heads[b]``: the prompt's 16 tokens
+        after block boundary b, under chain b) at a boundary at least that deep, which
+        says 16 more tokens match (``head`` True)."""
         p = self.prefix(namespace)
+        keys = [f"{p}blk:{c.hex()}" for c in chains] + [f"{p}head:{h.hex()}" for h in heads]
 
-        def run() -> tuple[int, bytes] | None:
-            found: Any = self._client.mget([f"{p}blk:{c.hex()}" for c in chains]) if chains else []
+        def run() -> tuple[int, bytes, bool] | None:
+            found: Any = self._mget(keys) if keys else []
+            blk, hd = found[: len(chains)], found[len(chains) :]
             depth = 0
-            while depth < len(found) and found[depth] is not None:
+            while depth < len(blk) and blk[depth] is not None:
                 depth += 1
-            if depth == 0:
+            at = max((b for b, v in enumerate(hd) if v is not None), default=-1)
+            if at >= depth:
+                rkey, blocks, head = hd[at], at, True
+            elif depth:
+                rkey, blocks, head = blk[depth - 1], depth, False
+            else:
                 return None
-            record: Any = self._client.get(f"{p}rec:{found[depth - 1].decode()}")
-            return None if record is None else (depth, bytes(record))
+            record: Any = self._client.get(f"{p}rec:{rkey.decode()}")
+            return None if record is None else (blocks, bytes(record), head)
 
-        out: tuple[int, bytes] | None = self._call("lookup", run)
+        out: tuple[int, bytes, bool] | None = self._call("lookup", run)
         self._ok()
         return out
+
+
+def cluster_client(url: str, timeouts: dict[str, Any]) -> Any:
+    """A RedisCluster from ``redis+cluster://[[user]:password@]host:port[,host:port...]``:
+    any of the nodes is enough to learn the slot map; TLS with ``rediss+cluster``."""
+    from urllib.parse import unquote
+
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
+
+    scheme, rest = url.split("://", 1)
+    auth, _, hosts = rest.rpartition("@")
+    user, _, password = auth.partition(":") if auth else ("", "", "")
+    nodes = []
+    for h in hosts.rstrip("/").split(","):
+        host, _, port = h.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgumentError(f"a cluster node is host:port, not {h!r} in {url!r}")
+        nodes.append(ClusterNode(host, int(port)))
+    return RedisCluster(
+        startup_nodes=nodes,
+        username=unquote(user) or None,
+        password=unquote(password) or None,
+        ssl=scheme.startswith("rediss"),
+        retry=Retry(NoBackoff(), 1),  # an outage costs about one timeout, not ten
+        **timeouts,
+    )

@@ -132,7 +132,13 @@ class S3Tier:
         return out
 
     def put_record(
-        self, namespace: str, rkey: str, record: bytes, name: str | None, chains: Sequence[bytes]
+        self,
+        namespace: str,
+        rkey: str,
+        record: bytes,
+        name: str | None,
+        chains: Sequence[bytes],
+        heads: Sequence[bytes] = (),
     ) -> None:
         if name is None:
             return  # the cold tier keeps named sessions
@@ -144,5 +150,7 @@ class S3Tier:
         rkey = self._get(self._path(namespace, "sess", name))
         return None if rkey is None else self._get(self._path(namespace, "rec", rkey.decode()))
 
-    def deepest_chain(self, namespace: str, chains: Sequence[bytes]) -> tuple[int, bytes] | None:
+    def deepest_chain(
+        self, namespace: str, chains: Sequence[bytes], heads: Sequence[bytes] = ()
+    ) -> tuple[int, bytes, bool] | None:
         return None

@@ -120,3 +120,57 @@ def s3_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Ser
         yield server
     finally:
         server.stop()
+
+
+class RedisClusterServers:
+    """Three redis-server masters on 127.0.0.1 joined into one Redis Cluster (all 16384
+    slots) by ``redis-cli --cluster create``, with bounded waits; stopped by their pids."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.nodes: list[RedisServer] = []
+        for i in range(3):
+            d = tmp / f"node{i}"
+            d.mkdir()
+            conf = ["--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf")]
+            node = RedisServer(d, *conf, "--cluster-node-timeout", "2000")
+            while node.port > 55000:  # its cluster bus listens on port + 10000
+                node.port = free_port()
+            node.url = f"redis://127.0.0.1:{node.port}/0"
+            self.nodes.append(node)
+        hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        self.url = f"redis+cluster://{hosts}"
+
+    def start(self) -> None:
+        for n in self.nodes:
+            n.start()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            pytest.fail("redis-cli is not installed (Debian's redis-server brings redis-tools)")
+        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        subprocess.run(
+            [cli, "--cluster", "create", *addrs, "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            infos = [n.client().cluster("info") for n in self.nodes]
+            if all(i.get("cluster_state") == "ok" for i in infos):
+                return
+            time.sleep(0.2)
+        raise RuntimeError("the Redis cluster did not become ok within 30 s")
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterServers]:
+    cluster = RedisClusterServers(tmp_path)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
