@@ -32,7 +32,9 @@ from ..records import Progress
 from ..store import retention, writes
 from ..store.blobs import BlobStore
 from ..store.index import BlockRef, Index, NewBlob, SnapshotRow
+from . import lineage
 from .blocks import Piece, Plan, chain_root, chains, content_key, head_key, materialize, plan
+from .lineage import Lineage
 
 __all__ = ["Target", "save_snapshot"]
 
@@ -64,8 +66,12 @@ def save_snapshot(
     block_tokens: int,
     budgets: retention.Budgets,
     progress: Progress | None = None,
+    lineages: dict[tuple[str, str], Lineage] | None = None,
 ) -> SnapshotRow:
-    """Write blocks and tail, commit the snapshot; return its row as committed."""
+    """Write blocks and tail, commit the snapshot; return its row as committed.
+
+    ``lineages`` (the Store's, per named session) lets a session saved again from
+    the same cache objects reuse its previous blocks unhashed (``lineage``)."""
     identity, namespace = target.identity, target.namespace
     snap = cache if isinstance(cache, Snapshot) else capture(cache, tokens)
     if isinstance(cache, Snapshot) and snap.tokens != check_tokens(tokens):
@@ -79,13 +85,17 @@ def save_snapshot(
     secret = index.secret(namespace, lambda: os.urandom(32))
     assert secret is not None
     chs = chains(chain_root(secret, identity.digest), toks, block_tokens)
-    for _attempt in range(3):
+    key = (namespace, target.name) if target.name is not None and lineages is not None else None
+    memo = lineages.get(key) if key is not None and lineages is not None else None
+    for attempt in range(3):
         written: list[NewBlob] = []
         salt = secrets.token_hex(6)
         index.begin_pending(salt)
+        # a retry (a reused blob died under us) hashes everything
+        reuse = lineage.reusable(memo, cache, snap, p, identity.digest, chs) if not attempt else {}
         try:
             refs, tail = _write_blobs(
-                index, blobs, p, chs, secret, block_tokens, written, progress, salt
+                index, blobs, p, chs, secret, block_tokens, written, progress, salt, reuse
             )
             done = _commit(index, p, snap, chs, refs, tail, written, target, salt, budgets)
         except BaseException as e:
@@ -104,6 +114,10 @@ def save_snapshot(
                 ) from e
             raise
         if done is not None:
+            if key is not None and lineages is not None:
+                lineages.pop(key, None)
+                if (new := lineage.remember(cache, snap, p, identity.digest, refs)) is not None:
+                    lineages[key] = new
             retention.collect(index, blobs)
             index.count(namespace, saves=1, bytes_written=sum(b.size for b in written))
             return done
@@ -131,13 +145,17 @@ def _write_blobs(
     written: list[NewBlob],
     progress: Progress | None,
     salt: str,
+    reuse: dict[int, str],
 ) -> tuple[list[BlockRef], str]:
     refs = []
     n = p.n_tokens
     blocks = n // block_tokens
     for i in range(blocks):
-        pieces = p.block_pieces(i) if p.split else []
-        blob = _put(index, blobs, secret, b"block", pieces, written, salt) if pieces else None
+        if i in reuse:  # this session's own block, unchanged since its last save
+            blob: str | None = reuse[i]
+        else:
+            pieces = p.block_pieces(i) if p.split else []
+            blob = _put(index, blobs, secret, b"block", pieces, written, salt) if pieces else None
         refs.append(BlockRef(i, chs[i + 1], blob))
         if progress is not None:
             progress(i + 1, blocks + 1)

@@ -42,6 +42,7 @@ class EvictedError(CorruptBlobError):
 
 log = logging.getLogger("persist")
 Tier = RedisTier | S3Tier
+PULL_AHEAD = 4  # blobs fetched (in parallel) before they are written locally
 ROW_FIELDS = (
     "name", "owner", "role", "identity", "identity_map", "root", "last_chain", "n_blocks",
     "n_tokens", "tokens", "trimmable", "min_resume", "manifest", "metadata", "created",
@@ -276,14 +277,18 @@ def pull(
     anonymous prefix); CorruptBlobError if the record or a blob fails its checksum."""
     body = _body(record)
     keys = sorted(body["blobs"])
-    got = tier.get_blobs(namespace, keys)
     salt = secrets.token_hex(6)
     index.begin_pending(salt)
     written: list[NewBlob] = []
     try:
-        files = {
-            k: _local(index, blobs, k, got.get(k), body["blobs"][k], salt, written) for k in keys
-        }
+        files: dict[str, str] = {}
+        # a few blobs in memory at a time: fresh memory for a whole session costs more
+        # than the network here, and a pull never holds more than PULL_AHEAD blobs
+        for at in range(0, len(keys), PULL_AHEAD):
+            got = tier.get_blobs(namespace, keys[at : at + PULL_AHEAD])
+            for k, data in got.items():
+                files[k] = _local(index, blobs, k, data, body["blobs"][k], salt, written)
+            del got
         return _commit(index, namespace, body, files, written, salt, named)
     except BaseException:
         for b in written:

@@ -192,7 +192,8 @@ class RedisTier:
         def one(k: str) -> bytes | None:
             v: Any = self._client.get(f"{p}blob:{k}")
             if v is not None and v.startswith(b"parts:"):
-                parts: Any = self._mget([f"{p}blob:{k}:{i}" for i in range(int(v[6:]))])
+                # one GET per part: redis-py parses large single replies faster than MGETs
+                parts: Any = [self._client.get(f"{p}blob:{k}:{i}") for i in range(int(v[6:]))]
                 v = None if any(x is None for x in parts) else b"".join(parts)
             return None if v is None else bytes(v)
 
