@@ -113,7 +113,7 @@ def run(tmp: Path, url: str) -> dict[str, Any]:
         t = time.perf_counter()
         found = c.shared.tier.deepest_chain("default", every[1:], heads)
         lookup_ms = 1e3 * (time.perf_counter() - t)
-        assert found is not None and found[0] == 128
+        assert len(found) == 1  # the snapshot at the end of all 128 blocks
     return {
         "session_bytes": nbytes,
         "seconds": best,

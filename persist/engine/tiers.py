@@ -21,6 +21,7 @@ from typing import Any
 import msgpack
 import xxhash
 
+from .. import policy
 from ..errors import CorruptBlobError
 from ..format.tokens import unpack_tokens
 from ..store import writes
@@ -133,17 +134,18 @@ class Shared:
             for b, c in enumerate(every)
             if len(toks) - b * block >= HEAD_TOKENS
         ]
-        found = self._run(lambda: self.tier.deepest_chain(namespace, every[1:], heads))
-        at_least = 0 if found is None else found[0] * block + (HEAD_TOKENS if found[2] else 0)
-        if found is None or at_least <= (local[1] if local else 0):
+        records = self._run(lambda: self.tier.deepest_chain(namespace, every[1:], heads)) or []
+        found = best_record(records, toks)
+        if found is None or found[0] <= (local[1] if local else 0):
             self._count(index, namespace, "misses")
             return
-        if not self._worth(costs, identity, namespace, found[1], at_least, max_cost):
+        usable, record = found
+        if not self._worth(costs, identity, namespace, record, usable, max_cost):
             return
         before = dict(self.tier.counters)
         try:
             t0 = time.perf_counter()
-            if self._run(lambda: pull(index, blobs, self.tier, namespace, found[1], named=False)):
+            if self._run(lambda: pull(index, blobs, self.tier, namespace, record, named=False)):
                 self._count(index, namespace, "hits")
                 moved = self.tier.counters.get("bytes_pulled", 0) - before.get("bytes_pulled", 0)
                 if costs is not None:
@@ -178,6 +180,25 @@ class Shared:
             return True
         self._count(costs.index, namespace, "declined")
         return False
+
+
+def best_record(records: list[bytes], toks: list[int]) -> tuple[int, bytes] | None:
+    """(usable prefix, record) of the candidate that serves the prompt furthest, by the
+    resume policy over its stored tokens (an untrimmable snapshot only at its length)."""
+    best: tuple[int, bytes] | None = None
+    for record in records:
+        try:
+            row = _body(record)["row"]
+        except CorruptBlobError:
+            continue  # never used; a pull of it would refuse it too
+        stored = unpack_tokens(row["tokens"])
+        pairs = enumerate(zip(stored, toks, strict=False))
+        lcp = next((i for i, (a, b) in pairs if a != b), min(len(stored), len(toks)))
+        n, trim, floor = len(stored), bool(row["trimmable"]), int(row["min_resume"])
+        p = policy.usable_prefix(n, lcp, len(toks), trim, floor)
+        if p and (best is None or p > best[0]):
+            best = (p, record)
+    return best
 
 
 def open_tiers(shared: str | None, cold: str | None) -> tuple[Shared | None, Shared | None]:
@@ -266,7 +287,8 @@ def push(index: Index, blobs: BlobStore, tier: Tier, namespace: str, sid: int) -
         for b, c in enumerate(every)
         if len(toks) - b * block >= HEAD_TOKENS
     ]
-    tier.put_record(namespace, rkey, record, name, [r.chain for r in refs], heads)
+    chs = [r.chain for r in refs]
+    tier.put_record(namespace, rkey, record, name, chs, heads, bool(row.trimmable))
     return True
 
 

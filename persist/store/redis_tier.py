@@ -216,8 +216,14 @@ class RedisTier:
         name: str | None,
         chains: Sequence[bytes],
         heads: Sequence[bytes] = (),
+        trimmable: bool = True,
     ) -> None:
-        p = self.prefix(namespace)
+        """The record and its pointers.  A trimmable snapshot serves any prefix of
+        its own: its pointers replace older ones.  An untrimmable one (recurrent
+        state) serves only prompts that hold all its tokens, so the pointers stay
+        with the first, shortest snapshot that reached them (a prime saves its
+        checkpoints in order), and a longer one never hides it (SET NX)."""
+        p, nx = self.prefix(namespace), not trimmable
 
         def run() -> None:
             pipe = self._client.pipeline(transaction=False)
@@ -225,9 +231,9 @@ class RedisTier:
             if name is not None:
                 pipe.set(f"{p}sess:{name}", rkey.encode())
             for c in chains:
-                pipe.set(f"{p}blk:{c.hex()}", rkey.encode(), ex=self.ttl_s)
+                pipe.set(f"{p}blk:{c.hex()}", rkey.encode(), ex=self.ttl_s, nx=nx)
             for h in heads:
-                pipe.set(f"{p}head:{h.hex()}", rkey.encode(), ex=self.ttl_s)
+                pipe.set(f"{p}head:{h.hex()}", rkey.encode(), ex=self.ttl_s, nx=nx)
             pipe.execute()
 
         self._call("put record", run)
@@ -249,33 +255,36 @@ class RedisTier:
 
     def deepest_chain(
         self, namespace: str, chains: Sequence[bytes], heads: Sequence[bytes] = ()
-    ) -> tuple[int, bytes, bool] | None:
-        """(blocks matched, record, head) for the deepest snapshot of the prompt the tier
-        knows, in one round trip for every key: the longest run of the prompt's chains
-        from the start (an LRU may drop a parent and keep its child: only the
-        consecutive run counts), or a head key (``heads[b]``: the prompt's 16 tokens
-        after block boundary b, under chain b) at a boundary at least that deep, which
-        says 16 more tokens match (``head`` True)."""
+    ) -> list[bytes]:
+        """Records of the deepest snapshots of the prompt the tier knows, deepest
+        first, in two round trips: one MGET of every pointer, one pipelined GET of
+        at most two records.  The candidates: the end of the longest run of the
+        prompt's chains from the start (an LRU may drop a parent and keep its
+        child: only the consecutive run counts), and the deepest head key
+        (``heads[b]``: the prompt's 16 tokens after block boundary b, under chain
+        b) at a boundary at least that deep.  The caller decides, from each
+        record's tokens, which one serves the prompt."""
         p = self.prefix(namespace)
         keys = [f"{p}blk:{c.hex()}" for c in chains] + [f"{p}head:{h.hex()}" for h in heads]
 
-        def run() -> tuple[int, bytes, bool] | None:
+        def run() -> list[bytes]:
             found: Any = self._mget(keys) if keys else []
             blk, hd = found[: len(chains)], found[len(chains) :]
             depth = 0
             while depth < len(blk) and blk[depth] is not None:
                 depth += 1
             at = max((b for b, v in enumerate(hd) if v is not None), default=-1)
-            if at >= depth:
-                rkey, blocks, head = hd[at], at, True
-            elif depth:
-                rkey, blocks, head = blk[depth - 1], depth, False
-            else:
-                return None
-            record: Any = self._client.get(f"{p}rec:{rkey.decode()}")
-            return None if record is None else (blocks, bytes(record), head)
+            rkeys = [hd[at]] if at >= depth else []
+            if depth and blk[depth - 1] not in rkeys:
+                rkeys.append(blk[depth - 1])
+            if not rkeys:
+                return []
+            pipe = self._client.pipeline(transaction=False)
+            for r in rkeys:
+                pipe.get(f"{p}rec:{r.decode()}")
+            return [bytes(v) for v in pipe.execute() if v is not None]
 
-        out: tuple[int, bytes, bool] | None = self._call("lookup", run)
+        out: list[bytes] = self._call("lookup", run)
         self._ok()
         return out
 

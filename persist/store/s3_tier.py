@@ -139,6 +139,7 @@ class S3Tier:
         name: str | None,
         chains: Sequence[bytes],
         heads: Sequence[bytes] = (),
+        trimmable: bool = True,
     ) -> None:
         if name is None:
             return  # the cold tier keeps named sessions
@@ -152,5 +153,5 @@ class S3Tier:
 
     def deepest_chain(
         self, namespace: str, chains: Sequence[bytes], heads: Sequence[bytes] = ()
-    ) -> tuple[int, bytes, bool] | None:
-        return None
+    ) -> list[bytes]:
+        return []

@@ -127,9 +127,7 @@ def test_other_objects_or_kinds_are_hashed_in_full(
         seen.clear()
         store.save(q, toks, identity=ident, session="chat")
         assert len(seen) == 4
-        assert_same_state(
-            live_state(store.restore("chat", identity=ident).cache), live_state(q)
-        )
+        assert_same_state(live_state(store.restore("chat", identity=ident).cache), live_state(q))
 
 
 def test_a_restored_session_saves_its_next_turn_incrementally(

@@ -98,3 +98,30 @@ def test_a_prefix_that_ends_inside_a_block_serves_another_machine(
     run_child(model_dir, [{**job, "next": [8], "out": str(out)}], tmp_path)
     want, _ = prefill(model, stored[:shared])
     check_against_child(model, want, out, stored[:shared], next_tokens=[8])
+
+
+@pytest.mark.parametrize("shared,hit", [(300, 256), (400, 384), (120, 0)])
+def test_recurrent_checkpoints_serve_other_machines(
+    shared: int, hit: int, tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """A hybrid (gated-DeltaNet) model primed with checkpoints on one machine: another
+    machine's prompt resumes from the deepest checkpoint it holds all the tokens of,
+    bit for bit, and never from the longer session it cannot trim."""
+    model, tok, model_dir = tiny("qwen3_next")
+    ident = persist.ModelIdentity.of(model, tok)
+    doc = tokens_for(600, seed=43)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        cache = persist.prefill(
+            model, doc, store=a, identity=ident, session="doc", checkpoint_every=128
+        )
+        a.save(cache, doc, identity=ident, session="doc")
+    prompt = [*doc[:shared], (doc[shared] + 1) % 256, 4, 4]
+    if not hit:  # less than the first checkpoint (128)? 120 shares no checkpoint
+        with persist.Store(tmp_path / "b", shared=redis_server.url) as b:
+            assert b.lookup(prompt, identity=ident) is None
+        return
+    out = tmp_path / "out.safetensors"
+    job = {"store": str(tmp_path / "b"), "shared": redis_server.url, "lookup": prompt}
+    run_child(model_dir, [{**job, "next": [8], "out": str(out)}], tmp_path)
+    want = persist.prefill(model, doc[:hit], step=128)  # the same forwards as the prime
+    check_against_child(model, want, out, doc[:hit], next_tokens=[8])
