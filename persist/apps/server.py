@@ -230,14 +230,20 @@ def measure_prefills(server: Any, store: Store, identity_of: Callable[[Any], Any
     """
     real_stream, real_batch = server.stream_generate, server.BatchGenerator
 
-    def stream_generate(*args: Any, **kwargs: Any) -> Any:
-        model, cache = kwargs.get("model"), kwargs.get("prompt_cache")
-        start = _offset(cache)
-        for i, r in enumerate(real_stream(*args, **kwargs)):
+    def record(model: Any, start: int, end: int, seconds: float) -> None:
+        try:  # a measurement never disturbs serving (an mlx-lm that changed, a busy store)
             ident = identity_of(model)
-            if i == 0 and ident is not None and r.prompt_tps > 0:
-                n = r.prompt_tokens
-                store.record_prefill(ident, start, start + n, n / r.prompt_tps)
+            if ident is not None and end > start and seconds > 0:
+                store.record_prefill(ident, start, end, seconds)
+        except Exception as e:
+            log.debug("persist: prefill not measured: %s", e)
+
+    def stream_generate(*args: Any, **kwargs: Any) -> Any:
+        model, start = kwargs.get("model"), _offset(kwargs.get("prompt_cache"))
+        for i, r in enumerate(real_stream(*args, **kwargs)):
+            n, tps = getattr(r, "prompt_tokens", 0), getattr(r, "prompt_tps", 0.0)
+            if i == 0 and tps > 0:
+                record(model, start, start + n, n / tps)
             yield r
 
     class BatchGenerator(real_batch):  # type: ignore[misc,valid-type]
@@ -245,14 +251,16 @@ def measure_prefills(server: Any, store: Store, identity_of: Callable[[Any], Any
             counters = getattr(self, "_counters", None)
             before = (getattr(counters, "prompt_tokens", 0), getattr(counters, "prompt_time", 0.0))
             out = super().next()
-            ident = identity_of(getattr(self, "model", None))
             n = getattr(counters, "prompt_tokens", 0) - before[0]
             secs = getattr(counters, "prompt_time", 0.0) - before[1]
-            ends = [r.progress[0] for r in out[0] if getattr(r, "progress", None)]
-            if ident is not None and n > 0 and secs > 0 and ends:
+            try:
+                ends = [r.progress[0] for r in out[0] if getattr(r, "progress", None)]
+            except Exception:  # another mlx-lm's responses: not measured
+                ends = []
+            if n > 0 and ends:
                 # each sequence got n/len tokens in secs: a single prompt is no slower
                 end = sum(ends) // len(ends)
-                store.record_prefill(ident, max(0, end - n // len(ends)), end, secs)
+                record(getattr(self, "model", None), max(0, end - n // len(ends)), end, secs)
             return out
 
     server.stream_generate, server.BatchGenerator = stream_generate, BatchGenerator

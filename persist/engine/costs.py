@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from .. import policy
+from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
 from ..store import rates
 
@@ -51,6 +52,12 @@ class CostModel:
     def __init__(self, index: Index) -> None:
         self.index = index
         self.last: policy.CostDecision | None = None
+
+    def begin(self, max_cost: float | None) -> None:
+        """A lookup starts: ``max_cost`` must be seconds (>= 0; ``math.inf``: always)."""
+        if max_cost is not None and not max_cost >= 0:
+            raise InvalidArgumentError(f"max_cost is seconds, at least 0: not {max_cost!r}")
+        self.last = None
 
     def _machine(self, identity: ModelIdentity) -> str:
         return rates.machine_name(identity.backend)

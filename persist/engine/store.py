@@ -247,7 +247,7 @@ class Store:
         toks = check_tokens(tokens)
         check_name(namespace, "namespace")
         i, b, strict, costs = self.index, self.block_tokens, self.strict_backend, self.costs
-        self.costs.last = None
+        costs.begin(max_cost)  # checks max_cost; forgets the previous decision
         for tier in self.tiers:  # the fleet's deepest snapshot, if it beats this store's
             tier.pull_prefix(i, self.blobs, toks, identity, namespace, b, costs, max_cost)
         found = lookup_prefix(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import mlx.core as mx
+import pytest
 
 import persist
 from persist.apps.generate import generate
@@ -103,6 +104,9 @@ def test_a_slow_tier_is_declined_and_the_answer_is_a_plain_prefill(
         assert store.lookup(prompt, identity=ident, max_cost=math.inf) is not None
         assert store.costs.last is not None and store.costs.last.reason == "max_cost"
         assert store.lookup(prompt, identity=ident, max_cost=0.0) is None
+        for bad in (-1.0, math.nan):
+            with pytest.raises(persist.InvalidArgumentError, match="max_cost"):
+                store.lookup(prompt, identity=ident, max_cost=bad)
 
 
 def test_a_fast_tier_is_taken_and_restores_exactly(tiny: Any, tmp_path: Path) -> None:
