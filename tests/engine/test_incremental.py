@@ -148,3 +148,26 @@ def test_a_restored_session_saves_its_next_turn_incrementally(
         assert len(seen) == 1  # block 9 only
         again = store.restore("chat", identity=ident)
         assert_same_state(live_state(again.cache), live_state(got.cache))
+
+
+def test_blocks_collected_since_are_written_again(
+    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The memo's blob files died (the session was deleted and its files collected,
+    as another process's save or an eviction does): the commit refuses them and the
+    save hashes and writes everything."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(300, seed=86)
+    cache, _ = prefill(model, toks)
+    seen = hashed_blocks(monkeypatch)
+    with _store(tmp_path) as store:
+        store.save(cache, toks, identity=ident, session="chat")
+        store.delete("chat")
+        assert store.stats().unique_bytes == 0
+        seen.clear()
+        store.save(cache, toks, identity=ident, session="chat")
+        assert len(seen) >= 4  # everything, after the refused reuse
+        assert store.check() == []
+        got = store.restore("chat", identity=ident)
+        assert_same_state(live_state(got.cache), live_state(cache))
