@@ -2,8 +2,9 @@
 
 argv: model_dir store_dir seed journal.  Before each operation it journals
 ``begin``, after it ``done``; token lists are ``tokens_for(n, seed)``
-(optionally extending the session's previous list), so the parent can
-recompute every cache and knows which versions were committed.
+(optionally extending the session's previous list, then in the same cache
+objects, so the save is incremental), so the parent can recompute every cache
+and knows which versions were committed.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main() -> None:
             s.session: store.restore(s.session or "", identity=identity).tokens
             for s in store.sessions()
         }
+        caches: dict[str, tuple[Any, list[int]]] = {}  # session -> its cache, its tokens
         print("ready", flush=True)
         for _ in range(10_000):
             name = f"s{rng.randrange(4)}"
@@ -65,13 +67,20 @@ def main() -> None:
                 with contextlib.suppress(persist.SessionNotFoundError):
                     store.delete(name)
                 current.pop(name, None)
+                caches.pop(name, None)
                 note(op="delete", name=name, phase="done")
                 continue
             base = current.get(name, []) if rng.random() < 0.5 else []
             seed_i, n = rng.randrange(1 << 20), rng.randrange(1, 400)
-            toks = base + tokens_for(n, seed=seed_i)
+            new = tokens_for(n, seed=seed_i)
+            toks = base + new
             note(op="save", name=name, phase="begin", tokens=toks)
-            cache, _ = prefill(model, toks, step=256)
+            if base and caches.get(name, (None, []))[1] == base:
+                # the next turn in the same cache objects: an incremental save
+                cache, _ = prefill(model, new, cache=caches[name][0], step=256)
+            else:
+                cache, _ = prefill(model, toks, step=256)
+            caches[name] = (cache, toks)
             store.save(cache, toks, identity=identity, session=name)
             current[name] = toks
             note(op="save", name=name, phase="done")
