@@ -26,7 +26,7 @@ from ..errors import CorruptBlobError
 from ..format.tokens import unpack_tokens
 from ..store import writes
 from ..store.blobs import BlobStore
-from ..store.chains import HEAD_TOKENS, chain_root, chains, head_key
+from ..store.chains import boundary_heads, chain_root, chains
 from ..store.check import verify_blob
 from ..store.index import Index
 from ..store.redis_tier import RedisTier, TierUnavailable
@@ -129,18 +129,14 @@ class Shared:
             return
         local = choose(index, toks, identity, namespace, block, set())
         every = chains(chain_root(secret, identity.digest), toks, block)
-        heads = [  # prefixes that end inside a block: 16 tokens past each boundary
-            head_key(c, toks[b * block :])
-            for b, c in enumerate(every)
-            if len(toks) - b * block >= HEAD_TOKENS
-        ]
+        heads = boundary_heads(every, toks, block)  # prefixes that end inside a block
         records = self._run(lambda: self.tier.deepest_chain(namespace, every[1:], heads)) or []
         found = best_record(records, toks)
         if found is None or found[0] <= (local[1] if local else 0):
             self._count(index, namespace, "misses")
             return
-        usable, record = found
-        if not self._worth(costs, identity, namespace, record, usable, max_cost):
+        usable, record, body = found
+        if not self._worth(costs, identity, namespace, body, usable, max_cost):
             return
         before = dict(self.tier.counters)
         try:
@@ -162,42 +158,40 @@ class Shared:
         costs: CostModel | None,
         identity: Any,
         namespace: str,
-        record: bytes,
-        at_least: int,
+        body: dict[str, Any],
+        usable: int,
         max_cost: float | None,
     ) -> bool:
-        """Is pulling this record's blobs, then restoring them, predicted to beat a prefill?"""
+        """Is pulling this record's blobs, then restoring ``usable`` tokens of them,
+        predicted to beat a prefill of those tokens?"""
         if costs is None:
             return True
-        try:
-            body = _body(record)
-        except CorruptBlobError:
-            return True  # the pull itself refuses it, and counts it
         nbytes = sum(int(v[0]) for v in body["blobs"].values())
-        tokens = min(int(body["row"]["n_tokens"]), at_least)
         via = [(self.name, nbytes), (LOCAL, nbytes)]
-        if costs.decide(identity, namespace, via, tokens, max_cost).restore:
+        if costs.decide(identity, namespace, via, usable, max_cost).restore:
             return True
         self._count(costs.index, namespace, "declined")
         return False
 
 
-def best_record(records: list[bytes], toks: list[int]) -> tuple[int, bytes] | None:
-    """(usable prefix, record) of the candidate that serves the prompt furthest, by the
-    resume policy over its stored tokens (an untrimmable snapshot only at its length)."""
-    best: tuple[int, bytes] | None = None
+def best_record(records: list[bytes], toks: list[int]) -> tuple[int, bytes, dict[str, Any]] | None:
+    """(usable prefix, record, its checked body) of the candidate that serves the prompt
+    furthest, by the resume policy over its stored tokens (an untrimmable snapshot
+    only at its own length)."""
+    best: tuple[int, bytes, dict[str, Any]] | None = None
     for record in records:
         try:
-            row = _body(record)["row"]
+            body = _body(record)
         except CorruptBlobError:
             continue  # never used; a pull of it would refuse it too
+        row = body["row"]
         stored = unpack_tokens(row["tokens"])
         pairs = enumerate(zip(stored, toks, strict=False))
         lcp = next((i for i, (a, b) in pairs if a != b), min(len(stored), len(toks)))
         n, trim, floor = len(stored), bool(row["trimmable"]), int(row["min_resume"])
         p = policy.usable_prefix(n, lcp, len(toks), trim, floor)
         if p and (best is None or p > best[0]):
-            best = (p, record)
+            best = (p, record, body)
     return best
 
 
@@ -279,15 +273,9 @@ def push(index: Index, blobs: BlobStore, tier: Tier, namespace: str, sid: int) -
     record = msgpack.packb({"body": packed, "sum": xxhash.xxh3_128_digest(packed)})
     rkey = xxhash.xxh3_128_hexdigest(packed)
     name = row.name if row.role == "session" else None
-    toks = unpack_tokens(row.tokens)
-    block = int(msgpack.unpackb(row.manifest, raw=False)["block"])
-    every = [row.root, *(r.chain for r in refs)]
-    heads = [
-        head_key(c, toks[b * block :])
-        for b, c in enumerate(every)
-        if len(toks) - b * block >= HEAD_TOKENS
-    ]
     chs = [r.chain for r in refs]
+    block = int(msgpack.unpackb(row.manifest, raw=False)["block"])
+    heads = boundary_heads([row.root, *chs], unpack_tokens(row.tokens), block)
     tier.put_record(namespace, rkey, record, name, chs, heads, bool(row.trimmable))
     return True
 

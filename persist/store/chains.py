@@ -19,6 +19,7 @@ __all__ = [
     "chain_root",
     "chains",
     "head_key",
+    "boundary_heads",
 ]
 
 HEAD_TOKENS = 16  # the shortest prefix a lookup reuses
@@ -49,3 +50,15 @@ def head_key(root: bytes, tokens: Sequence[int]) -> bytes:
     else:
         raw = pack_tokens(tokens[:HEAD_TOKENS])
     return hashlib.blake2b(root + raw, digest_size=16).digest()
+
+
+def boundary_heads(chains: Sequence[bytes], tokens: Sequence[int], block: int) -> list[bytes]:
+    """``head_key`` at each block boundary b that HEAD_TOKENS tokens follow, under chain
+    b (``chains`` as ``chains()`` gives them, h_-1 first): finds prefixes that end
+    inside a block, in the index (``heads``) and in the shared tier (``head:``)."""
+    out = []
+    for b, chain in enumerate(chains):
+        if len(tokens) - b * block < HEAD_TOKENS:
+            break
+        out.append(head_key(chain, tokens[b * block :]))
+    return out

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .chains import HEAD_TOKENS, head_key
+from .chains import boundary_heads
 from .index import MAX_VARIABLES, Index
 from .rows import BlockRef, NewBlob, SnapshotRow, row_digest
 
@@ -80,14 +80,8 @@ def add_heads(
     block: int,
 ) -> None:
     """Head keys of a snapshot at each block boundary that HEAD_TOKENS tokens follow."""
-    for b, chain in enumerate(chains):
-        start = b * block
-        if len(tokens) - start < HEAD_TOKENS:
-            break
-        db.execute(
-            "INSERT INTO heads(snapshot, pos, key) VALUES (?, ?, ?)",
-            [snapshot_id, b, head_key(chain, tokens[start:])],
-        )
+    for b, key in enumerate(boundary_heads(chains, tokens, block)):
+        db.execute("INSERT INTO heads(snapshot, pos, key) VALUES (?, ?, ?)", [snapshot_id, b, key])
 
 
 def remove(db: sqlite_utils.Database, snapshot_id: int) -> None:
