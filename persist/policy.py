@@ -26,6 +26,7 @@ __all__ = [
     "covers",
     "EvictEntry",
     "plan_eviction",
+    "partial_blocks",
     "rate_bucket",
     "prefill_seconds",
     "restore_seconds",
@@ -205,6 +206,17 @@ def plan_eviction(
             if refs[b] == 0:
                 total -= blob_sizes.get(b, 0)
     return out
+
+
+def partial_blocks(
+    keep: int | None, n_tokens: int, n_blocks: int, block: int, split: bool
+) -> int | None:
+    """How many leading blocks a hit of ``keep`` tokens reads, or None for the whole
+    snapshot: a hit shorter than the snapshot that ends within its full blocks reads
+    the blocks covering [0, keep) and the tail's other tensors, nothing more."""
+    if keep is None or keep >= n_tokens or not split or keep > n_blocks * block:
+        return None
+    return -(-keep // block)
 
 
 # -- restore or recompute -------------------------------------------------------

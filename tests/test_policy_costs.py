@@ -69,3 +69,20 @@ def test_the_decision(
         assert ps is not None and d.restore == (rs < ps)
         assert d.reason == ("faster" if d.restore else "slower")
     assert (d.tokens, d.nbytes, d.restore_s, d.prefill_s) == (tokens, nbytes, rs, ps)
+
+
+@given(
+    st.none() | st.integers(0, 5000),
+    st.integers(1, 5000),
+    st.integers(0, 40),
+    st.integers(1, 512),
+    st.booleans(),
+)
+def test_a_partial_read_covers_the_hit_and_no_more(
+    keep: int | None, n: int, blocks: int, block: int, split: bool
+) -> None:
+    need = policy.partial_blocks(keep, n, blocks, block, split)
+    if need is None:
+        return  # the whole snapshot is read
+    assert keep is not None and split and keep < n
+    assert need <= blocks and need * block >= keep and (need - 1) * block < max(keep, 1)

@@ -34,15 +34,13 @@ MIN_PREFILL = 16  # tokens: shorter forwards are decode steps, not a prefill rat
 def hit_bytes(index: Index, row: SnapshotRow, prefix: int) -> int:
     """Bytes a hit of ``prefix`` tokens reads: the blocks covering them and the tail
     (the partial-read rule of ``loading.load_snapshot``)."""
-    if prefix >= row.n_tokens or row.n_blocks == 0:
-        return row.nbytes
     body = msgpack.unpackb(row.manifest, raw=False)
-    split, block = body.get("split"), int(body.get("block", 1))
+    split, block = bool(body.get("split")), int(body.get("block", 1))
+    need = policy.partial_blocks(prefix, row.n_tokens, row.n_blocks, block, split)
+    if need is None:
+        return row.nbytes
     head = index.blob_head(row.tail)
     tail = head[0] if head is not None else 0
-    if not split or prefix > row.n_blocks * block:
-        return row.nbytes
-    need = -(-prefix // block)
     return tail + (row.nbytes - tail) * need // row.n_blocks
 
 

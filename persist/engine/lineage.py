@@ -29,9 +29,12 @@ import msgpack
 import numpy as np
 import xxhash
 
-from ..codecs.snapshot import Snapshot
+from ..codecs.base import dtype_name
+from ..codecs.snapshot import Snapshot, capture
+from ..format.tensors import on_cuda
+from ..format.tokens import unpack_tokens
 from ..store.rows import BlockRef, SnapshotRow
-from .blocks import Plan
+from .blocks import Plan, plan
 
 __all__ = ["Lineage", "remember", "remember_restored", "reusable"]
 
@@ -136,12 +139,6 @@ def remember_restored(
 
     Not on CUDA: the fingerprints read the arrays on the host, which would move
     the fresh cache out of device memory (``format.tensors.on_cuda``)."""
-    from ..codecs.base import dtype_name
-    from ..codecs.snapshot import capture
-    from ..format.tensors import on_cuda
-    from ..format.tokens import unpack_tokens
-    from .blocks import plan
-
     lineages.pop(key, None)
     if on_cuda():
         return

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import msgpack
 
+from .. import policy
 from ..codecs import capacity_of, check_spec, trim_record
 from ..codecs.snapshot import rebuild
 from ..errors import CorruptBlobError
@@ -82,10 +83,9 @@ def load_snapshot(
     # A hit of k tokens that ends within the full blocks reads only the blocks
     # covering [0, k) and the tail's other tensors: split tensors hold their
     # first need*B positions, which is all a trim to k looks at.
-    partial = bool(
-        keep is not None and keep < row.n_tokens and split and keep <= len(files) * block
-    )
-    need = -(-keep // block) if partial and keep is not None else len(files)
+    blocks_read = policy.partial_blocks(keep, row.n_tokens, len(files), block, bool(split))
+    partial = blocks_read is not None
+    need = len(files) if blocks_read is None else blocks_read
     buffers = _allocate(specs, split, need * block if partial else None)
     # One blob open at a time (a 70,000-token session has hundreds of blocks,
     # more than a default open-file limit): block i fills positions [i*B, (i+1)*B)

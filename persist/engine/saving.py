@@ -85,7 +85,7 @@ def save_snapshot(
     secret = index.secret(namespace, lambda: os.urandom(32))
     assert secret is not None
     chs = chains(chain_root(secret, identity.digest), toks, block_tokens)
-    key = (namespace, target.name) if target.name is not None and lineages is not None else None
+    key = (namespace, target.name) if target.name is not None else None
     memo = lineages.get(key) if key is not None and lineages is not None else None
     for attempt in range(3):
         written: list[NewBlob] = []
