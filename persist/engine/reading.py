@@ -140,10 +140,11 @@ def lookup_prefix(
             continue
         if prefix <= longer_than:
             return None
-        nbytes = hit_bytes(index, row, prefix)
-        decide = costs.decide if costs is not None else None
-        if decide and not decide(identity, namespace, [(LOCAL, nbytes)], prefix, max_cost).restore:
-            return None  # recomputing is faster here: counted as cost_recomputed
+        nbytes = 0 if costs is None else hit_bytes(index, row, prefix)
+        if costs is not None:
+            d = costs.decide(identity, namespace, [(LOCAL, nbytes)], prefix, max_cost)
+            if not d.restore:
+                return None  # recomputing is faster here: counted as cost_recomputed
         try:
             with _timed(costs, identity, nbytes):
                 cache = load_snapshot(index, blobs, row, keep=prefix)
