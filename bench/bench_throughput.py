@@ -3,6 +3,7 @@
     python -m bench.bench_throughput                 # 1k, 8k, 32k Llama-3-8B + Qwen3-Next hybrid
     python -m bench.bench_throughput --quick         # 1k and 8k Llama-3-8B only
     python -m bench.bench_throughput --prefill       # adds prefill time on a real model (GPU)
+    python -m bench.bench_throughput --mlx-cache mlx # MLX's own CPU buffer cache (32 MiB)
 
 For every case: store save / save_file / mlx-lm save+fsync / raw write+fsync;
 restore + first decode step, warm and cold / load_file / mlx-lm load + the same
@@ -10,6 +11,11 @@ step / raw read; a partial hit (1/8 of the tokens): bytes and time against a
 full restore; turn n+1 (256 new tokens): time and bytes against a full save;
 peak memory above the cache.  Minimum of interleaved repetitions.  Results in
 bench/results/throughput-<device>.json and .md.
+
+The process keeps freed MLX buffers for reuse as ``persist serve`` does
+(``keep_freed_buffers``; the same for persist, mlx-lm and the raw reads, which
+reuse one buffer); ``--mlx-cache mlx`` measures MLX's CPU default instead,
+where every load faults in fresh memory.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, save_pr
 
 import persist
 from bench.common import RESULTS, direct_write, evict, raw_read, raw_write, warm
+from persist.apps.server import keep_freed_buffers
 
 IDENTITY = persist.ModelIdentity("bench", "c", "w", "t", "h", name="bench")
 Op = tuple[Callable[[], Any] | None, Callable[[], Any]]
@@ -341,7 +348,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--label", default=None)
     ap.add_argument("--cases", nargs="+", default=None, help="e.g. llama3-8b:32768 qwen3-next:8192")
+    ap.add_argument("--mlx-cache", choices=["serve", "mlx"], default="serve")
     args = ap.parse_args()
+    if args.mlx_cache == "serve":
+        keep_freed_buffers(None)
     builds = {"llama3-8b": llama, "qwen3-next": qwen3_next}
     cases: list[tuple[str, Callable[[int], list[Any]], int]] = [
         ("llama3-8b", llama, 1024),
@@ -363,10 +373,15 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
     r = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": label},
+        "mlx_cache": "as persist serve (freed buffers kept)"
+        if args.mlx_cache == "serve"
+        else "MLX default (32 MiB on the CPU)",
         "cases": results,
     }
     RESULTS.mkdir(exist_ok=True)
     stem = f"throughput-{label}" + ("-quick" if args.quick else "")
+    if args.mlx_cache == "mlx":
+        stem += "-mlx-cache"
     if args.cases:
         stem += "-" + "-".join(c.replace(":", "") for c in args.cases)
     (RESULTS / f"{stem}.json").write_text(json.dumps(r, indent=2) + "\n")
@@ -384,6 +399,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"# Throughput ({m['device']}, {m['platform']}, {m['cpus']} CPUs)",
         "",
         "Minimum of interleaved repetitions. Ratios: persist over the reference (lower is better).",
+        f"MLX buffer cache: {r.get('mlx_cache', 'MLX default')}.",
         "",
         "| case | save / raw write+fsync | save / mlx-lm save+fsync | restore+step warm / mlx-lm | "
         "restore+step cold / raw cold read | cold / mlx-lm cold | partial bytes | partial time | "

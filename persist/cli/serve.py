@@ -47,6 +47,14 @@ from .app import cli, default_store, parse_size, store_option, tier_urls
     show_default=True,
     help="A full write queue: wait (up to 30 s) for room, or drop the write and count it.",
 )
+@click.option(
+    "--mlx-cache",
+    default="auto",
+    show_default=True,
+    help="Freed MLX buffers kept for reuse on the CPU backend, e.g. 8G; 'auto': up to "
+    "MLX's memory limit, as on GPUs (MLX's CPU default of 32 MiB makes every restore "
+    "fault in fresh memory).",
+)
 @store_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(
@@ -57,6 +65,7 @@ def serve_cmd(
     drain_timeout: float,
     write_queue: int,
     when_full: str,
+    mlx_cache: str,
     store_dir: Path | None,
     server_args: tuple[str, ...],
 ) -> None:
@@ -69,6 +78,7 @@ def serve_cmd(
     \b
     Example:
       persist serve --model ./tiny --store ./cache --port 8080
+      persist serve --model ./tiny --mlx-cache 8G --port 8080
     """
     from ..apps.demo import demo_model_dir
     from ..apps.server import serve
@@ -83,5 +93,6 @@ def serve_cmd(
         drain_timeout=drain_timeout,
         queue_size=write_queue,
         when_full=when_full,
+        mlx_cache=None if mlx_cache == "auto" else parse_size(mlx_cache),
         **tier_urls(),
     )

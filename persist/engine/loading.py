@@ -9,6 +9,7 @@ unless the whole snapshot verified.
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import msgpack
@@ -19,8 +20,9 @@ from ..codecs.snapshot import rebuild
 from ..errors import CorruptBlobError
 from ..format.container import Header, read_header
 from ..format.manifest import blob_manifest, snapshot_specs
-from ..format.tensors import allocate, device_copy, on_cuda, read_piece
+from ..format.tensors import allocate_many, device_copy, dtype_name, on_cuda, read_piece
 from ..records import Progress, Record, RecordSpec, TensorSpec
+from . import partial as partial_room
 
 if TYPE_CHECKING:
     from ..store.blobs import BlobStore
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["load_snapshot", "open_blob"]
 
 AHEAD = 8  # blobs asked of the disk at once: a deep queue, bounded page-cache use
+WORKERS = 4  # blobs read at once: the threads mostly wait on the disk (GIL released)
 
 
 class _Blob:
@@ -38,8 +41,12 @@ class _Blob:
 
 def open_blob(index: Index, blobs: BlobStore, file: str) -> _Blob:
     """Open a blob and verify its header against the index."""
+    return _open_known(blobs, file, index.blob_head(file))
+
+
+def _open_known(blobs: BlobStore, file: str, known: tuple[int, bytes] | None) -> _Blob:
+    """Open a blob and verify its header against ``known`` (size, digest) from the index."""
     where = f"blob {file}"
-    known = index.blob_head(file)
     if known is None:
         raise CorruptBlobError(where, "the index no longer lists this blob")
     try:
@@ -86,42 +93,40 @@ def load_snapshot(
     blocks_read = policy.partial_blocks(keep, row.n_tokens, len(files), block, bool(split))
     partial = blocks_read is not None
     need = len(files) if blocks_read is None else blocks_read
-    buffers = _allocate(specs, split, need * block if partial else None)
-    # One blob open at a time (a 70,000-token session has hundreds of blocks,
-    # more than a default open-file limit): block i fills positions [i*B, (i+1)*B)
-    # of every split tensor, the tail the rest and every other tensor.
-    pieces = [(f, i * block, "split") for i, f in enumerate(files[:need]) if split]
-    pieces.append((row.tail, len(files) * block if split else 0, "rest" if partial else "all"))
-    prefetch = getattr(blobs, "prefetch", None)
-    for done, (file, at, which) in enumerate(pieces):
-        if prefetch is not None and done % AHEAD == 0:
-            for ahead, _, _ in pieces[done : done + AHEAD]:
-                prefetch(ahead)  # the disk reads these while earlier blobs are copied
-        blob = open_blob(index, blobs, file)
-        try:
-            for key, (out, view, axis) in buffers.items():
-                if key in split and which != "rest":
-                    _fill(blob, key, out, view, at, axis)
-                elif key not in split and which != "split":
-                    _fill(blob, key, out, view, 0, axis)
-        finally:
-            with contextlib.suppress(OSError):
-                blob.f.close()
-        if progress is not None:
-            progress(done + 1, len(pieces))
+    room = partial_room.roomy(specs, split, keep, need * block) if keep and partial else {}
+    buffers = _allocate(specs, split, need * block if partial else None, room)
+    # A few blobs open at a time (a 70,000-token session has hundreds of
+    # blocks, more than a default open-file limit).
+    # The tail first: it holds every unsplit tensor (a hybrid's recurrent state,
+    # a third of its bytes), read while the other workers take the blocks.
+    pieces = [(row.tail, len(files) * block if split else 0, "rest" if partial else "all")]
+    pieces += [(f, i * block, "split") for i, f in enumerate(files[:need]) if split]
+    heads = {file: index.blob_head(file) for file, _, _ in pieces}  # the index: this thread only
+    _read_pieces(blobs, pieces, heads, buffers, split, progress)
+    for key, (n, _) in room.items():
+        out, view, axis = buffers[key]
+        partial_room.zero_past(view, tuple(out.shape), dtype_name(out), axis, n)
     records = [_record(spec, str(i), buffers) for i, spec in enumerate(specs)]
     if keep is not None and keep != row.n_tokens:
-        records = [trim_record(r, keep) for r in records]
+        trimmed = [trim_record(r, keep) for r in records]
+        records = [
+            partial_room.keep_buffers(t, r, str(i), room)
+            for i, (t, r) in enumerate(zip(trimmed, records, strict=True))
+        ]
     return rebuild(records)
 
 
 Buffers = dict[str, tuple[Any, memoryview, int]]  # tensor key -> (array, writable view, axis)
 
 
-def _allocate(specs: list[RecordSpec], split: dict[str, int], length: int | None) -> Buffers:
+def _allocate(
+    specs: list[RecordSpec], split: dict[str, int], length: int | None, room: partial_room.Room
+) -> Buffers:
     """Buffers for every tensor; with ``length``, split tensors get exactly that many
-    positions (a partial read, trimmed next) instead of their whole, capacity-sized shape."""
-    out: Buffers = {}
+    positions (a partial read, trimmed next) instead of their whole, capacity-sized
+    shape, or the ``room`` their trimmed records want."""
+    keys: list[str] = []
+    wanted: list[tuple[TensorSpec, int | None, int]] = []
 
     def walk(spec: RecordSpec, path: str) -> None:
         caps = {} if length is not None else capacity_of(spec)
@@ -130,16 +135,90 @@ def _allocate(specs: list[RecordSpec], split: dict[str, int], length: int | None
             axis = split.get(key, 2)
             if length is not None and key in split:
                 shape = list(whole.shape)
-                shape[axis] = length
+                shape[axis] = room[key][1] if key in room else length
                 whole = TensorSpec(whole.dtype, tuple(shape))
-            arr, view = allocate(whole, caps.get(name), axis)
-            out[key] = (arr, view, axis)
+            keys.append(key)
+            wanted.append((whole, caps.get(name), axis))
         for j, c in enumerate(spec.children):
             walk(c, f"{path}.{j}")
 
     for i, spec in enumerate(specs):
         walk(spec, str(i))
-    return out
+    made = allocate_many(wanted)
+    return {key: (arr, view, w[2]) for key, (arr, view), w in zip(keys, made, wanted, strict=True)}
+
+
+Piece = tuple[str, int, str]  # blob file, first position it holds, which tensors to take
+
+
+def _read_pieces(
+    blobs: BlobStore,
+    pieces: list[Piece],
+    heads: dict[str, tuple[int, bytes] | None],
+    buffers: Buffers,
+    split: dict[str, int],
+    progress: Progress | None,
+) -> None:
+    """Read every piece into its buffers, WORKERS blobs at a time.
+
+    preadv and xxhash release the GIL, so the copies out of the page cache
+    and the checksums run on every core while the disk reads ahead (prefetch).
+    Pieces write disjoint positions of the buffers.  The first error stops
+    new reads; the reads already running finish before it is raised.
+    """
+    prefetch = getattr(blobs, "prefetch", None)
+    done = 0
+
+    def settle(finished: set[Future[None]]) -> None:
+        nonlocal done
+        for fut in finished:
+            fut.result()
+            done += 1
+            if progress is not None:
+                progress(done, len(pieces))
+
+    with ThreadPoolExecutor(WORKERS, thread_name_prefix="persist-read") as pool:
+        pending: set[Future[None]] = set()
+        try:
+            for n, (file, at, which) in enumerate(pieces):
+                if prefetch is not None and n % AHEAD == 0:
+                    for ahead, _, _ in pieces[n : n + AHEAD]:
+                        prefetch(ahead)  # the disk reads these while earlier blobs are copied
+                pending.add(
+                    pool.submit(_read_blob, blobs, file, heads[file], at, which, buffers, split)
+                )
+                if len(pending) >= 2 * WORKERS:  # a bounded queue: few open files
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    settle(finished)
+            finished, pending = wait(pending)
+            settle(finished)
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
+
+
+def _read_blob(
+    blobs: BlobStore,
+    file: str,
+    known: tuple[int, bytes] | None,
+    at: int,
+    which: str,
+    buffers: Buffers,
+    split: dict[str, int],
+) -> None:
+    # block i fills positions [i*B, (i+1)*B) of every split tensor, the tail
+    # the rest and every other tensor
+    blob = _open_known(blobs, file, known)
+    try:
+        for key, (out, view, axis) in buffers.items():
+            if key in split and which != "rest":
+                _fill(blob, key, out, view, at, axis)
+            elif key not in split and which != "split":
+                _fill(blob, key, out, view, 0, axis)
+    finally:
+        with contextlib.suppress(OSError):
+            blob.f.close()
 
 
 def _fill(blob: _Blob, key: str, out: Any, view: memoryview, at: int, axis: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "dtype_name",
     "as_bytes",
     "allocate",
+    "allocate_many",
     "read_piece",
     "on_cuda",
     "device_copy",
@@ -65,17 +67,47 @@ def dtype_name(a: mx.array) -> str:
 
 def allocate(spec: TensorSpec, cap: int | None, axis: int = 2) -> tuple[mx.array, memoryview]:
     """A zeroed MLX array for ``spec`` (token axis grown to ``cap``) and a writable view."""
-    shape = list(spec.shape)
-    if cap is not None and len(shape) > axis and cap > shape[axis]:
-        shape[axis] = cap
-    out = mx.zeros(shape, dtype=NAME_TO_MX[spec.dtype])
-    mx.eval(out)
+    return allocate_many([(spec, cap, axis)])[0]
+
+
+def allocate_many(
+    wanted: list[tuple[TensorSpec, int | None, int]],
+) -> list[tuple[mx.array, memoryview]]:
+    """``allocate`` for many tensors at once: on the CPU the zero fills (which also
+    fault in the fresh pages) run on several MLX streams, one thread each."""
+    streams = _fill_streams() if mx.default_device() == mx.cpu else [None]
+    arrays = []
+    for i, (spec, cap, axis) in enumerate(wanted):
+        shape = list(spec.shape)
+        if cap is not None and len(shape) > axis and cap > shape[axis]:
+            shape[axis] = cap
+        arrays.append(
+            mx.zeros(shape, dtype=NAME_TO_MX[spec.dtype], stream=streams[i % len(streams)])
+        )
+    mx.eval(arrays)
+    return [
+        (out, _writable(out, spec.dtype)) for out, (spec, _, _) in zip(arrays, wanted, strict=True)
+    ]
+
+
+def _writable(out: mx.array, dtype: str) -> memoryview:
     if out.size == 0:
-        return out, memoryview(bytearray())
+        return memoryview(bytearray())
     view = memoryview(out).cast("B")  # type: ignore[arg-type]
-    if not view.contiguous or view.nbytes != math.prod(shape) * DTYPE_SIZES[spec.dtype]:
+    if not view.contiguous or view.nbytes != out.size * DTYPE_SIZES[dtype]:
         raise RuntimeError("mlx returned a buffer persist cannot read into")
-    return out, view
+    return view
+
+
+_local = threading.local()  # MLX streams belong to the thread that made them
+
+
+def _fill_streams() -> list[Any]:
+    streams: list[Any] | None = getattr(_local, "streams", None)
+    if streams is None:
+        streams = [mx.new_stream(mx.cpu) for _ in range(max(1, min(4, os.cpu_count() or 1)))]
+        _local.streams = streams
+    return streams
 
 
 def read_piece(

@@ -53,8 +53,8 @@ def no_load(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*a: Any, **k: Any) -> Any:
         raise AssertionError("a tensor was allocated before the file was refused")
 
-    for reader in (persist.engine.files, persist.engine.loading):  # every tensor read path
-        monkeypatch.setattr(reader, "allocate", boom)
+    monkeypatch.setattr(persist.engine.files, "allocate", boom)  # every tensor read path
+    monkeypatch.setattr(persist.engine.loading, "allocate_many", boom)
 
 
 def test_unregistered_subclass_is_refused_at_save(tmp_path: Path) -> None:

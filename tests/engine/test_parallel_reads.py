@@ -1,0 +1,93 @@
+"""A restore reads its blobs on several threads: still exact, all-or-nothing, bounded."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import persist
+from persist.engine import loading
+from tests.helpers import live_state, prefill, tokens_for
+
+BLOCK = 16  # 300 tokens -> 18 blocks and a tail: more pieces than the read queue holds
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def saved(tiny: Any, root: Path, n: int = 300) -> tuple[persist.Store, persist.ModelIdentity, Any]:
+    model, tok, _ = tiny("llama")
+    identity = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(n, seed=41)
+    cache = prefill(model, toks)[0]
+    store = persist.Store(root, block_tokens=BLOCK)
+    store.save(cache, toks, identity=identity, session="s")
+    return store, identity, cache
+
+
+def test_more_pieces_than_workers_restore_exactly(tiny: Any, tmp_path: Path) -> None:
+    store, identity, cache = saved(tiny, tmp_path / "s")
+    with store:
+        assert store.index.by_name("default", "s").n_blocks > 2 * loading.WORKERS  # type: ignore[union-attr]
+        assert live_state(store.restore("s", identity=identity).cache) == live_state(cache)
+
+
+@pytest.mark.parametrize("which", [0, 9, -1])
+def test_damage_in_any_block_refuses_the_whole_restore(
+    which: int, tiny: Any, tmp_path: Path
+) -> None:
+    store, identity, cache = saved(tiny, tmp_path / "s")
+    with store:
+        row = store.index.by_name("default", "s")
+        assert row is not None
+        block = [b.blob for b in store.index.blocks(row.id)][which]
+        path = store.blobs.path(block)
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0x10  # inside the last tensor's bytes: only its checksum can tell
+        path.write_bytes(bytes(data))
+        before = open_fds()
+        with pytest.raises(persist.CorruptBlobError, match=block):
+            store.restore("s", identity=identity)
+        assert open_fds() == before  # every worker closed its blob
+        path.write_bytes(bytes(data[:-5] + bytes([data[-5] ^ 0x10]) + data[-4:]))
+        assert live_state(store.restore("s", identity=identity).cache) == live_state(cache)
+
+
+def test_progress_is_reported_on_the_calling_thread_in_order(tiny: Any, tmp_path: Path) -> None:
+    store, identity, _ = saved(tiny, tmp_path / "s")
+    calls: list[tuple[int, int, int]] = []
+    with store:
+        n = store.index.by_name("default", "s").n_blocks + 1  # type: ignore[union-attr]
+        store.restore(
+            "s",
+            identity=identity,
+            progress=lambda done, total: calls.append((done, total, threading.get_ident())),
+        )
+    assert [(d, t) for d, t, _ in calls] == [(i, n) for i in range(1, n + 1)]
+    assert {who for _, _, who in calls} == {threading.get_ident()}
+
+
+def test_restores_on_other_threads_get_their_own_streams(tiny: Any, tmp_path: Path) -> None:
+    store, identity, cache = saved(tiny, tmp_path / "s")
+    want, got, errors = live_state(cache), [], []
+
+    def restore() -> None:
+        try:
+            got.append(live_state(store.restore("s", identity=identity).cache))
+        except BaseException as e:  # MLX streams are per thread: a shared one fails here
+            errors.append(e)
+
+    with store:
+        restore()
+        threads = [threading.Thread(target=restore) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    assert got == [want] * 3
