@@ -20,7 +20,14 @@ from ..codecs.snapshot import rebuild
 from ..errors import CorruptBlobError
 from ..format.container import Header, read_header
 from ..format.manifest import blob_manifest, snapshot_specs
-from ..format.tensors import allocate_many, device_copy, dtype_name, on_cuda, read_piece
+from ..format.tensors import Piece as TensorPiece
+from ..format.tensors import (
+    allocate_many,
+    device_copy,
+    dtype_name,
+    on_cuda,
+    read_pieces,
+)
 from ..records import Progress, Record, RecordSpec, TensorSpec
 from . import partial as partial_room
 
@@ -93,15 +100,17 @@ def load_snapshot(
     blocks_read = policy.partial_blocks(keep, row.n_tokens, len(files), block, bool(split))
     partial = blocks_read is not None
     need = len(files) if blocks_read is None else blocks_read
-    room = partial_room.roomy(specs, split, keep, need * block) if keep and partial else {}
-    buffers = _allocate(specs, split, need * block if partial else None, room)
-    # A few blobs open at a time (a 70,000-token session has hundreds of
-    # blocks, more than a default open-file limit).
     # The tail first: it holds every unsplit tensor (a hybrid's recurrent state,
     # a third of its bytes), read while the other workers take the blocks.
     pieces = [(row.tail, len(files) * block if split else 0, "rest" if partial else "all")]
     pieces += [(f, i * block, "split") for i, f in enumerate(files[:need]) if split]
+    prefetch = getattr(blobs, "prefetch", None)
+    if prefetch is not None:
+        for file, _, _ in pieces[:AHEAD]:
+            prefetch(file)  # the disk starts while the buffers are allocated
     heads = {file: index.blob_head(file) for file, _, _ in pieces}  # the index: this thread only
+    room = partial_room.roomy(specs, split, keep, need * block) if keep and partial else {}
+    buffers = _allocate(specs, split, need * block if partial else None, room)
     _read_pieces(blobs, pieces, heads, buffers, split, progress)
     for key, (n, _) in room.items():
         out, view, axis = buffers[key]
@@ -181,7 +190,7 @@ def _read_pieces(
         pending: set[Future[None]] = set()
         try:
             for n, (file, at, which) in enumerate(pieces):
-                if prefetch is not None and n % AHEAD == 0:
+                if prefetch is not None and n % AHEAD == 0 and n:  # the first: load_snapshot
                     for ahead, _, _ in pieces[n : n + AHEAD]:
                         prefetch(ahead)  # the disk reads these while earlier blobs are copied
                 pending.add(
@@ -211,30 +220,25 @@ def _read_blob(
     # the rest and every other tensor
     blob = _open_known(blobs, file, known)
     try:
+        wanted = []
         for key, (out, view, axis) in buffers.items():
             if key in split and which != "rest":
-                _fill(blob, key, out, view, at, axis)
+                wanted.append(_piece(blob, key, out, view, at, axis))
             elif key not in split and which != "split":
-                _fill(blob, key, out, view, 0, axis)
+                wanted.append(_piece(blob, key, out, view, 0, axis))
+        read_pieces(blob.f.fileno(), wanted)
     finally:
         with contextlib.suppress(OSError):
             blob.f.close()
 
 
-def _fill(blob: _Blob, key: str, out: Any, view: memoryview, at: int, axis: int) -> None:
+def _piece(blob: _Blob, key: str, out: Any, view: memoryview, at: int, axis: int) -> TensorPiece:
     entry = blob.header.tensors.get(key)
     if entry is None:
         raise CorruptBlobError(blob.where, f"tensor {key!r} is missing")
-    read_piece(
-        blob.f.fileno(),
-        entry.start,
-        entry.spec,
-        view,
-        tuple(out.shape),
-        at,
-        axis,
-        blob.sums[key],
-        f"{blob.where}: tensor {key!r}",
+    where = f"{blob.where}: tensor {key!r}"
+    return TensorPiece(
+        entry.start, entry.spec, view, tuple(out.shape), at, axis, blob.sums[key], where
     )
 
 

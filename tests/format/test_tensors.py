@@ -9,14 +9,19 @@ import mlx.core as mx
 import pytest
 
 from persist.errors import CorruptBlobError, UnsupportedCacheError
+from persist.format import tensors as tensors_module
 from persist.format.container import checksum
 from persist.format.tensors import (
+    BATCH_BYTES,
+    IOV_MAX,
     MX_TO_NAME,
     NAME_TO_MX,
+    Piece,
     allocate,
     as_bytes,
     dtype_name,
     read_piece,
+    read_pieces,
 )
 from persist.records import DTYPE_SIZES, TensorSpec
 
@@ -74,5 +79,58 @@ def test_a_piece_with_a_wrong_checksum_is_refused(tmp_path: Path) -> None:
     try:
         with pytest.raises(CorruptBlobError, match="checksum"):
             read_piece(fd, 0, spec, view, out.shape, 0, 2, checksum(b"other"), "p")
+    finally:
+        os.close(fd)
+
+
+def _pieces(tmp_path: Path, rows: int) -> tuple[int, list[Piece], list[mx.array], list[mx.array]]:
+    """Five tensors back to back in one file (one of ``rows`` rows), each read into
+    its own capacity-sized buffer at position 3; the middle one is not asked for."""
+    tensors = [
+        mx.arange(r * 5 * 4, dtype=mx.float32).reshape(1, r, 5, 4) + i
+        for i, r in enumerate([2, rows, 1, 3, 2])
+    ]
+    blobs = [bytes(as_bytes(t)) for t in tensors]
+    fd = _file(tmp_path, b"".join(blobs))
+    pieces, outs, start = [], [], 0
+    for i, (t, b) in enumerate(zip(tensors, blobs, strict=True)):
+        spec = TensorSpec("F32", tuple(t.shape))
+        out, view = allocate(TensorSpec("F32", (1, t.shape[1], 8, 4)), None, 2)
+        if i != 2:
+            pieces.append(Piece(start, spec, view, tuple(out.shape), 3, 2, checksum(b), f"t{i}"))
+            outs.append(out)
+        start += len(b)
+    return fd, pieces[::-1], outs, [t for i, t in enumerate(tensors) if i != 2]
+
+
+@pytest.mark.parametrize("batch", [BATCH_BYTES, 64])
+def test_many_pieces_of_one_file_in_few_reads(
+    batch: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tensors_module, "BATCH_BYTES", batch)
+    fd, pieces, outs, want = _pieces(tmp_path, IOV_MAX + 7)  # more rows than one preadv holds
+    try:
+        read_pieces(fd, pieces)  # in any order: read in file order
+    finally:
+        os.close(fd)
+    for out, t in zip(outs, want, strict=True):
+        assert out[:, :, 3:].tolist() == t.tolist()
+        assert out[:, :, :3].tolist() == mx.zeros((1, t.shape[1], 3, 4)).tolist()
+
+
+def test_damage_or_truncation_among_many_pieces_names_the_tensor(tmp_path: Path) -> None:
+    fd, pieces, _, _ = _pieces(tmp_path, 4)
+    damaged = [p._replace(want=checksum(b"x")) if p.where == "t3" else p for p in pieces]
+    try:
+        with pytest.raises(CorruptBlobError, match=r"t3.*checksum"):
+            read_pieces(fd, damaged)
+    finally:
+        os.close(fd)
+    short = tmp_path / "raw"
+    short.write_bytes(short.read_bytes()[:-8])
+    fd = os.open(short, os.O_RDONLY)
+    try:
+        with pytest.raises(CorruptBlobError, match="truncated"):
+            read_pieces(fd, pieces)
     finally:
         os.close(fd)
