@@ -104,14 +104,13 @@ def load_snapshot(
     # a third of its bytes), read while the other workers take the blocks.
     pieces = [(row.tail, len(files) * block if split else 0, "rest" if partial else "all")]
     pieces += [(f, i * block, "split") for i, f in enumerate(files[:need]) if split]
-    prefetch = getattr(blobs, "prefetch", None)
-    if prefetch is not None:
-        for file, _, _ in pieces[:AHEAD]:
-            prefetch(file)  # the disk starts while the buffers are allocated
     heads = {file: index.blob_head(file) for file, _, _ in pieces}  # the index: this thread only
     room = partial_room.roomy(specs, split, keep, need * block) if keep and partial else {}
-    buffers = _allocate(specs, split, need * block if partial else None, room)
-    _read_pieces(blobs, pieces, heads, buffers, split, progress)
+    with ThreadPoolExecutor(WORKERS, thread_name_prefix="persist-read") as pool:
+        ahead = _Ahead(pool, blobs, [f for f, _, _ in pieces])
+        ahead.window(0)  # the disk starts while the buffers are allocated
+        buffers = _allocate(specs, split, need * block if partial else None, room)
+        _read_pieces(pool, ahead, blobs, pieces, heads, buffers, split, progress)
     for key, (n, _) in room.items():
         out, view, axis = buffers[key]
         partial_room.zero_past(view, tuple(out.shape), dtype_name(out), axis, n)
@@ -160,7 +159,24 @@ def _allocate(
 Piece = tuple[str, int, str]  # blob file, first position it holds, which tensors to take
 
 
+class _Ahead:
+    """Announces blobs to the kernel a window ahead of the reads (on the pool's
+    threads), so the disk always has the next AHEAD blobs to read and the page
+    cache never holds more than two windows."""
+
+    def __init__(self, pool: ThreadPoolExecutor, blobs: BlobStore, files: list[str]) -> None:
+        self.pool, self.files = pool, files
+        self.prefetch = getattr(blobs, "prefetch", None)
+
+    def window(self, n: int) -> None:
+        if self.prefetch is not None and n % AHEAD == 0:
+            for file in self.files[n : n + AHEAD]:
+                self.pool.submit(self.prefetch, file)
+
+
 def _read_pieces(
+    pool: ThreadPoolExecutor,
+    ahead: _Ahead,
     blobs: BlobStore,
     pieces: list[Piece],
     heads: dict[str, tuple[int, bytes] | None],
@@ -171,11 +187,10 @@ def _read_pieces(
     """Read every piece into its buffers, WORKERS blobs at a time.
 
     preadv and xxhash release the GIL, so the copies out of the page cache
-    and the checksums run on every core while the disk reads ahead (prefetch).
-    Pieces write disjoint positions of the buffers.  The first error stops
-    new reads; the reads already running finish before it is raised.
+    and the checksums run on every core while the disk reads ahead.  Pieces
+    write disjoint positions of the buffers.  The first error stops new
+    reads; the reads already running finish before it is raised.
     """
-    prefetch = getattr(blobs, "prefetch", None)
     done = 0
 
     def settle(finished: set[Future[None]]) -> None:
@@ -186,25 +201,22 @@ def _read_pieces(
             if progress is not None:
                 progress(done, len(pieces))
 
-    with ThreadPoolExecutor(WORKERS, thread_name_prefix="persist-read") as pool:
-        pending: set[Future[None]] = set()
-        try:
-            for n, (file, at, which) in enumerate(pieces):
-                if prefetch is not None and n % AHEAD == 0 and n:  # the first: load_snapshot
-                    for ahead, _, _ in pieces[n : n + AHEAD]:
-                        prefetch(ahead)  # the disk reads these while earlier blobs are copied
-                pending.add(
-                    pool.submit(_read_blob, blobs, file, heads[file], at, which, buffers, split)
-                )
-                if len(pending) >= 2 * WORKERS:  # a bounded queue: few open files
-                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    settle(finished)
-            finished, pending = wait(pending)
-            settle(finished)
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            raise
+    pending: set[Future[None]] = set()
+    try:
+        for n, (file, at, which) in enumerate(pieces):
+            ahead.window(n + AHEAD)
+            pending.add(
+                pool.submit(_read_blob, blobs, file, heads[file], at, which, buffers, split)
+            )
+            if len(pending) >= 2 * WORKERS:  # a bounded queue: few open files
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                settle(finished)
+        finished, pending = wait(pending)
+        settle(finished)
+    except BaseException:
+        for fut in pending:
+            fut.cancel()
+        raise
 
 
 def _read_blob(

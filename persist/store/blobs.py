@@ -31,6 +31,7 @@ T = TypeVar("T")
 FILE_RE = re.compile(r"[0-9a-f]{32}\.[0-9a-f]{12}")
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+PREFETCH_BYTES = 1 << 20  # per WILLNEED (one call reads ahead at most the device's readahead)
 
 
 class BlobStore(Protocol):
@@ -98,11 +99,16 @@ class FileBlobs:
         return os.fdopen(fd, "rb")
 
     def prefetch(self, file: str) -> None:
-        """Ask the kernel to start reading ``file`` now (a restore reads it next)."""
+        """Ask the kernel to start reading ``file`` now (a restore reads it next).
+
+        One WILLNEED reads ahead at most the device's readahead size (8 MiB on
+        this project's VM), so a blob is announced in PREFETCH_BYTES steps.
+        """
         with contextlib.suppress(OSError, ValueError):
             fd = os.open(self.path(file), os.O_RDONLY | NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
             try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                for at in range(0, os.fstat(fd).st_size, PREFETCH_BYTES):
+                    os.posix_fadvise(fd, at, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
             finally:
                 os.close(fd)
 

@@ -7,12 +7,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+import msgpack
 import pytest
 from mlx_lm.models import cache as C
 
 import persist
 from persist.codecs import encode_cache, trim_record
 from persist.codecs.snapshot import rebuild
+from persist.engine.partial import roomy
+from persist.format.manifest import snapshot_specs
 from tests.helpers import assert_same_state, kv_quantized, live_state, prefill, raw, tokens_for
 
 BLOCK = 16
@@ -106,3 +110,23 @@ def test_a_hit_inside_the_tail_reads_everything_once(
         assert hit is not None and len(hit.tokens) == 67
         assert len(seen) == 70 // BLOCK + 1 == len(store.index.blocks(info.id)) + 1
         assert_same_state(live_state(hit.cache), live_state(full_then_trim(store, "s", ident, 67)))
+
+
+def test_sizing_a_partial_read_computes_nothing(tiny: Any, tmp_path: Path) -> None:
+    """The codecs size the buffers from never-evaluated placeholders of the whole
+    snapshot: asking them allocates no tensor memory."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    stored = tokens_for(200, seed=5)
+    with persist.Store(tmp_path / "s", block_tokens=BLOCK) as store:
+        info = store.save(prefill(model, stored)[0], stored, identity=ident, session="s")
+        row = store.index.get(info.id)
+        assert row is not None
+        body = msgpack.unpackb(row.manifest, raw=False)
+    specs = snapshot_specs(body)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    active = mx.get_active_memory()
+    room = roomy(specs, body["split"], 40, 48)
+    assert room and all(n == 40 and cap == 256 for n, cap in room.values())
+    assert mx.get_peak_memory() - active < info.bytes // 100  # a scalar, not the cache
