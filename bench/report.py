@@ -129,6 +129,16 @@ def main() -> None:
         "(persist fsyncs and verifies every checksum; mlx-lm does neither):",
         "",
         *included("throughput-cpu"),
+        *(
+            [
+                "The same with MLX's own CPU buffer cache (32 MiB: every load faults in "
+                "fresh memory, which this VM makes slow):",
+                "",
+                *included("throughput-cpu-quick-mlx-cache"),
+            ]
+            if (RESULTS / "throughput-cpu-quick-mlx-cache.md").exists()
+            else []
+        ),
         "The same on the NVIDIA H200:",
         "",
         *included("throughput-cuda-llama3-8b1024-llama3-8b8192-qwen3-next8192"),

@@ -15,6 +15,7 @@ import os
 import secrets
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ from .lineage import Lineage
 __all__ = ["Target", "save_snapshot"]
 
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+WRITERS = 2  # blobs written at once (one fsyncs while the other writes)
 
 
 @dataclass(frozen=True)
@@ -150,35 +152,73 @@ def _write_blobs(
     refs = []
     n = p.n_tokens
     blocks = n // block_tokens
-    for i in range(blocks):
-        if i in reuse:  # this session's own block, unchanged since its last save
-            blob: str | None = reuse[i]
-        else:
-            pieces = p.block_pieces(i) if p.split else []
-            blob = _put(index, blobs, secret, b"block", pieces, written, salt) if pieces else None
-        refs.append(BlockRef(i, chs[i + 1], blob))
-        if progress is not None:
-            progress(i + 1, blocks + 1)
-    tail = _put(index, blobs, secret, b"tail", p.tail_pieces(n), written, salt)
+    writes = _Writes(blobs, salt, written)
+    try:
+        for i in range(blocks):
+            if i in reuse:  # this session's own block, unchanged since its last save
+                blob: str | None = reuse[i]
+            else:
+                pieces = p.block_pieces(i) if p.split else []
+                blob = _put(index, secret, b"block", pieces, writes) if pieces else None
+            refs.append(BlockRef(i, chs[i + 1], blob))
+            if progress is not None:
+                progress(i + 1, blocks + 1)
+        tail = _put(index, secret, b"tail", p.tail_pieces(n), writes)
+    except BaseException:
+        with contextlib.suppress(BaseException):  # the first error is the one to report
+            writes.close()
+        raise
+    writes.close()  # every blob on disk (fsynced, renamed) before the commit
     if progress is not None:
         progress(blocks + 1, blocks + 1)
     return refs, tail
 
 
-def _put(
-    index: Index,
-    blobs: BlobStore,
-    secret: bytes,
-    role: bytes,
-    pieces: list[Piece],
-    written: list[NewBlob],
-    salt: str,
-) -> str:
+class _Writes:
+    """The blob writes of one save, WRITERS at a time: one blob is fsynced while
+    the next is written.  ``close`` waits for every write that started and lists
+    it in ``written`` (so a failed save removes it), then raises the first failure."""
+
+    def __init__(self, blobs: BlobStore, salt: str, written: list[NewBlob]) -> None:
+        self.blobs, self.salt, self.written = blobs, salt, written
+        self.pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="persist-write")
+        self.running: dict[str, Future[tuple[str, int, bytes]]] = {}
+
+    def find(self, key: str) -> str | None:
+        """The file of a blob of these bytes this save already writes."""
+        if key in self.running:
+            return self.blobs.file_name(key, self.salt)
+        return next((b.file for b in self.written if b.key == key), None)
+
+    def start(self, key: str, write: Any, size_hint: int) -> str:
+        if len(self.running) >= 2 * WRITERS:  # bounded: a few blobs' views in flight
+            self._settle(next(iter(self.running)))
+        self.running[key] = self.pool.submit(self.blobs.put, key, write, size_hint, self.salt)
+        return self.blobs.file_name(key, self.salt)
+
+    def _settle(self, key: str) -> None:
+        file, size, head = self.running.pop(key).result()
+        self.written.append(NewBlob(file, key, size, head))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        first: BaseException | None = None
+        for key in list(self.running):
+            try:
+                self._settle(key)
+            except BaseException as e:
+                self.running.pop(key, None)
+                first = first or e
+        if first is not None:
+            raise first
+
+
+def _put(index: Index, secret: bytes, role: bytes, pieces: list[Piece], writes: _Writes) -> str:
     mats = materialize(pieces)
     key = content_key(secret, role, mats)
-    for b in written:  # the same bytes twice in one snapshot: one file
-        if b.key == key:
-            return b.file
+    same = writes.find(key)  # the same bytes twice in one snapshot: one file
+    if same is not None:
+        return same
     existing = index.live_blob(key)
     if existing is not None:
         return existing[0]
@@ -191,9 +231,7 @@ def _put(
         return bytes(sink.head_digest)
 
     size_hint = sum(pc.spec.nbytes for pc, _, _ in mats)
-    file, size, head = blobs.put(key, write, size_hint, salt)
-    written.append(NewBlob(file, key, size, head))
-    return file
+    return writes.start(key, write, size_hint)
 
 
 def _commit(

@@ -41,6 +41,8 @@ class BlobStore(Protocol):
 
     def open(self, file: str) -> BinaryIO: ...
 
+    def file_name(self, key: str, salt: str) -> str: ...
+
     def exists(self, file: str) -> bool: ...
 
     def delete(self, file: str) -> None: ...
@@ -78,7 +80,7 @@ class FileBlobs:
         ``salt`` (12 hex digits) ends the file name: a save registers it as
         pending, so ``check`` does not take its uncommitted files for orphans.
         """
-        file = f"{key}.{salt or secrets.token_hex(6)}"
+        file = self.file_name(key, salt or secrets.token_hex(6))
         final = self.path(file)
         _require_real_dir(self.tmp)
         _require_real_dir(self.blobs)
@@ -91,6 +93,11 @@ class FileBlobs:
         tmp = self.tmp / f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
         size, result = atomic_write(tmp, final, write, size_hint, FILE_MODE)
         return file, size, result
+
+    @staticmethod
+    def file_name(key: str, salt: str) -> str:
+        """A blob's file name: its content key and the salt of the save that wrote it."""
+        return f"{key}.{salt}"
 
     def open(self, file: str) -> BinaryIO:
         path = self.path(file)

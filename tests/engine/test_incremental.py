@@ -32,10 +32,10 @@ def hashed_blocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
     real = saving._put
 
-    def spy(index: Any, blobs: Any, secret: Any, role: bytes, *rest: Any) -> str:
+    def spy(index: Any, secret: Any, role: bytes, *rest: Any) -> str:
         if role == b"block":
             seen.append(1)
-        return real(index, blobs, secret, role, *rest)
+        return real(index, secret, role, *rest)
 
     monkeypatch.setattr(saving, "_put", spy)
     return seen
