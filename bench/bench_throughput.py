@@ -447,8 +447,9 @@ def markdown(r: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Cold restores against a cold read into new memory (restores must fault in fresh "
-        "pages; the plain raw read reuses one buffer): "
+        "Cold restores against a cold read into new memory (numpy's, which MLX's buffer "
+        "cache does not serve: the cost every load pays without that cache; the plain raw "
+        "read reuses one buffer): "
         + ", ".join(
             f"{c['case']} {c['tokens']} "
             + _ratio(c["seconds"], "store restore + step (cold)", "raw read into new memory (cold)")
