@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ..store.blobs import BlobStore
     from ..store.index import BlockRef, Index, SnapshotRow
 
-__all__ = ["load_snapshot", "open_blob"]
+__all__ = ["load_snapshot"]
 
 AHEAD = 8  # blobs asked of the disk at once: a deep queue, bounded page-cache use
 WORKERS = 4  # blobs read at once: the threads mostly wait on the disk (GIL released)
@@ -44,11 +44,6 @@ WORKERS = 4  # blobs read at once: the threads mostly wait on the disk (GIL rele
 class _Blob:
     def __init__(self, f: BinaryIO, header: Header, sums: dict[str, bytes], where: str) -> None:
         self.f, self.header, self.sums, self.where = f, header, sums, where
-
-
-def open_blob(index: Index, blobs: BlobStore, file: str) -> _Blob:
-    """Open a blob and verify its header against the index."""
-    return _open_known(blobs, file, index.blob_head(file))
 
 
 def _open_known(blobs: BlobStore, file: str, known: tuple[int, bytes] | None) -> _Blob:

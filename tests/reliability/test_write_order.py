@@ -33,28 +33,48 @@ with persist.Store(out / "store") as s:
 persist.save_file(out / "b.safetensors", [c], list(range(700)))
 """
 
-CALL = re.compile(r"^(?:\d+ +)?(\w+)\((.*)")
+CALL = re.compile(r"^(?:(\d+) +)?(\w+)\((.*)")
+RESUMED = re.compile(r"^(?:(\d+) +)?<\.\.\. (\w+) resumed>")
 FD = re.compile(r"^(-?\d+)<([^>]*)>")
 WRITES = {"write", "pwrite64", "writev", "pwritev", "pwritev2", "ftruncate"}
 
 
 def events(log: str) -> list[tuple[str, str]]:
-    """(call, path) in the order the kernel saw them; renames give their source path."""
-    out = []
+    """(call, path) in the order the kernel finished them; renames give their source path.
+
+    With several threads (a save writes blobs on two) strace splits a call that
+    another thread interrupts into "<unfinished ...>" and "<... resumed>": the
+    call counts where it finished.
+    """
+    out: list[tuple[str, str]] = []
+    pending: dict[str | None, tuple[str, str] | None] = {}
     for line in log.splitlines():
-        m = CALL.match(line)
-        if not m or "<unfinished" in line:
+        r = RESUMED.match(line)
+        if r:
+            done = pending.pop(r.group(1), None)
+            if done is not None:
+                out.append(done)
             continue
-        call, rest = m.groups()
-        if call in WRITES | {"fsync", "fdatasync"}:
-            fd = FD.match(rest)
-            if fd:
-                out.append((call, fd.group(2)))
-        elif call in ("rename", "renameat", "renameat2"):
-            src = re.findall(r'"([^"]*)"', rest)
-            if src:
-                out.append(("rename", src[0]))
+        m = CALL.match(line)
+        if not m:
+            continue
+        pid, call, rest = m.groups()
+        event = _event(call, rest)
+        if "<unfinished" in line:
+            pending[pid] = event
+        elif event is not None:
+            out.append(event)
     return out
+
+
+def _event(call: str, rest: str) -> tuple[str, str] | None:
+    if call in WRITES | {"fsync", "fdatasync"}:
+        fd = FD.match(rest)
+        return (call, fd.group(2)) if fd else None
+    if call in ("rename", "renameat", "renameat2"):
+        src = re.findall(r'"([^"]*)"', rest)
+        return ("rename", src[0]) if src else None
+    return None
 
 
 @pytest.mark.skipif(
@@ -80,3 +100,21 @@ def test_no_file_is_written_after_its_last_fsync(tmp_path: Path) -> None:
         last_sync = max((i for c, i in before if c in ("fsync", "fdatasync")), default=-1)
         last_write = max((i for c, i in before if c in WRITES), default=-1)
         assert last_sync > last_write >= 0, f"{path}: written after its last fsync"
+
+
+def test_a_call_another_thread_interrupts_counts_where_it_finished() -> None:
+    log = "\n".join(
+        [
+            '12 write(5</s/tmp/a.tmp>, "xx", 2) = 2',
+            "12 fsync(5</s/tmp/a.tmp> <unfinished ...>",
+            '13 write(6</s/tmp/b.tmp>, "yy", 2) = 2',
+            "12 <... fsync resumed>) = 0",
+            '12 rename("/s/tmp/a.tmp", "/s/blobs/ab/a") = 0',
+        ]
+    )
+    assert events(log) == [
+        ("write", "/s/tmp/a.tmp"),
+        ("write", "/s/tmp/b.tmp"),
+        ("fsync", "/s/tmp/a.tmp"),
+        ("rename", "/s/tmp/a.tmp"),
+    ]
