@@ -103,12 +103,23 @@ def _writable(out: mx.array, dtype: str) -> memoryview:
 
 
 _local = threading.local()  # MLX streams belong to the thread that made them
+_lock = threading.Lock()
+_threads_with_streams = 0
+STREAM_THREADS = 8  # threads that get fill streams: MLX never frees a stream's OS thread
 
 
 def _fill_streams() -> list[Any]:
+    """This thread's fill streams.  Only the first STREAM_THREADS threads that
+    restore get their own (a server restoring on a thread per request would
+    otherwise leak two OS threads per request); later ones fill on their default."""
+    global _threads_with_streams
     streams: list[Any] | None = getattr(_local, "streams", None)
     if streams is None:
-        streams = [mx.new_stream(mx.cpu) for _ in range(max(1, min(4, os.cpu_count() or 1)))]
+        with _lock:
+            allowed = _threads_with_streams < STREAM_THREADS
+            _threads_with_streams += allowed
+        n = max(1, min(4, os.cpu_count() or 1))
+        streams = [mx.new_stream(mx.cpu) for _ in range(n)] if allowed else [None]
         _local.streams = streams
     return streams
 

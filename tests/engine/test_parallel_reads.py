@@ -11,6 +11,7 @@ import pytest
 
 import persist
 from persist.engine import loading
+from persist.format import tensors
 from tests.helpers import live_state, prefill, tokens_for
 
 BLOCK = 16  # 300 tokens -> 18 blocks and a tail: more pieces than the read queue holds
@@ -91,3 +92,31 @@ def test_restores_on_other_threads_get_their_own_streams(tiny: Any, tmp_path: Pa
             t.join()
     assert not errors, errors
     assert got == [want] * 3
+
+
+def test_restores_on_many_short_lived_threads_leak_no_threads(tiny: Any, tmp_path: Path) -> None:
+    """MLX never frees a stream's OS thread (nor the default stream each Python
+    thread gets): persist's fill streams go to a few threads only."""
+    store, identity, cache = saved(tiny, tmp_path / "s", n=40)
+    want, errors = live_state(cache), []
+
+    def restore() -> None:
+        try:
+            assert live_state(store.restore("s", identity=identity).cache) == want
+        except BaseException as e:
+            errors.append(e)
+
+    n = tensors.STREAM_THREADS + 4
+
+    def batch() -> int:
+        for _ in range(n):
+            t = threading.Thread(target=restore)
+            t.start()
+            t.join()
+        return len(os.listdir("/proc/self/task"))
+
+    with store:
+        first = batch()  # uses up whatever is left of the budget
+        # at most MLX's own default stream per thread, none of persist's
+        assert batch() - first <= n, "every restoring thread left fill streams behind"
+    assert not errors, errors
