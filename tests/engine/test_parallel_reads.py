@@ -117,6 +117,7 @@ def test_restores_on_many_short_lived_threads_leak_no_threads(tiny: Any, tmp_pat
 
     with store:
         first = batch()  # uses up whatever is left of the budget
-        # at most MLX's own default stream per thread, none of persist's
-        assert batch() - first <= n, "every restoring thread left fill streams behind"
+        # MLX's own default stream per thread (and room for a stray thread of
+        # another test), not persist's two fill streams more per thread
+        assert batch() - first <= n + n // 2, "every restoring thread left fill streams behind"
     assert not errors, errors
