@@ -154,34 +154,28 @@ def read_piece(
 
 def read_pieces(fd: int, pieces: list[Piece]) -> None:
     """Read and verify many tensors of one file.  Tensors that follow each other
-    in the file go in one scatter read of up to BATCH_BYTES (and IOV_MAX
-    buffers), hashed right after it while their bytes are still in the CPU's
-    cache: a block of 64 tensors costs a few system calls, not 64."""
+    in the file go in one scatter read of up to BATCH_BYTES, hashed right after
+    it while their bytes are still in the CPU's cache: a block of 64 tensors
+    costs a few system calls, not 64."""
     batch: list[tuple[Piece, list[memoryview]]] = []
     iov: list[memoryview] = []
     pos = size = 0
 
     def flush() -> None:
-        nonlocal pos, size
+        nonlocal size
         _scatter(fd, iov, pos, batch[-1][0].where if batch else "")
         for p, regs in batch:
             _verify(p, regs)
-        pos, size = pos + size, 0
+        size = 0
         batch.clear()
         iov.clear()
 
     for p in sorted(pieces, key=lambda p: p.start):
         item = DTYPE_SIZES[p.stored.dtype]
         regs = list(_regions(p.into, p.stored.shape, p.alloc_shape, p.at, p.axis, item))
-        if p.start != pos + size or size >= BATCH_BYTES or len(iov) + len(regs) > IOV_MAX:
+        if p.start != pos + size or size >= BATCH_BYTES:
             flush()
             pos = p.start
-        if len(regs) > IOV_MAX:  # one tensor of many rows: read alone, in runs
-            for i in range(0, len(regs), IOV_MAX):
-                _scatter(fd, regs[i : i + IOV_MAX], pos, p.where)
-                pos += sum(r.nbytes for r in regs[i : i + IOV_MAX])
-            _verify(p, regs)
-            continue
         batch.append((p, regs))
         iov.extend(regs)
         size += sum(r.nbytes for r in regs)
@@ -196,10 +190,14 @@ def _verify(p: Piece, regs: list[memoryview]) -> None:
         raise CorruptBlobError(p.where, "checksum mismatch in tensor data")
 
 
-def _scatter(fd: int, batch: list[memoryview], pos: int, where: str) -> None:
-    size = sum(r.nbytes for r in batch)
-    if size and os.preadv(fd, batch, pos) != size:
-        raise CorruptBlobError(where, "file truncated inside a tensor")
+def _scatter(fd: int, iov: list[memoryview], pos: int, where: str) -> None:
+    """Read consecutive file bytes into ``iov``, IOV_MAX buffers per system call."""
+    for i in range(0, len(iov), IOV_MAX):
+        run = iov[i : i + IOV_MAX]
+        size = sum(r.nbytes for r in run)
+        if size and os.preadv(fd, run, pos) != size:
+            raise CorruptBlobError(where, "file truncated inside a tensor")
+        pos += size
 
 
 def _regions(
