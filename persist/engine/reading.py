@@ -18,7 +18,6 @@ from ..identity import ModelIdentity, backend_kind
 from ..records import Progress
 from ..store import lookup as lookup_queries
 from ..store.chains import chain_root, chains
-from . import lineage
 from .costs import LOCAL, CostModel, hit_bytes
 from .loading import load_snapshot
 
@@ -45,7 +44,6 @@ def restore_named(
     progress: Progress | None = None,
     strict_backend: bool = False,
     costs: CostModel | None = None,
-    lineages: dict[tuple[str, str], Any] | None = None,
 ) -> tuple[list[Any], SnapshotRow]:
     """The named session's caches and row, exactly as saved.
 
@@ -80,8 +78,6 @@ def restore_named(
         raise CorruptBlobError(f"session {session!r}", "kept changing while it was read")
     index.touch(row.id)
     index.count(namespace, restores=1, restored_tokens=row.n_tokens)
-    if lineages is not None:  # the next save of these objects reuses these blocks
-        lineage.remember_restored(lineages, (namespace, session), cache, row, refs)
     return cache, row
 
 

@@ -85,7 +85,6 @@ class Store:
             raise StorageError(f"cannot open the store at {self.root}", e) from e
         self._index: Index | None = Index(db)
         self.costs = CostModel(self._index)  # restore or recompute, from measured rates
-        self.lineages: dict[tuple[str, str], Any] = {}  # incremental saves (engine.lineage)
         self.shared: Shared | None = None  # a Redis-protocol server every machine shares
         self.cold: Shared | None = None  # S3, for named sessions
         if shared or cold:  # the tier code and clients load only when asked for
@@ -189,7 +188,6 @@ class Store:
             block_tokens=self.block_tokens,
             budgets=self.budgets,
             progress=progress,
-            lineages=self.lineages,
         )
         for tier in self.tiers:
             tier.push(self.index, self.blobs, row.namespace, row.id)
@@ -219,7 +217,7 @@ class Store:
                 tier.pull_session(self.index, self.blobs, namespace, session)
         i, strict = self.index, self.strict_backend
         cache, row = restore_named(
-            i, self.blobs, namespace, session, identity, progress, strict, self.costs, self.lineages
+            i, self.blobs, namespace, session, identity, progress, strict, self.costs
         )
         return Restored(cache, unpack_tokens(row.tokens), self._info(row))
 
