@@ -99,15 +99,53 @@ def backend_kind(backend: str) -> str:
     return backend.split(":", 1)[0]
 
 
+ADAPTER_CLASSES = ("LoRA", "DoRA")  # mlx-lm's tuner layers: LoRALinear, DoRAEmbedding, ...
+MODULE_SETTINGS = ("group_size", "bits", "mode", "scale")  # what a layer computes with, not held
+
+
+def _structure(model: Any) -> tuple[str, bool]:
+    """What the model in memory is, without reading a weight: every parameter's
+    name, dtype and shape, every module's class and settings (quantization's
+    group size, bits and mode; a LoRA layer's scale); and whether it holds
+    adapter layers.  A cast (``set_dtype``), an in-memory ``nn.quantize`` or an
+    adapter applied in code changes it."""
+    from mlx.utils import tree_flatten
+
+    h = xxhash.xxh3_128()
+    params: Any = tree_flatten(model.parameters())
+    for name, arr in sorted(params, key=lambda kv: kv[0]):
+        h.update(f"{name}|{arr.dtype}|{tuple(arr.shape)}\n".encode())
+    adapters = False
+    modules = model.named_modules() if hasattr(model, "named_modules") else []
+    for where, mod in sorted(modules, key=lambda kv: kv[0]):
+        cls = type(mod)
+        adapters = adapters or any(a in cls.__name__ for a in ADAPTER_CLASSES)
+        settings = [
+            (k, v)
+            for k in MODULE_SETTINGS
+            if isinstance(v := getattr(mod, k, None), (int, float, str))
+        ]
+        h.update(f"{where}|{cls.__module__}.{cls.__qualname__}|{settings}\n".encode())
+    return h.hexdigest(), adapters
+
+
 def _remembered_weights(
     model: Any, path: str | os.PathLike[str] | None, adapter: str | os.PathLike[str] | None
 ) -> str:
+    """The weights digest, remembered by the files ``path`` names and by what the
+    model in memory is (``_structure``): a model cast, quantized or given an
+    adapter after loading never gets the files' digest.  Adapter layers the
+    files do not name (no ``adapter``) are hashed every time: their values are
+    not in any file the key reads."""
     if path is None:
         return _weights_digest(model)
     from . import weights_memo
 
+    structure, adapters = _structure(model)
+    if adapters and adapter is None:
+        return _weights_digest(model)
     dirs = [Path(path), None if adapter is None else Path(adapter)]
-    key = weights_memo.files_key(dirs, _versions())
+    key = weights_memo.files_key(dirs, _versions(), structure)
     known = weights_memo.recall(key)
     if known is not None:
         return known
@@ -246,8 +284,11 @@ class ModelIdentity:
         """The identity of a loaded mlx-lm model (and its tokenizer).
 
         With the ``path`` (and ``adapter_path``) the model was loaded from,
-        the weights digest is remembered by those files (``weights_memo``):
-        computed once, then looked up, the same digest either way.
+        the weights digest is remembered by those files and by the model's
+        structure in memory (``weights_memo``, ``_structure``): computed once,
+        then looked up, the same digest either way.  Weights replaced in
+        memory by others of the same dtypes and shapes (``model.update``)
+        cannot be seen without hashing them: pass no ``path`` then.
         """
         model_type, config = config_digest(model)
         tok, template = _tokenizer_digests(tokenizer)
