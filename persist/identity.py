@@ -154,6 +154,17 @@ def _remembered_weights(
     return digest
 
 
+def _layer_count(model: Any) -> int:
+    """The layers of the model's own ``make_prompt_cache`` (empty caches, no compute);
+    0 when it cannot make them (a model mlx-lm does not know how to cache)."""
+    try:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return len(make_prompt_cache(model))
+    except Exception:
+        return 0
+
+
 def _tokenizer_digests(tokenizer: Any) -> tuple[str, str]:
     if tokenizer is None:
         return "none", "none"
@@ -258,6 +269,9 @@ class ModelIdentity:
     # where the cache was computed ("cpu", "metal", "cuda"): not digested, since the
     # state is valid anywhere; Store(strict_backend=True) refuses another backend's
     backend: str = field(default="", compare=False)
+    # how many layers the model's own make_prompt_cache makes (0: unknown): not
+    # digested; a save of a cache list of another length is refused
+    layers: int = field(default=0, compare=False)
 
     def _digested(self) -> tuple[str, ...]:
         return DIGEST_FIELDS + tuple(k for k in OPTIONAL_FIELDS if getattr(self, k))
@@ -302,6 +316,7 @@ class ModelIdentity:
             name=name or model_type,  # one display rule: the model_type unless named
             versions=tuple(sorted(_versions().items())),
             backend=current_backend(),
+            layers=_layer_count(model),
         )
 
     @classmethod
@@ -358,6 +373,7 @@ class ModelIdentity:
             "versions": dict(self.versions),
             "digest": self.digest,
             **({"backend": self.backend} if self.backend else {}),
+            **({"layers": self.layers} if self.layers else {}),
         }
 
     @classmethod
@@ -374,6 +390,9 @@ class ModelIdentity:
         draft, backend = d.get("draft", ""), d.get("backend", "")
         if not all(isinstance(v, str) and len(v) <= 4096 for v in (draft, backend)):
             raise InvalidArgumentError("identity fields draft and backend must be strings")
+        layers = d.get("layers", 0)
+        if type(layers) is not int or not 0 <= layers <= 1 << 20:
+            raise InvalidArgumentError("identity field layers must be a small int")
         cc, ver = d.get("cache_config"), d.get("versions", {})
         if not isinstance(cc, dict) or not isinstance(ver, dict):
             raise InvalidArgumentError("identity cache_config and versions must be maps")
@@ -388,6 +407,7 @@ class ModelIdentity:
             versions=tuple(sorted((str(k), str(v)) for k, v in ver.items())),
             draft=draft,
             backend=backend,
+            layers=layers,
         )
         if d.get("digest") != ident.digest:
             raise InvalidArgumentError("identity digest does not match its fields")

@@ -95,12 +95,12 @@ def import_cmd(
       persist import prompt.safetensors --model ./my-model --prompt "You are..."
     """
     name = session if session is not None else file.name.split(".")[0]
-    identity, ids = _foreign_inputs(model_dir, tokens, prompt)
+    model, identity, ids = _foreign_inputs(model_dir, tokens, prompt)
     with open_store(store_dir) as store:
         if not force and _exists(store, name, namespace):
             raise AlreadyExistsError(f"session {name!r} exists; pass --force to replace it")
         e = store.import_file(
-            file, session=name, namespace=namespace, identity=identity, tokens=ids
+            file, session=name, namespace=namespace, identity=identity, tokens=ids, model=model
         )
     emit(
         as_json,
@@ -111,19 +111,19 @@ def import_cmd(
 
 def _foreign_inputs(
     model_dir: Path | None, tokens: str | None, prompt: str | None
-) -> tuple[Any, list[int] | None]:
-    """(identity, token ids) from --model and --tokens/--prompt, for an mlx-lm file."""
+) -> tuple[Any, Any, list[int] | None]:
+    """(model, identity, token ids) from --model and --tokens/--prompt, for an mlx-lm file."""
     if tokens is not None and prompt is not None:
         raise click.UsageError("give at most one of --tokens and --prompt")
     if model_dir is None:
         if prompt is not None:
             raise click.UsageError("--prompt needs --model (its tokenizer)")
-        return None, _ids(tokens)
+        return None, None, _ids(tokens)
     from ..apps.generate import load_model
 
-    _, tok, identity = load_model(model_dir)
+    model, tok, identity = load_model(model_dir)
     ids = _ids(tokens) if prompt is None else list(tok.encode(prompt, add_special_tokens=False))
-    return identity, ids
+    return model, identity, ids
 
 
 def _ids(text: str | None) -> list[int] | None:

@@ -24,7 +24,13 @@ import msgpack
 from .. import policy
 from ..codecs.base import dtype_name
 from ..codecs.snapshot import Snapshot, capture
-from ..errors import NotResumableError, SessionConflictError, StoreBusyError, StoreFullError
+from ..errors import (
+    IdentityMismatchError,
+    NotResumableError,
+    SessionConflictError,
+    StoreBusyError,
+    StoreFullError,
+)
 from ..format.container import write_tensors
 from ..format.manifest import blob_metadata
 from ..format.tokens import check_tokens, pack_tokens, unpack_tokens
@@ -77,6 +83,7 @@ def save_snapshot(
     in place (``c.keys[..., 5, :] = x``) keep the Python object and its buffer,
     so no identity or fingerprint can prove a block unchanged (docs/FORMAT.md)."""
     identity, namespace = target.identity, target.namespace
+    _check_layers(cache, identity)
     snap = cache if isinstance(cache, Snapshot) else capture(cache, tokens)
     if isinstance(cache, Snapshot) and snap.tokens != check_tokens(tokens):
         raise NotResumableError("a captured snapshot is saved with the tokens it was captured with")
@@ -121,6 +128,20 @@ def save_snapshot(
             blobs.delete(b.file)
         index.end_pending(salt)
     raise StoreBusyError("the store kept collecting blobs this save meant to reuse")
+
+
+def _check_layers(cache: Sequence[Any] | Snapshot, identity: ModelIdentity) -> None:
+    """A cache list of another length than the identity's model makes was computed
+    by another model: refused before anything is written (a draft's caches ride
+    in the same list, so identities with a draft are not checked)."""
+    n = len(cache.records) if isinstance(cache, Snapshot) else len(cache)
+    if identity.layers and not identity.draft and n != identity.layers:
+        raise IdentityMismatchError(
+            "this cache",
+            ["layers"],
+            f"{n} layers",
+            f"{identity.display()}, whose caches have {identity.layers} layers",
+        )
 
 
 def _committed(index: Index, salt: str) -> bool:

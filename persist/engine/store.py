@@ -314,17 +314,20 @@ class Store:
         namespace: str = "default",
         identity: ModelIdentity | None = None,
         tokens: Sequence[int] | None = None,
+        model: Any = None,
     ) -> EntryInfo:
         """Store a file as a session (named after the file unless ``session``).
 
         A persist file carries its tokens and identity (``identity``, if given,
         must match).  An mlx-lm prompt cache carries neither: pass the
         ``identity`` of the model that computed it and the ``tokens`` it covers
-        (checked against every layer's offset).
+        (checked against every layer's offset), and the ``model`` itself so
+        the file's layers are checked against the model's own caches (count,
+        kinds, heads, head dims, dtypes: ``transfer.check_fits``).
         """
         from .transfer import read_importable
 
-        got = read_importable(path, identity=identity, tokens=tokens)
+        got = read_importable(path, identity=identity, tokens=tokens, model=model)
         name = session if session is not None else Path(path).name.split(".")[0]
         return self.save(
             got.cache,

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import (
     CorruptBlobError,
+    IdentityMismatchError,
     NotResumableError,
     PersistError,
     UnknownKindError,
@@ -37,6 +38,7 @@ __all__ = [
     "read_mlx_lm",
     "export_row",
     "FORMATS",
+    "check_fits",
 ]
 
 FORMATS = ("persist", "mlx-lm")
@@ -56,8 +58,10 @@ def read_importable(
     *,
     identity: ModelIdentity | None = None,
     tokens: Sequence[int] | None = None,
+    model: Any = None,
 ) -> Importable:
-    """A persist file as it is, or an mlx-lm prompt cache with the caller's tokens and model."""
+    """A persist file as it is, or an mlx-lm prompt cache with the caller's tokens and
+    model (whose own caches it must fit, ``check_fits``, when ``model`` is given)."""
     if not _is_mlx_lm(path):
         loaded = load_file(path, identity=identity)
         if loaded.identity is None or loaded.tokens is None:
@@ -72,6 +76,8 @@ def read_importable(
             "the model; give both (persist import FILE --model DIR --prompt TEXT)"
         )
     cache, metadata = read_mlx_lm(path)
+    if model is not None:
+        check_fits(cache, model, str(path))
     return Importable(cache, [int(t) for t in tokens], identity, metadata)
 
 
@@ -130,6 +136,85 @@ def read_mlx_lm(path: str | os.PathLike[str]) -> tuple[list[Any], dict[str, str]
     except Exception as e:
         raise CorruptBlobError(where, f"a layer does not hold a valid cache: {e}") from None
     return cache, {str(k): str(v) for k, v in dict(user or {}).items()}
+
+
+ATTENTION = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
+
+
+def check_fits(cache: list[Any], model: Any, where: str) -> None:
+    """Refuse a cache another model computed: the layer count, each layer's kind
+    (attention, recurrent, a list) and shapes (heads, head dims, dtypes; recurrent
+    state shapes) must be those of the model's own ``make_prompt_cache`` after one
+    token, so nothing is stored that the model would crash on or misread."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    probe = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=probe)
+    mx.eval([c.state for c in probe])
+    got, want = [_layout(c) for c in cache], [_layout(c) for c in probe]
+    if len(got) != len(want):
+        raise IdentityMismatchError(
+            where, ["layers"], _describe(got), f"a model of {_describe(want)}"
+        )
+    bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+    if bad:
+        i = bad[0]
+        fields = [f"layer {j}" for j in bad[:4]] + (
+            [f"{len(bad) - 4} more"] if len(bad) > 4 else []
+        )
+        raise IdentityMismatchError(
+            where,
+            fields,
+            f"layer {i}: {_show(got[i])}",
+            f"a model whose layer {i} is {_show(want[i])}",
+        )
+
+
+def _show(layout: tuple[Any, ...]) -> str:
+    if layout[0] == "attention" and len(layout) == 5:
+        return f"attention, {layout[1]} heads of {layout[2]}/{layout[3]}, {layout[4]}"
+    return " ".join(str(x) for x in layout)
+
+
+def _describe(layout: list[tuple[Any, ...]]) -> str:
+    kinds: dict[str, int] = {}
+    for lay in layout:
+        kinds[lay[0]] = kinds.get(lay[0], 0) + 1
+    return f"{len(layout)} layers: " + ", ".join(f"{k} x{n}" for k, n in kinds.items())
+
+
+def _layout(c: Any) -> tuple[Any, ...]:
+    """What must agree between a cache and the model's own, whatever its offset,
+    batch size or quantization of the same heads."""
+    name = type(c).__name__
+    if name in ATTENTION:
+        keys, values = c.keys, c.values
+        if keys is None:
+            return ("attention",)
+        if name == "QuantizedKVCache":  # packed: head dim = columns * 32 / bits
+            dims = [int(k[0].shape[-1]) * 32 // c.bits for k in (keys, values)]
+            return ("attention", int(keys[0].shape[1]), *dims, _dtype(keys[1]))
+        return (
+            "attention",
+            int(keys.shape[1]),
+            int(keys.shape[-1]),
+            int(values.shape[-1]),
+            _dtype(keys),
+        )
+    if name == "CacheList":
+        return ("list", tuple(_layout(x) for x in c.caches))
+    state = getattr(c, "cache", None)
+    if isinstance(state, list):  # ArraysCache, MambaCache: every state but the batch axis
+        return (
+            "recurrent",
+            tuple(None if a is None else (_dtype(a), tuple(a.shape[1:])) for a in state),
+        )
+    return (name,)
+
+
+def _dtype(a: Any) -> str:
+    return str(a.dtype).removeprefix("mlx.core.")
 
 
 def _scalars(arrays: dict[str, Any], scalars: Any) -> dict[str, Any]:
