@@ -25,6 +25,14 @@ _force = click.option("--force", is_flag=True, help="Replace what is already the
     show_default=True,
     help="mlx-lm: a file mlx_lm's load_prompt_cache reads (no tokens, no identity).",
 )
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="For --format mlx-lm: the model, as you will give it to mlx_lm generate "
+    "(checked against the session's model, recorded in the file).",
+)
 @_namespace
 @_force
 @store_option
@@ -33,6 +41,7 @@ def export_cmd(
     name: str,
     file: Path,
     fmt: str,
+    model_dir: Path | None,
     namespace: str,
     force: bool,
     store_dir: Path | None,
@@ -43,12 +52,17 @@ def export_cmd(
     \b
     Example:
       persist export work work.safetensors
-      persist export work work-mlx.safetensors --format mlx-lm
+      persist export work work-mlx.safetensors --format mlx-lm --model ./my-model
+      python -m mlx_lm generate --model ./my-model --prompt-cache-file work-mlx.safetensors \\
+          --prompt "and then?"
     """
     if file.exists() and not force:
         raise AlreadyExistsError(f"{file} exists; pass --force to replace it")
+    if model_dir is not None and fmt != "mlx-lm":
+        raise click.UsageError("--model is for --format mlx-lm (a persist file names its model)")
     with open_store(store_dir) as store:
-        e = store.export(name, file, namespace=namespace, format=fmt)
+        model = None if model_dir is None else str(model_dir)
+        e = store.export(name, file, namespace=namespace, format=fmt, model=model)
     emit(
         as_json,
         {"session": name, "file": str(file), "tokens": e.tokens},

@@ -12,6 +12,7 @@ own writer, so ``load_prompt_cache`` reads it, then the atomic rename.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from collections.abc import Sequence
@@ -277,7 +278,14 @@ def write_file(
         raise UnsupportedFormatError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
-def export_row(index: Any, blobs: Any, row: Any, path: str | os.PathLike[str], format: str) -> None:
+def export_row(
+    index: Any,
+    blobs: Any,
+    row: Any,
+    path: str | os.PathLike[str],
+    format: str,
+    model: str | None = None,
+) -> None:
     """``Store.export``: a stored snapshot, restored, written as one file."""
     from ..format.tokens import unpack_tokens
     from ..store.rows import entry_info
@@ -286,4 +294,26 @@ def export_row(index: Any, blobs: Any, row: Any, path: str | os.PathLike[str], f
 
     cache = load_snapshot(index, blobs, row)
     meta = entry_info(row).metadata
-    write_file(path, cache, unpack_tokens(row.tokens), saved_identity(row), meta, format)
+    identity = saved_identity(row)
+    if format == "mlx-lm":
+        if model is not None and Path(model).is_dir():  # the file will claim this model
+            _same_model(identity, ModelIdentity.from_path(model), model)
+        meta = mlx_lm_metadata(meta, model or identity.name)
+    write_file(path, cache, unpack_tokens(row.tokens), identity, meta, format)
+
+
+def _same_model(saved: ModelIdentity, given: ModelIdentity, where: str) -> None:
+    """The session's model is ``where``'s (its cache settings aside: mlx-lm takes
+    those as options, and the file's caches carry them)."""
+    fields = [f for f in saved.diff(given) if not f.startswith("cache_config")]
+    if fields:
+        raise IdentityMismatchError(
+            f"this session (exported for {where})", fields, saved.display(), given.display()
+        )
+
+
+def mlx_lm_metadata(user: dict[str, str], model: str) -> dict[str, str]:
+    """What ``mlx_lm.cache_prompt`` writes and ``mlx_lm generate --prompt-cache-file``
+    reads: ``model`` (compared as a string with its --model, or loaded when that is
+    not given) and ``tokenizer_config`` (JSON); the session's own metadata beside."""
+    return {**user, "model": model, "tokenizer_config": json.dumps({})}
