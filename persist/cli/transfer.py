@@ -82,6 +82,18 @@ def export_cmd(
 )
 @click.option("--tokens", default=None, help="For an mlx-lm file: the token ids it covers, 1,2,3.")
 @click.option("--prompt", default=None, help="For an mlx-lm file: the text it covers.")
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="The --prompt was one user message under the chat template, as "
+    "mlx_lm.cache_prompt applies it.",
+)
+@click.option(
+    "--unverified-tokens",
+    is_flag=True,
+    help="A purely recurrent cache records no position count, so its tokens cannot be "
+    "checked: store it anyway, restorable by its name only, never serving another prompt.",
+)
 @_namespace
 @_force
 @store_option
@@ -92,6 +104,8 @@ def import_cmd(
     model_dir: Path | None,
     tokens: str | None,
     prompt: str | None,
+    chat: bool,
+    unverified_tokens: bool,
     namespace: str,
     force: bool,
     store_dir: Path | None,
@@ -109,12 +123,19 @@ def import_cmd(
       persist import prompt.safetensors --model ./my-model --prompt "You are..."
     """
     name = session if session is not None else file.name.split(".")[0]
-    model, identity, ids = _foreign_inputs(model_dir, tokens, prompt)
+    model, identity, ids, templated = _foreign_inputs(model_dir, tokens, prompt, chat)
     with open_store(store_dir) as store:
         if not force and _exists(store, name, namespace):
             raise AlreadyExistsError(f"session {name!r} exists; pass --force to replace it")
         e = store.import_file(
-            file, session=name, namespace=namespace, identity=identity, tokens=ids, model=model
+            file,
+            session=name,
+            namespace=namespace,
+            identity=identity,
+            tokens=ids,
+            model=model,
+            unverified_tokens=unverified_tokens,
+            chat_tokens=templated,
         )
     emit(
         as_json,
@@ -124,20 +145,38 @@ def import_cmd(
 
 
 def _foreign_inputs(
-    model_dir: Path | None, tokens: str | None, prompt: str | None
-) -> tuple[Any, Any, list[int] | None]:
-    """(model, identity, token ids) from --model and --tokens/--prompt, for an mlx-lm file."""
+    model_dir: Path | None, tokens: str | None, prompt: str | None, chat: bool
+) -> tuple[Any, Any, list[int] | None, list[int] | None]:
+    """(model, identity, token ids, the text's ids under the chat template) from
+    --model and --tokens/--prompt (--chat), for an mlx-lm file."""
     if tokens is not None and prompt is not None:
         raise click.UsageError("give at most one of --tokens and --prompt")
+    if chat and prompt is None:
+        raise click.UsageError("--chat applies the chat template to --prompt")
     if model_dir is None:
         if prompt is not None:
             raise click.UsageError("--prompt needs --model (its tokenizer)")
-        return None, None, _ids(tokens)
+        return None, None, _ids(tokens), None
     from ..apps.generate import load_model
 
     model, tok, identity = load_model(model_dir)
-    ids = _ids(tokens) if prompt is None else list(tok.encode(prompt, add_special_tokens=False))
-    return model, identity, ids
+    if prompt is None:
+        return model, identity, _ids(tokens), None
+    templated = cache_prompt_tokens(tok, prompt)
+    raw = list(tok.encode(prompt, add_special_tokens=False))
+    return model, identity, templated if chat else raw, None if chat else templated
+
+
+def cache_prompt_tokens(tok: Any, prompt: str) -> list[int]:
+    """The tokens ``mlx_lm.cache_prompt`` caches for ``prompt``: one user message under
+    the chat template (continuing it, no generation prompt), else the plain encoding."""
+    if getattr(tok, "has_chat_template", False):
+        messages = [{"role": "user", "content": prompt}]
+        out = tok.apply_chat_template(
+            messages, add_generation_prompt=False, continue_final_message=True
+        )
+        return [int(t) for t in out]
+    return [int(t) for t in tok.encode(prompt)]
 
 
 def _ids(text: str | None) -> list[int] | None:

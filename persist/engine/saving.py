@@ -62,6 +62,8 @@ class Target:
     metadata: dict[str, str] = field(default_factory=dict)
     # the session's version (EntryInfo.id) the caller read; 0: it must not exist yet
     if_version: int | None = None
+    # the tokens are the caller's word (an imported recurrent cache): see _unverified
+    unverified: bool = False
 
 
 def save_snapshot(
@@ -299,6 +301,11 @@ def _commit(
         }
         if t.name is not None:
             _check_version(db, t)
+            if t.unverified or _inherits_unverified(db, namespace, t.name, toks):
+                row["min_resume"] = len(toks) + 1  # no prefix of it, not even all, serves
+                row["metadata"] = msgpack.packb(
+                    {**t.metadata, UNVERIFIED_KEY: "true"}, use_bin_type=True
+                )
             _retire(db, namespace, t.name, t.identity.digest, snap, toks)
         elif t.role == "prefix":
             _replace_covered(db, namespace, t.identity.digest, snap, toks, chs, n_blocks)
@@ -310,6 +317,25 @@ def _commit(
         (committed,) = Index.rows_where(db, "id = ?", [sid])
         _evict(db, index, budgets, namespace, frozenset({sid}))
     return committed
+
+
+UNVERIFIED_KEY = "persist.unverified_tokens"  # session metadata: shown by persist show
+
+
+def _inherits_unverified(db: Any, namespace: str, name: str, toks: list[int]) -> bool:
+    """A session continued from unverified tokens stays unverified: its tokens
+    still begin with what nothing checked.
+
+    Unverified is a floor above the snapshot's length (``min_resume`` =
+    n_tokens + 1): the resume policy then lets no lookup take any prefix of it,
+    here, in the shared tier's lookups and on every machine its record reaches,
+    while a restore by name never consults the floor."""
+    for old in writes.session_rows(db, namespace, name):
+        if old.name is not None and old.min_resume > old.n_tokens:
+            old_toks = unpack_tokens(old.tokens)
+            if toks[: len(old_toks)] == old_toks:
+                return True
+    return False
 
 
 def _retire(db: Any, namespace: str, name: str, digest: str, snap: Any, toks: list[int]) -> None:

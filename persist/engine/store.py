@@ -131,8 +131,14 @@ class Store:
         metadata: Mapping[str, str] | None = None,
         progress: Progress | None = None,
         if_version: int | None = None,
+        unverified_tokens: bool = False,
     ) -> EntryInfo:
         """Save ``cache`` (covering exactly ``tokens``); named if ``session`` is given.
+
+        ``unverified_tokens``: nothing vouches that ``tokens`` are what the cache
+        covers (an imported purely recurrent cache records no offset): the
+        session is then restored by its name only and never serves a lookup,
+        nor does any later save of it (docs/FORMAT.md).
 
         ``cache`` may also be a ``persist.codecs.snapshot.capture(cache, tokens)``
         taken earlier, in another thread (a server captures on its generation thread).
@@ -146,7 +152,11 @@ class Store:
 
         role = "prefix" if session is None else "session"
         meta = check_metadata(metadata)
-        target = Target(identity, namespace, session, None, role, pin, meta, if_version)
+        if unverified_tokens and session is None:
+            raise InvalidArgumentError("unverified tokens are kept only under a session name")
+        target = Target(
+            identity, namespace, session, None, role, pin, meta, if_version, unverified_tokens
+        )
         return self._save(cache, tokens, target, progress)
 
     def checkpoint(
@@ -319,6 +329,8 @@ class Store:
         identity: ModelIdentity | None = None,
         tokens: Sequence[int] | None = None,
         model: Any = None,
+        unverified_tokens: bool = False,
+        chat_tokens: Sequence[int] | None = None,
     ) -> EntryInfo:
         """Store a file as a session (named after the file unless ``session``).
 
@@ -327,11 +339,22 @@ class Store:
         ``identity`` of the model that computed it and the ``tokens`` it covers
         (checked against every layer's offset), and the ``model`` itself so
         the file's layers are checked against the model's own caches (count,
-        kinds, heads, head dims, dtypes: ``transfer.check_fits``).
+        kinds, heads, head dims, dtypes: ``transfer.check_fits``).  A cache
+        with no offset (purely recurrent) cannot vouch for any token list: it
+        is refused unless ``unverified_tokens`` (``Store.save``).
+        ``chat_tokens`` (the text's tokens with the chat template) only let the
+        error say when those are the ones that fit.
         """
         from .transfer import read_importable
 
-        got = read_importable(path, identity=identity, tokens=tokens, model=model)
+        got = read_importable(
+            path,
+            identity=identity,
+            tokens=tokens,
+            model=model,
+            unverified_tokens=unverified_tokens,
+            chat_tokens=chat_tokens,
+        )
         name = session if session is not None else Path(path).name.split(".")[0]
         return self.save(
             got.cache,
@@ -340,6 +363,7 @@ class Store:
             session=name,
             namespace=namespace,
             metadata=got.metadata,
+            unverified_tokens=got.unverified,
         )
 
     def has_session(self, session: str, *, namespace: str = "default") -> bool:

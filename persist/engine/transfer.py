@@ -49,9 +49,15 @@ class Importable:
     """What a file holds that a Store can save as a session."""
 
     def __init__(
-        self, cache: list[Any], tokens: list[int], identity: ModelIdentity, metadata: dict[str, str]
+        self,
+        cache: list[Any],
+        tokens: list[int],
+        identity: ModelIdentity,
+        metadata: dict[str, str],
+        unverified: bool = False,
     ) -> None:
         self.cache, self.tokens, self.identity, self.metadata = cache, tokens, identity, metadata
+        self.unverified = unverified  # the tokens are the caller's word (``Store.save``)
 
 
 def read_importable(
@@ -60,6 +66,8 @@ def read_importable(
     identity: ModelIdentity | None = None,
     tokens: Sequence[int] | None = None,
     model: Any = None,
+    unverified_tokens: bool = False,
+    chat_tokens: Sequence[int] | None = None,
 ) -> Importable:
     """A persist file as it is, or an mlx-lm prompt cache with the caller's tokens and
     model (whose own caches it must fit, ``check_fits``, when ``model`` is given)."""
@@ -79,7 +87,28 @@ def read_importable(
     cache, metadata = read_mlx_lm(path)
     if model is not None:
         check_fits(cache, model, str(path))
-    return Importable(cache, [int(t) for t in tokens], identity, metadata)
+    from ..codecs.snapshot import common_offset, snapshot_facts
+
+    ids = [int(t) for t in tokens]
+    offset = common_offset(snapshot_facts(cache))
+    if offset is None and not unverified_tokens:
+        raise NotResumableError(
+            f"{path}: no layer records how many positions it covers (a purely recurrent "
+            f"model), so nothing can check that it covers the {len(ids)} tokens given; "
+            "import it with --unverified-tokens (unverified_tokens=True) if you are sure: "
+            "it is then restored by its name only and never serves another prompt"
+        )
+    if offset is not None and offset != len(ids):
+        hint = ""
+        if chat_tokens is not None and len(chat_tokens) == offset:
+            hint = (
+                f"; with the chat template (as mlx_lm.cache_prompt applies it) the text is "
+                f"{offset} tokens: import it with --chat"
+            )
+        raise NotResumableError(
+            f"{path}: the cache covers {offset} positions but {len(ids)} tokens were given{hint}"
+        )
+    return Importable(cache, ids, identity, metadata, unverified=offset is None)
 
 
 def _is_mlx_lm(path: str | os.PathLike[str]) -> bool:
