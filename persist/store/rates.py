@@ -17,7 +17,16 @@ import msgpack
 
 from .index import Index
 
-__all__ = ["machine_name", "record", "rates", "all_rates", "note_decision", "decisions"]
+__all__ = [
+    "machine_name",
+    "record",
+    "rates",
+    "all_rates",
+    "note_decision",
+    "decisions",
+    "note_path",
+    "paths",
+]
 
 WEIGHT = 0.3  # of a new measurement in the moving average
 KEEP_DECISIONS = 32  # per namespace, for persist stats
@@ -93,3 +102,21 @@ def decisions(index: Index, namespace: str | None = None, limit: int = 5) -> lis
         if isinstance(d, dict):
             out.append({"namespace": ns, "at": at, **d})
     return out
+
+
+_PATH = "data_path:"  # meta key prefix: the data path a machine's processes chose
+
+
+def note_path(index: Index, machine: str, text: str) -> None:
+    """Keep the data path (``format/pinned.choose``) a process on ``machine`` took."""
+    with index.write() as db:
+        db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", [_PATH + machine, text])
+
+
+def paths(index: Index) -> dict[str, str]:
+    """Machine -> the data path its latest process took, in words."""
+    with index.read() as db:
+        got = db.execute(
+            "SELECT key, value FROM meta WHERE key LIKE ? ORDER BY key", [_PATH + "%"]
+        ).fetchall()
+    return {str(k)[len(_PATH) :]: str(v) for k, v in got}
