@@ -60,7 +60,8 @@ class _Filled(NamedTuple):
     n: int
 
 
-Chunks = dict[int, list[tuple[int, int, mx.array]]]  # job -> (file pos, bytes, device array)
+Chunk = tuple[int, int, mx.array]  # file pos, bytes, device array
+IN_FLIGHT = 2  # copies launched and not yet waited for: the rest of the ring is the readers'
 
 
 def stage(
@@ -79,71 +80,87 @@ def stage(
             futures = [
                 pool.submit(_read_job, ring, job, i, filled, abort) for i, job in enumerate(jobs)
             ]
-            chunks = _copy_loop(ring, futures, filled, abort, progress)
+            cut = _Copier(ring, futures, filled, abort, progress).run()
+            pool.shutdown(wait=True)
+            for f in futures:
+                f.result()  # the first reader's error, in job order
         except BaseException:
             abort.set()
             pool.shutdown(wait=True)
             mx.synchronize()  # no copy reads a slot any more: all of them are free again
             ring.reset()
             raise
-        pool.shutdown(wait=True)
-        wants = [f.result() for f in futures]
-    return [(w, _cut(w, chunks[i])) for i, ws in enumerate(wants) for w in ws]
+    return [pair for i in range(len(jobs)) for pair in cut[i]]
 
 
-def _copy_loop(
-    ring: Ring,
-    futures: list[Future[list[Want]]],
-    filled: queue.Queue[_Filled],
-    abort: threading.Event,
-    progress: Progress | None,
-) -> Chunks:
-    """The caller's thread: copy each filled slot to the device, free slots behind it."""
-    chunks: Chunks = {i: [] for i in range(len(futures))}
-    inflight: deque[tuple[int, mx.array]] = deque()
+class _Copier:
+    """The caller's thread: copy each filled slot to the device, free slots behind
+    it, and cut each finished blob's tensors from its chunks while the readers go on."""
 
-    def settle(keep: int) -> None:
-        while len(inflight) > keep:
-            slot, arr = inflight.popleft()
+    def __init__(
+        self,
+        ring: Ring,
+        futures: list[Future[tuple[list[Want], int]]],
+        filled: queue.Queue[_Filled],
+        abort: threading.Event,
+        progress: Progress | None,
+    ) -> None:
+        self.ring, self.futures, self.filled, self.abort = ring, futures, filled, abort
+        self.progress = progress
+        self.chunks: dict[int, list[Chunk]] = {i: [] for i in range(len(futures))}
+        self.cut: dict[int, list[tuple[Want, mx.array]]] = {}
+        self.inflight: deque[tuple[int, mx.array]] = deque()
+
+    def settle(self, keep: int) -> None:
+        while len(self.inflight) > keep:
+            slot, arr = self.inflight.popleft()
             mx.eval(arr)  # its copy is done: the slot may be refilled
-            ring.release(slot)
+            self.ring.release(slot)
 
-    reported = 0
-    while True:
-        try:
-            f = filled.get(timeout=0.001 if inflight else 0.02)
-        except queue.Empty:
-            settle(0)  # the readers wait on slots or the disk: free every slot
-            done = sum(fut.done() for fut in futures)
-            if progress is not None and done > reported:
-                reported = done
-                progress(done, len(futures))
-            if any(fut.done() and fut.exception() is not None for fut in futures):
-                abort.set()
-            if done == len(futures) and filled.empty():
-                break
-            continue
-        arr = ring.to_device(f.slot, f.n)
-        inflight.append((f.slot, arr))
-        chunks[f.job].append((f.pos, f.n, arr))
-        settle(len(ring.slots) // 2)
-    settle(0)
-    if progress is not None and reported < len(futures):
-        progress(len(futures), len(futures))
-    return chunks
+    def run(self) -> dict[int, list[tuple[Want, mx.array]]]:
+        while len(self.cut) < len(self.futures):
+            try:
+                f = self.filled.get(timeout=0.001 if self.inflight else 0.02)
+            except queue.Empty:
+                self.settle(0)  # the readers wait on slots or the disk: free every slot
+                self.finish()
+                continue
+            arr = self.ring.to_device(f.slot, f.n)
+            self.inflight.append((f.slot, arr))
+            self.chunks[f.job].append((f.pos, f.n, arr))
+            self.settle(IN_FLIGHT)
+            self.finish()
+        self.settle(0)
+        return self.cut
+
+    def finish(self) -> None:
+        """Cut the blobs whose reader is done and whose chunks all arrived."""
+        for i, fut in enumerate(self.futures):
+            if i in self.cut or not fut.done():
+                continue
+            if fut.exception() is not None:
+                self.abort.set()  # the other readers stop; stage raises this error
+            if self.abort.is_set():
+                self.cut[i] = []
+                continue
+            wants, n = fut.result()
+            if len(self.chunks[i]) == n:
+                chunks = self.chunks.pop(i)
+                self.cut[i] = [(w, _cut(w, chunks)) for w in wants]
+                if self.progress is not None:
+                    self.progress(len(self.cut), len(self.futures))
 
 
 def _read_job(
     ring: Ring, job: Job, i: int, filled: queue.Queue[_Filled], abort: threading.Event
-) -> list[Want]:
-    """A reader thread: one blob's wanted tensors into slots, each tensor hashed."""
+) -> tuple[list[Want], int]:
+    """A reader thread: one blob's wanted tensors into slots, each tensor hashed.
+    Returns them and how many chunks it handed on."""
     if abort.is_set():
-        return []
+        return [], 0
     fd, wants, close = job.open()
     try:
-        for run in _runs(wants):
-            _read_run(ring, fd, run, i, filled, abort)
-        return wants
+        return wants, sum(_read_run(ring, fd, run, i, filled, abort) for run in _runs(wants))
     finally:
         close()
 
@@ -168,13 +185,14 @@ def _read_run(
     job: int,
     filled: queue.Queue[_Filled],
     abort: threading.Event,
-) -> None:
+) -> int:
     pos, end = run[0].start, run[-1].end
+    chunks = 0
     hashers = {w.key: xxhash.xxh3_128() for w in run}
     while pos < end:
         slot = ring.acquire(abort)
         if slot is None:
-            return
+            return chunks
         n = min(ring.slot_bytes, end - pos)
         view = memoryview(ring.slots[slot]).cast("B")[:n]  # type: ignore[arg-type]
         try:
@@ -190,10 +208,12 @@ def _read_run(
             ring.release(slot)
             raise
         filled.put(_Filled(job, slot, pos, n))
+        chunks += 1
         pos += n
+    return chunks
 
 
-def _cut(w: Want, chunks: list[tuple[int, int, mx.array]]) -> mx.array:
+def _cut(w: Want, chunks: list[Chunk]) -> mx.array:
     """Tensor ``w`` from its job's device chunks, in its stored dtype and shape."""
     dtype = NAME_TO_MX[w.stored.dtype]
     if w.end == w.start:

@@ -191,15 +191,17 @@ _COPY_IN = """
 _kernel: Any = None
 
 
-def copy_in(device_ptr: int, nbytes: int) -> mx.array:
-    """A device array with ``nbytes`` (rounded up to 16) read from a mapped pinned buffer."""
+def copy_in(device_ptr: int, nbytes: int, src: mx.array | None = None) -> mx.array:
+    """A device array with ``nbytes`` (rounded up to 16) read from a mapped pinned buffer
+    (``src``: the kernel's argument for that pointer and size, made once by the caller)."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
             name="persist_copy_in", input_names=["src"], output_names=["out"], source=_COPY_IN
         )
     words = -(-nbytes // 16)
-    src = mx.array([device_ptr, words], dtype=mx.uint64)
+    if src is None:
+        src = mx.array([device_ptr, words], dtype=mx.uint64)
     (out,) = _kernel(
         inputs=[src],
         grid=(min(_GRID, max(256, -(-words // 256) * 256)), 1, 1),
@@ -218,8 +220,15 @@ def _cuda_ring(driver: _Driver, n: int, size: int) -> Ring:
         slots.append(np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(host)))
         device.append(dev)
 
+    args: dict[tuple[int, int], mx.array] = {}  # (slot, bytes) -> the kernel's argument
+
     def to_device(i: int, nbytes: int) -> mx.array:
-        out = copy_in(device[i], nbytes)
+        key = (i, nbytes)
+        if key not in args:
+            if len(args) > 4096:  # sizes seen before recur (full slots); odd ones go
+                args.clear()
+            args[key] = mx.array([device[i], -(-nbytes // 16)], dtype=mx.uint64)
+        out = copy_in(device[i], nbytes, args[key])
         mx.async_eval(out)
         return out
 
