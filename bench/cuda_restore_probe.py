@@ -1,13 +1,14 @@
 """The CUDA restore path on the machine itself: is it right, and which ring is fastest?
 
-    python3 -m bench.cuda_restore_probe [OUT_DIR]
+    python3 -m bench.cuda_restore_probe [OUT_DIR] [--geometry]
 
 1. the data path this process chose, and the copy kernel on odd sizes (bit-equal);
 2. a store restore through the ring of a Llama-3-8B-shaped cache (1k and 8k
    tokens), state bytes against the saved cache, and whether its buffers are
    device memory (a reduction over them before and after, against a prefilled one);
-3. restore + first step, warm, for rings of several geometries and the host
-   path, with the time spent in the staged read itself.
+3. restore + first step, warm, with a few settings of the staged read (copies
+   in flight, reader threads); with --geometry also for rings of several
+   geometries and the host path, with the time spent in each stage.
 Prints a report and writes it to OUT_DIR/cuda-restore-probe.md.
 """
 
@@ -117,7 +118,7 @@ def geometry(tmp: Path, tokens: int, reps: int = 4) -> None:
         setattr(mod, name, timer(name))
     driver = pinned._Driver()
     rings: dict[str, pinned.Choice] = {"host path": pinned.Choice(pinned.HOST, "probe")}
-    for n, mib in ((16, 4), (16, 8), (8, 16), (32, 4)):
+    for n, mib in ((16, 4), (8, 16), (16, 8)):
         ring = pinned._cuda_ring(driver, n, mib << 20)
         rings[f"{n} x {mib} MiB"] = pinned.Choice(pinned.CUDA_PINNED, "probe", ring)
     try:
@@ -141,15 +142,43 @@ def geometry(tmp: Path, tokens: int, reps: int = 4) -> None:
         store.close()
 
 
+def pipeline(tmp: Path, tokens: int, reps: int = 3) -> None:
+    """The staged read's knobs on the default ring: copies in flight, reader threads."""
+    cache = llama(tokens)
+    with persist.Store(tmp / f"p{tokens}") as store:
+        store.save(cache, list(range(tokens)), identity=IDENTITY, session="s")
+        files = list((tmp / f"p{tokens}" / "blobs").rglob("*.safetensors"))
+        knobs = (staging.IN_FLIGHT, staging.READERS)
+        try:
+            for in_flight, readers in ((2, 8), (8, 8), (2, 12), (2, 4), (8, 12)):
+                staging.IN_FLIGHT, staging.READERS = in_flight, readers
+                best = float("inf")
+                for _ in range(reps):
+                    for p in files:
+                        warm(p)
+                    t = time.perf_counter()
+                    bench_throughput.first_step(store.restore("s", identity=IDENTITY).cache)
+                    best = min(best, time.perf_counter() - t)
+                say(
+                    f"{tokens} tokens, {in_flight} copies in flight, {readers} readers: "
+                    f"restore + step (warm) {best * 1e3:.1f} ms"
+                )
+        finally:
+            staging.IN_FLIGHT, staging.READERS = knobs
+
+
 def main() -> None:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    out = Path(args[0]) if args else None
     kernel_check()
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as d:
         tmp = Path(d)
         for n in (1024, 8192):
             restore_check(tmp, n)
-        geometry(tmp, 8192)
-        geometry(tmp, 32768, reps=2)
+        pipeline(tmp, 8192)
+        if "--geometry" in sys.argv:
+            geometry(tmp, 8192)
+            geometry(tmp, 32768, reps=2)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "cuda-restore-probe.md").write_text("\n".join(LINES) + "\n")

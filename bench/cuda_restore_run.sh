@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 run of the CUDA restore path (issue 27), after shared/gpu's install:
-#   bench/cuda_restore_run.sh probe throughput    # one call
+#   bench/cuda_restore_run.sh probe throughput    # one call (probe --geometry: ring sizes)
 #   bench/cuda_restore_run.sh tests               # the next
 #   bench/cuda_restore_run.sh throughput32k recompute
 # Everything it writes goes to $OUT (probe report, logs, bench results).
@@ -24,6 +24,8 @@ for phase in "$@"; do
     timeout 300 python3 -m bench.bench_throughput --reps 2 \
       --cases llama3-8b:32768 2>&1 | tee "$OUT/throughput32k.log"
     cp bench/results/throughput-cuda-* "$OUT/" ;;
+  stagingtests)
+    timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_staging.py 2>&1 | tee "$OUT/cuda-staging-tests.log" ;;
   tests)
     # shellcheck disable=SC2086
     timeout 560 python3 -m pytest -q -rfEs -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/cuda-tests.log" ;;
