@@ -29,6 +29,7 @@ from tests.helpers import (
     assert_same_state,
     continue_run,
     live_state,
+    persist_cli,
     prefill,
     raw,
     tokens_for,
@@ -169,6 +170,9 @@ def test_stats_report_the_path_taken(rings: dict[str, Ring], tiny: Any, tmp_path
         with staged(rings["small"]):
             store.restore("s", identity=ident)
         assert list(store.stats().data_paths.values()) == ["cuda-pinned (test ring)"]
+    out = persist_cli(tmp_path, "stats", "--store", str(tmp_path / "s")).stdout
+    assert out.splitlines()[-1].startswith("data path ")
+    assert out.splitlines()[-1].endswith(f"/{pinned.backend()}: cuda-pinned (test ring)")
 
 
 # -- the selection, made once per process (CPU: every fallback) ---------------------
