@@ -111,7 +111,7 @@ class PersistHandler(APIHandler):
             else:
                 self._json(404, _error(f"no such endpoint: GET {self.path}", "not_found"))
         finally:
-            self.server.metrics.request(endpoint, self._code)
+            self._count(endpoint)
 
     # -- POST ------------------------------------------------------------------
 
@@ -120,6 +120,10 @@ class PersistHandler(APIHandler):
         try:
             self._post(endpoint)
         finally:
+            self._count(endpoint)
+
+    def _count(self, endpoint: str) -> None:
+        if self._code:  # nothing sent: the client went away, or the reaper counted its 408
             self.server.metrics.request(endpoint, self._code)
 
     def _post(self, endpoint: str) -> None:
