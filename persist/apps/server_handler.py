@@ -140,6 +140,7 @@ class PersistHandler(APIHandler):
             self._json(400, e.body())
             return
         # mlx-lm's do_POST reads the body again: from memory, exactly these bytes
+        self.path = endpoint  # and routes on the path without its query string
         self.rfile = io.BytesIO(raw)
         del self.headers["Content-Length"]
         self.headers["Content-Length"] = str(len(raw))
