@@ -9,6 +9,7 @@ never import mlx: ``persist ls`` starts in a blink.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ from ..identity import ModelIdentity
 from ..records import Progress
 from ..store import rates, retention, writes
 from ..store.blobs import FileBlobs
+from ..store.check_damage import clear_quarantine, pop_notice
 from ..store.index import Index, SnapshotRow
 from ..store.rows import check_name, entry_info, store_root
 from ..store.schema import connect
@@ -221,7 +223,10 @@ class Store:
         cache, row = restore_named(
             i, self.blobs, namespace, session, identity, progress, strict, self.costs, self.lineages
         )
-        return Restored(cache, unpack_tokens(row.tokens), self._info(row))
+        notice = pop_notice(i, namespace, session)
+        if notice is not None:  # said once, here and to whoever logs
+            log.warning("persist: %s", notice)
+        return Restored(cache, unpack_tokens(row.tokens), self._info(row), notice)
 
     def lookup(
         self,
@@ -370,7 +375,9 @@ class Store:
         blob files.  ``dry_run`` reports what would go and changes nothing.
         """
         budget = self.budgets.max_bytes if max_bytes is None else max_bytes
-        return retention.gc(self.index, self.blobs, budget, dry_run)
+        report = retention.gc(self.index, self.blobs, budget, dry_run)
+        cleared = clear_quarantine(self.root, dry_run=dry_run)
+        return dataclasses.replace(report, quarantine_cleared=cleared)
 
     def stats(self, namespace: str | None = None) -> StoreStats:
         rows = self.index.snapshots(namespace, named_only=False)
@@ -387,8 +394,9 @@ class Store:
     def check(self, fix: bool = False, *, progress: Progress | None = None) -> list[Problem]:
         """Reconcile index and files; with ``fix`` repair what can be repaired."""
         from ..store.check import check_store
+        from .salvage import cutter
 
-        return check_store(self.index, self.blobs, fix, progress)
+        return check_store(self.index, self.blobs, fix, progress, cutter(self))
 
     def sync(self, *, namespace: str | None = None, pull: Sequence[str] = ()) -> dict[str, Any]:
         """Push what the tiers lack (every snapshot), pull the named sessions ``pull``."""
