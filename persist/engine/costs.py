@@ -21,6 +21,7 @@ from .. import policy
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
 from ..store import rates
+from ..store.full import best_effort
 
 if TYPE_CHECKING:
     from ..store.index import Index, SnapshotRow
@@ -83,7 +84,8 @@ class CostModel:
         d = policy.decide_cost(tokens, tiers[0][1], tiers[0][0], restore, prefill, max_cost)
         self.last = d
         rates.note_decision(self.index, namespace, asdict(d))
-        self.index.count(namespace, **{"cost_restored" if d.restore else "cost_recomputed": 1})
+        which = "cost_restored" if d.restore else "cost_recomputed"
+        best_effort(self.index.count, namespace, **{which: 1})
         return d
 
     def restored(self, identity: ModelIdentity, tier: str, nbytes: int, seconds: float) -> None:

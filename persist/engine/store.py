@@ -26,7 +26,7 @@ from ..format.manifest import check_metadata
 from ..format.tokens import check_tokens, unpack_tokens
 from ..identity import ModelIdentity
 from ..records import Progress
-from ..store import rates, retention, writes
+from ..store import full, rates, retention, writes
 from ..store.blobs import FileBlobs
 from ..store.check_damage import clear_quarantine, pop_notice
 from ..store.index import Index, SnapshotRow
@@ -74,11 +74,16 @@ class Store:
             if not self.root.exists():
                 self.root.mkdir(mode=0o700, parents=True)
             self.blobs = FileBlobs(self.root)
-            db = connect(
-                self.root / "index.sqlite",
-                block_tokens or DEFAULT_BLOCK,
-                adopt=block_tokens is None,
+            # a fresh connection needs room for SQLite's -shm: on a full disk, the reserve's
+            db = full.with_room(
+                self.root,
+                lambda: connect(
+                    self.root / "index.sqlite",
+                    block_tokens or DEFAULT_BLOCK,
+                    adopt=block_tokens is None,
+                ),
             )
+            full.ensure_reserve(self.root)
             for suffix in ("", "-wal", "-shm"):
                 p = self.root / f"index.sqlite{suffix}"
                 if p.exists() and not p.is_symlink():
@@ -360,13 +365,18 @@ class Store:
         """Delete a session and its checkpoints (also those an interrupted prime left
         without a session: the name owns them); files go after the commit."""
         check_name(session, "session")
-        with self.index.write() as db:
-            rows = writes.session_rows(db, namespace, session)
-            if not rows:
-                raise SessionNotFoundError(session, namespace)
-            for r in rows:
-                writes.remove(db, r.id)
-        retention.collect(self.index, self.blobs)
+
+        def remove() -> None:
+            with self.index.write() as db:
+                rows = writes.session_rows(db, namespace, session)
+                if not rows:
+                    raise SessionNotFoundError(session, namespace)
+                for r in rows:
+                    writes.remove(db, r.id)
+
+        full.with_room(self.root, remove)  # works on a full disk: the reserve makes room
+        full.with_room(self.root, lambda: retention.collect(self.index, self.blobs))
+        full.ensure_reserve(self.root)
 
     def gc(self, max_bytes: int | None = None, *, dry_run: bool = False) -> GcReport:
         """Evict least recently used unpinned snapshots down to ``max_bytes``.
@@ -375,7 +385,10 @@ class Store:
         blob files.  ``dry_run`` reports what would go and changes nothing.
         """
         budget = self.budgets.max_bytes if max_bytes is None else max_bytes
-        report = retention.gc(self.index, self.blobs, budget, dry_run)
+        report = full.with_room(
+            self.root, lambda: retention.gc(self.index, self.blobs, budget, dry_run)
+        )
+        full.ensure_reserve(self.root)
         cleared = clear_quarantine(self.root, dry_run=dry_run)
         return dataclasses.replace(report, quarantine_cleared=cleared)
 

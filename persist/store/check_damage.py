@@ -202,10 +202,12 @@ def repair(
         )
         used = f"sessions {', '.join(named)}" if named else "no session (only prefixes)"
         out.append(Problem("damaged-blob", f, f"{why}; used by {used}", fix))
-    if fix:  # a cut's save must never take a damaged file for a block it can reuse
-        with index.write() as db:
+    kept: set[str] = set()
+    if fix:  # a cut's save must never take a damaged file for a block it can reuse,
+        with index.write() as db:  # and its commit collects what it unreferenced: move first
             for f in sorted(files):
                 db.execute("UPDATE blobs SET key = 'damaged-' || key WHERE file = ?", [f])
+        kept = {f for f in sorted(files) if _keep_aside(blobs, blobs.path(f))}
     for h in hurt:
         if h.row.name is not None:
             out.append(_session(index, h, files, fix, cut))
@@ -213,9 +215,12 @@ def repair(
         with index.write() as db:
             for sid in sorted(_users(db, files)):  # re-read: a cut replaced its own row
                 writes.remove(db, sid)
-        for f in sorted(files):
+        for f in sorted(files):  # what a cut's commit did not collect already
             p = blobs.path(f)
-            if os.path.lexists(p) and not p.is_symlink():
+            if f in kept:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            elif os.path.lexists(p) and not p.is_symlink():
                 quarantine(blobs, p)
     return out
 
@@ -275,6 +280,20 @@ def pop_notice(index: Index, namespace: str, name: str) -> str | None:
     with contextlib.suppress(Exception), index.write() as db:  # best effort: a full disk
         db.execute("DELETE FROM meta WHERE key = ?", [key])
     return str(got[0])
+
+
+def _keep_aside(blobs: FileBlobs, p: Path) -> bool:
+    """A hard link of a damaged file in quarantine, while a cut may still read its valid part."""
+    if p.is_symlink() or not p.is_file():
+        return False
+    q = blobs.root / "quarantine"
+    with contextlib.suppress(FileExistsError):
+        q.mkdir(mode=0o700)
+    try:
+        os.link(p, q / f"{int(time.time())}-{p.name}", follow_symlinks=False)
+    except OSError:
+        return False
+    return True
 
 
 def quarantine(blobs: FileBlobs, p: Path) -> None:
