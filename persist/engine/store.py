@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import (
     InvalidArgumentError,
     InvalidStateError,
+    PersistError,
     SessionNotFoundError,
     StorageError,
 )
@@ -30,7 +31,7 @@ from ..store import full, rates, retention, writes
 from ..store.blobs import FileBlobs
 from ..store.check_damage import clear_quarantine, pop_notice
 from ..store.index import Index, SnapshotRow
-from ..store.rows import check_name, entry_info, store_root
+from ..store.rows import check_name, listed_info, store_root
 from ..store.schema import connect
 from ..store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
 from .costs import CostModel
@@ -88,7 +89,9 @@ class Store:
                 p = self.root / f"index.sqlite{suffix}"
                 if p.exists() and not p.is_symlink():
                     os.chmod(p, 0o600)
-        except (PermissionError, FileNotFoundError, NotADirectoryError) as e:
+        except PersistError:
+            raise
+        except OSError as e:  # permissions, a missing folder, a file where a folder goes
             raise StorageError(f"cannot open the store at {self.root}", e) from e
         self._index: Index | None = Index(db)
         self.costs = CostModel(self._index)  # restore or recompute, from measured rates
@@ -418,4 +421,4 @@ class Store:
         return sync(self.index, self.blobs, self.tiers, namespace, list(pull))
 
     def _info(self, r: SnapshotRow) -> EntryInfo:
-        return entry_info(r)
+        return listed_info(r)  # a row that does not decode is listed as damaged

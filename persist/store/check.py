@@ -22,7 +22,7 @@ from . import writes
 from .blobs import FILE_RE, FileBlobs
 from .check_damage import Cutter, damaged, quarantine, repair, verify_blob
 from .index import Index
-from .rows import row_digest
+from .rows import listed_info, row_digest
 from .types import Problem
 
 __all__ = ["check_store", "verify_blob", "TMP_GRACE_SECONDS"]
@@ -241,15 +241,17 @@ def _rows(
             if progress is not None:
                 progress(done + k + 1, total)
             if row_digest(r, Index.blocks_in(db, r.id)) != r.row_xxh3:
-                bad.append((r.id, r.name, r.namespace))
+                bad.append((r.id, r.name, r.namespace, "index row does not match its checksum"))
+            elif (why := listed_info(r).damaged) is not None:  # fields outside the checksum
+                bad.append((r.id, r.name, r.namespace, why))
     out = []
-    for sid, name, ns in bad:
+    for sid, name, ns, why in bad:
         if fix:
             with index.write() as db:
-                if any(r.id == sid for r, _ in Index.damaged_rows(db, sid)):
+                again = Index.rows_where(db, "id = ?", [sid])  # ids are never reused
+                if again and (Index.damaged_rows(db, sid) or listed_info(again[0]).damaged):
                     writes.remove(db, sid)
         target = f"snapshot {sid}" if name is None else f"session {name!r} in namespace {ns!r}"
-        why = "index row does not match its checksum"
         out.append(Problem("damaged-row", target, f"{why}; it is removed" if fix else why, fix))
     return out
 

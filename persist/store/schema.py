@@ -204,6 +204,9 @@ def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_uti
             os.close(os.open(path, flags, 0o600))
     try:
         conn = sqlite3.connect(str(path), timeout=60, isolation_level=None, check_same_thread=False)
+        # A flipped byte in a text column reads as U+FFFD instead of failing the whole
+        # query: listings show the row (check's row checksum finds the damage).
+        conn.text_factory = lambda b: b.decode("utf-8", "replace")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA foreign_keys=ON")

@@ -28,6 +28,7 @@ class EntryInfo:
     used: float
     pinned: bool
     metadata: dict[str, str] = field(default_factory=dict)
+    damaged: str | None = None  # a row whose fields do not decode: listed, never restored
 
     def __repr__(self) -> str:
         kinds = sorted(set(self.kinds))
