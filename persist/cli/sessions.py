@@ -18,6 +18,7 @@ from .app import (
     open_store,
     parse_size,
     plain,
+    progress,
     store_option,
 )
 
@@ -169,12 +170,20 @@ def gc_cmd(max_bytes: str | None, dry_run: bool, store_dir: Path | None, as_json
 
 
 @cli.command("check")
-@click.option("--fix", is_flag=True, help="Repair: delete orphans, quarantine damaged blobs.")
+@click.option(
+    "--fix",
+    is_flag=True,
+    help="Repair: keep the valid part of damaged sessions, quarantine damaged blobs, "
+    "delete orphans.",
+)
 @store_option
 @json_option
 def check_cmd(fix: bool, store_dir: Path | None, as_json: bool) -> None:
     """Verify every blob and reconcile the index with the files.
 
+    With --fix a damaged session keeps what is still valid (its blocks before the
+    damage, or its deepest valid checkpoint) and each changed session is named with
+    what it lost; damaged files go to quarantine/, which gc clears after 14 days.
     Exits 1 if problems remain (none remain after a successful --fix).
 
     \b
@@ -182,7 +191,7 @@ def check_cmd(fix: bool, store_dir: Path | None, as_json: bool) -> None:
       persist check --fix
     """
     with open_store(store_dir) as store:
-        problems = store.check(fix=fix)
+        problems = store.check(fix=fix, progress=progress("checking"))
 
     def render(_: Any) -> None:
         for p in problems:
