@@ -30,7 +30,7 @@ from .tier_records import ROW_FIELDS, BadValue, Expect, Keys, open_record, seal_
 if TYPE_CHECKING:
     from .tiers import Shared, Tier
 
-__all__ = ["namespace_secret", "push"]
+__all__ = ["namespace_secret", "push", "sync"]
 
 log = logging.getLogger("persist")
 _told: set[tuple[str, str]] = set()
@@ -153,3 +153,40 @@ def _pointers(
     if name is not None:
         items.insert(0, ("sess", name.encode()))
     return [(kind, key, keys.pointer(namespace, kind, key, rkey)) for kind, key in items]
+
+
+def sync(
+    index: Index, blobs: BlobStore, shared: list[Shared], namespace: str | None, names: list[str]
+) -> dict[str, Any]:
+    """Push every local snapshot (of ``namespace``) to the tiers (each push writes only
+    what a tier lacks), then pull the named sessions this store lacks.  The report says
+    what happened: per tier, snapshots pushed, already there, failed."""
+    rows = index.snapshots(namespace, named_only=False)
+    per: dict[str, dict[str, int]] = {
+        t.name: {"pushed": 0, "present": 0, "failed": 0} for t in shared
+    }
+    failed: set[int] = set()
+    for row in rows:
+        for tier in shared:
+            how = tier.push(index, blobs, row.namespace, row.id)
+            if how in per[tier.name]:
+                per[tier.name][how] += 1
+            if how == "failed":
+                failed.add(row.id)
+    pulled = []
+    for name in names:
+        ns = namespace or "default"
+        for tier in shared:
+            if index.by_name(ns, name) is None:
+                tier.pull_session(index, blobs, ns, name)
+        if index.by_name(ns, name) is not None:
+            pulled.append(name)
+    total = {k: sum(p[k] for p in per.values()) for k in ("pushed", "present", "failed")}
+    return {
+        **total,
+        "snapshots": len(rows),
+        "snapshots_failed": len(failed),
+        "tiers": per,
+        "pulled": pulled,
+        "missing": sorted(set(names) - set(pulled)),
+    }

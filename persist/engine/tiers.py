@@ -31,7 +31,7 @@ from ..store.redis_tier import RedisTier, TierUnavailable, namespace_tag
 from ..store.rows import BlockRef, NewBlob
 from ..store.s3_tier import S3Tier
 from .costs import LOCAL, CostModel
-from .tier_push import namespace_secret, push
+from .tier_push import namespace_secret, push, sync
 from .tier_records import (
     ROW_FIELDS,
     TAG_BYTES,
@@ -293,43 +293,6 @@ def open_tiers(
     c = Shared(S3Tier(cold), "cold", keys) if cold else None
     s = Shared(RedisTier(shared), "shared", keys, c.tier if c else None) if shared else None
     return s, c
-
-
-def sync(
-    index: Index, blobs: BlobStore, shared: list[Shared], namespace: str | None, names: list[str]
-) -> dict[str, Any]:
-    """Push every local snapshot (of ``namespace``) to the tiers (each push writes only
-    what a tier lacks), then pull the named sessions this store lacks.  The report says
-    what happened: per tier, snapshots pushed, already there, failed."""
-    rows = index.snapshots(namespace, named_only=False)
-    per: dict[str, dict[str, int]] = {
-        t.name: {"pushed": 0, "present": 0, "failed": 0} for t in shared
-    }
-    failed: set[int] = set()
-    for row in rows:
-        for tier in shared:
-            how = tier.push(index, blobs, row.namespace, row.id)
-            if how in per[tier.name]:
-                per[tier.name][how] += 1
-            if how == "failed":
-                failed.add(row.id)
-    pulled = []
-    for name in names:
-        ns = namespace or "default"
-        for tier in shared:
-            if index.by_name(ns, name) is None:
-                tier.pull_session(index, blobs, ns, name)
-        if index.by_name(ns, name) is not None:
-            pulled.append(name)
-    total = {k: sum(p[k] for p in per.values()) for k in ("pushed", "present", "failed")}
-    return {
-        **total,
-        "snapshots": len(rows),
-        "snapshots_failed": len(failed),
-        "tiers": per,
-        "pulled": pulled,
-        "missing": sorted(set(names) - set(pulled)),
-    }
 
 
 def pull(

@@ -30,8 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import CorruptBlobError, InvalidArgumentError, PersistError
+from .redis_cluster import cluster_client
 
-__all__ = ["RedisTier", "PART_BYTES", "TierUnavailable"]
+__all__ = ["RedisTier", "PART_BYTES", "TierUnavailable", "cluster_client"]
 
 log = logging.getLogger("persist")
 PART_BYTES = 8 << 20  # values of at most 8 MiB
@@ -391,31 +392,3 @@ def parse_parts(marker: Any, size: int, tag_bytes: int, where: str) -> tuple[int
     if not ok or n != -(-size // PART_BYTES) or len(tag) != tag_bytes:
         raise CorruptBlobError(where, "a parts marker that disagrees with the record's size")
     return n, tag
-
-
-def cluster_client(url: str, timeouts: dict[str, Any]) -> Any:
-    """A RedisCluster from ``redis+cluster://[[user]:password@]host:port[,host:port...]``:
-    any of the nodes is enough to learn the slot map; TLS with ``rediss+cluster``."""
-    from urllib.parse import unquote
-
-    from redis.backoff import NoBackoff
-    from redis.cluster import ClusterNode, RedisCluster
-    from redis.retry import Retry
-
-    scheme, rest = url.split("://", 1)
-    auth, _, hosts = rest.rpartition("@")
-    user, _, password = auth.partition(":") if auth else ("", "", "")
-    nodes = []
-    for h in hosts.rstrip("/").split(","):
-        host, _, port = h.strip().rpartition(":")
-        if not host or not port.isdigit():
-            raise InvalidArgumentError(f"a cluster node is host:port, not {h!r} in {url!r}")
-        nodes.append(ClusterNode(host, int(port)))
-    return RedisCluster(
-        startup_nodes=nodes,
-        username=unquote(user) or None,
-        password=unquote(password) or None,
-        ssl=scheme.startswith("rediss"),
-        retry=Retry(NoBackoff(), 1),  # an outage costs about one timeout, not ten
-        **timeouts,
-    )
