@@ -257,6 +257,7 @@ def serve(
     when_full: str = "block",
     shared: str | None = None,
     cold: str | None = None,
+    tier_key: bytes | None = None,
     mlx_cache: int | None = None,
     read_timeout: float = 30.0,
     max_request_bytes: int = 4 << 20,
@@ -286,7 +287,7 @@ def serve(
     keep_freed_buffers(mlx_cache)
     by_model: dict[int, ModelIdentity] = {}
     identities = track_identities(server, by_model)
-    store = Store(store_root, max_bytes=max_bytes, shared=shared, cold=cold)
+    store = Store(store_root, max_bytes=max_bytes, shared=shared, cold=cold, tier_key=tier_key)
     measure_prefills(server, store, lambda model: by_model.get(id(model)))
     metrics = ServeMetrics(store, namespace)
     caches: list[PersistentPromptCache] = []
