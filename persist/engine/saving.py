@@ -62,7 +62,7 @@ class Target:
     metadata: dict[str, str] = field(default_factory=dict)
     # the session's version (EntryInfo.id) the caller read; 0: it must not exist yet
     if_version: int | None = None
-    # the tokens are the caller's word (an imported recurrent cache): see _unverified
+    # the tokens are the caller's word (an imported recurrent cache): see _inherits_unverified
     unverified: bool = False
 
 
@@ -308,7 +308,7 @@ def _commit(
                 )
             _retire(db, namespace, t.name, t.identity.digest, snap, toks)
         elif t.role == "prefix":
-            _replace_covered(db, namespace, t.identity.digest, snap, toks, chs, n_blocks)
+            _replace_covered(db, namespace, t.identity.digest, snap, toks, chs, p.block)
         elif t.owner is not None:  # a checkpoint saved again (a resumed prime): one row
             _replace_same_checkpoint(db, namespace, t.owner, t.identity.digest, toks)
         sid = writes.insert(db, row, refs)
@@ -319,7 +319,7 @@ def _commit(
     return committed
 
 
-UNVERIFIED_KEY = "persist.unverified_tokens"  # session metadata: shown by persist show
+UNVERIFIED_KEY = "persist.unverified_tokens"  # session metadata: the session is unverified
 
 
 def _inherits_unverified(db: Any, namespace: str, name: str, toks: list[int]) -> bool:
@@ -375,12 +375,11 @@ def _replace_same_checkpoint(
 
 
 def _replace_covered(
-    db: Any, namespace: str, digest: str, snap: Any, toks: list[int], chs: list[bytes], n: int
+    db: Any, namespace: str, digest: str, snap: Any, toks: list[int], chs: list[bytes], block: int
 ) -> None:
     """Anonymous entries the new one covers (``policy.covers``) go: rows stay
     bounded by distinct prefixes."""
-    ends = [*chs[1 : n + 1], head_key(chs[0], toks)]
-    for old in retention.anonymous_ending_at(db, namespace, digest, ends):
+    for old in retention.anonymous_prefixes_of(db, namespace, digest, chs, toks, block):
         old_toks = unpack_tokens(old.tokens)
         is_prefix = toks[: len(old_toks)] == old_toks
         if policy.covers(

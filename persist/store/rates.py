@@ -4,7 +4,9 @@ A rate is kept per machine (host name and MLX backend: a store on a shared
 disk serves machines of different speeds), per what was measured ("restore"
 keyed by tier, "prefill" keyed by model identity) and per power-of-two
 bucket of the amount (``policy.rate_bucket``), as an exponential moving
-average so that one noisy run moves it only part of the way.
+average so that one noisy run moves it only part of the way.  Recording is
+best effort: a read never fails because its statistics could not be written
+(a full disk drops them, counted by ``full.dropped``).
 """
 
 from __future__ import annotations
@@ -15,9 +17,19 @@ from typing import Any
 
 import msgpack
 
+from .full import best_effort
 from .index import Index
 
-__all__ = ["machine_name", "record", "rates", "all_rates", "note_decision", "decisions"]
+__all__ = [
+    "machine_name",
+    "record",
+    "rates",
+    "all_rates",
+    "note_decision",
+    "decisions",
+    "note_path",
+    "paths",
+]
 
 WEIGHT = 0.3  # of a new measurement in the moving average
 KEEP_DECISIONS = 32  # per namespace, for persist stats
@@ -32,6 +44,10 @@ def record(index: Index, machine: str, what: str, key: str, bucket: int, rate: f
     """Fold one measured rate (per second) into the moving average of its bucket."""
     if not rate > 0 or rate == float("inf"):
         return
+    best_effort(_record, index, machine, what, key, bucket, rate)
+
+
+def _record(index: Index, machine: str, what: str, key: str, bucket: int, rate: float) -> None:
     with index.write() as db:
         db.execute(
             "INSERT INTO rates(machine, what, key, bucket, rate, samples, updated) "
@@ -63,7 +79,11 @@ def all_rates(index: Index) -> list[dict[str, Any]]:
 
 
 def note_decision(index: Index, namespace: str, body: dict[str, Any]) -> None:
-    """Keep a decision (the latest KEEP_DECISIONS per namespace)."""
+    """Keep a decision (the latest KEEP_DECISIONS per namespace); dropped on a full disk."""
+    best_effort(_note, index, namespace, body)
+
+
+def _note(index: Index, namespace: str, body: dict[str, Any]) -> None:
     with index.write() as db:
         db.execute(
             "INSERT INTO decisions(namespace, at, body) VALUES (?, ?, ?)",
@@ -93,3 +113,26 @@ def decisions(index: Index, namespace: str | None = None, limit: int = 5) -> lis
         if isinstance(d, dict):
             out.append({"namespace": ns, "at": at, **d})
     return out
+
+
+_PATH = "data_path:"  # meta key prefix: the data path a machine's processes chose
+
+
+def note_path(index: Index, machine: str, text: str) -> None:
+    """Keep the data path (``format/pinned.choose``) a process on ``machine`` took;
+    dropped on a full disk."""
+    best_effort(_note_path, index, machine, text)
+
+
+def _note_path(index: Index, machine: str, text: str) -> None:
+    with index.write() as db:
+        db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", [_PATH + machine, text])
+
+
+def paths(index: Index) -> dict[str, str]:
+    """Machine -> the data path its latest process took, in words."""
+    with index.read() as db:
+        got = db.execute(
+            "SELECT key, value FROM meta WHERE key LIKE ? ORDER BY key", [_PATH + "%"]
+        ).fetchall()
+    return {str(k)[len(_PATH) :]: str(v) for k, v in got}
