@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 
 import click
 
-from ..errors import IdentityMismatchError, PersistError
+from ..errors import IdentityMismatchError, PersistError, StoreNotFoundError
+from .terminal import end_line, progress
 
 __all__ = [
     "cli",
@@ -106,37 +107,18 @@ def json_option(f: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(f)
 
 
-def open_store(store_dir: Path | None, **kw: Any) -> Any:
+def open_store(store_dir: Path | None, *, create: bool = False, **kw: Any) -> Any:
+    """The store of ``--store`` (or the default one).  Only commands that write
+    sessions (``create``) make a store; the others refuse a folder without one, so
+    a mistyped ``--store`` is an error, not a new empty store."""
     from ..engine.store import Store
+    from ..store.rows import store_root
 
+    root = store_root(store_dir if store_dir is not None else default_store())
+    if not create and not (root / "index.sqlite").is_file():
+        raise StoreNotFoundError(root)
     kw = {**tier_urls(), **kw}
-    return Store(store_dir if store_dir is not None else default_store(), **kw)
-
-
-class _Bar:
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.bar: Any = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:
-            if not sys.stderr.isatty() or total <= 0:
-                return
-            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr)
-            self.bar.__enter__()
-        self.bar.update(done - self.bar.pos)
-        if done >= total:
-            self.close()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None
-
-
-def progress(label: str) -> _Bar:
-    """A progress callback (done, total) that draws a bar on an interactive stderr."""
-    return _Bar(label)
+    return Store(root, **kw)
 
 
 REPORT = "persist: this is a bug in persist; please report it with the traceback above"
@@ -152,8 +134,8 @@ class PersistGroup(click.Group):
         try:
             return super().invoke(ctx)
         except PersistError as e:
-            hint = "; pass --model with the model it was saved for"
-            extra = hint if isinstance(e, IdentityMismatchError) else ""
+            end_line()  # an answer cut short keeps its line
+            extra = _mismatch_hint(e) if isinstance(e, IdentityMismatchError) else ""
             click.echo(f"persist: error: {e}{extra}", err=True)
             sys.exit(1)
         except BrokenPipeError:
@@ -170,6 +152,12 @@ class PersistGroup(click.Group):
             traceback.print_exc()
             click.echo(REPORT, err=True)
             sys.exit(3)
+
+
+def _mismatch_hint(e: IdentityMismatchError) -> str:
+    if e.fields and all(f.startswith("cache_config.") for f in e.fields):
+        return "; pass the --kv-bits / --max-kv-size options it was saved with"
+    return "; pass --model with the model it was saved for"
 
 
 def _quiet_stdout() -> None:

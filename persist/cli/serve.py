@@ -13,9 +13,9 @@ from .app import cli, default_store, parse_size, store_option, tier_urls
 @click.option(
     "--model",
     "model_dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
-    help="mlx-lm model directory (default: the built-in demo model).",
+    metavar="PATH_OR_REPO",
+    help="The model's folder or a Hugging Face repo id (default: the built-in demo model).",
 )
 @click.option("--max-bytes", default=None, help="Store budget, e.g. 20G.")
 @click.option("--namespace", default="default", show_default=True)
@@ -58,7 +58,7 @@ from .app import cli, default_store, parse_size, store_option, tier_urls
 @store_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(
-    model_dir: Path | None,
+    model_dir: str | None,
     max_bytes: str | None,
     namespace: str,
     backlog: int,
@@ -80,11 +80,11 @@ def serve_cmd(
       persist serve --model ./tiny --store ./cache --port 8080
       persist serve --model ./tiny --mlx-cache 8G --port 8080
     """
-    from ..apps.demo import demo_model_dir
+    from ..apps.hub import resolve_model
     from ..apps.server import serve
 
     serve(
-        str(model_dir if model_dir is not None else demo_model_dir()),
+        str(resolve_model(model_dir)),
         store_dir if store_dir is not None else default_store(),
         max_bytes=parse_size(max_bytes) if max_bytes else None,
         namespace=namespace,
