@@ -201,7 +201,15 @@ def generate(
         quantized_kv_start=cfg.get("quantized_kv_start", 5000),
     )
     started = time.perf_counter()
-    out, text, first = _decode(steps, tokenizer, on_text, t0)
+    try:
+        out, text, first = _decode(steps, tokenizer, on_text, t0)
+    except ValueError as e:  # mlx's quantize refuses a group size the heads do not divide
+        if "kv_bits" not in cfg or "quantiz" not in str(e):
+            raise
+        raise InvalidArgumentError(
+            f"--kv-bits {cfg['kv_bits']} --kv-group-size {cfg.get('kv_group_size', 64)} "
+            f"do not fit this model's caches: {str(e).splitlines()[0]}"
+        ) from None
     elapsed = time.perf_counter() - t0
     if out:  # the prompt's forward (and one step) until the first token: a prefill rate
         store.record_prefill(identity, covered, len(tokens), t0 + first - started)
