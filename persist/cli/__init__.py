@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import files, models, run, serve, sessions, transfer  # noqa: F401  (each module registers its commands)
+from . import files, models, run, serve, sessions, transfer, upkeep  # noqa: F401  (each module registers its commands)
 from .app import cli
 
 __all__ = ["cli", "main"]

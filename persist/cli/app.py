@@ -27,6 +27,7 @@ __all__ = [
     "json_option",
     "open_store",
     "parse_size",
+    "plural",
     "progress",
 ]
 
@@ -39,6 +40,11 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """'1 session', '2 sessions', '1 entry' / '3 entries'."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def parse_size(text: str) -> int:
@@ -118,7 +124,14 @@ def open_store(store_dir: Path | None, *, create: bool = False, **kw: Any) -> An
     if not create and not (root / "index.sqlite").is_file():
         raise StoreNotFoundError(root)
     kw = {**tier_urls(), **kw}
-    return Store(root, **kw)
+    store = Store(root, **kw)
+    if create and "max_bytes" not in kw:  # what writes is held to the store's budget
+        from ..store import upkeep
+        from ..store.retention import Budgets
+
+        limit, _ = upkeep.budget(store.index, store.root)
+        store.budgets = Budgets(limit, store.budgets.per_namespace)
+    return store
 
 
 REPORT = "persist: this is a bug in persist; please report it with the traceback above"

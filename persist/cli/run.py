@@ -175,7 +175,7 @@ def generate_cmd(
       cat notes.txt | persist generate --session notes --prompt - --temp 0.7 --seed 1
     """
     if system is not None and not chat:
-        raise click.UsageError("--system-prompt needs --chat")
+        raise click.UsageError("--system-prompt / --system needs --chat")
     if chat_template_config is not None and not chat:
         raise click.UsageError("--chat-template-config needs --chat")
     template = _template_kwargs(chat_template_config)

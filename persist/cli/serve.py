@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .app import cli, default_store, parse_size, store_option, tier_urls
+from .app import cli, default_store, open_store, parse_size, store_option, tier_urls
 
 
 @cli.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -17,7 +17,9 @@ from .app import cli, default_store, parse_size, store_option, tier_urls
     metavar="PATH_OR_REPO",
     help="The model's folder or a Hugging Face repo id (default: the built-in demo model).",
 )
-@click.option("--max-bytes", default=None, help="Store budget, e.g. 20G.")
+@click.option(
+    "--max-bytes", default=None, help="Store budget, e.g. 20G (default: the store's budget)."
+)
 @click.option("--namespace", default="default", show_default=True)
 @click.option(
     "--backlog",
@@ -83,10 +85,16 @@ def serve_cmd(
     from ..apps.hub import resolve_model
     from ..apps.server import serve
 
+    root = store_dir if store_dir is not None else default_store()
+    if max_bytes:
+        budget = parse_size(max_bytes)
+    else:  # the store's remembered budget, else the default one (persist config)
+        with open_store(root, create=True) as store:
+            budget = store.budgets.max_bytes
     serve(
         str(resolve_model(model_dir)),
-        store_dir if store_dir is not None else default_store(),
-        max_bytes=parse_size(max_bytes) if max_bytes else None,
+        root,
+        max_bytes=budget,
         namespace=namespace,
         server_args=list(server_args),
         backlog=backlog,
