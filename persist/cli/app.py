@@ -137,11 +137,43 @@ def open_store(store_dir: Path | None, *, create: bool = False, **kw: Any) -> An
 REPORT = "persist: this is a bug in persist; please report it with the traceback above"
 
 
+# command -> the module of persist.cli that registers it (imported when it runs)
+COMMANDS = {
+    **dict.fromkeys(["ls", "show", "rm", "check", "pin", "unpin"], "sessions"),
+    **dict.fromkeys(["gc", "stats", "config"], "upkeep"),
+    **dict.fromkeys(["generate", "prime"], "run"),
+    **dict.fromkeys(["export", "import", "sync"], "transfer"),
+    **dict.fromkeys(["inspect", "verify"], "files"),
+    "serve": "serve",
+    "make-model": "models",
+}
+
+
+def load_commands(name: str | None = None) -> None:
+    """Import the module of command ``name``; of every command when None (or unknown)."""
+    import importlib
+
+    mod = COMMANDS.get(name or "")
+    for m in [mod] if mod else sorted(set(COMMANDS.values())):
+        importlib.import_module(f"{__package__}.{m}")
+
+
 class PersistGroup(click.Group):
     """Exit codes: 0 done, 1 a PersistError (the library turns what the system
     refuses into ``StorageError``), 2 a usage error (click), 3 anything else:
     a bug (traceback and a line asking to report it), 130 Ctrl-C.  A closed
     pipe (``persist ls | head``) ends quietly."""
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands:
+            load_commands(cmd_name)
+        if cmd_name not in self.commands:  # a command COMMANDS does not name yet
+            load_commands()
+        return super().get_command(ctx, cmd_name)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        load_commands()
+        return super().list_commands(ctx)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
