@@ -134,6 +134,27 @@ def open_store(store_dir: Path | None, *, create: bool = False, **kw: Any) -> An
     return store
 
 
+def complete_sessions(
+    ctx: click.Context, param: click.Parameter, incomplete: str
+) -> list[click.shell_completion.CompletionItem]:
+    """Shell completion of session names, from the store the command line names so far.
+    Completion never makes a store and never fails: a problem completes nothing."""
+    from click.shell_completion import CompletionItem
+
+    try:
+        from ..store.rows import store_root
+
+        given = ctx.params.get("store_dir")
+        root = store_root(given if given is not None else default_store())
+        if not (root / "index.sqlite").is_file():
+            return []
+        with open_store(root) as store:
+            names = [e.session for e in store.sessions(ctx.params.get("namespace"))]
+    except Exception:  # a half-typed command line: offer nothing rather than a traceback
+        return []
+    return [CompletionItem(n) for n in sorted({n for n in names if n}) if n.startswith(incomplete)]
+
+
 REPORT = "persist: this is a bug in persist; please report it with the traceback above"
 
 
@@ -176,27 +197,39 @@ class PersistGroup(click.Group):
         return super().list_commands(ctx)
 
     def invoke(self, ctx: click.Context) -> Any:
+        as_json = "--json" in ctx.args  # the command's own flag, not parsed yet
         try:
             return super().invoke(ctx)
         except PersistError as e:
             end_line()  # an answer cut short keeps its line
             extra = _mismatch_hint(e) if isinstance(e, IdentityMismatchError) else ""
-            click.echo(f"persist: error: {e}{extra}", err=True)
-            sys.exit(1)
+            _fail(as_json, f"{e}{extra}", type(e).__name__, 1)
         except BrokenPipeError:
             _quiet_stdout()
             sys.exit(0)
         except KeyboardInterrupt:
-            click.echo("persist: interrupted", err=True)
-            sys.exit(130)
-        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            _fail(as_json, "interrupted", "KeyboardInterrupt", 130)
+        except click.ClickException as e:
+            if not as_json:
+                raise
+            _fail(as_json, e.format_message(), type(e).__name__, e.exit_code)
+        except (click.exceptions.Exit, click.Abort):
             raise
-        except Exception:
+        except Exception as e:
             import traceback
 
             traceback.print_exc()
-            click.echo(REPORT, err=True)
-            sys.exit(3)
+            _fail(as_json, f"{type(e).__name__}: {e}", "Bug", 3, REPORT)
+
+
+def _fail(as_json: bool, message: str, kind: str, code: int, text: str | None = None) -> None:
+    """Say what failed, one line on stderr (or, under --json, a JSON object on stdout
+    for the script that asked for JSON), and exit with ``code``."""
+    if as_json:
+        click.echo(json.dumps({"error": message, "type": kind, "exit": code}))
+    else:
+        click.echo(text or f"persist: {'error: ' if code == 1 else ''}{message}", err=True)
+    sys.exit(code)
 
 
 def _mismatch_hint(e: IdentityMismatchError) -> str:

@@ -10,7 +10,7 @@ import click
 
 if TYPE_CHECKING:  # generation imports mlx-lm: loaded by these commands only
     from ..apps.generate import GenerateResult, PrimeResult
-from .app import cli, emit, json_option, open_store, store_option
+from .app import cli, complete_sessions, emit, json_option, open_store, store_option
 from .terminal import end_line, progress, write_answer
 
 _model = click.option(
@@ -23,7 +23,12 @@ _model = click.option(
 _adapter = click.option(
     "--adapter-path", default=None, help="Trained LoRA adapter weights and config (mlx-lm's)."
 )
-_session = click.option("--session", required=True, help="Session name (any text).")
+_session = click.option(
+    "--session",
+    required=True,
+    shell_complete=complete_sessions,
+    help="Session name (any text).",
+)
 _namespace = click.option(
     "--namespace",
     default="default",

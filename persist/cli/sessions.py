@@ -10,7 +10,16 @@ import click
 
 from ..errors import SessionNotFoundError
 from ..store.types import EntryInfo
-from .app import cli, emit, human_bytes, json_option, open_store, plural, store_option
+from .app import (
+    cli,
+    complete_sessions,
+    emit,
+    human_bytes,
+    json_option,
+    open_store,
+    plural,
+    store_option,
+)
 
 _namespace = click.option("--namespace", default="default", show_default=True)
 
@@ -73,7 +82,7 @@ def _hidden(entries: list[EntryInfo]) -> str:
 
 
 @cli.command("show")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_sessions)
 @_namespace
 @store_option
 @json_option
@@ -98,12 +107,35 @@ def show_cmd(name: str, namespace: str, store_dir: Path | None, as_json: bool) -
         click.echo(f"  pinned             {e.pinned}")
         for i, k in enumerate(e.kinds):
             click.echo(f"  layer {i:3d}          {k}")
+        if chat:
+            click.echo(f"  chat               {plural(len(chat), 'message')}")
+            for m in chat:
+                click.echo(f"    {m.get('role', '?'):<9} {_one_line(m.get('content', ''))}")
 
-    emit(as_json, e.to_dict(), render)
+    chat = _chat(e)
+    emit(as_json, {**e.to_dict(), **({"chat": chat} if chat else {})}, render)
+
+
+def _chat(e: EntryInfo) -> list[dict[str, str]]:
+    """A chat session's messages (``--chat`` keeps them in its metadata); [] otherwise."""
+    import json
+
+    raw = e.metadata.get("persist.chat")
+    try:
+        got = json.loads(raw) if raw else []
+    except ValueError:
+        return []
+    return [m for m in got if isinstance(m, dict)] if isinstance(got, list) else []
+
+
+def _one_line(text: object, width: int = 100) -> str:
+    """A message on one line: newlines and control characters shown as escapes."""
+    flat = str(text).encode("unicode_escape").decode("ascii", "replace")
+    return flat if len(flat) <= width else flat[: width - 3] + "..."
 
 
 @cli.command("rm")
-@click.argument("names", nargs=-1)
+@click.argument("names", nargs=-1, shell_complete=complete_sessions)
 @click.option("--all", "every", is_flag=True, help="Every session of the namespace.")
 @_namespace
 @store_option
@@ -189,7 +221,7 @@ def check_cmd(fix: bool, store_dir: Path | None, as_json: bool) -> None:
 
 
 @cli.command("pin")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_sessions)
 @_namespace
 @store_option
 @json_option
@@ -204,7 +236,7 @@ def pin_cmd(name: str, namespace: str, store_dir: Path | None, as_json: bool) ->
 
 
 @cli.command("unpin")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_sessions)
 @_namespace
 @store_option
 @json_option

@@ -8,14 +8,14 @@ from typing import Any
 import click
 
 from ..errors import AlreadyExistsError, InvalidArgumentError
-from .app import cli, emit, json_option, open_store, store_option
+from .app import cli, complete_sessions, emit, json_option, open_store, store_option
 from .sessions import _exists, _namespace
 
 _force = click.option("--force", is_flag=True, help="Replace what is already there.")
 
 
 @cli.command("export")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_sessions)
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--format",
