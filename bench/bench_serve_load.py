@@ -2,6 +2,11 @@
 
     python -m bench.bench_serve_load            # 8 clients x 10 turns, bursts of 32
     python -m bench.bench_serve_load --quick    # 4 x 3, bursts of 12
+    python -m bench.bench_serve_load --quick --models llama --scrape   # /metrics cost
+
+``--scrape`` adds a third run of ``persist serve`` whose /metrics and
+/health are fetched every 0.1 s throughout (150x a 15 s Prometheus
+scrape): its latencies beside the unscraped run's are what metrics cost.
 
 For each model and server, one at a time on 127.0.0.1: conversation clients
 sharing a ~2,000-token system prompt, each with its own turns; then a burst
@@ -19,6 +24,7 @@ import statistics
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -85,13 +91,38 @@ def run_threads(targets: list[Any]) -> float:
     return time.perf_counter() - t0
 
 
-def measure(args: list[str], log: Path, clients: int, turns: int, burst: int) -> dict[str, Any]:
+class Scraper(threading.Thread):
+    """GET /metrics and /health every ``every`` seconds; the scrapes' own latencies."""
+
+    def __init__(self, port: int, every: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.port, self.every, self.done = port, every, threading.Event()
+        self.seconds: list[float] = []
+
+    def run(self) -> None:
+        while not self.done.wait(self.every):
+            for path in ("/metrics", "/health"):
+                t0 = time.perf_counter()
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=30) as r:
+                    r.read()
+                self.seconds.append(time.perf_counter() - t0)
+
+
+def measure(
+    args: list[str], log: Path, clients: int, turns: int, burst: int, scrape: bool = False
+) -> dict[str, Any]:
     srv = Server(args, log)
     rss = RssSampler(srv.proc.pid)
     rss.start()
+    scraper = Scraper(srv.port) if scrape else None
+    if scraper is not None:
+        scraper.start()
     results: list[Any] = []
     wall = run_threads([lambda i=i: conversation(srv, i, turns, results) for i in range(clients)])
     wall += run_threads([lambda i=i: one_shot(srv, i, results) for i in range(burst)])
+    if scraper is not None:
+        scraper.done.set()
+        scraper.join()
     t0 = time.perf_counter()
     srv.proc.send_signal(signal.SIGTERM)
     code = srv.proc.wait(timeout=300)
@@ -99,7 +130,10 @@ def measure(args: list[str], log: Path, clients: int, turns: int, burst: int) ->
     srv.log.close()
     rss.done.set()
     times = sorted(r[0] for r in results if r[0] != "error")
+    scrapes = sorted(scraper.seconds) if scraper is not None else []
     return {
+        "scrapes": len(scrapes),
+        "scrape_p50_s": statistics.median(scrapes) if scrapes else 0.0,
         "requests": len(results),
         "errors": sum(1 for r in results if r[0] == "error"),
         "p50_s": statistics.median(times) if times else 0.0,
@@ -117,12 +151,14 @@ def measure(args: list[str], log: Path, clients: int, turns: int, burst: int) ->
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--models", default="llama,qwen3_next", help="comma-separated archs")
+    ap.add_argument("--scrape", action="store_true", help="add a run scraped every 0.1 s")
     a = ap.parse_args()
     clients, turns, burst = (4, 3, 12) if a.quick else (8, 10, 32)
     out: dict[str, Any] = {"clients": clients, "turns": turns, "burst": burst, "runs": {}}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        for arch in ("llama", "qwen3_next"):
+        for arch in a.models.split(","):
             model = make_model(tmp / arch, arch)
             plain = measure(
                 ["mlx_lm.server", "--model", str(model)], tmp / f"{arch}-plain.log",
@@ -133,20 +169,34 @@ def main() -> None:
                 ["persist", "serve", "--model", str(model), "--store", str(store)],
                 tmp / f"{arch}-persist.log", clients, turns, burst,
             )  # fmt: skip
-            with persist.Store(store) as s:
-                st = s.stats()
-                mine |= {
-                    "drops": st.counters.get("serve_queue_drops", 0),
-                    "persisted": st.counters.get("serve_persisted", 0),
-                    "entries": st.entries,
-                    "store_bytes": st.unique_bytes,
-                    "check_clean": s.check() == [],
-                }
+            store_facts(store, mine)
             out["runs"][arch] = {"plain mlx_lm.server": plain, "persist serve": mine}
+            if a.scrape:
+                scraped = measure(
+                    ["persist", "serve", "--model", str(model), "--store", str(tmp / "scraped")],
+                    tmp / f"{arch}-scraped.log", clients, turns, burst, scrape=True,
+                )  # fmt: skip
+                out["runs"][arch]["persist serve, /metrics every 0.1 s"] = store_facts(
+                    tmp / "scraped", scraped
+                )
     out["machine"] = machine()
     md = markdown(out, a.quick)
-    write_results("serve-load-quick" if a.quick else "serve-load", out, md)
+    name = "serve-load-metrics" if a.scrape else "serve-load"
+    write_results(f"{name}-quick" if a.quick else name, out, md)
     print(md)
+
+
+def store_facts(store: Path, run: dict[str, Any]) -> dict[str, Any]:
+    with persist.Store(store) as s:
+        st = s.stats()
+        run |= {
+            "drops": st.counters.get("serve_queue_drops", 0),
+            "persisted": st.counters.get("serve_persisted", 0),
+            "entries": st.entries,
+            "store_bytes": st.unique_bytes,
+            "check_clean": s.check() == [],
+        }
+    return run
 
 
 def markdown(out: dict[str, Any], quick: bool) -> str:
@@ -175,6 +225,13 @@ def markdown(out: dict[str, Any], quick: bool) -> str:
                 f"| {r['wall_s']:.1f} | {r['errors']} | {r['cached_tokens']} | - "
                 f"| {r['shutdown_s']:.2f} | {r['exit_code']} | {r['rss_peak_mb']:.0f} | - | - |"
             )
+    for arch, runs in out["runs"].items():
+        for name, r in runs.items():
+            if r.get("scrapes"):
+                lines.append(
+                    f"\n{arch}, {name}: {r['scrapes']} scrapes of /metrics and /health "
+                    f"during the run, p50 {1000 * r['scrape_p50_s']:.1f} ms each."
+                )
     return "\n".join(lines) + "\n"
 
 

@@ -16,7 +16,12 @@ from typing import Any, TypeVar
 
 import click
 
-from ..errors import IdentityMismatchError, PersistError, StoreNotFoundError
+from ..errors import (
+    IdentityMismatchError,
+    InvalidArgumentError,
+    PersistError,
+    StoreNotFoundError,
+)
 from .terminal import end_line, progress
 
 __all__ = [
@@ -28,6 +33,7 @@ __all__ = [
     "open_store",
     "parse_size",
     "plural",
+    "plain",
     "progress",
 ]
 
@@ -45,6 +51,24 @@ def human_bytes(n: float) -> str:
 def plural(n: int, one: str, many: str | None = None) -> str:
     """'1 session', '2 sessions', '1 entry' / '3 entries'."""
     return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+# C0 and C1 controls, DEL, and the bidirectional overrides: a name that carries them
+# could move the cursor, rewrite an operator's line (CR, CSI, OSC) or reorder it.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def plain(text: object) -> str:
+    """``text`` safe for a terminal: every control character escaped (``\\x1b``, ``\\u202e``).
+
+    Every human-readable line that shows a name, a path or a message goes through
+    it; JSON output carries the exact strings (JSON escapes controls itself)."""
+    return _CONTROL.sub(_escape, str(text))
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
 
 
 def parse_size(text: str) -> int:
@@ -89,6 +113,15 @@ def store_option(f: F) -> F:
             callback=_remember_tier,
             help=f"{text} (${env})",
         )(f)
+    f = click.option(
+        "--tier-key-file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        expose_value=False,
+        callback=_remember_tier,
+        help="A file with the operator key (hex) that authenticates the tiers "
+        "(else $PERSIST_TIER_KEY).",
+    )(f)
     return click.option(
         "--store",
         "store_dir",
@@ -102,11 +135,25 @@ def _remember_tier(ctx: click.Context, param: click.Parameter, value: str | None
     ctx.meta[f"persist.{param.name}"] = value
 
 
-def tier_urls() -> dict[str, str | None]:
-    """The tier URLs of the command running (--shared, --cold, or their variables)."""
+def tier_urls() -> dict[str, Any]:
+    """The tier URLs of the command running (--shared, --cold, or their variables) and
+    the operator key of --tier-key-file (None: the Store reads $PERSIST_TIER_KEY)."""
     ctx = click.get_current_context(silent=True)
     meta = {} if ctx is None else ctx.meta
-    return {name: meta.get(f"persist.{name}") for name in TIER_OPTIONS}
+    out: dict[str, Any] = {name: meta.get(f"persist.{name}") for name in TIER_OPTIONS}
+    path = meta.get("persist.tier_key_file")
+    out["tier_key"] = None if path is None else read_tier_key(path)
+    return out
+
+
+def read_tier_key(path: Path) -> bytes:
+    from ..engine.tier_records import parse_key
+
+    try:
+        text = path.read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgumentError(f"cannot read the tier key file {path}: {e}") from None
+    return parse_key(text, f"the tier key file {path}")
 
 
 def json_option(f: F) -> F:
@@ -225,10 +272,11 @@ class PersistGroup(click.Group):
 def _fail(as_json: bool, message: str, kind: str, code: int, text: str | None = None) -> None:
     """Say what failed, one line on stderr (or, under --json, a JSON object on stdout
     for the script that asked for JSON), and exit with ``code``."""
-    if as_json:
+    if as_json:  # the exact message: JSON escapes controls itself
         click.echo(json.dumps({"error": message, "type": kind, "exit": code}))
     else:
-        click.echo(text or f"persist: {'error: ' if code == 1 else ''}{message}", err=True)
+        line = text or f"persist: {'error: ' if code == 1 else ''}{plain(message)}"
+        click.echo(line, err=True)
     sys.exit(code)
 
 

@@ -10,7 +10,7 @@ import click
 
 if TYPE_CHECKING:  # generation imports mlx-lm: loaded by these commands only
     from ..apps.generate import GenerateResult, PrimeResult
-from .app import cli, complete_sessions, emit, json_option, open_store, store_option
+from .app import cli, complete_sessions, emit, json_option, open_store, plain, store_option
 from .terminal import end_line, progress, write_answer
 
 _model = click.option(
@@ -40,7 +40,7 @@ _namespace = click.option(
 def _render_generate(r: GenerateResult) -> None:
     end_line()  # the streamed answer has no newline of its own
     click.echo(
-        f"[{r.session}] {r.reused_tokens} of {r.prompt_tokens} prompt tokens from the store "
+        f"[{plain(r.session)}] {r.reused_tokens} of {r.prompt_tokens} prompt tokens from the store "
         f"({r.source}); first token after {r.first_token_seconds:.3f} s; "
         f"{r.generated_tokens} tokens generated; session now {r.session_tokens} tokens",
         err=True,

@@ -14,6 +14,7 @@ from .app import (
     json_option,
     open_store,
     parse_size,
+    plain,
     plural,
     store_option,
 )
@@ -130,11 +131,11 @@ def stats_cmd(namespace: str | None, store_dir: Path | None, as_json: bool) -> N
             f"{human_bytes(s.referenced_bytes)}, dedup {s.dedup_ratio:.2f}x"
         )
         for k, v in sorted(s.counters.items()):
-            click.echo(f"{k} {v}")
+            click.echo(f"{plain(k)} {v}")
         for r in s.rates:
-            click.echo(_render_rate(r))
+            click.echo(plain(_render_rate(r)))
         for d in s.decisions:
-            click.echo(_render_decision(d))
+            click.echo(plain(_render_decision(d)))
 
     emit(as_json, data, render)
 

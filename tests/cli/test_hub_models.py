@@ -80,6 +80,8 @@ def test_a_repo_id_from_the_cache_offline(tmp_path: Path, model_dir: Any) -> Non
     # not cached and offline: one line saying so, exit 1
     miss = persist(env, *turn, "--model", "tiny-org/not-here", "--prompt", "x")
     assert miss.returncode == 1, miss.stderr
-    assert "not in the Hugging Face cache" in miss.stderr and "HF_HUB_OFFLINE" in miss.stderr
-    typo = persist(env, *turn, "--model", "./no-such-model", "--prompt", "x")
+    err = json.loads(miss.stdout)  # --json: the error as JSON
+    assert err["type"] == "ModelNotFoundError"
+    assert "not in the Hugging Face cache" in err["error"] and "HF_HUB_OFFLINE" in err["error"]
+    typo = persist(env, *turn[:-1], "--model", "./no-such-model", "--prompt", "x")
     assert typo.returncode == 1 and "no such folder" in typo.stderr, typo.stderr

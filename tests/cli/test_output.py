@@ -92,3 +92,11 @@ def test_the_shell_completes_session_names(tmp_path: Path) -> Any:
     assert complete(env, "persist generate --session o") == ["other"]
     typo = {**env, "PERSIST_HOME": str(tmp_path / "none")}
     assert complete(typo, "persist show w") == [] and not (tmp_path / "none").exists()
+
+
+def test_every_command_is_where_the_lazy_group_looks() -> None:
+    """A command loads only its module (app.COMMANDS): each command must be named there."""
+    from persist.cli.app import COMMANDS, load_commands
+
+    load_commands()
+    assert set(cli.commands) == set(COMMANDS)
