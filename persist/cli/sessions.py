@@ -43,10 +43,15 @@ def _row(e: EntryInfo) -> str:
     )
     pin = " pinned" if e.pinned else ""
     model = "DAMAGED (persist check --fix)" if e.damaged else plain(e.model)
-    return (
-        f"{plain(e.namespace):<10} {plain(name):<28} {e.tokens:>7} tok "
-        f"{human_bytes(e.bytes):>10}  {model:<16} used {_when(e.used)}{pin}"
+    ns, shown = plain(e.namespace), plain(name)
+    head = f"{ns:<10} {shown:<28}"
+    rest = (
+        f" {e.tokens:>7} tok {human_bytes(e.bytes):>10}  used {_when(e.used)}"
+        f"{pin:<7}  {model}"  # the model last: a repo id of any length keeps the columns
     )
+    if len(ns) > 10 or len(shown) > 28:  # a long name on its own line, whole
+        return f"{ns} {shown}\n{'':<39}{rest}"
+    return head + rest
 
 
 @cli.command("ls")

@@ -100,3 +100,12 @@ def test_every_command_is_where_the_lazy_group_looks() -> None:
 
     load_commands()
     assert set(cli.commands) == set(COMMANDS)
+
+
+def test_long_names_keep_the_columns(tmp_path: Path) -> None:
+    root = made(tmp_path / "s", "short", "a-session-name-far-longer-than-its-column-is-wide")
+    out = CliRunner().invoke(cli, ["ls", "--store", root]).stdout.splitlines()
+    assert "a-session-name-far-longer-than-its-column-is-wide" in out[0]  # whole, own line
+    data = [line for line in out if " tok " in line]
+    assert len(data) == 2 and len({line.index(" tok ") for line in data}) == 1, out
+    assert len({line.index(" used ") for line in data}) == 1, out
