@@ -152,9 +152,6 @@ def generate(
     the session keeps its messages.  The caches follow ``identity.cache_config``
     (kv_bits and max_kv_size, as ``load_model`` set them).
     """
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
-
     if system is not None and not chat:
         raise InvalidArgumentError("--system needs --chat")
     t0 = time.perf_counter()
@@ -183,33 +180,10 @@ def generate(
     tokens, covered = got.tokens, got.covered
     decision = store.costs.last
     sampling = sampling or Sampling()
-    cfg = dict(identity.cache_config)
-    if got.cache is None:
-        cache = make_prompt_cache(model, max_kv_size=cfg.get("max_kv_size"))
-    else:
-        cache = got.cache
-    steps = generate_step(
-        mx.array(tokens[covered:]),
-        model,
-        prompt_cache=cache,
-        max_tokens=max_tokens,
-        sampler=sampling.sampler(tokenizer),
-        prompt_progress_callback=bar("prefill"),
-        prefill_step_size=prefill_step_size,
-        kv_bits=cfg.get("kv_bits"),
-        kv_group_size=cfg.get("kv_group_size", 64),
-        quantized_kv_start=cfg.get("quantized_kv_start", 5000),
-    )
+    cache = got.cache if got.cache is not None else _new_cache(model, identity)
+    run = _Run(model, tokenizer, identity, sampling, prefill_step_size)
     started = time.perf_counter()
-    try:
-        out, text, first = _decode(steps, tokenizer, on_text, t0)
-    except ValueError as e:  # mlx's quantize refuses a group size the heads do not divide
-        if "kv_bits" not in cfg or "quantiz" not in str(e):
-            raise
-        raise InvalidArgumentError(
-            f"--kv-bits {cfg['kv_bits']} --kv-group-size {cfg.get('kv_group_size', 64)} "
-            f"do not fit this model's caches: {str(e).splitlines()[0]}"
-        ) from None
+    out, text, first = run(tokens[covered:], cache, max_tokens, bar("prefill"), on_text, t0)
     elapsed = time.perf_counter() - t0
     if out:  # the prompt's forward (and one step) until the first token: a prefill rate
         store.record_prefill(identity, covered, len(tokens), t0 + first - started)
@@ -238,6 +212,60 @@ def generate(
         decision=None if decision is None else asdict(decision),
         sampling=asdict(sampling),
     )
+
+
+def _new_cache(model: Any, identity: ModelIdentity) -> list[Any]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    # as mlx-lm: a ring of max_kv_size for a model without caches of its own
+    return list(
+        make_prompt_cache(model, max_kv_size=dict(identity.cache_config).get("max_kv_size"))
+    )
+
+
+@dataclass(frozen=True)
+class _Run:
+    """mlx-lm's generate_step with the identity's cache options and the sampling."""
+
+    model: Any
+    tokenizer: Any
+    identity: ModelIdentity
+    sampling: Sampling
+    prefill_step_size: int
+
+    def __call__(
+        self,
+        prompt: list[int],
+        cache: list[Any],
+        max_tokens: int,
+        bar: Progress | None,
+        on_text: Callable[[str], None] | None,
+        t0: float,
+    ) -> tuple[list[int], str, float]:
+        from mlx_lm.generate import generate_step
+
+        cfg = dict(self.identity.cache_config)
+        steps = generate_step(
+            mx.array(prompt),
+            self.model,
+            prompt_cache=cache,
+            max_tokens=max_tokens,
+            sampler=self.sampling.sampler(self.tokenizer),
+            prompt_progress_callback=bar,
+            prefill_step_size=self.prefill_step_size,
+            kv_bits=cfg.get("kv_bits"),
+            kv_group_size=cfg.get("kv_group_size", 64),
+            quantized_kv_start=cfg.get("quantized_kv_start", 5000),
+        )
+        try:
+            return _decode(steps, self.tokenizer, on_text, t0)
+        except ValueError as e:  # mlx's quantize refuses a group size the heads do not divide
+            if "kv_bits" not in cfg or "quantiz" not in str(e):
+                raise
+            raise InvalidArgumentError(
+                f"--kv-bits {cfg['kv_bits']} --kv-group-size {cfg.get('kv_group_size', 64)} "
+                f"do not fit this model's caches: {str(e).splitlines()[0]}"
+            ) from None
 
 
 def _decode(
