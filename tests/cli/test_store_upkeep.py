@@ -104,3 +104,17 @@ def test_gc_says_when_pins_keep_it_over_budget(tmp_path: Path) -> None:
     assert out.startswith("evicted 1 entry, freeing")
     assert "over the budget of 1.0 KiB: 1 pinned session holds" in out
     assert "persist unpin NAME" in out
+
+
+def test_persist_home_holds_the_demo_model_and_the_identity_memo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from persist import weights_memo
+    from persist.apps import demo
+
+    monkeypatch.delenv("PERSIST_IDENTITY_CACHE", raising=False)
+    monkeypatch.setenv("PERSIST_HOME", str(tmp_path / "home"))
+    assert demo.cache_home() == tmp_path / "home"
+    assert weights_memo.memo_dir() == tmp_path / "home" / "identity"
+    made = demo.demo_model_dir()
+    assert made.parent == tmp_path / "home" and (made / "config.json").exists()
