@@ -140,6 +140,7 @@ class PersistHandler(APIHandler):
             self._json(400, e.body())
             return
         # mlx-lm's do_POST reads the body again: from memory, exactly these bytes
+        self.path = endpoint  # and routes on the path without its query string
         self.rfile = io.BytesIO(raw)
         del self.headers["Content-Length"]
         self.headers["Content-Length"] = str(len(raw))
@@ -157,7 +158,7 @@ class PersistHandler(APIHandler):
             problem = (411, "send the body with a Content-Length (no Transfer-Encoding)")
         elif length is None:
             problem = (411, "a Content-Length header is required")
-        elif not length.strip().isdigit():
+        elif not (length.strip().isascii() and length.strip().isdigit()):
             problem = (400, f"Content-Length must be a number of bytes, not {length!r}")
         elif int(length) > limit:
             problem = (413, f"the body is {int(length)} bytes; this server takes at most {limit}")

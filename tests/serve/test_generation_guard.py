@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import mlx_lm.server as server
 import pytest
 from mlx_lm.models.cache import LRUPromptCache
 
+import persist
+from persist.apps.metrics import ServeMetrics
 from persist.apps.server_generation import GenerationFailed, GuardedGenerator, RestartBudget
 from persist.apps.server_requests import BadRequest
 
@@ -82,7 +85,7 @@ def test_a_failing_step_fails_its_requests_only(model_dir: Any, failing_steps: l
 
 
 def test_failures_past_the_budget_stop_generation_for_good(
-    model_dir: Any, failing_steps: list[int]
+    model_dir: Any, failing_steps: list[int], tmp_path: Path
 ) -> None:
     provider = server.ModelProvider(cli_args(str(model_dir("llama"))))
     gen = GuardedGenerator(provider, LRUPromptCache(), RestartBudget(failures=1, window=3600))
@@ -96,6 +99,12 @@ def test_failures_past_the_budget_stop_generation_for_good(
         assert gen.death is not None and "more than 1 failures" in gen.death
         with pytest.raises(GenerationFailed, match="generation has stopped"):
             answer(gen, "hello there")
+        with persist.Store(tmp_path / "store") as store:  # what /health (503) then says
+            m = ServeMetrics(store)
+            m.generator = gen
+            health = m.health()
+        assert health["status"] == "unavailable" and health["generation"]["alive"] is False
+        assert health["generation"]["stopped"] == gen.death
     finally:
         gen.stop_and_join()
 
