@@ -412,7 +412,8 @@ class Store:
         from ..store.check import check_store
         from .salvage import cutter
 
-        return check_store(self.index, self.blobs, fix, progress, cutter(self))
+        cut = cutter(self.index, self.blobs, self.block_tokens, self.budgets)
+        return check_store(self.index, self.blobs, fix, progress, cut)
 
     def sync(self, *, namespace: str | None = None, pull: Sequence[str] = ()) -> dict[str, Any]:
         """Push what the tiers lack (every snapshot), pull the named sessions ``pull``."""
