@@ -197,11 +197,21 @@ def check_cmd(fix: bool, store_dir: Path | None, as_json: bool) -> None:
         for p in problems:
             what = "fixed" if p.fixed else "problem"
             click.echo(f"{what}: {p.kind}: {plain(p.target)}: {plain(p.detail)}")
-        click.echo("store is consistent" if not problems else f"{len(problems)} problems")
+        left = sum(not p.fixed for p in problems)
+        if not problems:
+            click.echo("store is consistent")
+        elif fix:
+            click.echo(f"fixed {len(problems) - left} of {_count(len(problems), 'problem')}")
+        else:
+            click.echo(_count(len(problems), "problem"))
 
     emit(as_json, [p.to_dict() for p in problems], render)
     if any(not p.fixed for p in problems):
         raise SystemExit(1)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 @cli.command("stats")

@@ -84,7 +84,6 @@ class Store:
                     adopt=block_tokens is None,
                 ),
             )
-            full.ensure_reserve(self.root)
             for suffix in ("", "-wal", "-shm"):
                 p = self.root / f"index.sqlite{suffix}"
                 if p.exists() and not p.is_symlink():
@@ -201,6 +200,7 @@ class Store:
             progress=progress,
             lineages=self.lineages,
         )
+        full.ensure_reserve(self.root)  # before the disk fills: what rm and gc delete with
         for tier in self.tiers:
             tier.push(self.index, self.blobs, row.namespace, row.id)
         return self._info(row)
