@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import click
 
-from ..errors import IdentityMismatchError, PersistError
+from ..errors import IdentityMismatchError, InvalidArgumentError, PersistError
 
 __all__ = [
     "cli",
@@ -101,6 +101,15 @@ def store_option(f: F) -> F:
             callback=_remember_tier,
             help=f"{text} (${env})",
         )(f)
+    f = click.option(
+        "--tier-key-file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        expose_value=False,
+        callback=_remember_tier,
+        help="A file with the operator key (hex) that authenticates the tiers "
+        "(else $PERSIST_TIER_KEY).",
+    )(f)
     return click.option(
         "--store",
         "store_dir",
@@ -114,11 +123,25 @@ def _remember_tier(ctx: click.Context, param: click.Parameter, value: str | None
     ctx.meta[f"persist.{param.name}"] = value
 
 
-def tier_urls() -> dict[str, str | None]:
-    """The tier URLs of the command running (--shared, --cold, or their variables)."""
+def tier_urls() -> dict[str, Any]:
+    """The tier URLs of the command running (--shared, --cold, or their variables) and
+    the operator key of --tier-key-file (None: the Store reads $PERSIST_TIER_KEY)."""
     ctx = click.get_current_context(silent=True)
     meta = {} if ctx is None else ctx.meta
-    return {name: meta.get(f"persist.{name}") for name in TIER_OPTIONS}
+    out: dict[str, Any] = {name: meta.get(f"persist.{name}") for name in TIER_OPTIONS}
+    path = meta.get("persist.tier_key_file")
+    out["tier_key"] = None if path is None else read_tier_key(path)
+    return out
+
+
+def read_tier_key(path: Path) -> bytes:
+    from ..engine.tier_records import parse_key
+
+    try:
+        text = path.read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgumentError(f"cannot read the tier key file {path}: {e}") from None
+    return parse_key(text, f"the tier key file {path}")
 
 
 def json_option(f: F) -> F:

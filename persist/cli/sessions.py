@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import json
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,38 +51,72 @@ def _row(e: EntryInfo) -> str:
 @cli.command("ls")
 @click.option("--namespace", default=None, help="Only this namespace (default: all).")
 @click.option("--all", "show_all", is_flag=True, help="Also list checkpoints and prefixes.")
+@click.option(
+    "--sort",
+    type=click.Choice(["name", "used", "size"]),
+    default="name",
+    show_default=True,
+    help="By namespace and name, latest used first, or largest first.",
+)
+@click.option("--prefix", default=None, help="Only sessions whose name starts with this.")
+@click.option("--limit", type=click.IntRange(min=0), default=None, help="At most this many rows.")
 @store_option
 @json_option
-def ls_cmd(namespace: str | None, show_all: bool, store_dir: Path | None, as_json: bool) -> None:
-    """List stored sessions.
+def ls_cmd(
+    namespace: str | None,
+    show_all: bool,
+    sort: str,
+    prefix: str | None,
+    limit: int | None,
+    store_dir: Path | None,
+    as_json: bool,
+) -> None:
+    """List stored sessions, streamed: the first rows come at once, whatever the store's size.
 
     \b
     Example:
-      persist ls --all --json
+      persist ls --sort used --limit 20
+      persist ls --prefix user- --all --json
     """
-    with open_store(store_dir) as store:
-        every = store.entries(namespace)
-    rows = every if show_all else [e for e in every if e.session is not None]
-    hidden = _hidden(every) if not show_all else ""
+    from ..store.listing import stream, unnamed_counts
+    from ..store.rows import entry_info
 
-    def render(_: Any) -> None:
-        click.echo("\n".join(_row(r) for r in rows) or "no sessions")
+    with open_store(store_dir) as store:
+        rows = stream(store.index, namespace, every=show_all, sort=sort, prefix=prefix, limit=limit)
+        entries = (entry_info(r) for r in rows)
+        if as_json:
+            _json_array(entries)
+            return
+        shown = 0
+        for e in entries:
+            click.echo(_row(e))
+            shown += 1
+        if not shown:
+            click.echo("no sessions")
+        hidden = "" if show_all or prefix else _hidden(unnamed_counts(store.index, namespace))
         if hidden:
             click.echo(hidden)
 
-    emit(as_json, [r.to_dict() for r in rows], render)
+
+def _json_array(entries: Iterator[EntryInfo]) -> None:
+    """One JSON array (as ``emit`` writes it), each item written as it comes."""
+    first = True
+    for e in entries:
+        item = json.dumps(e.to_dict(), indent=2, sort_keys=True, default=str)
+        click.echo(("[\n" if first else ",\n") + textwrap.indent(item, "  "), nl=False)
+        first = False
+    click.echo("[]" if first else "\n]")
 
 
-def _hidden(entries: list[EntryInfo]) -> str:
+def _hidden(roles: dict[str, int]) -> str:
     """The line that says what plain ``ls`` does not list, and how to see it."""
-    roles = [e.role for e in entries if e.session is None]
     names = (("checkpoint", "checkpoint", "checkpoints"), ("prefix", "prefix", "prefixes"))
     parts = [
-        f"{n} {one if n == 1 else many}" for role, one, many in names if (n := roles.count(role))
+        f"{n} {one if n == 1 else many}" for role, one, many in names if (n := roles.get(role, 0))
     ]
     if not parts:
         return ""
-    why = " (prompts persist serve cached)" if "prefix" in roles else ""
+    why = " (prompts persist serve cached)" if roles.get("prefix") else ""
     return f"also {' and '.join(parts)}{why}: persist ls --all lists them"
 
 

@@ -45,7 +45,6 @@ __all__ = ["Store", "check_name"]
 
 log = logging.getLogger("persist")
 DEFAULT_BLOCK = 256
-RESTORE_RETRIES = 4  # re-reads of a session that concurrent saves keep replacing
 
 
 class Store:
@@ -53,7 +52,7 @@ class Store:
 
     ``namespace_max_bytes`` (bytes for every namespace, or a map of namespace to
     bytes) gives tenants budgets of their own: a save evicts only in its own
-    namespace, and one that cannot fit there is StoreFullError."""
+    namespace, and one that cannot fit there is StoreFullError.  ``tier_key``: tiers.py."""
 
     def __init__(
         self,
@@ -64,6 +63,7 @@ class Store:
         namespace_max_bytes: int | Mapping[str, int] | None = None,
         shared: str | None = None,
         cold: str | None = None,
+        tier_key: bytes | None = None,
         strict_backend: bool = False,
     ) -> None:
         self.root = store_root(root)
@@ -100,7 +100,7 @@ class Store:
         if shared or cold:  # the tier code and clients load only when asked for
             from .tiers import open_tiers
 
-            self.shared, self.cold = open_tiers(shared, cold)
+            self.shared, self.cold = open_tiers(shared, cold, tier_key)
         self.tiers = [t for t in (self.shared, self.cold) if t is not None]
         self.block_tokens = int(
             db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0]
