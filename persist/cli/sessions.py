@@ -277,6 +277,8 @@ def stats_cmd(namespace: str | None, store_dir: Path | None, as_json: bool) -> N
             click.echo(plain(_render_rate(r)))
         for d in s.decisions:
             click.echo(plain(_render_decision(d)))
+        for machine, path in s.data_paths.items():
+            click.echo(plain(f"data path {machine}: {path}"))
 
     emit(as_json, s.to_dict(), render)
 

@@ -405,6 +405,7 @@ class Store:
             counters=self.index.counters(namespace),
             rates=rates.all_rates(self.index),
             decisions=rates.decisions(self.index, namespace),
+            data_paths=rates.paths(self.index),
         )
 
     def check(self, fix: bool = False, *, progress: Progress | None = None) -> list[Problem]:
