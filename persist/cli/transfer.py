@@ -9,14 +9,14 @@ from typing import Any
 import click
 
 from ..errors import AlreadyExistsError, InvalidArgumentError
-from .app import cli, emit, json_option, open_store, plain, store_option
+from .app import cli, complete_sessions, emit, json_option, open_store, plain, store_option
 from .sessions import _exists, _namespace
 
 _force = click.option("--force", is_flag=True, help="Replace what is already there.")
 
 
 @cli.command("export")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_sessions)
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--format",
@@ -29,10 +29,9 @@ _force = click.option("--force", is_flag=True, help="Replace what is already the
 @click.option(
     "--model",
     "model_dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
-    help="For --format mlx-lm: the model, as you will give it to mlx_lm generate "
-    "(checked against the session's model, recorded in the file).",
+    help="For --format mlx-lm: the model (folder or repo id), as you will give it to "
+    "mlx_lm generate (recorded in the file; a folder is checked against the session's).",
 )
 @_namespace
 @_force
@@ -42,7 +41,7 @@ def export_cmd(
     name: str,
     file: Path,
     fmt: str,
-    model_dir: Path | None,
+    model_dir: str | None,
     namespace: str,
     force: bool,
     store_dir: Path | None,
@@ -61,7 +60,7 @@ def export_cmd(
         raise AlreadyExistsError(f"{file} exists; pass --force to replace it")
     if model_dir is not None and fmt != "mlx-lm":
         raise click.UsageError("--model is for --format mlx-lm (a persist file names its model)")
-    with open_store(store_dir) as store:
+    with open_store(store_dir) as store:  # reads only: no store is made
         model = None if model_dir is None else str(model_dir)
         e = store.export(name, file, namespace=namespace, format=fmt, model=model)
     emit(
@@ -77,9 +76,9 @@ def export_cmd(
 @click.option(
     "--model",
     "model_dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
-    help="For an mlx-lm prompt cache: the model that computed it.",
+    metavar="PATH_OR_REPO",
+    help="For an mlx-lm prompt cache: the model that computed it (folder or repo id).",
 )
 @click.option("--tokens", default=None, help="For an mlx-lm file: the token ids it covers, 1,2,3.")
 @click.option("--prompt", default=None, help="For an mlx-lm file: the text it covers.")
@@ -102,7 +101,7 @@ def export_cmd(
 def import_cmd(
     file: Path,
     session: str | None,
-    model_dir: Path | None,
+    model_dir: str | None,
     tokens: str | None,
     prompt: str | None,
     chat: bool,
@@ -125,7 +124,7 @@ def import_cmd(
     """
     name = session if session is not None else file.name.split(".")[0]
     model, identity, ids, templated = _foreign_inputs(model_dir, tokens, prompt, chat)
-    with open_store(store_dir) as store:
+    with open_store(store_dir, create=True) as store:
         if not force and _exists(store, name, namespace):
             raise AlreadyExistsError(f"session {name!r} exists; pass --force to replace it")
         e = store.import_file(
@@ -148,10 +147,11 @@ def import_cmd(
 
 
 def _foreign_inputs(
-    model_dir: Path | None, tokens: str | None, prompt: str | None, chat: bool
+    model_dir: str | None, tokens: str | None, prompt: str | None, chat: bool
 ) -> tuple[Any, Any, list[int] | None, list[int] | None]:
     """(model, identity, token ids, the text's ids under the chat template) from
-    --model and --tokens/--prompt (--chat), for an mlx-lm file."""
+    --model (a folder or Hugging Face repo id) and --tokens/--prompt (--chat), for
+    an mlx-lm file."""
     if tokens is not None and prompt is not None:
         raise click.UsageError("give at most one of --tokens and --prompt")
     if chat and prompt is None:
@@ -208,7 +208,7 @@ def sync_cmd(
     Example:
       persist sync --shared redis://127.0.0.1:6379/0 --pull work
     """
-    with open_store(store_dir) as store:
+    with open_store(store_dir, create=True) as store:  # a pull may fill a new store
         if not store.tiers:
             raise InvalidArgumentError("persist sync needs --shared or --cold (or $PERSIST_*)")
         r = store.sync(namespace=namespace, pull=list(names))

@@ -105,6 +105,8 @@ def load_snapshot(
     # The tail first: it holds every unsplit tensor (a hybrid's recurrent state,
     # a third of its bytes), read while the other workers take the blocks.
     pieces = [(row.tail, len(files) * block if split else 0, "rest" if partial else "all")]
+    if partial and all(key in split for key in _keys(specs)):
+        pieces = []  # every tensor is split: the blocks hold all a partial read needs
     pieces += [(f, i * block, "split") for i, f in enumerate(files[:need]) if split]
     heads = {file: index.blob_head(file) for file, _, _ in pieces}  # the index: this thread only
     room = partial_room.roomy(specs, split, keep, need * block) if keep and partial else {}
@@ -268,6 +270,20 @@ def _allocate(
 
 
 Piece = tuple[str, int, str]  # blob file, first position it holds, which tensors to take
+
+
+def _keys(specs: list[RecordSpec]) -> list[str]:
+    """Every tensor key (``layer/name``, children ``layer.j/name``), named as ``_allocate`` does."""
+    out: list[str] = []
+
+    def walk(spec: RecordSpec, path: str) -> None:
+        out.extend(f"{path}/{name}" for name in spec.tensors)
+        for j, c in enumerate(spec.children):
+            walk(c, f"{path}.{j}")
+
+    for i, spec in enumerate(specs):
+        walk(spec, str(i))
+    return out
 
 
 class _Ahead:

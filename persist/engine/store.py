@@ -84,7 +84,6 @@ class Store:
                     adopt=block_tokens is None,
                 ),
             )
-            full.ensure_reserve(self.root)
             for suffix in ("", "-wal", "-shm"):
                 p = self.root / f"index.sqlite{suffix}"
                 if p.exists() and not p.is_symlink():
@@ -209,6 +208,7 @@ class Store:
             budgets=self.budgets,
             progress=progress,
         )
+        full.ensure_reserve(self.root)  # before the disk fills: what rm and gc delete with
         for tier in self.tiers:
             tier.push(self.index, self.blobs, row.namespace, row.id)
         return self._info(row)
@@ -442,7 +442,8 @@ class Store:
         from ..store.check import check_store
         from .salvage import cutter
 
-        return check_store(self.index, self.blobs, fix, progress, cutter(self))
+        cut = cutter(self.index, self.blobs, self.block_tokens, self.budgets)
+        return check_store(self.index, self.blobs, fix, progress, cut)
 
     def sync(self, *, namespace: str | None = None, pull: Sequence[str] = ()) -> dict[str, Any]:
         """Push what the tiers lack (every snapshot), pull the named sessions ``pull``."""
