@@ -121,7 +121,10 @@ class Index:
     def live_blob(self, key: str) -> tuple[str, int] | None:
         with self.read() as db:
             row = db.execute(
-                "SELECT file, size FROM blobs WHERE key = ? AND dead = 0 LIMIT 1", [key]
+                # the partial key index: unforced, SQLite walks every live blob (dead = 0)
+                "SELECT file, size FROM blobs INDEXED BY blobs_key WHERE key = ? AND dead = 0 "
+                "LIMIT 1",
+                [key],
             ).fetchone()
         return (row[0], row[1]) if row else None
 

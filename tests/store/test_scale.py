@@ -60,8 +60,9 @@ def steps(store: persist.Store, run: Callable[[], Any]) -> int:
 
 
 def grow(store: persist.Store, start: int, stop: int) -> None:
-    for i in range(start, stop):
-        store.save(BASE, chat(i), identity=IDENTITY, session=f"chat{i}")
+    for i in range(start, stop):  # one in ten with bytes of its own: live blobs grow too
+        cache = [kv(340, 10 + i), kv(340, 11 + i)] if i % 10 == 0 else BASE
+        store.save(cache, chat(i), identity=IDENTITY, session=f"chat{i}")
 
 
 def work(store: persist.Store, n: int) -> dict[str, int]:
