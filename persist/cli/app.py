@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import click
 
-from ..errors import IdentityMismatchError, PersistError
+from ..errors import IdentityMismatchError, InvalidArgumentError, PersistError
 
 __all__ = [
     "cli",
@@ -26,6 +26,7 @@ __all__ = [
     "json_option",
     "open_store",
     "parse_size",
+    "plain",
     "progress",
 ]
 
@@ -38,6 +39,24 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+# C0 and C1 controls, DEL, and the bidirectional overrides: a name that carries them
+# could move the cursor, rewrite an operator's line (CR, CSI, OSC) or reorder it.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def plain(text: object) -> str:
+    """``text`` safe for a terminal: every control character escaped (``\\x1b``, ``\\u202e``).
+
+    Every human-readable line that shows a name, a path or a message goes through
+    it; JSON output carries the exact strings (JSON escapes controls itself)."""
+    return _CONTROL.sub(_escape, str(text))
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
 
 
 def parse_size(text: str) -> int:
@@ -82,6 +101,15 @@ def store_option(f: F) -> F:
             callback=_remember_tier,
             help=f"{text} (${env})",
         )(f)
+    f = click.option(
+        "--tier-key-file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        expose_value=False,
+        callback=_remember_tier,
+        help="A file with the operator key (hex) that authenticates the tiers "
+        "(else $PERSIST_TIER_KEY).",
+    )(f)
     return click.option(
         "--store",
         "store_dir",
@@ -95,11 +123,25 @@ def _remember_tier(ctx: click.Context, param: click.Parameter, value: str | None
     ctx.meta[f"persist.{param.name}"] = value
 
 
-def tier_urls() -> dict[str, str | None]:
-    """The tier URLs of the command running (--shared, --cold, or their variables)."""
+def tier_urls() -> dict[str, Any]:
+    """The tier URLs of the command running (--shared, --cold, or their variables) and
+    the operator key of --tier-key-file (None: the Store reads $PERSIST_TIER_KEY)."""
     ctx = click.get_current_context(silent=True)
     meta = {} if ctx is None else ctx.meta
-    return {name: meta.get(f"persist.{name}") for name in TIER_OPTIONS}
+    out: dict[str, Any] = {name: meta.get(f"persist.{name}") for name in TIER_OPTIONS}
+    path = meta.get("persist.tier_key_file")
+    out["tier_key"] = None if path is None else read_tier_key(path)
+    return out
+
+
+def read_tier_key(path: Path) -> bytes:
+    from ..engine.tier_records import parse_key
+
+    try:
+        text = path.read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgumentError(f"cannot read the tier key file {path}: {e}") from None
+    return parse_key(text, f"the tier key file {path}")
 
 
 def json_option(f: F) -> F:
@@ -154,7 +196,7 @@ class PersistGroup(click.Group):
         except PersistError as e:
             hint = "; pass --model with the model it was saved for"
             extra = hint if isinstance(e, IdentityMismatchError) else ""
-            click.echo(f"persist: error: {e}{extra}", err=True)
+            click.echo(f"persist: error: {plain(e)}{extra}", err=True)
             sys.exit(1)
         except BrokenPipeError:
             _quiet_stdout()

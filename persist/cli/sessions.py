@@ -13,7 +13,17 @@ import click
 
 from ..errors import SessionNotFoundError
 from ..store.types import EntryInfo
-from .app import cli, emit, human_bytes, json_option, open_store, parse_size, store_option
+from .app import (
+    cli,
+    emit,
+    human_bytes,
+    json_option,
+    open_store,
+    parse_size,
+    plain,
+    progress,
+    store_option,
+)
 
 _namespace = click.option("--namespace", default="default", show_default=True)
 
@@ -31,9 +41,10 @@ def _row(e: EntryInfo) -> str:
         else f"({e.role})"
     )
     pin = " pinned" if e.pinned else ""
+    model = "DAMAGED (persist check --fix)" if e.damaged else plain(e.model)
     return (
-        f"{e.namespace:<10} {name:<28} {e.tokens:>7} tok {human_bytes(e.bytes):>10}  "
-        f"{e.model:<16} used {_when(e.used)}{pin}"
+        f"{plain(e.namespace):<10} {plain(name):<28} {e.tokens:>7} tok "
+        f"{human_bytes(e.bytes):>10}  {model:<16} used {_when(e.used)}{pin}"
     )
 
 
@@ -126,11 +137,13 @@ def show_cmd(name: str, namespace: str, store_dir: Path | None, as_json: bool) -
 
     def render(_: Any) -> None:
         click.echo(f"session {e.session!r} in namespace {e.namespace!r}")
+        if e.damaged:
+            click.echo(f"  DAMAGED            {e.damaged}: persist check --fix repairs it")
         click.echo(f"  tokens             {e.tokens}")
         click.echo(f"  bytes              {human_bytes(e.bytes)} (shared blocks included)")
         click.echo(f"  trimmable          {e.trimmable}")
         click.echo(f"  min resume offset  {e.min_resume_offset}")
-        click.echo(f"  model              {e.model} ({e.identity[:16]})")
+        click.echo(f"  model              {plain(e.model)} ({plain(e.identity[:16])})")
         click.echo(f"  created / used     {_when(e.created)} / {_when(e.used)}")
         click.echo(f"  pinned             {e.pinned}")
         for i, k in enumerate(e.kinds):
@@ -194,12 +207,20 @@ def gc_cmd(max_bytes: str | None, dry_run: bool, store_dir: Path | None, as_json
 
 
 @cli.command("check")
-@click.option("--fix", is_flag=True, help="Repair: delete orphans, quarantine damaged blobs.")
+@click.option(
+    "--fix",
+    is_flag=True,
+    help="Repair: keep the valid part of damaged sessions, quarantine damaged blobs, "
+    "delete orphans.",
+)
 @store_option
 @json_option
 def check_cmd(fix: bool, store_dir: Path | None, as_json: bool) -> None:
     """Verify every blob and reconcile the index with the files.
 
+    With --fix a damaged session keeps what is still valid (its blocks before the
+    damage, or its deepest valid checkpoint) and each changed session is named with
+    what it lost; damaged files go to quarantine/, which gc clears after 14 days.
     Exits 1 if problems remain (none remain after a successful --fix).
 
     \b
@@ -207,11 +228,12 @@ def check_cmd(fix: bool, store_dir: Path | None, as_json: bool) -> None:
       persist check --fix
     """
     with open_store(store_dir) as store:
-        problems = store.check(fix=fix)
+        problems = store.check(fix=fix, progress=progress("checking"))
 
     def render(_: Any) -> None:
         for p in problems:
-            click.echo(f"{'fixed' if p.fixed else 'problem'}: {p.kind}: {p.target}: {p.detail}")
+            what = "fixed" if p.fixed else "problem"
+            click.echo(f"{what}: {p.kind}: {plain(p.target)}: {plain(p.detail)}")
         click.echo("store is consistent" if not problems else f"{len(problems)} problems")
 
     emit(as_json, [p.to_dict() for p in problems], render)
@@ -240,11 +262,11 @@ def stats_cmd(namespace: str | None, store_dir: Path | None, as_json: bool) -> N
             f"{human_bytes(s.referenced_bytes)}, dedup {s.dedup_ratio:.2f}x"
         )
         for k, v in sorted(s.counters.items()):
-            click.echo(f"{k} {v}")
+            click.echo(f"{plain(k)} {v}")
         for r in s.rates:
-            click.echo(_render_rate(r))
+            click.echo(plain(_render_rate(r)))
         for d in s.decisions:
-            click.echo(_render_decision(d))
+            click.echo(plain(_render_decision(d)))
 
     emit(as_json, s.to_dict(), render)
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
 from ..errors import AlreadyExistsError, InvalidArgumentError
-from .app import cli, emit, json_option, open_store, store_option
+from .app import cli, emit, json_option, open_store, plain, store_option
 from .sessions import _exists, _namespace
 
 _force = click.option("--force", is_flag=True, help="Replace what is already there.")
@@ -52,7 +53,7 @@ def export_cmd(
     emit(
         as_json,
         {"session": name, "file": str(file), "tokens": e.tokens},
-        lambda _: click.echo(f"exported {name!r} ({e.tokens} tokens) to {file}"),
+        lambda _: click.echo(f"exported {name!r} ({e.tokens} tokens) to {plain(file)}"),
     )
 
 
@@ -105,7 +106,9 @@ def import_cmd(
     emit(
         as_json,
         e.to_dict(),
-        lambda _: click.echo(f"imported {file} as session {e.session!r} ({e.tokens} tokens)"),
+        lambda _: click.echo(
+            f"imported {plain(file)} as session {e.session!r} ({e.tokens} tokens)"
+        ),
     )
 
 
@@ -145,6 +148,9 @@ def sync_cmd(
 ) -> None:
     """Push what the tiers (--shared, --cold) lack; fetch named sessions this store lacks.
 
+    Reports, per tier, snapshots pushed, already there and failed; exits 1 when any
+    push failed (a tier down, refused, or holding another namespace secret).
+
     \b
     Example:
       persist sync --shared redis://127.0.0.1:6379/0 --pull work
@@ -155,8 +161,16 @@ def sync_cmd(
         r = store.sync(namespace=namespace, pull=list(names))
 
     def render(_: Any) -> None:
-        click.echo(f"pushed {r['pushed']} snapshots; pulled {len(r['pulled'])} sessions")
+        for tier, n in r["tiers"].items():
+            click.echo(
+                f"{tier}: pushed {n['pushed']}, already there {n['present']}, "
+                f"failed {n['failed']} (of {r['snapshots']} snapshots)"
+            )
+        click.echo(f"pulled {len(r['pulled'])} sessions")
         if r["missing"]:
-            click.echo(f"not in any tier: {', '.join(r['missing'])}")
+            click.echo(f"not in any tier: {plain(', '.join(r['missing']))}")
 
     emit(as_json, r, render)
+    if r["failed"]:  # a push that did not happen is not a success
+        click.echo(f"persist: {r['snapshots_failed']} snapshots did not reach a tier", err=True)
+        sys.exit(1)

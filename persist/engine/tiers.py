@@ -1,25 +1,23 @@
 """Snapshots between the local store and a shared tier: push after a commit, pull on a miss.
 
 A snapshot travels as a *record* (its index row, its block list by content
-key, each blob's size and header checksum, and a checksum of all that) plus
-its blobs.  Pulling writes the blobs into the local store, checked against the
-record before anything is committed, then commits the row exactly as a local
-save would; from then on the local store serves it.  A tier that fails never
-fails the local operation: the caller counts it and goes on.
+key, each blob's size and header checksum, bound to its namespace and name and
+sealed by ``tier_records``) plus its blobs.  Pulling writes the blobs into the
+local store, checked against the record before anything is committed, then
+commits the row exactly as a local save would; from then on the local store
+serves it.  A tier that fails never fails the local operation: the caller
+counts it and goes on.  A value that is not what its key claims is a miss,
+counted by why (``<tier>_malformed``, ``_mismatched``, ``_unauthenticated``).
 """
 
 from __future__ import annotations
 
 import io
 import logging
-import os
 import secrets
+import sqlite3
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import msgpack
-import xxhash
 
 from .. import policy
 from ..errors import CorruptBlobError
@@ -29,12 +27,23 @@ from ..store.blobs import BlobStore
 from ..store.chains import boundary_heads, chain_root, chains
 from ..store.check import verify_blob
 from ..store.index import Index
-from ..store.redis_tier import RedisTier, TierUnavailable
+from ..store.redis_tier import RedisTier, TierUnavailable, namespace_tag
 from ..store.rows import BlockRef, NewBlob
 from ..store.s3_tier import S3Tier
 from .costs import LOCAL, CostModel
+from .tier_push import namespace_secret, push, sync
+from .tier_records import (
+    ROW_FIELDS,
+    TAG_BYTES,
+    BadValue,
+    Expect,
+    Keys,
+    block_of,
+    open_record,
+    tier_key_from_env,
+)
 
-__all__ = ["Shared", "push", "pull", "sync", "shared_secret", "EvictedError"]
+__all__ = ["Shared", "push", "pull", "sync", "EvictedError", "open_tiers"]
 
 
 class EvictedError(CorruptBlobError):
@@ -44,31 +53,39 @@ class EvictedError(CorruptBlobError):
 log = logging.getLogger("persist")
 Tier = RedisTier | S3Tier
 PULL_AHEAD = 4  # blobs fetched (in parallel) before they are written locally
-ROW_FIELDS = (
-    "name", "owner", "role", "identity", "identity_map", "root", "last_chain", "n_blocks",
-    "n_tokens", "tokens", "trimmable", "min_resume", "manifest", "metadata", "created",
-)  # fmt: skip
 
 
 class Shared:
     """A Store's shared tier: which namespaces agree with it, and the operations that
     never fail the local one (a tier that is down or refuses is counted and skipped)."""
 
-    def __init__(self, tier: Tier, name: str = "shared") -> None:
+    def __init__(
+        self, tier: Tier, name: str = "shared", keys: Keys | None = None, backup: Tier | None = None
+    ) -> None:
         self.tier, self.name = tier, name  # name: the prefix of its counters in persist stats
-        self._agreed: dict[str, bool] = {}
+        self.keys = keys if keys is not None else Keys()
+        self.backup = backup  # the cold tier, where a secret the shared one lost is kept
+        self._agreed: dict[str, bytes] = {}
 
     def _count(self, index: Index, namespace: str, what: str) -> None:
         index.count(namespace, **{f"{self.name}_{what}": 1})
 
+    def _bad(self, index: Index, namespace: str, e: BadValue) -> None:
+        self._count(index, namespace, e.why)
+        log.info("persist: %s tier value refused: %s", self.name, e.detail)
+
     def agree(self, index: Index, namespace: str, create: bool = False) -> bool:
-        """Does this namespace's secret agree with the tier's?  Only a save (``create``)
+        """Does this namespace's secret agree with the fleet's?  Only a save (``create``)
         puts a secret on the tier: a read never creates a namespace anywhere."""
+        return self.secret(index, namespace, create) is not None
+
+    def secret(self, index: Index, namespace: str, create: bool = False) -> bytes | None:
+        """The namespace's chain secret, the fleet's (None: not shared, or none yet)."""
         if namespace not in self._agreed:
-            ok = self._run(lambda: shared_secret(index, self.tier, namespace, create))
-            if ok is None:
-                return False  # down, or nothing shared yet: asked again next time
-            self._agreed[namespace] = bool(ok)
+            got = self._run(lambda: namespace_secret(self, index, namespace, create))
+            if got is None or not got[1]:
+                return None if got is None else got[0]  # asked again next time
+            self._agreed[namespace] = got[0]
         return self._agreed[namespace]
 
     def _run(self, op: Any) -> Any:
@@ -84,28 +101,66 @@ class Shared:
             if n:
                 index.count(namespace, **{f"{self.name}_{what}": n})
 
-    def push(self, index: Index, blobs: BlobStore, namespace: str, sid: int) -> None:
-        if self.agree(index, namespace, create=True):
-            before = dict(self.tier.counters)
-            done = self._run(lambda: push(index, blobs, self.tier, namespace, sid))
+    def push(self, index: Index, blobs: BlobStore, namespace: str, sid: int) -> str:
+        """Push one committed snapshot: ``pushed``, ``present`` (the tier had all of it),
+        ``skipped`` (not this tier's, or gone meanwhile) or ``failed``."""
+        secret = self.secret(index, namespace, create=True)
+        if secret is None:
+            self._count(index, namespace, "errors")
+            return "failed"
+        before = dict(self.tier.counters)
+        done = self._run(lambda: push(index, blobs, self.tier, self.keys, namespace, sid, secret))
+        if done in ("pushed", None):
             self._count(index, namespace, "pushes" if done else "errors")
-            self._bytes(index, namespace, before)
+        self._bytes(index, namespace, before)
+        return done or "failed"
 
-    def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> None:
-        """A named session the local store lacks, from the tier (CorruptBlobError if damaged)."""
-        if not self.agree(index, namespace):
-            return
-        record = self._run(lambda: self.tier.session_record(namespace, name))
-        if record is None:
+    def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool:
+        """A named session the local store lacks, from the tier (CorruptBlobError if a
+        blob is damaged); False where the tier is down or has no good record of it."""
+        secret = self.secret(index, namespace)
+        found = self._run(lambda: self._named(index, namespace, name, secret))
+        if found is None:
             self._count(index, namespace, "misses")
-            return
+            return False
+        body, secret = found
         before = dict(self.tier.counters)
         try:
-            if self._run(lambda: pull(index, blobs, self.tier, namespace, record, named=True)):
+            if secret is not None and index.secret(namespace) is None:
+                index.set_secret(namespace, secret)  # recovered from the record itself
+            if self._run(lambda: pull(index, blobs, self.tier, self.keys, namespace, body, True)):
                 self._count(index, namespace, "hits")
+                return True
+            return False
         except EvictedError:  # the LRU took part of it: the session is not there
             self._count(index, namespace, "incomplete")
-        self._bytes(index, namespace, before)
+            return False
+        except BadValue as e:
+            self._bad(index, namespace, e)
+            return False
+        finally:
+            self._bytes(index, namespace, before)
+
+    def _named(
+        self, index: Index, namespace: str, name: str, secret: bytes | None
+    ) -> tuple[dict[str, Any], bytes | None] | None:
+        """The checked record of session ``name`` and the secret its chains are under."""
+        ptr = self.tier.pointers(namespace, [("sess", name.encode())])[0]
+        if ptr is None:
+            return None
+        try:
+            rkey = self.keys.open_pointer(namespace, "sess", name.encode(), ptr)
+            value = self.tier.records(namespace, [rkey])[0]
+            if value is None:
+                return None
+            if secret is None and index.secret(namespace) is None:  # a new machine
+                bare = open_record(self.keys, value, Expect(namespace, rkey, name=name))
+                secret = bare.get("secret")
+            want = Expect(namespace, rkey, name=name, secret=secret or index.secret(namespace))
+            return open_record(self.keys, value, want), secret
+        except BadValue as e:
+            self._bad(index, namespace, e)
+            return None
 
     def pull_prefix(
         self,
@@ -122,36 +177,74 @@ class Shared:
         (and, with ``costs``, if pulling and restoring it beats a prefill)."""
         from .reading import choose
 
-        if not self.agree(index, namespace):  # adopts the fleet's secret on a new machine
-            return
-        secret = index.secret(namespace)
+        secret = self.secret(index, namespace)  # adopts the fleet's secret on a new machine
         if secret is None:
             return
         local = choose(index, toks, identity, namespace, block, set())
         every = chains(chain_root(secret, identity.digest), toks, block)
         heads = boundary_heads(every, toks, block)  # prefixes that end inside a block
-        records = self._run(lambda: self.tier.deepest_chain(namespace, every[1:], heads)) or []
-        found = best_record(records, toks)
+        want = Expect(namespace, secret=secret, block=block, identity=identity.digest)
+        bodies = self._run(lambda: self._deepest(index, namespace, every[1:], heads, want)) or []
+        found = best_record(bodies, toks)
         if found is None or found[0] <= (local[1] if local else 0):
             self._count(index, namespace, "misses")
             return
-        usable, record, body = found
+        usable, body = found
         if not self._worth(costs, identity, namespace, body, usable, max_cost):
             return
         before = dict(self.tier.counters)
         try:
             t0 = time.perf_counter()
-            if self._run(lambda: pull(index, blobs, self.tier, namespace, record, named=False)):
+            if self._run(lambda: pull(index, blobs, self.tier, self.keys, namespace, body, False)):
                 self._count(index, namespace, "hits")
                 moved = self.tier.counters.get("bytes_pulled", 0) - before.get("bytes_pulled", 0)
                 if costs is not None:
                     costs.restored(identity, self.name, moved, time.perf_counter() - t0)
-            self._bytes(index, namespace, before)
         except EvictedError:  # a shorter hit or none, never an error
             self._count(index, namespace, "incomplete")
+        except BadValue as e:
+            self._bad(index, namespace, e)
         except CorruptBlobError as e:  # never a wrong cache: the local answer stands
             self._count(index, namespace, "corrupt_skipped")
             log.warning("persist: skipping a damaged shared snapshot: %s", e)
+        self._bytes(index, namespace, before)
+
+    def _deepest(
+        self, index: Index, namespace: str, chs: list[bytes], heads: list[bytes], want: Expect
+    ) -> list[dict[str, Any]]:
+        """Checked records of the deepest snapshots of the prompt the tier knows, in two
+        round trips: one MGET of every pointer, one pipelined GET of at most two records.
+        The candidates: the end of the longest run of the prompt's chains from the start
+        (an LRU may drop a parent and keep its child: only the consecutive run counts),
+        and the deepest head key (``heads[b]``: the prompt's 16 tokens after block
+        boundary b, under chain b) at a boundary at least that deep."""
+        items = [("blk", c) for c in chs] + [("head", h) for h in heads]
+        found = self.tier.pointers(namespace, items) if items else []
+        blk, hd = found[: len(chs)], found[len(chs) :]
+        depth = 0
+        while depth < len(blk) and blk[depth] is not None:
+            depth += 1
+        at = max((b for b, v in enumerate(hd) if v is not None), default=-1)
+        followed = [("head", heads[at], hd[at])] if at >= depth else []
+        if depth:
+            followed.append(("blk", chs[depth - 1], blk[depth - 1]))
+        rkeys: list[tuple[str, tuple[str, bytes]]] = []
+        for kind, key, value in followed:
+            try:
+                rkeys.append((self.keys.open_pointer(namespace, kind, key, value), (kind, key)))
+            except BadValue as e:
+                self._bad(index, namespace, e)
+        out = []
+        values = self.tier.records(namespace, [r for r, _ in rkeys])
+        for (rkey, via), value in zip(rkeys, values, strict=True):
+            if value is None:
+                continue
+            try:
+                want.rkey, want.via = rkey, via
+                out.append(open_record(self.keys, value, want))
+            except BadValue as e:
+                self._bad(index, namespace, e)
+        return out
 
     def _worth(
         self,
@@ -174,16 +267,12 @@ class Shared:
         return False
 
 
-def best_record(records: list[bytes], toks: list[int]) -> tuple[int, bytes, dict[str, Any]] | None:
-    """(usable prefix, record, its checked body) of the candidate that serves the prompt
-    furthest, by the resume policy over its stored tokens (an untrimmable snapshot
-    only at its own length)."""
-    best: tuple[int, bytes, dict[str, Any]] | None = None
-    for record in records:
-        try:
-            body = _body(record)
-        except CorruptBlobError:
-            continue  # never used; a pull of it would refuse it too
+def best_record(bodies: list[dict[str, Any]], toks: list[int]) -> tuple[int, dict[str, Any]] | None:
+    """(usable prefix, checked body) of the candidate that serves the prompt furthest,
+    by the resume policy over its stored tokens (an untrimmable snapshot only at its
+    own length)."""
+    best: tuple[int, dict[str, Any]] | None = None
+    for body in bodies:
         row = body["row"]
         stored = unpack_tokens(row["tokens"])
         pairs = enumerate(zip(stored, toks, strict=False))
@@ -191,113 +280,48 @@ def best_record(records: list[bytes], toks: list[int]) -> tuple[int, bytes, dict
         n, trim, floor = len(stored), bool(row["trimmable"]), int(row["min_resume"])
         p = policy.usable_prefix(n, lcp, len(toks), trim, floor)
         if p and (best is None or p > best[0]):
-            best = (p, record, body)
+            best = (p, body)
     return best
 
 
-def open_tiers(shared: str | None, cold: str | None) -> tuple[Shared | None, Shared | None]:
-    """The shared (Redis) and cold (S3) tiers of these URLs (None where not given)."""
-    return (
-        Shared(RedisTier(shared)) if shared else None,
-        Shared(S3Tier(cold), "cold") if cold else None,
-    )
-
-
-def sync(
-    index: Index, blobs: BlobStore, shared: list[Shared], namespace: str | None, names: list[str]
-) -> dict[str, Any]:
-    """Push every local snapshot (of ``namespace``) to the tiers (each push writes only
-    what a tier lacks), then pull the named sessions this store lacks."""
-    rows = index.snapshots(namespace, named_only=False)
-    for row in rows:
-        for tier in shared:
-            tier.push(index, blobs, row.namespace, row.id)
-    pulled = []
-    for name in names:
-        ns = namespace or "default"
-        for tier in shared:
-            if index.by_name(ns, name) is None:
-                tier.pull_session(index, blobs, ns, name)
-        if index.by_name(ns, name) is not None:
-            pulled.append(name)
-    return {"pushed": len(rows), "pulled": pulled, "missing": sorted(set(names) - set(pulled))}
-
-
-def shared_secret(index: Index, tier: Tier, namespace: str, create: bool) -> bool | None:
-    """Make the namespace's chain secret the tier's (so chains and content keys agree on
-    every machine); False if this store already chained it with another one; None if
-    the tier has none and ``create`` is false."""
-    local = index.secret(namespace)
-    if not create:
-        held = tier.get_secret(namespace)
-        if held is None:
-            return None
-        theirs = held
-    else:
-        theirs = tier.secret(namespace, local if local is not None else os.urandom(32))
-    if local is None:
-        local = index.set_secret(namespace, theirs)
-    if local != theirs:
-        log.warning(
-            "persist: namespace %r has another secret on %s: not shared", namespace, tier.url
-        )
-        return False
-    return True
-
-
-def push(index: Index, blobs: BlobStore, tier: Tier, namespace: str, sid: int) -> bool:
-    """Write a committed snapshot's missing blobs and its record to the tier."""
-    with index.read() as db:
-        (row,) = Index.rows_where(db, "id = ?", [sid])
-        refs = Index.blocks_in(db, sid)
-    files = [row.tail, *(r.blob for r in refs if r.blob)]
-    facts = index.blob_facts(files)
-    if len(facts) != len(set(files)):
-        return True  # evicted or replaced meanwhile: nothing to share
-    by_key = {facts[f][0]: f for f in set(files)}
-
-    def put(key: str) -> None:
-        with blobs.open(by_key[key]) as fh:
-            tier.put_blob(namespace, key, fh.read(), bool(row.pinned))
-
-    with ThreadPoolExecutor(4) as pool:  # the tier's client is thread-safe
-        list(pool.map(put, tier.missing_blobs(namespace, sorted(by_key))))
-    body = {
-        "v": 1,
-        "row": {k: getattr(row, k) for k in ROW_FIELDS},
-        "blocks": [[r.idx, r.chain, facts[r.blob][0] if r.blob else None] for r in refs],
-        "tail": facts[row.tail][0],
-        "blobs": {facts[f][0]: [facts[f][1], facts[f][2]] for f in set(files)},
-    }
-    packed = msgpack.packb(body, use_bin_type=True)
-    record = msgpack.packb({"body": packed, "sum": xxhash.xxh3_128_digest(packed)})
-    rkey = xxhash.xxh3_128_hexdigest(packed)
-    name = row.name if row.role == "session" else None
-    chs = [r.chain for r in refs]
-    block = int(msgpack.unpackb(row.manifest, raw=False)["block"])
-    heads = boundary_heads([row.root, *chs], unpack_tokens(row.tokens), block)
-    tier.put_record(namespace, rkey, record, name, chs, heads, bool(row.trimmable))
-    return True
+def open_tiers(
+    shared: str | None, cold: str | None, tier_key: bytes | None = None
+) -> tuple[Shared | None, Shared | None]:
+    """The shared (Redis) and cold (S3) tiers of these URLs (None where not given), and
+    the operator key (``tier_key``, else ``$PERSIST_TIER_KEY``) that authenticates them."""
+    keys = Keys(tier_key if tier_key is not None else tier_key_from_env())
+    c = Shared(S3Tier(cold), "cold", keys) if cold else None
+    s = Shared(RedisTier(shared), "shared", keys, c.tier if c else None) if shared else None
+    return s, c
 
 
 def pull(
-    index: Index, blobs: BlobStore, tier: Tier, namespace: str, record: bytes, named: bool
+    index: Index,
+    blobs: BlobStore,
+    tier: Tier,
+    keys: Keys,
+    namespace: str,
+    body: dict[str, Any],
+    named: bool,
 ) -> int:
-    """Commit a record's snapshot into the local store (as a session if ``named``, else an
-    anonymous prefix); CorruptBlobError if the record or a blob fails its checksum."""
-    body = _body(record)
-    keys = sorted(body["blobs"])
+    """Commit a checked record's snapshot into the local store (as a session if
+    ``named``, else an anonymous prefix); CorruptBlobError if a blob fails its checks.
+    Blobs this store holds are not fetched; the others a few at a time."""
+    facts = body["blobs"]
+    files = {k: held[0] for k in facts if (held := index.live_blob(k)) is not None}
+    keys_needed = sorted(k for k in facts if k not in files)
     salt = secrets.token_hex(6)
     index.begin_pending(salt)
     written: list[NewBlob] = []
+    tag_bytes = TAG_BYTES if keys.key is not None else 0
     try:
-        files: dict[str, str] = {}
         # a few blobs in memory at a time: fresh memory for a whole session costs more
         # than the network here, and a pull never holds more than PULL_AHEAD blobs
-        for at in range(0, len(keys), PULL_AHEAD):
-            got = tier.get_blobs(namespace, keys[at : at + PULL_AHEAD])
-            for k, data in got.items():
-                files[k] = _local(index, blobs, k, data, body["blobs"][k], salt, written)
+        for at in range(0, len(keys_needed), PULL_AHEAD):
+            chunk = {k: int(facts[k][0]) for k in keys_needed[at : at + PULL_AHEAD]}
+            got = tier.get_blobs(namespace, chunk, tag_bytes)
+            for k, value in got.items():
+                files[k] = _local(blobs, keys, namespace, k, value, facts[k], salt, written)
             del got
         return _commit(index, namespace, body, files, written, salt, named)
     except BaseException:
@@ -307,35 +331,23 @@ def pull(
         raise
 
 
-def _body(record: bytes) -> dict[str, Any]:
-    try:
-        outer = msgpack.unpackb(record, raw=False)
-        packed = outer["body"]
-        if xxhash.xxh3_128_digest(packed) != outer["sum"]:
-            raise ValueError("checksum")
-        body: dict[str, Any] = msgpack.unpackb(packed, raw=False)
-        assert body["v"] == 1 and isinstance(body["blobs"], dict)
-        return body
-    except Exception:
-        raise CorruptBlobError("shared tier", "a damaged snapshot record") from None
-
-
 def _local(
-    index: Index,
     blobs: BlobStore,
+    keys: Keys,
+    namespace: str,
     key: str,
-    data: bytes | None,
+    value: tuple[bytes, bytes] | None,
     facts: list[Any],
     salt: str,
     written: list[NewBlob],
 ) -> str:
-    """The local file of blob ``key``: one the store holds, or the tier's bytes, checked."""
-    held = index.live_blob(key)
-    if held is not None:
-        return held[0]
+    """The local file of blob ``key`` from the tier's bytes, checked (its tag, its size,
+    its header against the record, every tensor against its checksum)."""
     where = f"shared blob {key}"
-    if data is None:
+    if value is None:
         raise EvictedError(where, "the shared tier no longer holds it")
+    data, tag = value
+    keys.check(b"blob", tag, namespace_tag(namespace).encode(), key.encode(), data)
     size, digest = facts[0], bytes(facts[1])
     # every tensor checked in memory, before a byte is written or committed
     problem = verify_blob(io.BytesIO(data), where, size, digest, len(data))
@@ -361,24 +373,27 @@ def _commit(
     salt: str,
     named: bool,
 ) -> int:
-    r = dict(body["row"])
+    r = {k: body["row"][k] for k in ROW_FIELDS}
     refs = [BlockRef(i, bytes(c), files[k] if k else None) for i, c, k in body["blocks"]]
-    now = time.time()
     row = {
         **r,
         "namespace": namespace,
         "name": r["name"] if named else None,
+        "owner": r["owner"] if named else None,
         "role": r["role"] if named else "prefix",
+        "trimmable": int(bool(r["trimmable"])),
         "tail": files[body["tail"]],
         "bytes": sum(f[0] for f in body["blobs"].values()),
         "pinned": 0,
-        "used": now,
+        "used": time.time(),
     }
-    with index.write() as db:
-        writes.add_blobs(db, namespace, written)
-        writes.finish_pending(db, salt)
-        sid = writes.insert(db, row, refs)
-        chs = [bytes(r["root"]), *(ref.chain for ref in refs)]
-        block = int(msgpack.unpackb(r["manifest"], raw=False)["block"])
-        writes.add_heads(db, sid, chs, unpack_tokens(r["tokens"]), block)
+    try:
+        with index.write() as db:
+            writes.add_blobs(db, namespace, written)
+            writes.finish_pending(db, salt)
+            sid = writes.insert(db, row, refs)
+            chs = [bytes(r["root"]), *(ref.chain for ref in refs)]
+            writes.add_heads(db, sid, chs, unpack_tokens(r["tokens"]), block_of(body))
+    except sqlite3.IntegrityError:  # the name was taken meanwhile (another pull, a save)
+        raise BadValue("conflict", "the local store took that name meanwhile") from None
     return sid

@@ -29,12 +29,15 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import InvalidArgumentError, PersistError
+from ..errors import CorruptBlobError, InvalidArgumentError, PersistError
+from .redis_cluster import cluster_client
 
-__all__ = ["RedisTier", "PART_BYTES", "TierUnavailable"]
+__all__ = ["RedisTier", "PART_BYTES", "TierUnavailable", "cluster_client"]
 
 log = logging.getLogger("persist")
 PART_BYTES = 8 << 20  # values of at most 8 MiB
+MAX_VALUE = 64 << 20  # a record is read at most this far (GETRANGE)
+SCAN_COUNT, SCAN_ROUNDS = 1000, 8  # the bounded search for a record to recover a secret from
 FETCHERS = 2  # blobs fetched at once (more only competes with the server for cores)
 SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://")
 CLUSTER_SCHEMES = tuple(s.replace("://", "+cluster://") for s in SCHEMES)
@@ -98,12 +101,23 @@ class RedisTier:
             # an ACL confines this user to other namespaces: a refusal, not an outage
             self._count("denied")
             raise TierUnavailable(f"shared tier {self.url} refused {what}: {e}") from None
-        except (self._redis.RedisError, self._redis.exceptions.RedisClusterException) as e:
-            if self._down_until == 0.0:  # once per outage
-                log.warning("persist: shared tier %s failed (%s): %s", self.url, what, e)
-            self._down_until = time.monotonic() + self.retry_after_s
+        except self._redis.ResponseError as e:
+            if isinstance(e, self._redis.exceptions.ClusterError):
+                raise self._outage(what, e) from None
+            # the server answered (out of memory, a value of another type): this
+            # operation failed, the server is not down
             self._count("errors")
-            raise TierUnavailable(f"shared tier {self.url}: {what}: {e}") from None
+            raise TierUnavailable(f"shared tier {self.url} refused {what}: {e}") from None
+        except (self._redis.RedisError, self._redis.exceptions.RedisClusterException) as e:
+            raise self._outage(what, e) from None
+
+    def _outage(self, what: str, e: Exception) -> TierUnavailable:
+        """The server is down or unreachable: skipped for ``retry_after_s``."""
+        if self._down_until == 0.0:  # once per outage
+            log.warning("persist: shared tier %s failed (%s): %s", self.url, what, e)
+        self._down_until = time.monotonic() + self.retry_after_s
+        self._count("errors")
+        return TierUnavailable(f"shared tier {self.url}: {what}: {e}")
 
     def _ok(self) -> None:
         self._down_until = 0.0
@@ -116,7 +130,7 @@ class RedisTier:
                     self._client_ = self._connect()
         return self._client_
 
-    def _mget(self, keys: list[str]) -> list[Any]:
+    def _mget(self, keys: list[Any]) -> list[Any]:
         """MGET; on a cluster, one pipelined MGET per node (keys of many slots)."""
         if self.cluster:
             return list(self._client.mget_nonatomic(keys))
@@ -139,7 +153,7 @@ class RedisTier:
         def run() -> bytes:
             self._client.set(key, mine, nx=True)
             got: Any = self._client.get(key)
-            return bytes(got) if got is not None else mine
+            return bytes(got) if isinstance(got, bytes) else mine
 
         out: bytes = self._call("secret", run)
         self._ok()
@@ -148,9 +162,59 @@ class RedisTier:
     def get_secret(self, namespace: str) -> bytes | None:
         """The namespace's secret if the tier has one (a read: nothing is created)."""
         key = self.prefix(namespace) + "secret"
-        got: Any = self._call("secret", lambda: self._client.get(key))
+        got: Any = self._call("secret", lambda: self._bad_is_none(lambda: self._client.get(key)))
         self._ok()
-        return None if got is None else bytes(got)
+        return bytes(got) if isinstance(got, bytes) else None
+
+    def any_record(self, namespace: str) -> bytes | None:
+        """Some record of the namespace, found by a bounded SCAN (``SCAN_ROUNDS`` calls per
+        node): where an evicted secret is recovered from (records carry it)."""
+        match = f"{self.prefix(namespace)}rec:*"
+
+        def run() -> bytes | None:
+            for key in self._scan(match):
+                got = self._bad_is_none(lambda k=key: self._client.getrange(k, 0, MAX_VALUE))
+                if isinstance(got, bytes):
+                    return got
+            return None
+
+        out: bytes | None = self._call("scan", run)
+        self._ok()
+        return out
+
+    def _scan(self, match: str) -> list[Any]:
+        found: list[Any] = []
+        if self.cluster:  # every primary at once, then each node's cursor on
+            cursors, keys = self._client.scan(0, match=match, count=SCAN_COUNT)
+            found += keys
+            for _ in range(SCAN_ROUNDS - 1):
+                cursors = {n: c for n, c in cursors.items() if c}
+                if found or not cursors:
+                    break
+                for name, cur in list(cursors.items()):
+                    node = self._client.get_node(node_name=name)
+                    got, keys = self._client.scan(
+                        cur, match=match, count=SCAN_COUNT, target_nodes=node
+                    )
+                    cursors[name], found = got[name], found + keys
+            return found
+        cursor = 0
+        for _ in range(SCAN_ROUNDS):
+            cursor, keys = self._client.scan(cursor, match=match, count=SCAN_COUNT)
+            found += keys
+            if found or not cursor:
+                break
+        return found
+
+    def _bad_is_none(self, fn: Any) -> Any:
+        """A key of another type (a hand-made list, a hash) is no value of persist's."""
+        try:
+            return fn()
+        except self._redis.ResponseError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            self._count("bad_values")
+            return None
 
     # -- blobs ----------------------------------------------------------------
 
@@ -167,44 +231,82 @@ class RedisTier:
         self._ok()
         return out
 
-    def put_blob(self, namespace: str, key: str, data: bytes, pinned: bool) -> None:
+    def put_blob(
+        self, namespace: str, key: str, data: bytes, pinned: bool, tag: bytes | None = None
+    ) -> None:
+        """A blob's bytes (and the operator key's ``tag`` of them: after a small blob's
+        bytes, in a large one's ``parts:<n>:<tag hex>`` marker)."""
         p, ttl = self.prefix(namespace), None if pinned else self.ttl_s
 
         def run() -> None:
             pipe = self._client.pipeline(transaction=False)
             if len(data) <= PART_BYTES:
-                pipe.set(f"{p}blob:{key}", data, nx=True, ex=ttl)
+                pipe.set(f"{p}blob:{key}", data + (tag or b""), nx=True, ex=ttl)
             else:
                 parts = range(0, len(data), PART_BYTES)
                 for i, at in enumerate(parts):
                     pipe.set(f"{p}blob:{key}:{i}", data[at : at + PART_BYTES], ex=ttl)
-                pipe.set(f"{p}blob:{key}", f"parts:{len(parts)}".encode(), nx=True, ex=ttl)
+                marker = f"parts:{len(parts)}" + (f":{tag.hex()}" if tag else "")
+                pipe.set(f"{p}blob:{key}", marker.encode(), nx=True, ex=ttl)
             pipe.execute()
 
         self._call("put blob", run)
         self._count("bytes_pushed", len(data))
         self._ok()
 
-    def get_blobs(self, namespace: str, keys: Sequence[str]) -> dict[str, bytes | None]:
-        """Each blob's bytes, or None where the tier lacks it (evicted, never written)."""
+    def get_blobs(
+        self, namespace: str, sizes: dict[str, int], tag_bytes: int = 0
+    ) -> dict[str, tuple[bytes, bytes] | None]:
+        """Each blob's (bytes, tag), None where the tier lacks it (evicted, never written).
+        ``sizes`` are the record's: every read is bounded by them (GETRANGE) and a part
+        count that disagrees is refused before the first part is asked for."""
         p = self.prefix(namespace)
 
-        def one(k: str) -> bytes | None:
-            v: Any = self._client.get(f"{p}blob:{k}")
-            if v is not None and v.startswith(b"parts:"):
-                # one GET per part: redis-py parses large single replies faster than MGETs
-                parts: Any = [self._client.get(f"{p}blob:{k}:{i}") for i in range(int(v[6:]))]
-                v = None if any(x is None for x in parts) else b"".join(parts)
-            return None if v is None else bytes(v)
+        def one(k: str) -> tuple[bytes, bytes] | None:
+            size, where = sizes[k], f"shared blob {k}"
+            if size <= PART_BYTES:  # the bytes, then the tag
+                v: Any = self._bad(
+                    where, lambda: self._client.getrange(f"{p}blob:{k}", 0, size + tag_bytes - 1)
+                )
+                if not v:
+                    return None
+                if len(v) != size + tag_bytes:
+                    raise CorruptBlobError(where, f"{len(v)} bytes where the record says {size}")
+                return bytes(v[:size]), bytes(v[size:])
+            marker = self._bad(where, lambda: self._client.getrange(f"{p}blob:{k}", 0, 127))
+            if not marker:
+                return None
+            n, tag = parse_parts(marker, size, tag_bytes, where)
+            # one GET per part: redis-py parses large single replies faster than MGETs
+            parts: Any = []
+            for i in range(n):
+                want = min(PART_BYTES, size - i * PART_BYTES)
+                got = self._bad(
+                    where, lambda i=i, w=want: self._client.getrange(f"{p}blob:{k}:{i}", 0, w - 1)
+                )
+                if not got:
+                    return None  # evicted
+                if len(got) != want:
+                    raise CorruptBlobError(where, f"part {i} is {len(got)} bytes, not {want}")
+                parts.append(got)
+            return b"".join(parts), tag
 
-        def run() -> dict[str, bytes | None]:
+        def run() -> dict[str, tuple[bytes, bytes] | None]:
             with ThreadPoolExecutor(FETCHERS) as pool:  # connections from redis-py's pool
-                return dict(zip(keys, pool.map(one, keys), strict=True))
+                return dict(zip(sizes, pool.map(one, sizes), strict=True))
 
-        got: dict[str, bytes | None] = self._call("get blobs", run)
-        self._count("bytes_pulled", sum(len(v) for v in got.values() if v))
+        got: dict[str, tuple[bytes, bytes] | None] = self._call("get blobs", run)
+        self._count("bytes_pulled", sum(len(v[0]) for v in got.values() if v))
         self._ok()
         return got
+
+    def _bad(self, where: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except self._redis.ResponseError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            raise CorruptBlobError(where, "a key of another type") from None
 
     # -- records and pointers --------------------------------------------------
 
@@ -213,105 +315,80 @@ class RedisTier:
         namespace: str,
         rkey: str,
         record: bytes,
-        name: str | None,
-        chains: Sequence[bytes],
-        heads: Sequence[bytes] = (),
+        pointers: Sequence[tuple[str, bytes, bytes]],
         trimmable: bool = True,
+        secret: bytes | None = None,
     ) -> None:
-        """The record and its pointers.  A trimmable snapshot serves any prefix of
+        """The record, its pointers (kind ``sess``/``blk``/``head``, key, value) and,
+        without an operator key, the namespace secret again (SET NX: an LRU that evicted
+        it gets it back from the next save).  A trimmable snapshot serves any prefix of
         its own: its pointers replace older ones.  An untrimmable one (recurrent
         state) serves only prompts that hold all its tokens, so the pointers stay
         with the first, shortest snapshot that reached them (a prime saves its
         checkpoints in order), and a longer one never hides it (SET NX)."""
         p, nx = self.prefix(namespace), not trimmable
+        named = any(kind == "sess" for kind, _, _ in pointers)
 
         def run() -> None:
             pipe = self._client.pipeline(transaction=False)
-            pipe.set(f"{p}rec:{rkey}", record, ex=self.ttl_s if name is None else None)
-            if name is not None:
-                pipe.set(f"{p}sess:{name}", rkey.encode())
-            for c in chains:
-                pipe.set(f"{p}blk:{c.hex()}", rkey.encode(), ex=self.ttl_s, nx=nx)
-            for h in heads:
-                pipe.set(f"{p}head:{h.hex()}", rkey.encode(), ex=self.ttl_s, nx=nx)
+            if secret is not None:
+                pipe.set(f"{p}secret", secret, nx=True)
+            pipe.set(f"{p}rec:{rkey}", record, ex=None if named else self.ttl_s)
+            for kind, key, value in pointers:
+                if kind == "sess":
+                    pipe.set(_pointer_key(p, kind, key), value)
+                else:
+                    pipe.set(_pointer_key(p, kind, key), value, ex=self.ttl_s, nx=nx)
             pipe.execute()
 
         self._call("put record", run)
         self._ok()
 
-    def session_record(self, namespace: str, name: str) -> bytes | None:
+    def pointers(self, namespace: str, items: Sequence[tuple[str, bytes]]) -> list[Any]:
+        """The values of pointers (``sess``: by name; ``blk``, ``head``: by hash), in one
+        MGET (a key of another type reads as None)."""
         p = self.prefix(namespace)
-
-        def run() -> bytes | None:
-            rkey: Any = self._client.get(f"{p}sess:{name}")
-            if rkey is None:
-                return None
-            record: Any = self._client.get(f"{p}rec:{rkey.decode()}")
-            return None if record is None else bytes(record)
-
-        out: bytes | None = self._call("get session", run)
+        names = [_pointer_key(p, kind, k) for kind, k in items]
+        out: list[Any] = self._call("pointers", lambda: self._mget(names) if names else [])
         self._ok()
         return out
 
-    def deepest_chain(
-        self, namespace: str, chains: Sequence[bytes], heads: Sequence[bytes] = ()
-    ) -> list[bytes]:
-        """Records of the deepest snapshots of the prompt the tier knows, deepest
-        first, in two round trips: one MGET of every pointer, one pipelined GET of
-        at most two records.  The candidates: the end of the longest run of the
-        prompt's chains from the start (an LRU may drop a parent and keep its
-        child: only the consecutive run counts), and the deepest head key
-        (``heads[b]``: the prompt's 16 tokens after block boundary b, under chain
-        b) at a boundary at least that deep.  The caller decides, from each
-        record's tokens, which one serves the prompt."""
-        p = self.prefix(namespace)
-        keys = [f"{p}blk:{c.hex()}" for c in chains] + [f"{p}head:{h.hex()}" for h in heads]
+    def has_record(self, namespace: str, rkey: str) -> bool:
+        key = f"{self.prefix(namespace)}rec:{rkey}"
+        out = bool(self._call("exists", lambda: self._client.exists(key)))
+        self._ok()
+        return out
 
-        def run() -> list[bytes]:
-            found: Any = self._mget(keys) if keys else []
-            blk, hd = found[: len(chains)], found[len(chains) :]
-            depth = 0
-            while depth < len(blk) and blk[depth] is not None:
-                depth += 1
-            at = max((b for b, v in enumerate(hd) if v is not None), default=-1)
-            rkeys = [hd[at]] if at >= depth else []
-            if depth and blk[depth - 1] not in rkeys:
-                rkeys.append(blk[depth - 1])
-            if not rkeys:
-                return []
+    def records(self, namespace: str, rkeys: Sequence[str]) -> list[bytes | None]:
+        """Records by key, in one pipelined round trip, each read at most MAX_VALUE bytes."""
+        p = self.prefix(namespace)
+
+        def run() -> list[bytes | None]:
             pipe = self._client.pipeline(transaction=False)
             for r in rkeys:
-                pipe.get(f"{p}rec:{r.decode()}")
-            return [bytes(v) for v in pipe.execute() if v is not None]
+                pipe.getrange(f"{p}rec:{r}", 0, MAX_VALUE)
+            got = pipe.execute(raise_on_error=False)
+            return [bytes(v) if isinstance(v, bytes) and v else None for v in got]
 
-        out: list[bytes] = self._call("lookup", run)
+        out: list[bytes | None] = self._call("records", run)
         self._ok()
         return out
 
 
-def cluster_client(url: str, timeouts: dict[str, Any]) -> Any:
-    """A RedisCluster from ``redis+cluster://[[user]:password@]host:port[,host:port...]``:
-    any of the nodes is enough to learn the slot map; TLS with ``rediss+cluster``."""
-    from urllib.parse import unquote
+def _pointer_key(prefix: str, kind: str, key: bytes) -> bytes | str:
+    """``sess:<name>`` (the name's UTF-8 bytes: Redis keys are binary), ``blk:<hex>``."""
+    return f"{prefix}sess:".encode() + key if kind == "sess" else f"{prefix}{kind}:{key.hex()}"
 
-    from redis.backoff import NoBackoff
-    from redis.cluster import ClusterNode, RedisCluster
-    from redis.retry import Retry
 
-    scheme, rest = url.split("://", 1)
-    auth, _, hosts = rest.rpartition("@")
-    user, _, password = auth.partition(":") if auth else ("", "", "")
-    nodes = []
-    for h in hosts.rstrip("/").split(","):
-        host, _, port = h.strip().rpartition(":")
-        if not host or not port.isdigit():
-            raise InvalidArgumentError(f"a cluster node is host:port, not {h!r} in {url!r}")
-        nodes.append(ClusterNode(host, int(port)))
-    return RedisCluster(
-        startup_nodes=nodes,
-        username=unquote(user) or None,
-        password=unquote(password) or None,
-        ssl=scheme.startswith("rediss"),
-        retry=Retry(NoBackoff(), 1),  # an outage costs about one timeout, not ten
-        **timeouts,
-    )
+def parse_parts(marker: Any, size: int, tag_bytes: int, where: str) -> tuple[int, bytes]:
+    """(part count, tag) of a ``parts:<n>[:<tag hex>]`` marker, checked against the
+    record's size before any part is asked for."""
+    try:
+        fields = bytes(marker).decode("ascii").split(":")
+        n, tag = int(fields[1]), bytes.fromhex(fields[2]) if len(fields) > 2 else b""
+        ok = fields[0] == "parts" and len(fields) <= 3
+    except (ValueError, IndexError, UnicodeDecodeError):
+        ok = False
+    if not ok or n != -(-size // PART_BYTES) or len(tag) != tag_bytes:
+        raise CorruptBlobError(where, "a parts marker that disagrees with the record's size")
+    return n, tag

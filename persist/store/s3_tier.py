@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import quote
 
 from ..errors import InvalidArgumentError, PersistError
-from .redis_tier import TierUnavailable, namespace_tag
+from .redis_tier import MAX_VALUE, TierUnavailable, namespace_tag
 
 __all__ = ["S3Tier"]
 
@@ -32,6 +35,8 @@ log = logging.getLogger("persist")
 
 
 class S3Tier:
+    named_only = True  # named sessions only: prefix lookups are the shared tier's job
+
     def __init__(
         self, url: str, *, connect_timeout_s: float = 1.0, retry_after_s: float = 10.0
     ) -> None:
@@ -66,7 +71,7 @@ class S3Tier:
 
     def _call(self, what: str, fn: Any) -> Any:
         if time.monotonic() < self._down_until:
-            self.counters["skipped"] = self.counters.get("skipped", 0) + 1
+            self._count("skipped")
             raise TierUnavailable(f"cold tier {self.url} is down (skipping it for a while)")
         ex = self._obstore.exceptions
         try:
@@ -74,20 +79,38 @@ class S3Tier:
         except (ex.NotFoundError, FileNotFoundError):
             return None
         except (ex.PermissionDeniedError, ex.UnauthenticatedError) as e:
-            self.counters["denied"] = self.counters.get("denied", 0) + 1
+            self._count("denied")
             raise TierUnavailable(f"cold tier {self.url} refused {what}: {e}") from None
-        except Exception as e:  # network, timeouts, a 5xx: an outage
-            if self._down_until == 0.0:
+        except Exception as e:
+            if not _outage(e):  # the server answered about this one key: no breaker
+                self._count("refused")
+                raise TierUnavailable(f"cold tier {self.url} refused {what}: {e}") from None
+            if self._down_until == 0.0:  # network, timeouts, a 5xx: an outage
                 log.warning("persist: cold tier %s failed (%s): %s", self.url, what, e)
             self._down_until = time.monotonic() + self.retry_after_s
-            self.counters["errors"] = self.counters.get("errors", 0) + 1
+            self._count("errors")
             raise TierUnavailable(f"cold tier {self.url}: {what}: {e}") from None
         self._down_until = 0.0
         return out
 
-    def _get(self, path: str) -> bytes | None:
-        got = self._call("get", lambda: bytes(self._obstore.get(self._store, path).bytes()))
-        return None if got is None else bytes(got)
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:  # blobs move on several threads
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    def _get(self, path: str, size: int | None = None, most: int = MAX_VALUE) -> bytes | None:
+        """An object's bytes; with ``size`` only an object of exactly that size, else at
+        most ``most`` bytes (the size is known before the body is read)."""
+
+        def run() -> bytes | None:
+            got = self._obstore.get(self._store, path)
+            n = int(got.meta["size"])
+            if (size is not None and n != size) or n > most:
+                self._count("bad_values")
+                return None
+            return bytes(got.bytes())
+
+        out: bytes | None = self._call("get", run)
+        return out
 
     def _create(self, path: str, data: bytes) -> None:
         """Put ``data`` unless the object exists (If-None-Match: the first writer wins)."""
@@ -102,11 +125,25 @@ class S3Tier:
     # -- the interface the engine uses (the shared tier's) -------------------
 
     def get_secret(self, namespace: str) -> bytes | None:
-        return self._get(self._path(namespace, "secret"))
+        return self._get(self._path(namespace, "secret"), most=64)
 
     def secret(self, namespace: str, mine: bytes) -> bytes:
         self._create(self._path(namespace, "secret"), mine)
         return self.get_secret(namespace) or mine
+
+    def any_record(self, namespace: str) -> bytes | None:
+        """Some record of the namespace (the first of a listing): recovers a secret."""
+
+        def first() -> str | None:
+            for batch in self._obstore.list(
+                self._store, self._path(namespace, "rec") + "/", chunk_size=1
+            ):
+                for meta in batch:
+                    return str(meta["path"])
+            return None
+
+        path = self._call("list", first)
+        return None if path is None else self._get(path)
 
     def missing_blobs(self, namespace: str, keys: Sequence[str]) -> list[str]:
         def exists(k: str) -> bool:
@@ -117,18 +154,27 @@ class S3Tier:
 
         return [k for k in keys if not exists(k)]
 
-    def put_blob(self, namespace: str, key: str, data: bytes, pinned: bool) -> None:
-        self._create(self._path(namespace, "blob", key), data)
-        with self._lock:  # blobs move on several threads
-            self.counters["bytes_pushed"] = self.counters.get("bytes_pushed", 0) + len(data)
+    def put_blob(
+        self, namespace: str, key: str, data: bytes, pinned: bool, tag: bytes | None = None
+    ) -> None:
+        """A blob's bytes, then the operator key's ``tag`` of them if there is a key."""
+        self._create(self._path(namespace, "blob", key), data + tag if tag else data)
+        self._count("bytes_pushed", len(data))
 
-    def get_blobs(self, namespace: str, keys: Sequence[str]) -> dict[str, bytes | None]:
+    def get_blobs(
+        self, namespace: str, sizes: dict[str, int], tag_bytes: int = 0
+    ) -> dict[str, tuple[bytes, bytes] | None]:
+        """Each blob's (bytes, tag), None where the tier lacks it; an object whose size is
+        not the record's is never read."""
+
+        def one(k: str) -> tuple[bytes, bytes] | None:
+            want = sizes[k] + tag_bytes
+            v = self._get(self._path(namespace, "blob", k), size=want, most=want)
+            return None if v is None else (v[: sizes[k]], v[sizes[k] :])
+
         with ThreadPoolExecutor(4) as pool:
-            got = pool.map(lambda k: self._get(self._path(namespace, "blob", k)), keys)
-            out = dict(zip(keys, got, strict=True))
-        self.counters["bytes_pulled"] = self.counters.get("bytes_pulled", 0) + sum(
-            len(v) for v in out.values() if v
-        )
+            out = dict(zip(sizes, pool.map(one, sizes), strict=True))
+        self._count("bytes_pulled", sum(len(v[0]) for v in out.values() if v))
         return out
 
     def put_record(
@@ -136,22 +182,54 @@ class S3Tier:
         namespace: str,
         rkey: str,
         record: bytes,
-        name: str | None,
-        chains: Sequence[bytes],
-        heads: Sequence[bytes] = (),
+        pointers: Sequence[tuple[str, bytes, bytes]],
         trimmable: bool = True,
+        secret: bytes | None = None,
     ) -> None:
-        if name is None:
-            return  # the cold tier keeps named sessions
+        """A named session's record and its ``sess/`` pointer (the cold tier keeps named
+        sessions only), and the namespace secret if it has none."""
+        named = [(key, value) for kind, key, value in pointers if kind == "sess"]
+        if not named:
+            return
+        if secret is not None:
+            self._create(self._path(namespace, "secret"), secret)
         self._create(self._path(namespace, "rec", rkey), record)
-        path = self._path(namespace, "sess", name)
-        self._call("put", lambda: self._obstore.put(self._store, path, rkey.encode()))
+        for key, value in named:
+            path = self._path(namespace, "sess", object_name(key.decode()))
+            self._call("put", lambda p=path, v=value: self._obstore.put(self._store, p, v))
 
-    def session_record(self, namespace: str, name: str) -> bytes | None:
-        rkey = self._get(self._path(namespace, "sess", name))
-        return None if rkey is None else self._get(self._path(namespace, "rec", rkey.decode()))
+    def pointers(self, namespace: str, items: Sequence[tuple[str, bytes]]) -> list[Any]:
+        """``sess`` pointers by name; the cold tier keeps no ``blk`` or ``head`` ones."""
+        return [
+            self._get(self._path(namespace, "sess", object_name(k.decode())), most=128)
+            if kind == "sess"
+            else None
+            for kind, k in items
+        ]
 
-    def deepest_chain(
-        self, namespace: str, chains: Sequence[bytes], heads: Sequence[bytes] = ()
-    ) -> list[bytes]:
-        return []
+    def has_record(self, namespace: str, rkey: str) -> bool:
+        path = self._path(namespace, "rec", rkey)
+        return self._call("head", lambda: self._obstore.head(self._store, path)) is not None
+
+    def records(self, namespace: str, rkeys: Sequence[str]) -> list[bytes | None]:
+        return [self._get(self._path(namespace, "rec", r)) for r in rkeys]
+
+
+def object_name(name: str) -> str:
+    """A session name as one object-key segment that every name round-trips through:
+    percent-encoding of all but letters, digits, ``-`` and ``_`` (so ``/``, ``.``,
+    ``..`` and empty segments cannot occur), or, past 512 bytes, ``=`` and its sha256
+    (``=`` is always encoded otherwise; the record inside holds the name itself)."""
+    encoded = quote(name, safe="-_").replace(".", "%2E").replace("~", "%7E")
+    if len(encoded) <= 512:
+        return encoded
+    return "=" + hashlib.sha256(name.encode()).hexdigest()
+
+
+def _outage(e: Exception) -> bool:
+    """Is this a failure of the server (network, timeout, 5xx, throttling), rather than
+    its answer about one key (a path it cannot take, a 4xx)?"""
+    if isinstance(e, ValueError | TypeError) or type(e).__name__ == "InvalidPathError":
+        return False  # refused before any request (a path the client cannot parse)
+    found = re.search(r"status(?: code)?:? (\d{3})", str(e))
+    return found is None or not found.group(1).startswith("4") or found.group(1) in ("408", "429")

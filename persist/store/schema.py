@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CorruptBlobError, InvalidArgumentError, UnsupportedVersionError
+from .full import disk_full_error, full_disk
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -239,19 +241,70 @@ def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_uti
             os.close(os.open(path, flags, 0o600))
     try:
         conn = sqlite3.connect(str(path), timeout=60, isolation_level=None, check_same_thread=False)
+        # A flipped byte in a text column reads as U+FFFD instead of failing the whole
+        # query: listings show the row (check's row checksum finds the damage).
+        conn.text_factory = lambda b: b.decode("utf-8", "replace")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA foreign_keys=ON")
         conn.execute("PRAGMA busy_timeout=60000")
     except sqlite3.DatabaseError as e:
-        raise CorruptBlobError(str(path), f"the index is not a usable SQLite file: {e}") from None
+        if full_disk(e, path.parent):
+            raise disk_full_error(path.parent, e) from None
+        raise _damaged(path, f"the index is not a usable SQLite file: {e}") from None
     db = sqlite_utils.Database(conn)
     from .index import corruption_is_typed
 
-    with corruption_is_typed():
-        _migrate(db, path)
-        _check_block_tokens(db, block_tokens, path, adopt)
+    try:
+        with corruption_is_typed():
+            lost = _lost_index(path) if _version(db) == 0 else None
+            if lost is None:
+                _migrate(db, path)
+                _check_block_tokens(db, block_tokens, path, adopt)
+    except CorruptBlobError as e:
+        conn.close()
+        raise _damaged(path, e.detail) from None
+    except BaseException:
+        conn.close()
+        raise
+    if lost is not None:
+        conn.close()
+        raise lost
     return db
+
+
+def _damaged(path: Path, detail: str) -> CorruptBlobError:
+    """A damaged index, with the command that saves what SQLite can still read of it."""
+    if "sqlite3 " in detail:
+        return CorruptBlobError(str(path), detail)
+    return CorruptBlobError(
+        str(path),
+        f"{detail}; to save what SQLite can still read of it: "
+        f"sqlite3 {shlex.quote(str(path))} .recover > recovered.sql "
+        "(then persist check on a copy of the store with the recovered index)",
+    )
+
+
+def _lost_index(path: Path) -> CorruptBlobError | None:
+    """An index without tables beside blob files: lost or replaced, never a new store."""
+    blobs = path.parent / "blobs"
+    n = 0
+    with contextlib.suppress(OSError):
+        for sub in os.scandir(blobs):
+            if sub.is_dir(follow_symlinks=False):
+                with os.scandir(sub.path) as it:
+                    n += sum(1 for e in it if e.name.endswith(".safetensors"))
+    if not n:
+        return None
+    root = shlex.quote(str(path.parent))
+    return CorruptBlobError(
+        str(path),
+        f"the index has no tables (it is empty or was replaced) but {blobs} holds {n} blob "
+        "files: persist will not open it as a new store, which would orphan every blob. "
+        "Blobs hold tensors without the tokens or model they belong to, so no session can "
+        "be rebuilt from them alone: put the store's own index.sqlite back (from a backup), "
+        f"or give them up and start afresh by moving the folder away: mv {root} {root}.lost",
+    )
 
 
 def _version(db: sqlite_utils.Database) -> int:

@@ -1,0 +1,37 @@
+"""A Redis Cluster client from one URL that names any of its nodes.  No mlx."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["cluster_client"]
+
+
+def cluster_client(url: str, timeouts: dict[str, Any]) -> Any:
+    """A RedisCluster from ``redis+cluster://[[user]:password@]host:port[,host:port...]``:
+    any of the nodes is enough to learn the slot map; TLS with ``rediss+cluster``."""
+    from urllib.parse import unquote
+
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
+
+    scheme, rest = url.split("://", 1)
+    auth, _, hosts = rest.rpartition("@")
+    user, _, password = auth.partition(":") if auth else ("", "", "")
+    nodes = []
+    for h in hosts.rstrip("/").split(","):
+        host, _, port = h.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgumentError(f"a cluster node is host:port, not {h!r} in {url!r}")
+        nodes.append(ClusterNode(host, int(port)))
+    return RedisCluster(
+        startup_nodes=nodes,
+        username=unquote(user) or None,
+        password=unquote(password) or None,
+        ssl=scheme.startswith("rediss"),
+        retry=Retry(NoBackoff(), 1),  # an outage costs about one timeout, not ten
+        **timeouts,
+    )
