@@ -79,11 +79,11 @@ def ls_cmd(
       persist ls --prefix user- --all --json
     """
     from ..store.listing import stream, unnamed_counts
-    from ..store.rows import entry_info
+    from ..store.rows import listed_info
 
     with open_store(store_dir) as store:
         rows = stream(store.index, namespace, every=show_all, sort=sort, prefix=prefix, limit=limit)
-        entries = (entry_info(r) for r in rows)
+        entries = (listed_info(r) for r in rows)  # a row that does not decode: DAMAGED
         if as_json:
             _json_array(entries)
             return
