@@ -28,10 +28,12 @@ WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin", ".json")
 
 
 def memo_dir() -> Path:
-    """Where digests are kept (``PERSIST_IDENTITY_CACHE``, else the user cache dir)."""
-    env = os.environ.get("PERSIST_IDENTITY_CACHE")
-    if env:
-        return Path(os.path.expandvars(os.path.expanduser(env)))
+    """Where digests are kept: ``PERSIST_IDENTITY_CACHE``, else ``$PERSIST_HOME/identity``
+    (a persist home keeps everything persist writes), else the user cache dir."""
+    for env, sub in (("PERSIST_IDENTITY_CACHE", ""), ("PERSIST_HOME", "identity")):
+        value = os.environ.get(env)
+        if value:
+            return Path(os.path.expandvars(os.path.expanduser(value))) / sub
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("persist")) / "identity"

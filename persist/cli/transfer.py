@@ -9,14 +9,14 @@ from typing import Any
 import click
 
 from ..errors import AlreadyExistsError, InvalidArgumentError
-from .app import cli, emit, json_option, open_store, plain, store_option
+from .app import cli, complete_sessions, emit, json_option, open_store, plain, store_option
 from .sessions import _exists, _namespace
 
 _force = click.option("--force", is_flag=True, help="Replace what is already there.")
 
 
 @cli.command("export")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_sessions)
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--format",
@@ -48,7 +48,7 @@ def export_cmd(
     """
     if file.exists() and not force:
         raise AlreadyExistsError(f"{file} exists; pass --force to replace it")
-    with open_store(store_dir) as store:
+    with open_store(store_dir) as store:  # reads only: no store is made
         e = store.export(name, file, namespace=namespace, format=fmt)
     emit(
         as_json,
@@ -63,9 +63,9 @@ def export_cmd(
 @click.option(
     "--model",
     "model_dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
-    help="For an mlx-lm prompt cache: the model that computed it.",
+    metavar="PATH_OR_REPO",
+    help="For an mlx-lm prompt cache: the model that computed it (folder or repo id).",
 )
 @click.option("--tokens", default=None, help="For an mlx-lm file: the token ids it covers, 1,2,3.")
 @click.option("--prompt", default=None, help="For an mlx-lm file: the text it covers.")
@@ -76,7 +76,7 @@ def export_cmd(
 def import_cmd(
     file: Path,
     session: str | None,
-    model_dir: Path | None,
+    model_dir: str | None,
     tokens: str | None,
     prompt: str | None,
     namespace: str,
@@ -97,7 +97,7 @@ def import_cmd(
     """
     name = session if session is not None else file.name.split(".")[0]
     identity, ids = _foreign_inputs(model_dir, tokens, prompt)
-    with open_store(store_dir) as store:
+    with open_store(store_dir, create=True) as store:
         if not force and _exists(store, name, namespace):
             raise AlreadyExistsError(f"session {name!r} exists; pass --force to replace it")
         e = store.import_file(
@@ -113,7 +113,7 @@ def import_cmd(
 
 
 def _foreign_inputs(
-    model_dir: Path | None, tokens: str | None, prompt: str | None
+    model_dir: str | None, tokens: str | None, prompt: str | None
 ) -> tuple[Any, list[int] | None]:
     """(identity, token ids) from --model and --tokens/--prompt, for an mlx-lm file."""
     if tokens is not None and prompt is not None:
@@ -155,7 +155,7 @@ def sync_cmd(
     Example:
       persist sync --shared redis://127.0.0.1:6379/0 --pull work
     """
-    with open_store(store_dir) as store:
+    with open_store(store_dir, create=True) as store:  # a pull may fill a new store
         if not store.tiers:
             raise InvalidArgumentError("persist sync needs --shared or --cold (or $PERSIST_*)")
         r = store.sync(namespace=namespace, pull=list(names))
