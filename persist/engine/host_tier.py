@@ -1,0 +1,167 @@
+"""A host-RAM tier: caches a server's in-memory prompt cache evicted, kept in RAM.
+
+mlx-lm's ``LRUPromptCache`` drops a conversation once ``--prompt-cache-size``
+(or its byte limit) is reached; asking the durable store for it again costs
+a file read and a checksum pass.  ``HostTier`` keeps what was evicted, up
+to a byte budget, least recently used first out, and hands it back before
+the store is asked.  Every cache handed out is a fresh deep copy: mlx-lm
+updates a live cache in place (slice assignment into a buffer it owns
+alone), so an alias of the kept entry would corrupt the next hit.
+
+On the CPU the kept cache is plain host memory already.  On CUDA it would
+belong in pinned memory (``format.pinned``'s ring); this tier keeps the
+evicted cache objects as they are, so there it holds device memory until
+that path exists (not yet: a CPU-first tier).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["HostTier", "HostHit", "default_budget", "HOST"]
+
+HOST = "host"  # the tier name in rates, metrics and lookups
+DEFAULT_CAP = 8 << 30  # bytes: the default budget's ceiling
+DEFAULT_SHARE = 0.10  # of MemAvailable
+
+
+def default_budget(meminfo: str = "/proc/meminfo") -> int:
+    """min(10% of MemAvailable, 8 GiB); 0 where MemAvailable cannot be read."""
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    kib = int(line.split()[1])
+                    return min(int(kib * 1024 * DEFAULT_SHARE), DEFAULT_CAP)
+    except (OSError, ValueError, IndexError):
+        pass  # no /proc (macOS): fall through to sysconf
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return min(int(free * DEFAULT_SHARE), DEFAULT_CAP)
+
+
+@dataclass(frozen=True)
+class HostHit:
+    cache: list[Any]  # a fresh copy, evaluated: the caller owns it
+    tokens: list[int]  # the prefix of the asked tokens it covers
+    nbytes: int
+    seconds: float  # the copy, as timed by the tier's clock
+
+
+def _nbytes(cache: Sequence[Any]) -> int:
+    return int(sum(c.nbytes for c in cache))
+
+
+def _fresh(cache: Sequence[Any]) -> list[Any]:
+    """A deep copy with every array evaluated: no lazy graph points back at the kept one."""
+    out = copy.deepcopy(list(cache))
+    mx.eval([a for c in out for a in c.state if isinstance(a, mx.array)])
+    return out
+
+
+class HostTier:
+    """Evicted caches by (model digest, tokens), LRU by bytes under ``max_bytes``.
+
+    Thread-safe: mlx-lm's generation thread keeps and fetches; /metrics reads.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise InvalidArgumentError(f"the host cache's size is bytes, at least 0: {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[tuple[str, tuple[int, ...]], tuple[list[Any], int]]
+        self._entries = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.kept = self.evicted = 0
+        self.clock = time.perf_counter  # tests inject one: no timing verdicts
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keep(self, digest: str, tokens: Sequence[int], cache: Sequence[Any]) -> bool:
+        """Keep an evicted cache (the caller gives it up); False if it cannot fit."""
+        n = _nbytes(cache)
+        if n > self.max_bytes or not tokens:
+            return False
+        key = (digest, tuple(int(t) for t in tokens))
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.nbytes -= old[1]
+            self._entries[key] = (list(cache), n)
+            self.nbytes += n
+            self.kept += 1
+            while self.nbytes > self.max_bytes:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self.nbytes -= dropped
+                self.evicted += 1
+        return True
+
+    def fetch(self, digest: str, tokens: Sequence[int], longer_than: int = 0) -> HostHit | None:
+        """The longest kept prefix of ``tokens`` (one token at least left over),
+        longer than ``longer_than``, as a fresh copy; it becomes most recent."""
+        toks = tuple(int(t) for t in tokens)
+        with self._lock:
+            best = None
+            for key in self._entries:
+                d, kt = key
+                n = len(kt)
+                fits = d == digest and longer_than < n < len(toks) and toks[:n] == kt
+                if fits and (best is None or n > len(best[1])):
+                    best = key
+            if best is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(best)
+            cache, n = self._entries[best]
+            self.hits += 1
+            t0 = self.clock()
+            fresh = _fresh(cache)  # under the lock: an eviction cannot free it mid-copy
+            seconds = self.clock() - t0
+        return HostHit(fresh, list(best[1]), n, seconds)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "bytes": self.nbytes,
+                "budget_bytes": self.max_bytes,
+                "entries": len(self._entries),
+                "hits": self.hits,
+                "misses": self.misses,
+                "kept": self.kept,
+                "evicted": self.evicted,
+            }
+
+
+class EvictionWatch:
+    """mlx-lm's prompt trie, with every ``pop`` (an eviction) reported first.
+
+    ``LRUPromptCache`` evicts through ``_trie.pop`` only (its ``insert_cache``
+    and ``trim_to``); dropping the prefixes a longer trimmable cache covers
+    goes through ``pop_prefixes``, which is no loss and is not reported.
+    """
+
+    def __init__(self, trie: Any, on_evict: Any) -> None:
+        self._trie, self._on_evict = trie, on_evict
+
+    def pop(self, model: Any, tokens: Any) -> Any:
+        entry = self._trie.pop(model, tokens)
+        self._on_evict(model, list(tokens), entry.prompt_cache)
+        return entry
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trie, name)
