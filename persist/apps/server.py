@@ -70,7 +70,7 @@ class PersistentPromptCache(LRUPromptCache):
         super().__init__(max_size, max_bytes)
         self.host = host  # what mlx-lm evicts is kept there, asked before the store
         if host is not None:
-            self._trie = EvictionWatch(self._trie, self._evicted)
+            self._trie = EvictionWatch(self._trie, self._evicted)  # type: ignore[assignment]
         self.metrics = metrics  # persist serve's Prometheus metrics (apps.metrics)
         if metrics is not None:
             metrics.caches.append(self)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from ..errors import InvalidArgumentError
 
@@ -61,6 +63,24 @@ class HostHit:
     seconds: float  # the copy, as timed by the tier's clock
 
 
+@dataclass(frozen=True)
+class _Kept:
+    cache: list[Any]
+    nbytes: int
+    tokens: Any  # numpy int64: compared with a prompt in one pass
+    trimmable: bool
+
+
+def _usable(kept: _Kept, toks: Any) -> int:
+    """Tokens of ``toks`` the kept cache can serve, at least one left over."""
+    n = min(len(kept.tokens), len(toks))
+    differ = np.flatnonzero(kept.tokens[:n] != toks[:n])
+    common = int(differ[0]) if differ.size else n
+    if common == len(kept.tokens) and common < len(toks):
+        return common  # it covers a prefix as it is
+    return min(common, len(toks) - 1) if kept.trimmable else 0
+
+
 def _nbytes(cache: Sequence[Any]) -> int:
     return int(sum(c.nbytes for c in cache))
 
@@ -83,8 +103,7 @@ class HostTier:
             raise InvalidArgumentError(f"the host cache's size is bytes, at least 0: {max_bytes!r}")
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self._entries: OrderedDict[tuple[str, tuple[int, ...]], tuple[list[Any], int]]
-        self._entries = OrderedDict()
+        self._entries: OrderedDict[tuple[str, tuple[int, ...]], _Kept] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = self.kept = self.evicted = 0
         self.clock = time.perf_counter  # tests inject one: no timing verdicts
@@ -101,38 +120,45 @@ class HostTier:
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self.nbytes -= old[1]
-            self._entries[key] = (list(cache), n)
+                self.nbytes -= old.nbytes
+            kept = _Kept(list(cache), n, np.asarray(key[1]), can_trim_prompt_cache(list(cache)))
+            self._entries[key] = kept
             self.nbytes += n
             self.kept += 1
             while self.nbytes > self.max_bytes:
-                _, (_, dropped) = self._entries.popitem(last=False)
-                self.nbytes -= dropped
+                _, dropped = self._entries.popitem(last=False)
+                self.nbytes -= dropped.nbytes
                 self.evicted += 1
         return True
 
     def fetch(self, digest: str, tokens: Sequence[int], longer_than: int = 0) -> HostHit | None:
-        """The longest kept prefix of ``tokens`` (one token at least left over),
-        longer than ``longer_than``, as a fresh copy; it becomes most recent."""
-        toks = tuple(int(t) for t in tokens)
+        """The longest usable kept prefix of ``tokens`` (one token at least left over),
+        longer than ``longer_than``, as a fresh copy; its entry becomes most recent.
+
+        Usable: a kept cache whose tokens begin ``tokens``, or, if it can be
+        trimmed, the part it shares with them (a conversation's next turn
+        differs where the client's text of the last answer begins), as
+        mlx-lm's own cache does."""
+        toks = np.asarray([int(t) for t in tokens], dtype=np.int64)
         with self._lock:
-            best = None
-            for key in self._entries:
-                d, kt = key
-                n = len(kt)
-                fits = d == digest and longer_than < n < len(toks) and toks[:n] == kt
-                if fits and (best is None or n > len(best[1])):
-                    best = key
+            best, use = None, longer_than
+            for key, kept in self._entries.items():
+                if key[0] == digest:
+                    n = _usable(kept, toks)
+                    if n > use:
+                        best, use = key, n
             if best is None:
                 self.misses += 1
                 return None
             self._entries.move_to_end(best)
-            cache, n = self._entries[best]
+            kept = self._entries[best]
             self.hits += 1
             t0 = self.clock()
-            fresh = _fresh(cache)  # under the lock: an eviction cannot free it mid-copy
+            fresh = _fresh(kept.cache)  # under the lock: an eviction cannot free it mid-copy
+            if use < len(best[1]):
+                trim_prompt_cache(fresh, len(best[1]) - use)
             seconds = self.clock() - t0
-        return HostHit(fresh, list(best[1]), n, seconds)
+        return HostHit(fresh, [int(t) for t in toks[:use]], kept.nbytes, seconds)
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -24,7 +24,8 @@ def prefilled(model: Any, tokens: list[int]) -> list[Any]:
 
 
 def states(cache: list[Any]) -> list[np.ndarray]:
-    arrays = [a for c in cache for a in c.state if isinstance(a, mx.array)]
+    # what a layer holds: its live positions (the buffer past offset is spare room)
+    arrays = [a[..., : c.offset, :] for c in cache for a in (c.keys, c.values)]
     return [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in arrays]
 
 
@@ -54,12 +55,19 @@ def test_lookup_rules(tiny: Any) -> None:
     model, _, _ = tiny("llama")
     tier = HostTier(1 << 30)
     tier.keep("m", PROMPT[:10], prefilled(model, PROMPT[:10]))
-    tier.keep("m", PROMPT[:20], prefilled(model, PROMPT[:20]))
+    twenty = prefilled(model, PROMPT[:20])
+    tier.keep("m", PROMPT[:20], twenty)
     assert tier.fetch("other", PROMPT) is None  # another model's caches never match
-    assert tier.fetch("m", PROMPT[:20]).tokens == PROMPT[:10]  # type: ignore[union-attr]
+    # a trimmable cache serves the part it shares, one token at least left over
+    assert tier.fetch("m", PROMPT[:20]).tokens == PROMPT[:19]  # type: ignore[union-attr]
+    turn = tier.fetch("m", [*PROMPT[:15], 999, 998])
+    assert turn is not None and turn.tokens == PROMPT[:15]
+    # bit-exact: the kept cache's first 15 positions (a 20-token forward's numbers)
+    want = [a[..., :15, :] for a in states(twenty)]
+    assert all((a == b).all() for a, b in zip(states(turn.cache), want, strict=True))
     assert tier.fetch("m", PROMPT, longer_than=20) is None  # memory has as much
     assert tier.fetch("m", [9, 9, 9]) is None
-    assert tier.stats()["hits"] == 1 and tier.stats()["misses"] == 3
+    assert tier.stats()["hits"] == 2 and tier.stats()["misses"] == 3
 
 
 def test_budget_and_lru_by_bytes(tiny: Any) -> None:
