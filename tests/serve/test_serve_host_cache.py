@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import persist
 from bench.servers import Server
 
 from .test_serve import TURN1, TURN2, cached, text
@@ -47,7 +48,8 @@ def test_evicted_conversation_comes_from_the_host_tier(model_dir: Any, tmp_path:
         want = plain.chat(TURN2)
     finally:
         plain.stop()
-    args = ["persist", "serve", "--model", str(model), "--store", str(tmp_path / "store")]
+    store = tmp_path / "store"
+    args = ["persist", "serve", "--model", str(model), "--store", str(store)]
     srv = Server([*args, "--host-cache", "256M", "--prompt-cache-size", "1"], tmp_path / "s.log")
     try:
         one = srv.chat(TURN1)
@@ -68,3 +70,7 @@ def test_evicted_conversation_comes_from_the_host_tier(model_dir: Any, tmp_path:
     assert host["budget_bytes"] == 256 << 20 and 0 < host["bytes"] <= host["budget_bytes"]
     gauge = ("persist_host_cache_bytes", ())
     assert after[gauge] == host["bytes"]
+    with persist.Store(store) as s:  # the cost model learned the host tier's rate
+        stats = s.stats()
+        assert stats.counters["serve_host_hits"] == 1
+        assert any(r["what"] == "restore" and r["key"] == "host" for r in stats.rates)
