@@ -27,6 +27,7 @@ from ..codecs.snapshot import Snapshot, capture
 from ..engine.host_tier import HOST, EvictionWatch, HostTier, default_budget
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
+from ..format.tensors import on_cuda
 from ..identity import ModelIdentity
 from .metrics import ServeMetrics
 
@@ -304,7 +305,7 @@ def serve(
     ``keep_freed_buffers``; ``read_timeout``, ``max_request_bytes``: what a
     request may take to arrive, and its size (``server_handler``).
     ``host_cache``: bytes of evicted caches kept in RAM (``engine.host_tier``;
-    None: its default budget, 0: none).
+    None: its default budget, none on CUDA; 0: none).
     """
     import functools
     import sys
@@ -323,7 +324,9 @@ def serve(
     store = Store(store_root, max_bytes=max_bytes, shared=shared, cold=cold, tier_key=tier_key)
     measure_prefills(server, store, lambda model: by_model.get(id(model)))
     metrics = ServeMetrics(store, namespace)
-    budget = default_budget() if host_cache is None else host_cache
+    # auto on CUDA: none, since the tier would keep evicted caches in device memory
+    # there (no pinned copy yet), holding what mlx-lm's eviction meant to free
+    budget = (0 if on_cuda() else default_budget()) if host_cache is None else host_cache
     metrics.host = host = HostTier(budget) if budget > 0 else None
     caches: list[PersistentPromptCache] = []
 

@@ -8,10 +8,11 @@ the store is asked.  Every cache handed out is a fresh deep copy: mlx-lm
 updates a live cache in place (slice assignment into a buffer it owns
 alone), so an alias of the kept entry would corrupt the next hit.
 
-On the CPU the kept cache is plain host memory already.  On CUDA it would
-belong in pinned memory (``format.pinned``'s ring); this tier keeps the
-evicted cache objects as they are, so there it holds device memory until
-that path exists (not yet: a CPU-first tier).
+On the CPU (and Metal's unified memory) the kept cache is host memory
+already.  On CUDA it belongs in pinned memory (``format.pinned``'s ring);
+that copy is not built: this tier keeps the evicted cache objects as they
+are, device memory there, so ``persist serve`` turns it off on CUDA unless
+``--host-cache`` asks for it.
 """
 
 from __future__ import annotations
