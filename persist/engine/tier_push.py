@@ -121,7 +121,7 @@ def push(
         "row": {**fields, "trimmable": bool(row.trimmable)},
         "blocks": [[r.idx, r.chain, facts[r.blob][0] if r.blob else None] for r in refs],
         "tail": facts[row.tail][0],
-        "blobs": {facts[f][0]: [facts[f][1], facts[f][2]] for f in set(files)},
+        "blobs": {facts[f][0]: [facts[f][1], facts[f][2]] for f in sorted(set(files))},
         "secret": None if keys.key is not None else secret,  # a derived one is kept nowhere
     }
     rkey, record = seal_record(keys, namespace, body)
