@@ -5,18 +5,19 @@ Keys live under one prefix per namespace, ``persist:<tag>:`` with ``tag`` the
 first 16 hex digits of sha256(namespace), so a Redis ACL key pattern confines
 a tenant.  Under it:
 
-- ``secret``: the namespace's chain secret (the same on every machine);
-- ``blob:<content key>``: a blob file's bytes, or ``parts:<n>`` and the parts
-  ``blob:<key>:<i>`` of at most 8 MiB; written with SET NX (content-addressed,
-  write-once) and a TTL unless the snapshot is pinned;
-- ``rec:<record key>``: a snapshot record (msgpack, ``engine/tiers.py``);
-- ``sess:<name>``: the record key of a named session;
-- ``blk:<chain hex>``: the record key of a snapshot holding that block.
+- ``secret``: the namespace's chain secret, when there is no operator key;
+- ``blob:<content key>``: a blob file's bytes (and its tag), or ``parts:<n>[:<tag>]``
+  and the parts ``blob:<key>:<i>`` of at most 8 MiB; written with SET NX
+  (content-addressed, write-once) and a TTL unless the snapshot is pinned;
+- ``rec:<record key>``: a snapshot record (``engine/tier_records.py``);
+- ``sess:<name>``, ``blk:<chain hex>``, ``head:<head key hex>``: pointers to records.
 
-Every value read is checked by the caller (blob headers against the record's
-checksums, records by their own checksum): a corrupt or evicted value is a
-miss, never a wrong cache.  A server that is down costs one connect timeout,
-then a breaker skips it for ``retry_after`` seconds.
+Nothing read here is trusted: the engine checks every value against what it
+asked for (``engine/tier_records.py``), and every read is bounded (GETRANGE) by
+what the record says; a key of another type reads as nothing.  A server that
+is down costs one connect timeout, then a breaker skips it for
+``retry_after`` seconds; an answer about one key (another type, out of memory,
+an ACL) fails that operation only.
 """
 
 from __future__ import annotations

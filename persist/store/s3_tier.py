@@ -3,12 +3,14 @@
 Named sessions' records and blobs go here, under ``<prefix>/persist/<tag>/`` with
 the same names as the shared tier's keys (``redis_tier.py``): ``secret``,
 ``blob/<content key>`` (created with If-None-Match: write-once), ``rec/<key>``,
-``sess/<name>``.  A machine with only this tier restores any named session;
-prefix lookups are the shared tier's job (one object per chain would cost a
-request each), so ``deepest_chain`` finds nothing here.  Endpoint, region and
-credentials come from the standard variables (``AWS_ENDPOINT_URL``,
-``AWS_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``;
-``AWS_ALLOW_HTTP=true`` for a plain-http endpoint).
+``sess/<name>`` (the name percent-encoded into one segment: ``object_name``).
+A machine with only this tier restores any named session; prefix lookups are
+the shared tier's job (one object per chain would cost a request each), so it
+keeps no ``blk`` or ``head`` pointers.  An object is read only at the size
+expected.  The breaker opens on the server's failures, never on its answer
+about one key.  Endpoint, region and credentials come from the standard
+variables (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``; ``AWS_ALLOW_HTTP=true`` for a plain-http endpoint).
 """
 
 from __future__ import annotations
