@@ -313,15 +313,19 @@ def pull(
     salt = secrets.token_hex(6)
     index.begin_pending(salt)
     written: list[NewBlob] = []
-    tag_bytes = TAG_BYTES if keys.key is not None else 0
+    tag_bytes, where = TAG_BYTES if keys.key is not None else 0, namespace_tag(namespace).encode()
+
+    def check(k: str, data: bytes, tag: bytes) -> None:  # the tag, on the fetching thread
+        keys.check(b"blob", tag, where, k.encode(), data)
+
     try:
         # a few blobs in memory at a time: fresh memory for a whole session costs more
         # than the network here, and a pull never holds more than PULL_AHEAD blobs
         for at in range(0, len(keys_needed), PULL_AHEAD):
             chunk = {k: int(facts[k][0]) for k in keys_needed[at : at + PULL_AHEAD]}
-            got = tier.get_blobs(namespace, chunk, tag_bytes)
+            got = tier.get_blobs(namespace, chunk, tag_bytes, check)
             for k, value in got.items():
-                files[k] = _local(blobs, keys, namespace, k, value, facts[k], salt, written)
+                files[k] = _local(blobs, k, value, facts[k], salt, written)
             del got
         return _commit(index, namespace, body, files, written, salt, named)
     except BaseException:
@@ -333,8 +337,6 @@ def pull(
 
 def _local(
     blobs: BlobStore,
-    keys: Keys,
-    namespace: str,
     key: str,
     value: tuple[bytes, bytes] | None,
     facts: list[Any],
@@ -346,8 +348,7 @@ def _local(
     where = f"shared blob {key}"
     if value is None:
         raise EvictedError(where, "the shared tier no longer holds it")
-    data, tag = value
-    keys.check(b"blob", tag, namespace_tag(namespace).encode(), key.encode(), data)
+    data = value[0]  # its tag was checked as it arrived (pull's check)
     size, digest = facts[0], bytes(facts[1])
     # every tensor checked in memory, before a byte is written or committed
     problem = verify_blob(io.BytesIO(data), where, size, digest, len(data))

@@ -207,8 +207,7 @@ class RedisTier:
                 break
         return found
 
-    def _bad_is_none(self, fn: Any) -> Any:
-        """A key of another type (a hand-made list, a hash) is no value of persist's."""
+    def _bad_is_none(self, fn: Any) -> Any:  # a key of another type: no value of persist's
         try:
             return fn()
         except self._redis.ResponseError as e:
@@ -256,11 +255,12 @@ class RedisTier:
         self._ok()
 
     def get_blobs(
-        self, namespace: str, sizes: dict[str, int], tag_bytes: int = 0
+        self, namespace: str, sizes: dict[str, int], tag_bytes: int = 0, check: Any = None
     ) -> dict[str, tuple[bytes, bytes] | None]:
         """Each blob's (bytes, tag), None where the tier lacks it (evicted, never written).
         ``sizes`` are the record's: every read is bounded by them (GETRANGE) and a part
-        count that disagrees is refused before the first part is asked for."""
+        count that disagrees is refused before the first part is asked for.  ``check(key,
+        bytes, tag)`` runs on the fetching thread (a tag's HMAC beside the next fetch)."""
         p = self.prefix(namespace)
 
         def one(k: str) -> tuple[bytes, bytes] | None:
@@ -273,7 +273,7 @@ class RedisTier:
                     return None
                 if len(v) != size + tag_bytes:
                     raise CorruptBlobError(where, f"{len(v)} bytes where the record says {size}")
-                return bytes(v[:size]), bytes(v[size:])
+                return _checked(check, k, bytes(v[:size]), bytes(v[size:]))
             marker = self._bad(where, lambda: self._client.getrange(f"{p}blob:{k}", 0, 127))
             if not marker:
                 return None
@@ -290,7 +290,7 @@ class RedisTier:
                 if len(got) != want:
                     raise CorruptBlobError(where, f"part {i} is {len(got)} bytes, not {want}")
                 parts.append(got)
-            return b"".join(parts), tag
+            return _checked(check, k, b"".join(parts), tag)
 
         def run() -> dict[str, tuple[bytes, bytes] | None]:
             with ThreadPoolExecutor(FETCHERS) as pool:  # connections from redis-py's pool
@@ -356,9 +356,7 @@ class RedisTier:
 
     def has_record(self, namespace: str, rkey: str) -> bool:
         key = f"{self.prefix(namespace)}rec:{rkey}"
-        out = bool(self._call("exists", lambda: self._client.exists(key)))
-        self._ok()
-        return out
+        return bool(self._call("exists", lambda: self._client.exists(key)))
 
     def records(self, namespace: str, rkeys: Sequence[str]) -> list[bytes | None]:
         """Records by key, in one pipelined round trip, each read at most MAX_VALUE bytes."""
@@ -374,6 +372,12 @@ class RedisTier:
         out: list[bytes | None] = self._call("records", run)
         self._ok()
         return out
+
+
+def _checked(check: Any, key: str, data: bytes, tag: bytes) -> tuple[bytes, bytes]:
+    if check is not None:
+        check(key, data, tag)
+    return data, tag
 
 
 def _pointer_key(prefix: str, kind: str, key: bytes) -> bytes | str:

@@ -164,15 +164,20 @@ class S3Tier:
         self._count("bytes_pushed", len(data))
 
     def get_blobs(
-        self, namespace: str, sizes: dict[str, int], tag_bytes: int = 0
+        self, namespace: str, sizes: dict[str, int], tag_bytes: int = 0, check: Any = None
     ) -> dict[str, tuple[bytes, bytes] | None]:
         """Each blob's (bytes, tag), None where the tier lacks it; an object whose size is
-        not the record's is never read."""
+        not the record's is never read; ``check(key, bytes, tag)`` on the fetching thread."""
 
         def one(k: str) -> tuple[bytes, bytes] | None:
             want = sizes[k] + tag_bytes
             v = self._get(self._path(namespace, "blob", k), size=want, most=want)
-            return None if v is None else (v[: sizes[k]], v[sizes[k] :])
+            if v is None:
+                return None
+            data, tag = (v[: sizes[k]], v[sizes[k] :]) if tag_bytes else (v, b"")
+            if check is not None:
+                check(k, data, tag)
+            return data, tag
 
         with ThreadPoolExecutor(4) as pool:
             out = dict(zip(sizes, pool.map(one, sizes), strict=True))

@@ -113,3 +113,23 @@ def test_sync_says_what_it_pushed_and_fails_when_a_tier_is_down(
         a.shared.tier._down_until = 0.0  # the breaker's retry time, without waiting for it
         assert a.sync()["pushed"] == 2  # a restarted server, empty
         assert a.sync()["present"] == 2
+
+
+def test_a_cluster_that_lost_the_secret_recovers_it(
+    tiny: Any, redis_cluster: Any, tmp_path: Path
+) -> None:
+    """The bounded SCAN asks every node of a three-node cluster: the record it finds
+    may live on any of them."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    doc = tokens_for(300, seed=5)
+    with machine(tmp_path, "a", redis_cluster.url) as a:
+        a.save(prefill(model, doc)[0], doc, identity=ident)
+    from redis.cluster import RedisCluster
+
+    port = redis_cluster.nodes[0].port
+    assert RedisCluster(host="127.0.0.1", port=port).delete(f"{PREFIX}secret") == 1
+    with machine(tmp_path, "b", redis_cluster.url) as b:
+        hit = b.lookup([*doc[:280], 9], identity=ident)
+        assert hit is not None and hit.tokens == doc[:280]
+        assert_same_state(live_state(hit.cache), live_state(prefill(model, doc[:280])[0]))
