@@ -48,7 +48,7 @@ def namespace_secret(
         fleet: bytes | None = derived
     else:
         fleet = shared.tier.get_secret(namespace)
-        if fleet is None:
+        if fleet is None and local is None:  # a machine with one keeps using its own
             fleet = _recovered(shared, index, namespace)
             if fleet is not None:  # put back where the next machine looks first
                 shared.tier.secret(namespace, fleet)

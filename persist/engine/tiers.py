@@ -19,7 +19,6 @@ import sqlite3
 import time
 from typing import Any
 
-from .. import policy
 from ..errors import CorruptBlobError
 from ..format.tokens import unpack_tokens
 from ..store import writes
@@ -38,6 +37,7 @@ from .tier_records import (
     BadValue,
     Expect,
     Keys,
+    best_record,
     block_of,
     open_record,
     tier_key_from_env,
@@ -53,6 +53,7 @@ class EvictedError(CorruptBlobError):
 log = logging.getLogger("persist")
 Tier = RedisTier | S3Tier
 PULL_AHEAD = 4  # blobs fetched (in parallel) before they are written locally
+ASK_AGAIN_S = 10.0  # a namespace no tier had a secret for is looked for again after this
 
 
 class Shared:
@@ -66,6 +67,7 @@ class Shared:
         self.keys = keys if keys is not None else Keys()
         self.backup = backup  # the cold tier, where a secret the shared one lost is kept
         self._agreed: dict[str, bytes] = {}
+        self._none_until: dict[str, float] = {}
 
     def _count(self, index: Index, namespace: str, what: str) -> None:
         index.count(namespace, **{f"{self.name}_{what}": 1})
@@ -82,8 +84,12 @@ class Shared:
     def secret(self, index: Index, namespace: str, create: bool = False) -> bytes | None:
         """The namespace's chain secret, the fleet's (None: not shared, or none yet)."""
         if namespace not in self._agreed:
+            if not create and time.monotonic() < self._none_until.get(namespace, 0.0):
+                return None  # nothing anywhere a moment ago: no scan on every lookup
             got = self._run(lambda: namespace_secret(self, index, namespace, create))
             if got is None or not got[1]:
+                if got is None:
+                    self._none_until[namespace] = time.monotonic() + ASK_AGAIN_S
                 return None if got is None else got[0]  # asked again next time
             self._agreed[namespace] = got[0]
         return self._agreed[namespace]
@@ -265,23 +271,6 @@ class Shared:
             return True
         self._count(costs.index, namespace, "declined")
         return False
-
-
-def best_record(bodies: list[dict[str, Any]], toks: list[int]) -> tuple[int, dict[str, Any]] | None:
-    """(usable prefix, checked body) of the candidate that serves the prompt furthest,
-    by the resume policy over its stored tokens (an untrimmable snapshot only at its
-    own length)."""
-    best: tuple[int, dict[str, Any]] | None = None
-    for body in bodies:
-        row = body["row"]
-        stored = unpack_tokens(row["tokens"])
-        pairs = enumerate(zip(stored, toks, strict=False))
-        lcp = next((i for i, (a, b) in pairs if a != b), min(len(stored), len(toks)))
-        n, trim, floor = len(stored), bool(row["trimmable"]), int(row["min_resume"])
-        p = policy.usable_prefix(n, lcp, len(toks), trim, floor)
-        if p and (best is None or p > best[0]):
-            best = (p, body)
-    return best
 
 
 def open_tiers(

@@ -226,3 +226,16 @@ def test_a_huge_part_count_is_refused_before_the_first_get(
     ):
         b.restore("x", identity=ident)
     assert getranges() - before < 10  # the markers and the record, not millions of parts
+
+
+def test_packed_chains_are_the_stores_chains() -> None:
+    from persist.engine.tier_records import packed_chains
+    from persist.format.tokens import pack_tokens
+    from persist.store.chains import chains
+
+    toks = tokens_for(1000, seed=3)
+    for n in (0, 1, 3):
+        assert (
+            packed_chains(b"r" * 16, pack_tokens(toks), 256, n)
+            == chains(b"r" * 16, toks, 256)[: n + 1]
+        )
