@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgpack
 
@@ -27,8 +28,21 @@ from ..store.index import Index
 from ..store.redis_tier import TierUnavailable
 from .tier_records import ROW_FIELDS, BadValue, Expect, Keys, open_record, seal_record
 
-if TYPE_CHECKING:
-    from .tiers import Shared, Tier
+
+class Shared(Protocol):
+    """What of ``tiers.Shared`` the secret needs (a protocol: tiers imports this module)."""
+
+    tier: Any
+    name: str
+    keys: Keys
+    backup: Any
+
+    def push(self, index: Index, blobs: BlobStore, namespace: str, sid: int) -> str: ...
+
+    def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool: ...
+
+
+Tier = Any  # a RedisTier or S3Tier (their common methods)
 
 __all__ = ["namespace_secret", "push", "sync"]
 
@@ -156,7 +170,11 @@ def _pointers(
 
 
 def sync(
-    index: Index, blobs: BlobStore, shared: list[Shared], namespace: str | None, names: list[str]
+    index: Index,
+    blobs: BlobStore,
+    shared: Sequence[Shared],
+    namespace: str | None,
+    names: list[str],
 ) -> dict[str, Any]:
     """Push every local snapshot (of ``namespace``) to the tiers (each push writes only
     what a tier lacks), then pull the named sessions this store lacks.  The report says
