@@ -27,6 +27,7 @@ from ..codecs.snapshot import Snapshot, capture
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
+from .metrics import ServeMetrics
 
 __all__ = ["PersistentPromptCache", "keep_freed_buffers"]
 
@@ -62,8 +63,12 @@ class PersistentPromptCache(LRUPromptCache):
         queue_size: int = 64,
         when_full: str = "block",
         block_seconds: float = 30.0,
+        metrics: ServeMetrics | None = None,
     ) -> None:
         super().__init__(max_size, max_bytes)
+        self.metrics = metrics  # persist serve's Prometheus metrics (apps.metrics)
+        if metrics is not None:
+            metrics.caches.append(self)
         self.store = store
         self.identity_for: Resolver = (
             _constant(identity) if isinstance(identity, ModelIdentity) else identity
@@ -91,12 +96,19 @@ class PersistentPromptCache(LRUPromptCache):
         identity = self.identity_for(model)
         if identity is None:
             self._count(unkeyed=1)
+            if self.metrics is not None:
+                self.metrics.prompt_only(len(tokens), have)
             return cache, rest
+        m = self.metrics
+        probe = m.probe() if m is not None else None
         try:
             # one index pass: a hit no longer than the memory tier's is not read
             hit = self.store.lookup(
                 tokens, identity=identity, namespace=self.namespace, longer_than=have
             )
+            if m is not None and probe is not None:
+                n = len(hit.tokens) if hit is not None else 0
+                m.looked_up(probe, len(tokens), have, n, self.store.costs.last)
             if hit is not None:
                 self._count(store_hits=1, restored_tokens=len(hit.tokens))
                 log.info(
@@ -107,6 +119,8 @@ class PersistentPromptCache(LRUPromptCache):
                 return hit.cache, list(tokens[len(hit.tokens) :])
         except Exception as e:  # the store must never take the server down
             self._count(store_errors=1)
+            if self.metrics is not None:
+                self.metrics.store_errors.inc()
             log.warning("persist: store lookup failed: %s", e)
         self._count(memory_hits=1 if cache is not None else 0, misses=1 if cache is None else 0)
         return cache, rest
@@ -140,6 +154,8 @@ class PersistentPromptCache(LRUPromptCache):
                 self._queue.put_nowait(item)
         except queue.Full:
             self._count(queue_drops=1)
+            if self.metrics is not None:
+                self.metrics.drops.inc()
             log.warning("persist: write-behind queue full; %d tokens not persisted", len(tokens))
 
     # -- write-behind --------------------------------------------------------
@@ -151,7 +167,15 @@ class PersistentPromptCache(LRUPromptCache):
                 if item is None:
                     return
                 identity, tokens, snap = item
-                self.store.save(snap, tokens, identity=identity, namespace=self.namespace)
+                m = self.metrics
+                probe = m.probe(save=True) if m is not None else None
+                ok = False
+                try:
+                    self.store.save(snap, tokens, identity=identity, namespace=self.namespace)
+                    ok = True
+                finally:
+                    if m is not None and probe is not None:
+                        m.saved(probe, ok)
                 self._count(persisted=1)
             except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
                 self._count(persist_errors=1)
@@ -220,59 +244,6 @@ def track_identities(
     return identities
 
 
-def measure_prefills(server: Any, store: Store, identity_of: Callable[[Any], Any]) -> None:
-    """Patch mlx-lm's server so its prefills feed the store's cost model.
-
-    One request at a time (``stream_generate``): mlx-lm's own prompt time of
-    the first response.  Batched (``BatchGenerator``): the prompt time its
-    counters add during each ``next()``, at the batch's context positions.
-    ``identity_of`` maps a loaded model object to its identity.
-    """
-    real_stream, real_batch = server.stream_generate, server.BatchGenerator
-
-    def record(model: Any, start: int, end: int, seconds: float) -> None:
-        try:  # a measurement never disturbs serving (an mlx-lm that changed, a busy store)
-            ident = identity_of(model)
-            if ident is not None and end > start and seconds > 0:
-                store.record_prefill(ident, start, end, seconds)
-        except Exception as e:
-            log.debug("persist: prefill not measured: %s", e)
-
-    def stream_generate(*args: Any, **kwargs: Any) -> Any:
-        model, start = kwargs.get("model"), _offset(kwargs.get("prompt_cache"))
-        for i, r in enumerate(real_stream(*args, **kwargs)):
-            n, tps = getattr(r, "prompt_tokens", 0), getattr(r, "prompt_tps", 0.0)
-            if i == 0 and tps > 0:
-                record(model, start, start + n, n / tps)
-            yield r
-
-    class BatchGenerator(real_batch):  # type: ignore[misc,valid-type]
-        def next(self) -> Any:
-            counters = getattr(self, "_counters", None)
-            before = (getattr(counters, "prompt_tokens", 0), getattr(counters, "prompt_time", 0.0))
-            out = super().next()
-            n = getattr(counters, "prompt_tokens", 0) - before[0]
-            secs = getattr(counters, "prompt_time", 0.0) - before[1]
-            try:
-                ends = [r.progress[0] for r in out[0] if getattr(r, "progress", None)]
-            except Exception:  # another mlx-lm's responses: not measured
-                ends = []
-            if n > 0 and ends:
-                # each sequence got n/len tokens in secs: a single prompt is no slower
-                end = sum(ends) // len(ends)
-                record(getattr(self, "model", None), max(0, end - n // len(ends)), end, secs)
-            return out
-
-    server.stream_generate, server.BatchGenerator = stream_generate, BatchGenerator
-
-
-def _offset(cache: Any) -> int:
-    try:
-        return int(getattr(cache[0], "offset", 0) or 0) if cache else 0
-    except Exception:
-        return 0
-
-
 def serve(
     model_dir: str,
     store_root: Any,
@@ -288,26 +259,37 @@ def serve(
     cold: str | None = None,
     tier_key: bytes | None = None,
     mlx_cache: int | None = None,
+    read_timeout: float = 30.0,
+    max_request_bytes: int = 4 << 20,
+    log_format: str = "text",
 ) -> None:
     """Run mlx-lm's server (``mlx_lm.server``) with the store behind its prompt cache.
 
     Blocks until SIGTERM or Ctrl-C, then stops in order: no new connections,
     the accepted requests finish (up to ``drain_timeout`` seconds), the
     write-behind queue is flushed, the store closed.  A second signal exits
-    at once.  ``mlx_cache``: see ``keep_freed_buffers``.
+    at once.  If generation stops for good, the same stop runs and
+    InvalidStateError is raised (the CLI exits 1).  ``mlx_cache``: see
+    ``keep_freed_buffers``; ``read_timeout``, ``max_request_bytes``: what a
+    request may take to arrive, and its size (``server_handler``).
     """
     import functools
     import sys
 
     import mlx_lm.server as server
 
+    from .server_generation import GuardedGenerator
+    from .server_handler import PersistHandler, models_without_hf_cache
     from .server_http import serve_until_signal
+    from .server_logs import start_line, stop_line, use_log_format
+    from .server_prefill import measure_prefills
 
     keep_freed_buffers(mlx_cache)
     by_model: dict[int, ModelIdentity] = {}
     identities = track_identities(server, by_model)
     store = Store(store_root, max_bytes=max_bytes, shared=shared, cold=cold, tier_key=tier_key)
     measure_prefills(server, store, lambda model: by_model.get(id(model)))
+    metrics = ServeMetrics(store, namespace)
     caches: list[PersistentPromptCache] = []
 
     def make(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
@@ -319,13 +301,31 @@ def serve(
             namespace=namespace,
             queue_size=queue_size,
             when_full=when_full,
+            metrics=metrics,
         )
         caches.append(pc)
         return pc
 
+    real_run = server.run
+
+    def run(host: str, port: int, model_provider: Any, *args: Any, **kwargs: Any) -> None:
+        use_log_format(log_format)  # mlx-lm's main has configured logging by now
+        log.info(start_line(store, namespace, shared, cold, queue_size, when_full))
+        real_run(host, port, model_provider, *args, **kwargs)
+
     server.LRUPromptCache = make  # type: ignore[assignment,misc]
+    server.ResponseGenerator = GuardedGenerator  # type: ignore[misc]
+    server.scan_cache_dir = models_without_hf_cache(server.scan_cache_dir)
+    server.run = run
     server._run_http_server = functools.partial(
-        serve_until_signal, server, backlog=backlog, drain_timeout=drain_timeout
+        serve_until_signal,
+        server,
+        backlog=backlog,
+        drain_timeout=drain_timeout,
+        handler=PersistHandler,
+        metrics=metrics,
+        read_timeout=read_timeout,
+        max_request_bytes=max_request_bytes,
     )
     sys.argv = ["mlx_lm.server", "--model", str(model_dir), *(server_args or [])]
     try:
@@ -333,7 +333,7 @@ def serve(
     finally:
         for pc in caches:
             pc.close()
-        log.info("persist: store stats %s", store.stats().to_dict())
+        log.info(stop_line(metrics.summary(), store))
         store.close()
 
 

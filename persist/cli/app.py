@@ -26,6 +26,7 @@ __all__ = [
     "json_option",
     "open_store",
     "parse_size",
+    "plain",
     "progress",
 ]
 
@@ -38,6 +39,24 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+# C0 and C1 controls, DEL, and the bidirectional overrides: a name that carries them
+# could move the cursor, rewrite an operator's line (CR, CSI, OSC) or reorder it.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def plain(text: object) -> str:
+    """``text`` safe for a terminal: every control character escaped (``\\x1b``, ``\\u202e``).
+
+    Every human-readable line that shows a name, a path or a message goes through
+    it; JSON output carries the exact strings (JSON escapes controls itself)."""
+    return _CONTROL.sub(_escape, str(text))
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
 
 
 def parse_size(text: str) -> int:
@@ -177,7 +196,7 @@ class PersistGroup(click.Group):
         except PersistError as e:
             hint = "; pass --model with the model it was saved for"
             extra = hint if isinstance(e, IdentityMismatchError) else ""
-            click.echo(f"persist: error: {e}{extra}", err=True)
+            click.echo(f"persist: error: {plain(e)}{extra}", err=True)
             sys.exit(1)
         except BrokenPipeError:
             _quiet_stdout()

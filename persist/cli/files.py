@@ -10,20 +10,21 @@ import click
 
 if TYPE_CHECKING:  # reading files imports mlx: loaded by these commands only
     from ..apps.inspect import FileInfo
-from .app import cli, emit, human_bytes, json_option
+from .app import cli, emit, human_bytes, json_option, plain
 
 
 def _render(info: FileInfo) -> None:
     when = datetime.datetime.fromtimestamp(info.created).isoformat(timespec="seconds")
     click.echo(
-        f"{info.path}: {human_bytes(info.file_bytes)} on disk, "
+        f"{plain(info.path)}: {human_bytes(info.file_bytes)} on disk, "
         f"{human_bytes(info.tensor_bytes)} of tensors, saved {when}"
     )
     click.echo(f"tokens: {'none recorded' if info.tokens is None else info.tokens}")
     if info.identity:
-        click.echo(f"model: {info.identity.get('name')} ({info.identity.get('digest', '')[:16]})")
+        name, digest = info.identity.get("name"), info.identity.get("digest", "")[:16]
+        click.echo(f"model: {plain(name)} ({plain(digest)})")
     for k, v in sorted(info.metadata.items()):
-        click.echo(f"meta {k}: {v}")
+        click.echo(f"meta {plain(k)}: {plain(v)}")
     for layer in info.layers:
         line = f"  layer {layer.index:3d}  {layer.kind:<28} {human_bytes(layer.bytes):>10}"
         if info.verified:

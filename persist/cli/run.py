@@ -9,7 +9,7 @@ import click
 
 if TYPE_CHECKING:  # generation imports mlx-lm: loaded by these commands only
     from ..apps.generate import GenerateResult, PrimeResult
-from .app import cli, emit, json_option, open_store, progress, store_option
+from .app import cli, emit, json_option, open_store, plain, progress, store_option
 
 _model = click.option(
     "--model",
@@ -33,7 +33,7 @@ def _render_generate(r: GenerateResult, streamed: bool) -> None:
     else:
         click.echo()
     click.echo(
-        f"[{r.session}] {r.reused_tokens} of {r.prompt_tokens} prompt tokens from the store "
+        f"[{plain(r.session)}] {r.reused_tokens} of {r.prompt_tokens} prompt tokens from the store "
         f"({r.source}); first token after {r.first_token_seconds:.3f} s; "
         f"{r.generated_tokens} tokens generated; session now {r.session_tokens} tokens",
         err=True,

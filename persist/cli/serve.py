@@ -55,6 +55,26 @@ from .app import cli, default_store, parse_size, store_option, tier_urls
     "MLX's memory limit, as on GPUs (MLX's CPU default of 32 MiB makes every restore "
     "fault in fresh memory).",
 )
+@click.option(
+    "--max-request-bytes",
+    default="4M",
+    show_default=True,
+    help="Largest request body taken (larger: 413), e.g. 16M.",
+)
+@click.option(
+    "--request-timeout",
+    type=click.FloatRange(0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds a client has to send its whole request (slower: 408, connection closed).",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="json: one JSON object a line, for log shippers.",
+)
 @store_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(
@@ -66,6 +86,9 @@ def serve_cmd(
     write_queue: int,
     when_full: str,
     mlx_cache: str,
+    max_request_bytes: str,
+    request_timeout: float,
+    log_format: str,
     store_dir: Path | None,
     server_args: tuple[str, ...],
 ) -> None:
@@ -74,6 +97,8 @@ def serve_cmd(
     Any further options go to mlx_lm.server (--host, --port, --prompt-cache-size, ...).
     SIGTERM or Ctrl-C stops in order: no new connections, accepted requests
     finish, the write-behind queue is flushed; a second signal stops at once.
+    If generation stops for good, the same stop runs and the exit status is 1.
+    GET /health (JSON) and GET /metrics (Prometheus) are for operators.
 
     \b
     Example:
@@ -94,5 +119,8 @@ def serve_cmd(
         queue_size=write_queue,
         when_full=when_full,
         mlx_cache=None if mlx_cache == "auto" else parse_size(mlx_cache),
+        read_timeout=request_timeout,
+        max_request_bytes=parse_size(max_request_bytes),
+        log_format=log_format,
         **tier_urls(),
     )

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import json
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +13,17 @@ import click
 
 from ..errors import SessionNotFoundError
 from ..store.types import EntryInfo
-from .app import cli, emit, human_bytes, json_option, open_store, parse_size, store_option
+from .app import (
+    cli,
+    emit,
+    human_bytes,
+    json_option,
+    open_store,
+    parse_size,
+    plain,
+    progress,
+    store_option,
+)
 
 _namespace = click.option("--namespace", default="default", show_default=True)
 
@@ -28,47 +41,82 @@ def _row(e: EntryInfo) -> str:
         else f"({e.role})"
     )
     pin = " pinned" if e.pinned else ""
+    model = "DAMAGED (persist check --fix)" if e.damaged else plain(e.model)
     return (
-        f"{e.namespace:<10} {name:<28} {e.tokens:>7} tok {human_bytes(e.bytes):>10}  "
-        f"{e.model:<16} used {_when(e.used)}{pin}"
+        f"{plain(e.namespace):<10} {plain(name):<28} {e.tokens:>7} tok "
+        f"{human_bytes(e.bytes):>10}  {model:<16} used {_when(e.used)}{pin}"
     )
 
 
 @cli.command("ls")
 @click.option("--namespace", default=None, help="Only this namespace (default: all).")
 @click.option("--all", "show_all", is_flag=True, help="Also list checkpoints and prefixes.")
+@click.option(
+    "--sort",
+    type=click.Choice(["name", "used", "size"]),
+    default="name",
+    show_default=True,
+    help="By namespace and name, latest used first, or largest first.",
+)
+@click.option("--prefix", default=None, help="Only sessions whose name starts with this.")
+@click.option("--limit", type=click.IntRange(min=0), default=None, help="At most this many rows.")
 @store_option
 @json_option
-def ls_cmd(namespace: str | None, show_all: bool, store_dir: Path | None, as_json: bool) -> None:
-    """List stored sessions.
+def ls_cmd(
+    namespace: str | None,
+    show_all: bool,
+    sort: str,
+    prefix: str | None,
+    limit: int | None,
+    store_dir: Path | None,
+    as_json: bool,
+) -> None:
+    """List stored sessions, streamed: the first rows come at once, whatever the store's size.
 
     \b
     Example:
-      persist ls --all --json
+      persist ls --sort used --limit 20
+      persist ls --prefix user- --all --json
     """
-    with open_store(store_dir) as store:
-        every = store.entries(namespace)
-    rows = every if show_all else [e for e in every if e.session is not None]
-    hidden = _hidden(every) if not show_all else ""
+    from ..store.listing import stream, unnamed_counts
+    from ..store.rows import entry_info
 
-    def render(_: Any) -> None:
-        click.echo("\n".join(_row(r) for r in rows) or "no sessions")
+    with open_store(store_dir) as store:
+        rows = stream(store.index, namespace, every=show_all, sort=sort, prefix=prefix, limit=limit)
+        entries = (entry_info(r) for r in rows)
+        if as_json:
+            _json_array(entries)
+            return
+        shown = 0
+        for e in entries:
+            click.echo(_row(e))
+            shown += 1
+        if not shown:
+            click.echo("no sessions")
+        hidden = "" if show_all or prefix else _hidden(unnamed_counts(store.index, namespace))
         if hidden:
             click.echo(hidden)
 
-    emit(as_json, [r.to_dict() for r in rows], render)
+
+def _json_array(entries: Iterator[EntryInfo]) -> None:
+    """One JSON array (as ``emit`` writes it), each item written as it comes."""
+    first = True
+    for e in entries:
+        item = json.dumps(e.to_dict(), indent=2, sort_keys=True, default=str)
+        click.echo(("[\n" if first else ",\n") + textwrap.indent(item, "  "), nl=False)
+        first = False
+    click.echo("[]" if first else "\n]")
 
 
-def _hidden(entries: list[EntryInfo]) -> str:
+def _hidden(roles: dict[str, int]) -> str:
     """The line that says what plain ``ls`` does not list, and how to see it."""
-    roles = [e.role for e in entries if e.session is None]
     names = (("checkpoint", "checkpoint", "checkpoints"), ("prefix", "prefix", "prefixes"))
     parts = [
-        f"{n} {one if n == 1 else many}" for role, one, many in names if (n := roles.count(role))
+        f"{n} {one if n == 1 else many}" for role, one, many in names if (n := roles.get(role, 0))
     ]
     if not parts:
         return ""
-    why = " (prompts persist serve cached)" if "prefix" in roles else ""
+    why = " (prompts persist serve cached)" if roles.get("prefix") else ""
     return f"also {' and '.join(parts)}{why}: persist ls --all lists them"
 
 
@@ -89,11 +137,13 @@ def show_cmd(name: str, namespace: str, store_dir: Path | None, as_json: bool) -
 
     def render(_: Any) -> None:
         click.echo(f"session {e.session!r} in namespace {e.namespace!r}")
+        if e.damaged:
+            click.echo(f"  DAMAGED            {e.damaged}: persist check --fix repairs it")
         click.echo(f"  tokens             {e.tokens}")
         click.echo(f"  bytes              {human_bytes(e.bytes)} (shared blocks included)")
         click.echo(f"  trimmable          {e.trimmable}")
         click.echo(f"  min resume offset  {e.min_resume_offset}")
-        click.echo(f"  model              {e.model} ({e.identity[:16]})")
+        click.echo(f"  model              {plain(e.model)} ({plain(e.identity[:16])})")
         click.echo(f"  created / used     {_when(e.created)} / {_when(e.used)}")
         click.echo(f"  pinned             {e.pinned}")
         for i, k in enumerate(e.kinds):
@@ -157,12 +207,20 @@ def gc_cmd(max_bytes: str | None, dry_run: bool, store_dir: Path | None, as_json
 
 
 @cli.command("check")
-@click.option("--fix", is_flag=True, help="Repair: delete orphans, quarantine damaged blobs.")
+@click.option(
+    "--fix",
+    is_flag=True,
+    help="Repair: keep the valid part of damaged sessions, quarantine damaged blobs, "
+    "delete orphans.",
+)
 @store_option
 @json_option
 def check_cmd(fix: bool, store_dir: Path | None, as_json: bool) -> None:
     """Verify every blob and reconcile the index with the files.
 
+    With --fix a damaged session keeps what is still valid (its blocks before the
+    damage, or its deepest valid checkpoint) and each changed session is named with
+    what it lost; damaged files go to quarantine/, which gc clears after 14 days.
     Exits 1 if problems remain (none remain after a successful --fix).
 
     \b
@@ -170,11 +228,12 @@ def check_cmd(fix: bool, store_dir: Path | None, as_json: bool) -> None:
       persist check --fix
     """
     with open_store(store_dir) as store:
-        problems = store.check(fix=fix)
+        problems = store.check(fix=fix, progress=progress("checking"))
 
     def render(_: Any) -> None:
         for p in problems:
-            click.echo(f"{'fixed' if p.fixed else 'problem'}: {p.kind}: {p.target}: {p.detail}")
+            what = "fixed" if p.fixed else "problem"
+            click.echo(f"{what}: {p.kind}: {plain(p.target)}: {plain(p.detail)}")
         click.echo("store is consistent" if not problems else f"{len(problems)} problems")
 
     emit(as_json, [p.to_dict() for p in problems], render)
@@ -203,11 +262,11 @@ def stats_cmd(namespace: str | None, store_dir: Path | None, as_json: bool) -> N
             f"{human_bytes(s.referenced_bytes)}, dedup {s.dedup_ratio:.2f}x"
         )
         for k, v in sorted(s.counters.items()):
-            click.echo(f"{k} {v}")
+            click.echo(f"{plain(k)} {v}")
         for r in s.rates:
-            click.echo(_render_rate(r))
+            click.echo(plain(_render_rate(r)))
         for d in s.decisions:
-            click.echo(_render_decision(d))
+            click.echo(plain(_render_decision(d)))
 
     emit(as_json, s.to_dict(), render)
 

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..errors import AlreadyExistsError, InvalidArgumentError
-from .app import cli, emit, json_option, open_store, store_option
+from .app import cli, emit, json_option, open_store, plain, store_option
 from .sessions import _exists, _namespace
 
 _force = click.option("--force", is_flag=True, help="Replace what is already there.")
@@ -53,7 +53,7 @@ def export_cmd(
     emit(
         as_json,
         {"session": name, "file": str(file), "tokens": e.tokens},
-        lambda _: click.echo(f"exported {name!r} ({e.tokens} tokens) to {file}"),
+        lambda _: click.echo(f"exported {name!r} ({e.tokens} tokens) to {plain(file)}"),
     )
 
 
@@ -106,7 +106,9 @@ def import_cmd(
     emit(
         as_json,
         e.to_dict(),
-        lambda _: click.echo(f"imported {file} as session {e.session!r} ({e.tokens} tokens)"),
+        lambda _: click.echo(
+            f"imported {plain(file)} as session {e.session!r} ({e.tokens} tokens)"
+        ),
     )
 
 
@@ -166,7 +168,7 @@ def sync_cmd(
             )
         click.echo(f"pulled {len(r['pulled'])} sessions")
         if r["missing"]:
-            click.echo(f"not in any tier: {', '.join(r['missing'])}")
+            click.echo(f"not in any tier: {plain(', '.join(r['missing']))}")
 
     emit(as_json, r, render)
     if r["failed"]:  # a push that did not happen is not a success

@@ -10,7 +10,7 @@ learns from the others.  No measurement yet: restore, as persist always did.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from typing import TYPE_CHECKING
@@ -21,6 +21,7 @@ from .. import policy
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
 from ..store import rates
+from ..store.full import best_effort
 
 if TYPE_CHECKING:
     from ..store.index import Index, SnapshotRow
@@ -50,6 +51,7 @@ class CostModel:
     def __init__(self, index: Index) -> None:
         self.index = index
         self.last: policy.CostDecision | None = None
+        self.clock: Callable[[], float] = time.perf_counter  # tests inject one: no timing verdicts
 
     def begin(self, max_cost: float | None) -> None:
         """A lookup starts: ``max_cost`` must be seconds (>= 0; ``math.inf``: always)."""
@@ -83,7 +85,8 @@ class CostModel:
         d = policy.decide_cost(tokens, tiers[0][1], tiers[0][0], restore, prefill, max_cost)
         self.last = d
         rates.note_decision(self.index, namespace, asdict(d))
-        self.index.count(namespace, **{"cost_restored" if d.restore else "cost_recomputed": 1})
+        which = "cost_restored" if d.restore else "cost_recomputed"
+        best_effort(self.index.count, namespace, **{which: 1})
         return d
 
     def restored(self, identity: ModelIdentity, tier: str, nbytes: int, seconds: float) -> None:
@@ -101,6 +104,6 @@ class CostModel:
     @contextmanager
     def timing_restore(self, identity: ModelIdentity, tier: str, nbytes: int) -> Iterator[None]:
         """Time the block as a restore of ``nbytes`` from ``tier`` (only if it completes)."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         yield
-        self.restored(identity, tier, nbytes, time.perf_counter() - t0)
+        self.restored(identity, tier, nbytes, self.clock() - t0)

@@ -30,6 +30,7 @@ from ..format.manifest import (
     tensor_keys,
     unpack_manifest,
 )
+from ..format.opening import open_regular
 from ..format.tensors import allocate, as_bytes, read_piece
 from ..identity import ModelIdentity
 from ..records import Record, RecordSpec, TensorSpec
@@ -102,10 +103,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
 
 
 def _open(path: str | os.PathLike[str]) -> BinaryIO:
-    try:
-        return open(path, "rb")
-    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
-        raise StorageError(f"cannot read {path}", e) from e
+    return open_regular(path, user=True)  # never a wait on a FIFO; typed refusals
 
 
 def _check_layer(spec: RecordSpec, i: int, where: str) -> None:

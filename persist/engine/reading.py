@@ -18,6 +18,7 @@ from ..identity import ModelIdentity, backend_kind
 from ..records import Progress
 from ..store import lookup as lookup_queries
 from ..store.chains import chain_root, chains
+from ..store.full import best_effort
 from . import lineage
 from .costs import LOCAL, CostModel, hit_bytes
 from .loading import load_snapshot
@@ -78,8 +79,9 @@ def restore_named(
             last_id = row.id
     else:
         raise CorruptBlobError(f"session {session!r}", "kept changing while it was read")
-    index.touch(row.id)
-    index.count(namespace, restores=1, restored_tokens=row.n_tokens)
+    # statistics: a full disk drops them, never the restore (store.full)
+    best_effort(index.touch, row.id)
+    best_effort(index.count, namespace, restores=1, restored_tokens=row.n_tokens)
     if lineages is not None:  # the next save of these objects reuses these blocks
         lineage.remember_restored(lineages, (namespace, session), cache, row, refs)
     return cache, row
@@ -150,11 +152,11 @@ def lookup_prefix(
                 cache = load_snapshot(index, blobs, row, keep=prefix)
         except CorruptBlobError as e:
             log.warning("persist: skipping a damaged snapshot in lookup: %s", e)
-            index.count(namespace, corrupt_skipped=1)
+            best_effort(index.count, namespace, corrupt_skipped=1)
             skip.add(row.id)
             continue
-        index.touch(row.id)
-        index.count(namespace, hits=1, restored_tokens=prefix)
+        best_effort(index.touch, row.id)
+        best_effort(index.count, namespace, hits=1, restored_tokens=prefix)
         return cache, row, prefix
-    index.count(namespace, misses=1)
+    best_effort(index.count, namespace, misses=1)
     return None

@@ -283,7 +283,7 @@ def _commit(
             _check_version(db, t)
             _retire(db, namespace, t.name, t.identity.digest, snap, toks)
         elif t.role == "prefix":
-            _replace_covered(db, namespace, t.identity.digest, snap, toks, chs, n_blocks)
+            _replace_covered(db, namespace, t.identity.digest, snap, toks, chs, p.block)
         elif t.owner is not None:  # a checkpoint saved again (a resumed prime): one row
             _replace_same_checkpoint(db, namespace, t.owner, t.identity.digest, toks)
         sid = writes.insert(db, row, refs)
@@ -331,12 +331,11 @@ def _replace_same_checkpoint(
 
 
 def _replace_covered(
-    db: Any, namespace: str, digest: str, snap: Any, toks: list[int], chs: list[bytes], n: int
+    db: Any, namespace: str, digest: str, snap: Any, toks: list[int], chs: list[bytes], block: int
 ) -> None:
     """Anonymous entries the new one covers (``policy.covers``) go: rows stay
     bounded by distinct prefixes."""
-    ends = [*chs[1 : n + 1], head_key(chs[0], toks)]
-    for old in retention.anonymous_ending_at(db, namespace, digest, ends):
+    for old in retention.anonymous_prefixes_of(db, namespace, digest, chs, toks, block):
         old_toks = unpack_tokens(old.tokens)
         is_prefix = toks[: len(old_toks)] == old_toks
         if policy.covers(

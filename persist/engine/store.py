@@ -9,6 +9,7 @@ never import mlx: ``persist ls`` starts in a blink.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import (
     InvalidArgumentError,
     InvalidStateError,
+    PersistError,
     SessionNotFoundError,
     StorageError,
 )
@@ -25,10 +27,11 @@ from ..format.manifest import check_metadata
 from ..format.tokens import check_tokens, unpack_tokens
 from ..identity import ModelIdentity
 from ..records import Progress
-from ..store import rates, retention, writes
+from ..store import full, rates, retention, writes
 from ..store.blobs import FileBlobs
+from ..store.check_damage import clear_quarantine, pop_notice
 from ..store.index import Index, SnapshotRow
-from ..store.rows import check_name, entry_info, store_root
+from ..store.rows import check_name, listed_info, store_root
 from ..store.schema import connect
 from ..store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
 from .costs import CostModel
@@ -72,16 +75,23 @@ class Store:
             if not self.root.exists():
                 self.root.mkdir(mode=0o700, parents=True)
             self.blobs = FileBlobs(self.root)
-            db = connect(
-                self.root / "index.sqlite",
-                block_tokens or DEFAULT_BLOCK,
-                adopt=block_tokens is None,
+            # a fresh connection needs room for SQLite's -shm: on a full disk, the reserve's
+            db = full.with_room(
+                self.root,
+                lambda: connect(
+                    self.root / "index.sqlite",
+                    block_tokens or DEFAULT_BLOCK,
+                    adopt=block_tokens is None,
+                ),
             )
+            full.ensure_reserve(self.root)
             for suffix in ("", "-wal", "-shm"):
                 p = self.root / f"index.sqlite{suffix}"
                 if p.exists() and not p.is_symlink():
                     os.chmod(p, 0o600)
-        except (PermissionError, FileNotFoundError, NotADirectoryError) as e:
+        except PersistError:
+            raise
+        except OSError as e:  # permissions, a missing folder, a file where a folder goes
             raise StorageError(f"cannot open the store at {self.root}", e) from e
         self._index: Index | None = Index(db)
         self.costs = CostModel(self._index)  # restore or recompute, from measured rates
@@ -221,7 +231,10 @@ class Store:
         cache, row = restore_named(
             i, self.blobs, namespace, session, identity, progress, strict, self.costs, self.lineages
         )
-        return Restored(cache, unpack_tokens(row.tokens), self._info(row))
+        notice = pop_notice(i, namespace, session)
+        if notice is not None:  # said once, here and to whoever logs
+            log.warning("persist: %s", notice)
+        return Restored(cache, unpack_tokens(row.tokens), self._info(row), notice)
 
     def lookup(
         self,
@@ -355,13 +368,18 @@ class Store:
         """Delete a session and its checkpoints (also those an interrupted prime left
         without a session: the name owns them); files go after the commit."""
         check_name(session, "session")
-        with self.index.write() as db:
-            rows = writes.session_rows(db, namespace, session)
-            if not rows:
-                raise SessionNotFoundError(session, namespace)
-            for r in rows:
-                writes.remove(db, r.id)
-        retention.collect(self.index, self.blobs)
+
+        def remove() -> None:
+            with self.index.write() as db:
+                rows = writes.session_rows(db, namespace, session)
+                if not rows:
+                    raise SessionNotFoundError(session, namespace)
+                for r in rows:
+                    writes.remove(db, r.id)
+
+        full.with_room(self.root, remove)  # works on a full disk: the reserve makes room
+        full.with_room(self.root, lambda: retention.collect(self.index, self.blobs))
+        full.ensure_reserve(self.root)
 
     def gc(self, max_bytes: int | None = None, *, dry_run: bool = False) -> GcReport:
         """Evict least recently used unpinned snapshots down to ``max_bytes``.
@@ -370,7 +388,12 @@ class Store:
         blob files.  ``dry_run`` reports what would go and changes nothing.
         """
         budget = self.budgets.max_bytes if max_bytes is None else max_bytes
-        return retention.gc(self.index, self.blobs, budget, dry_run)
+        report = full.with_room(
+            self.root, lambda: retention.gc(self.index, self.blobs, budget, dry_run)
+        )
+        full.ensure_reserve(self.root)
+        cleared = clear_quarantine(self.root, dry_run=dry_run)
+        return dataclasses.replace(report, quarantine_cleared=cleared)
 
     def stats(self, namespace: str | None = None) -> StoreStats:
         rows = self.index.snapshots(namespace, named_only=False)
@@ -387,8 +410,9 @@ class Store:
     def check(self, fix: bool = False, *, progress: Progress | None = None) -> list[Problem]:
         """Reconcile index and files; with ``fix`` repair what can be repaired."""
         from ..store.check import check_store
+        from .salvage import cutter
 
-        return check_store(self.index, self.blobs, fix, progress)
+        return check_store(self.index, self.blobs, fix, progress, cutter(self))
 
     def sync(self, *, namespace: str | None = None, pull: Sequence[str] = ()) -> dict[str, Any]:
         """Push what the tiers lack (every snapshot), pull the named sessions ``pull``."""
@@ -397,4 +421,4 @@ class Store:
         return sync(self.index, self.blobs, self.tiers, namespace, list(pull))
 
     def _info(self, r: SnapshotRow) -> EntryInfo:
-        return entry_info(r)
+        return listed_info(r)  # a row that does not decode is listed as damaged

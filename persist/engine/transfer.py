@@ -27,6 +27,7 @@ from ..errors import (
 )
 from ..format.container import fsync_dir, read_header
 from ..format.manifest import is_mlx_lm_metadata
+from ..format.opening import open_regular
 from ..identity import ModelIdentity
 from .files import load_file, save_file
 
@@ -77,7 +78,7 @@ def read_importable(
 
 def _is_mlx_lm(path: str | os.PathLike[str]) -> bool:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, user=True) as f:
             header = read_header(f, str(path))
     except OSError:
         return False  # load_file reports it
@@ -102,7 +103,7 @@ def read_mlx_lm(path: str | os.PathLike[str]) -> tuple[list[Any], dict[str, str]
     from ..codecs.snapshot import capture
 
     where = str(path)
-    with open(path, "rb") as f:
+    with open_regular(path, user=True) as f:
         read_header(f, where)  # persist's bounded, validating reader before mx.load
     loaded: Any = mx.load(where, return_metadata=True)
     arrays, meta = loaded

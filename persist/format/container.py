@@ -87,6 +87,20 @@ def _check_nesting(text: bytes, where: str) -> None:
         raise CorruptBlobError(where, f"header nests deeper than {MAX_JSON_DEPTH} levels")
 
 
+def _looks_like_json(text: bytes, where: str) -> None:
+    """Refuse, as "not JSON", a header that cannot be JSON (not UTF-8, brackets that do
+    not pair up): checked before the depth, so that garbage is not reported as nesting
+    too deep.  Linear, in C (no Python loop)."""
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptBlobError(where, "header is not JSON (not UTF-8 text)") from None
+    bare = text.replace(b"\\\\", b"").replace(b'\\"', b"")
+    bare = b"".join(bare.split(b'"')[::2])  # outside strings
+    if bare.count(b"{") != bare.count(b"}") or bare.count(b"[") != bare.count(b"]"):
+        raise CorruptBlobError(where, "header is not JSON (unbalanced brackets)")
+
+
 def read_header(f: BinaryIO, where: str, size: int | None = None) -> Header:
     """Read and validate a safetensors header; raise CorruptBlobError if anything is off.
 
@@ -107,6 +121,7 @@ def read_header(f: BinaryIO, where: str, size: int | None = None) -> Header:
     # gigabyte of Python objects once parsed.
     if text.count(b'"data_offsets"') > MAX_TENSORS:
         raise CorruptBlobError(where, f"header lists more than {MAX_TENSORS} tensors")
+    _looks_like_json(text, where)
     _check_nesting(text, where)
     try:
         obj = json.loads(text)

@@ -24,6 +24,7 @@ from typing import BinaryIO, Protocol, TypeVar
 
 from ..errors import CorruptBlobError
 from ..format.container import Sink, atomic_write, fsync_dir
+from ..format.opening import open_regular
 
 __all__ = ["BlobStore", "FileBlobs", "FILE_RE"]
 
@@ -102,8 +103,7 @@ class FileBlobs:
     def open(self, file: str) -> BinaryIO:
         path = self.path(file)
         _require_real_dir(path.parent, missing_ok=True)
-        fd = os.open(path, os.O_RDONLY | NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-        return os.fdopen(fd, "rb")
+        return open_regular(path)  # no link, no FIFO: a FIFO here hung every reader
 
     def prefetch(self, file: str) -> None:
         """Ask the kernel to start reading ``file`` now (a restore reads it next).
@@ -111,13 +111,10 @@ class FileBlobs:
         One WILLNEED reads ahead at most the device's readahead size (8 MiB on
         this project's VM), so a blob is announced in PREFETCH_BYTES steps.
         """
-        with contextlib.suppress(OSError, ValueError):
-            fd = os.open(self.path(file), os.O_RDONLY | NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-            try:
-                for at in range(0, os.fstat(fd).st_size, PREFETCH_BYTES):
-                    os.posix_fadvise(fd, at, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
+        with contextlib.suppress(OSError, ValueError), open_regular(self.path(file)) as f:
+            fd = f.fileno()
+            for at in range(0, os.fstat(fd).st_size, PREFETCH_BYTES):
+                os.posix_fadvise(fd, at, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
 
     def exists(self, file: str) -> bool:
         try:
@@ -188,8 +185,8 @@ def _entries(d: Path) -> list[os.DirEntry[str]]:
     try:
         with os.scandir(d) as it:
             return sorted(it, key=lambda e: e.name)
-    except FileNotFoundError:
-        return []
+    except (FileNotFoundError, NotADirectoryError):
+        return []  # a folder replaced by a file: check reports it (not-a-folder)
 
 
 def _is_link(p: Path) -> bool:

@@ -13,42 +13,56 @@ import os
 import re
 import stat
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import BinaryIO
 
-from ..errors import CorruptBlobError
-from ..format.container import checksum, read_header
-from ..format.manifest import blob_manifest
+from ..format.opening import file_kind
 from ..records import Progress
 from . import writes
 from .blobs import FILE_RE, FileBlobs
+from .check_damage import Cutter, damaged, quarantine, repair, verify_blob
 from .index import Index
+from .rows import listed_info, row_digest
 from .types import Problem
 
-__all__ = ["check_store", "TMP_GRACE_SECONDS"]
+__all__ = ["check_store", "verify_blob", "TMP_GRACE_SECONDS"]
 
 TMP_GRACE_SECONDS = 3600.0  # a tmp file this old, or whose writer is gone, is debris
 
 
 def check_store(
-    index: Index, blobs: FileBlobs, fix: bool, progress: Progress | None = None
+    index: Index,
+    blobs: FileBlobs,
+    fix: bool,
+    progress: Progress | None = None,
+    cut: Cutter | None = None,
 ) -> list[Problem]:
+    """Every problem of the store; with ``fix`` repaired where it can be.
+
+    One pass over the files and one over the rows (linear in both);
+    ``progress(done, total)`` counts blobs verified and rows checked.
+    ``cut`` re-saves a damaged trimmable session as its valid prefix.
+    """
     problems: list[Problem] = []
     problems += _sqlite(index)
     if any(p.kind == "index-corrupt" for p in problems):
         return problems
+    problems += _folders(blobs, fix)
     problems += _links(blobs)
     problems += _tmp(blobs, fix)
-    problems += _strays(blobs, fix)
     # Files first, then blob rows and pending saves in one read transaction:
     # a file listed here is either committed in that view (it has a row) or
     # its save's pending row, registered before the file existed, is there.
     on_disk = set(blobs.files())
     rows, pending = index.blob_rows_and_pending()
-    problems += _orphans(index, blobs, rows, pending, on_disk, fix)
-    bad = _damaged(blobs, rows, on_disk, progress)
-    problems += _quarantine(index, blobs, bad, fix)
-    problems += _rows(index, fix)
+    problems += _strays(blobs, fix, rows)
+    with index.read() as db:
+        n_rows = int(db.execute("SELECT COUNT(*) FROM snapshots").fetchone()[0])
+    total = len(rows) + n_rows
+    problems += _orphans(index, blobs, rows, pending, on_disk, fix, n_rows)
+    bad = damaged(blobs, rows, on_disk, progress, 0, total)
+    problems += repair(index, blobs, bad, fix, cut)
+    problems += _rows(index, fix, progress, len(rows), total)
     problems += _refcounts(index, fix)
     if fix:
         dead = index.collect()
@@ -67,6 +81,30 @@ def _sqlite(index: Index) -> list[Problem]:
 
 
 TMP_RE = re.compile(r"(\d+)-[0-9a-f]{16}\.tmp")
+
+
+def _folders(blobs: FileBlobs, fix: bool) -> list[Problem]:
+    """``blobs/`` or ``tmp/`` that is not a folder: moved to quarantine, the folder made again.
+
+    A link is reported by ``_links`` and left; a missing folder is made again.
+    """
+    out = []
+    for d in (blobs.blobs, blobs.tmp):
+        try:
+            mode = d.lstat().st_mode
+        except FileNotFoundError:
+            if fix:
+                d.mkdir(mode=0o700, exist_ok=True)
+            out.append(Problem("not-a-folder", str(d), "is missing", fix))
+            continue
+        if stat.S_ISDIR(mode) or stat.S_ISLNK(mode):
+            continue
+        if fix:
+            quarantine(blobs, d)
+            d.mkdir(mode=0o700, exist_ok=True)
+        what = f"is {file_kind(mode)}, not a folder"
+        out.append(Problem("not-a-folder", str(d), f"{what}; every file it held is lost", fix))
+    return out
 
 
 def _links(blobs: FileBlobs) -> list[Problem]:
@@ -113,7 +151,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _strays(blobs: FileBlobs, fix: bool) -> list[Problem]:
+def _strays(blobs: FileBlobs, fix: bool, rows: Mapping[str, object]) -> list[Problem]:
     """Files under blobs/ that are not blobs where they lie.
 
     A regular file with a name persist writes (a blob name in the wrong
@@ -124,9 +162,12 @@ def _strays(blobs: FileBlobs, fix: bool) -> list[Problem]:
     for p in blobs.stray_files():
         if p.is_symlink():
             continue  # reported by _links
+        name = p.name.removesuffix(".safetensors")
+        if name in rows and name[:2] == p.parent.name and p.parent.parent == blobs.blobs:
+            continue  # a listed blob that is not a regular file: damage, judged below
         ours = FILE_RE.fullmatch(p.name.removesuffix(".safetensors")) and p.is_file()
         if ours and fix:
-            _quarantine_file(blobs, p)
+            quarantine(blobs, p)
         detail = "a blob name in the wrong place" if ours else "not a name persist writes; left"
         out.append(Problem("stray-file", str(p), detail, bool(ours and fix)))
     return out
@@ -139,9 +180,20 @@ def _orphans(
     pending: dict[str, tuple[int, float]],
     on_disk: set[str],
     fix: bool,
+    n_snapshots: int,
 ) -> list[Problem]:
     out = []
     now = time.time()
+    # An index that vouches for nothing (no snapshot, no blob, no save in flight)
+    # beside blob files lost its contents: those files are not orphans, and
+    # deleting them would make the loss irreversible.
+    if on_disk and not rows and not pending and not n_snapshots:
+        detail = (
+            f"{len(on_disk)} blob files but an index that lists none: the index was lost "
+            "or replaced; persist deletes nothing it cannot account for (put the old "
+            "index.sqlite back, or move the store away to start afresh)"
+        )
+        return [Problem("unvouched-blobs", str(blobs.blobs), detail, False)]
     in_flight = {
         s for s, (pid, made) in pending.items() if _alive(pid) and now - made < TMP_GRACE_SECONDS
     }
@@ -175,102 +227,32 @@ def _mtime(p: Path) -> float:
         return 0.0
 
 
-def _damaged(
-    blobs: FileBlobs,
-    rows: dict[str, tuple[int, bytes, int, bool]],
-    on_disk: set[str],
-    progress: Progress | None = None,
-) -> dict[str, str]:
-    bad = {}
-    for k, (f, (size, head, _refs, dead)) in enumerate(sorted(rows.items())):
-        if progress is not None:
-            progress(k + 1, len(rows))
-        if dead:
-            continue
-        # A blob written after the listing and committed before the rows were read
-        # is in this view without being listed: only one missing now is damage.
-        if f not in on_disk and not blobs.path(f).exists():
-            bad[f] = "blob file is missing"
-            continue
-        problem = _verify(blobs.path(f), size, head)
-        if problem:
-            bad[f] = problem
-    return bad
-
-
-def _verify(path: Path, size: int, head: bytes) -> str | None:
-    try:
-        with open(path, "rb") as fh:
-            return verify_blob(fh, str(path), size, head)
-    except OSError as err:
-        return f"unreadable: {err}"
-
-
-def verify_blob(
-    fh: BinaryIO, where: str, size: int, head: bytes, length: int | None = None
-) -> str | None:
-    """What is wrong with an open blob file (size, header, every tensor), or None;
-    ``length`` for bytes that are not a file yet (``io.BytesIO``)."""
-    try:
-        header = read_header(fh, where, length)
-        if header.file_size != size or header.digest != head:
-            return "size or header does not match the index"
-        sums = blob_manifest(header, where)
-        for key, e in header.tensors.items():
-            fh.seek(e.start)
-            if checksum(fh.read(e.end - e.start)) != sums[key]:
-                return f"checksum mismatch in tensor {key!r}"
-    except CorruptBlobError as err:
-        return err.detail
-    return None
-
-
-def _quarantine(index: Index, blobs: FileBlobs, bad: dict[str, str], fix: bool) -> list[Problem]:
-    out = []
-    for f, why in bad.items():
-        with index.read() as db:
-            users = sorted(
-                {
-                    r[0]
-                    for r in db.execute(
-                        "SELECT id FROM snapshots WHERE tail = ? UNION "
-                        "SELECT snapshot FROM snapshot_blocks WHERE blob = ?",
-                        [f, f],
-                    )
-                }
-            )
-        if fix:
-            with index.write() as db:
-                for sid in users:
-                    writes.remove(db, sid)
-            if blobs.path(f).exists():
-                _quarantine_file(blobs, blobs.path(f))
-        out.append(Problem("damaged-blob", f, f"{why}; used by snapshots {users}", fix))
-    return out
-
-
-def _quarantine_file(blobs: FileBlobs, p: Path) -> None:
-    q = blobs.root / "quarantine"
-    q.mkdir(mode=0o700, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.replace(p, q / f"{int(time.time())}-{p.name}")
-
-
-def _rows(index: Index, fix: bool) -> list[Problem]:
+def _rows(
+    index: Index, fix: bool, progress: Progress | None, done: int, total: int
+) -> list[Problem]:
     """Snapshot rows whose immutable fields no longer match their checksum.
 
     Rows and their blocks are read in one transaction, and a fix re-checks
     the row inside the transaction that removes it (ids are never reused).
     """
+    bad = []
     with index.read() as db:
-        bad = [(r.id, why) for r, why in Index.damaged_rows(db)]
+        for k, r in enumerate(Index.rows_where(db, "1=1 ORDER BY id", [])):
+            if progress is not None:
+                progress(done + k + 1, total)
+            if row_digest(r, Index.blocks_in(db, r.id)) != r.row_xxh3:
+                bad.append((r.id, r.name, r.namespace, "index row does not match its checksum"))
+            elif (why := listed_info(r).damaged) is not None:  # fields outside the checksum
+                bad.append((r.id, r.name, r.namespace, why))
     out = []
-    for sid, why in bad:
+    for sid, name, ns, why in bad:
         if fix:
             with index.write() as db:
-                if any(r.id == sid for r, _ in Index.damaged_rows(db, sid)):
+                again = Index.rows_where(db, "id = ?", [sid])  # ids are never reused
+                if again and (Index.damaged_rows(db, sid) or listed_info(again[0]).damaged):
                     writes.remove(db, sid)
-        out.append(Problem("damaged-row", f"snapshot {sid}", why, fix))
+        target = f"snapshot {sid}" if name is None else f"session {name!r} in namespace {ns!r}"
+        out.append(Problem("damaged-row", target, f"{why}; it is removed" if fix else why, fix))
     return out
 
 

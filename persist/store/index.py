@@ -8,6 +8,7 @@ committed (``Index.collect`` hands back the dead files).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sqlite3
 import threading
@@ -15,7 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CorruptBlobError
+from ..errors import CorruptBlobError, StorageError, StoreFullError
 from .rows import (
     SNAPSHOT_COLS,
     BlockRef,
@@ -39,6 +40,10 @@ def corruption_is_typed() -> Iterator[None]:
     except sqlite3.OperationalError as e:
         if "decode to UTF-8" in str(e):  # a flipped byte inside a text column
             raise CorruptBlobError("index.sqlite", f"the index is damaged: {e}") from None
+        if "database or disk is full" in str(e):  # SQLite could not grow its log or file
+            raise StoreFullError(0, 0, f"the disk holding the store is full ({e})") from None
+        if "disk I/O error" in str(e):
+            raise StorageError("the store's index", OSError(errno.EIO, str(e))) from None
         raise  # locks and timeouts are not damage
     except (sqlite3.IntegrityError, sqlite3.ProgrammingError):
         raise  # bugs are not damage

@@ -1,66 +1,65 @@
 """The index queries of a lookup: which snapshots may serve a prompt.  No mlx.
 
-Three steps, each bounded whatever the number of sessions: how many of the
-prompt's blocks some snapshot holds (a binary search of one-key queries),
-the snapshots that share those blocks and the HEAD_TOKENS after them, and,
-if none of those can serve, the ones that share only the blocks.  Candidates
-are ranked from covering indexes; only the chosen few rows (token lists
-included) are read.  The caller compares tokens in full and applies the
-resume policy.
+One read transaction.  First how many of the prompt's blocks some snapshot
+holds (a binary search of one-key queries); then, under the chain of those
+m blocks, the lookup keys (``keys``) in order of how many more prompt tokens
+they share: every snapshot sharing the longest prefix is in the first level,
+however many share a shorter one, and a returning conversation meets its own
+snapshot (a prefix of the prompt) at its full length.  Each level costs
+O(log sessions) seeks plus a bounded number of candidates of the same usable
+prefix; if none of them can serve, the next level, then the block before.
+Only the candidates' rows (token lists included) are read; the caller's
+policy compares tokens in full and applies the resume rules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..format.tokens import common_prefix_packed, pack_tokens
 from ..policy import COULD_SERVE_SQL, Candidate
 from ..policy import choose as choose_by_policy
-from .chains import HEAD_TOKENS, head_key
-from .index import BLOCKS_THEN_SNAPSHOTS, MAX_VARIABLES, Index
+from . import keys
+from .chains import HEAD_TOKENS
+from .index import BLOCKS_THEN_SNAPSHOTS, Index
 from .rows import SnapshotRow
 
 if TYPE_CHECKING:
     import sqlite_utils
 
-__all__ = [
-    "choose",
-    "matched_blocks",
-    "by_head",
-    "by_blocks",
-    "MAX_CANDIDATES",
-    "FALLBACK_CANDIDATES",
-]
+__all__ = ["choose", "matched_blocks", "candidate_rows", "LEVEL_CANDIDATES"]
 
-# Bounds on one lookup's work, whatever the number of sessions sharing a prefix.
-MAX_CANDIDATES = 64
-FALLBACK_CANDIDATES = 16
-SINGLE_CHAINS = 8
+# Rows read per level: all of a level's candidates reuse the same number of
+# tokens, so these only break ties (an exact length first, then recency).
+LEVEL_CANDIDATES = 16
+
+Fetch = Callable[[int], list[int]]  # how many ids at most -> candidate ids
 
 
-def _serve_filter(namespace: str, identity: str, prompt_len: int) -> tuple[str, list[Any]]:
-    """Rows that could serve a prompt of ``prompt_len`` tokens, from index columns alone.
+class _Query:
+    """What every candidate query of one lookup shares: the prompt, the filters."""
 
-    ``policy.COULD_SERVE_SQL``: an untrimmable snapshot longer than the
-    prompt can never serve, nor one whose floor leaves no token to compute.
-    """
-    return (
-        f" AND s.namespace = ? AND s.identity = ? AND {COULD_SERVE_SQL}",
-        [namespace, identity, prompt_len - 1, prompt_len - 1],
-    )
+    def __init__(
+        self, db: Any, namespace: str, identity: str, toks: list[int], skip: set[int]
+    ) -> None:
+        self.db, self.toks, self.skip = db, toks, sorted(skip)
+        # policy.COULD_SERVE_SQL: rows that could serve from index columns alone
+        self.filt = f" AND s.namespace = ? AND s.identity = ? AND {COULD_SERVE_SQL}"
+        self.args: list[Any] = [namespace, identity, len(toks) - 1, len(toks) - 1]
+        if self.skip:  # rows found damaged are passed over
+            self.filt += f" AND s.id NOT IN ({','.join('?' * len(self.skip))})"
+            self.args += self.skip
 
-
-def _rows_by_id(db: sqlite_utils.Database, ids: Sequence[int]) -> list[SnapshotRow]:
-    """Full rows (tokens included) of at most a bounded list of ids, in their order."""
-    if not ids:
-        return []
-    marks = ",".join("?" * len(ids))
-    got = {r.id: r for r in Index.rows_where(db, f"id IN ({marks})", list(ids))}
-    return [got[i] for i in dict.fromkeys(ids) if i in got]
+    def ids(self, sql: str, args: Sequence[Any], limit: int) -> list[int]:
+        return [r[0] for r in self.db.execute(sql, [*args, *self.args, limit])]
 
 
-def matched_blocks(index: Index, namespace: str, identity: str, chains: Sequence[bytes]) -> int:
+def matched_blocks(
+    db: sqlite_utils.Database, namespace: str, identity: str, chains: Sequence[bytes]
+) -> int:
     """How many leading blocks of a prompt (block chains ``chains[1:]``) some snapshot holds.
 
     A snapshot holding block i holds every block before it, so the matched
@@ -68,89 +67,96 @@ def matched_blocks(index: Index, namespace: str, identity: str, chains: Sequence
     queries, whatever the prompt's length.
     """
     lo, hi = 0, len(chains) - 1
-    with index.read() as db:
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            row = db.execute(
-                f"SELECT 1 FROM {BLOCKS_THEN_SNAPSHOTS} ON s.id = b.snapshot "
-                "WHERE b.chain = ? AND b.idx = ? AND s.namespace = ? AND s.identity = ? "
-                "LIMIT 1",
-                [chains[mid], mid - 1, namespace, identity],
-            ).fetchone()
-            lo, hi = (mid, hi) if row else (lo, mid - 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        row = db.execute(
+            f"SELECT 1 FROM {BLOCKS_THEN_SNAPSHOTS} ON s.id = b.snapshot "
+            "WHERE b.chain = ? AND b.idx = ? AND s.namespace = ? AND s.identity = ? "
+            "LIMIT 1",
+            [chains[mid], mid - 1, namespace, identity],
+        ).fetchone()
+        lo, hi = (mid, hi) if row else (lo, mid - 1)
     return lo
 
 
-def by_head(
-    index: Index, namespace: str, identity: str, head: bytes, prompt_len: int
-) -> list[SnapshotRow]:
-    """Snapshots that share a prompt's matched blocks and the HEAD_TOKENS after them.
-
-    Most recently used first, at most MAX_CANDIDATES: lookups stay bounded
-    however many sessions share a prompt's prefix.
-    """
-    filt, args = _serve_filter(namespace, identity, prompt_len)
-    with index.read() as db:
-        ids = db.execute(
-            "SELECT s.id FROM heads h INDEXED BY heads_key "
-            "CROSS JOIN snapshots s INDEXED BY snapshots_facts "
-            f"ON s.id = h.snapshot WHERE h.key = ?{filt} ORDER BY s.used DESC LIMIT ?",
-            [head, *args, MAX_CANDIDATES],
-        ).fetchall()
-        return _rows_by_id(db, [r[0] for r in ids])
+def _range_sql(col: str, r: keys.Range) -> tuple[str, list[bytes]]:
+    lo, hi = r
+    return (f"{col} >= ?", [lo]) if hi is None else (f"{col} >= ? AND {col} < ?", [lo, hi])
 
 
-def by_blocks(
-    index: Index,
-    namespace: str,
-    identity: str,
-    chains: Sequence[bytes],
-    matched: int,
-    prompt_len: int,
-) -> list[SnapshotRow]:
-    """Snapshots that end within the prompt's ``matched`` blocks or go on past them.
+def _trimmable(q: _Query, anchor: bytes, idx: int, at: int, ranges: list[keys.Range]) -> Fetch:
+    """Trimmable snapshots whose tail or full block ``idx`` lies in ``ranges``: each
+    shares exactly ``at`` tokens with the prompt, and may serve if its floor allows."""
 
-    The fallback when no snapshot shares HEAD_TOKENS past the matched
-    blocks, so every candidate's common prefix lies within HEAD_TOKENS of
-    the others': the longest first, at most FALLBACK_CANDIDATES of each sort.
-    """
-    if matched == 0:
-        return []
-    filt, args = _serve_filter(namespace, identity, prompt_len)
-    ids: list[int] = []
-    with index.read() as db:
-        ends = list(chains[1 : matched + 1])
-        # The deepest chains one by one (an index walk that stops at the
-        # limit, no sort), then the rest in bounded IN lists.
-        parts = [[c] for c in reversed(ends[-SINGLE_CHAINS:])]
-        rest = ends[:-SINGLE_CHAINS]
-        parts += [rest[max(0, i - MAX_VARIABLES) : i] for i in range(len(rest), 0, -MAX_VARIABLES)]
-        for part in parts:
-            if len(ids) >= FALLBACK_CANDIDATES:
-                break
-            marks = ",".join("?" * len(part))
-            ids += [
-                r[0]
-                for r in db.execute(
-                    # a covering index: candidates are ranked without reading their rows
-                    f"SELECT s.id FROM snapshots s INDEXED BY snapshots_ends "
-                    f"WHERE s.last_chain IN ({marks}){filt} "
-                    "ORDER BY s.n_tokens DESC, s.used DESC LIMIT ?",
-                    [*part, *args, FALLBACK_CANDIDATES],
-                )
-            ]
-        ids += [
-            r[0]
-            for r in db.execute(
-                # 'more': the snapshot has blocks past this one (no row is read to know)
-                f"SELECT s.id FROM snapshot_blocks b INDEXED BY snapshot_blocks_more "
-                "CROSS JOIN snapshots s INDEXED BY snapshots_facts "
-                f"ON s.id = b.snapshot WHERE b.chain = ? AND b.idx = ? AND b.more = 1 "
-                f"AND s.trimmable = 1{filt} LIMIT ?",
-                [chains[matched], matched - 1, *args, FALLBACK_CANDIDATES],
+    def fetch(limit: int) -> list[int]:
+        out: list[int] = []
+        for r in ranges:
+            where, bounds = _range_sql("t.rest", r)
+            out += q.ids(
+                "SELECT t.snapshot FROM tails t CROSS JOIN snapshots s ON s.id = t.snapshot "
+                f"WHERE t.anchor = ? AND t.trimmable = 1 AND {where} AND t.min_resume <= ?"
+                f"{q.filt} LIMIT ?",
+                [anchor, *bounds, at],
+                limit - len(out),
             )
-        ]
-        return _rows_by_id(db, ids)
+            where, bounds = _range_sql("rest", r)
+            blocks = q.db.execute(
+                f"SELECT rest FROM block_keys WHERE anchor = ? AND {where}", [anchor, *bounds]
+            )
+            for (rest,) in blocks:
+                if len(out) >= limit:
+                    return out
+                chain = keys.block_chain(anchor, keys.unpack_sorted(bytes(rest)))
+                out += q.ids(
+                    f"SELECT s.id FROM {BLOCKS_THEN_SNAPSHOTS} ON s.id = b.snapshot "
+                    "WHERE b.chain = ? AND b.idx = ? AND s.trimmable = 1 AND s.min_resume <= ?"
+                    f"{q.filt} ORDER BY b.rowid DESC LIMIT ?",
+                    [chain, idx, at],
+                    limit - len(out),
+                )
+        return out
+
+    return fetch
+
+
+def _exact(q: _Query, anchor: bytes, rest: bytes, at: int) -> Fetch:
+    """Untrimmable snapshots whose every token is a prefix of the prompt (``at`` long)."""
+    return lambda limit: q.ids(
+        "SELECT t.snapshot FROM tails t CROSS JOIN snapshots s ON s.id = t.snapshot "
+        "WHERE t.anchor = ? AND t.trimmable = 0 AND t.rest = ? AND t.min_resume <= ?"
+        f"{q.filt} LIMIT ?",
+        [anchor, rest, at],
+        limit,
+    )
+
+
+def _levels(
+    q: _Query, anchor: bytes, k: int, block: int, whole: bool
+) -> Iterator[tuple[int, Fetch]]:
+    """(usable tokens, fetch) under boundary k, most tokens first: the trimmable levels
+    and the untrimmable exact prefixes merged.  ``whole``: the prompt's own block k is
+    held deeper and was tried there."""
+    usable = len(q.toks) - 1
+    qk = keys.sort_pack(q.toks[k * block : min(usable, (k + 1) * block)])
+    base = k * block
+    trim = (
+        (base + d, _trimmable(q, anchor, k, base + d, ranges))
+        for d, ranges in keys.levels(q.db, anchor, qk, seen_whole=whole)
+    )
+    exact = (
+        (base + len(e) // 4, _exact(q, anchor, e, base + len(e) // 4))
+        for e in keys.prefixes(q.db, anchor, qk, trimmable=False)
+    )
+    return heapq.merge(trim, exact, key=lambda lv: -lv[0])
+
+
+def candidate_rows(db: sqlite_utils.Database, ids: Sequence[int]) -> list[SnapshotRow]:
+    """Full rows (tokens included) of a bounded list of ids, in their order."""
+    if not ids:
+        return []
+    marks = ",".join("?" * len(ids))
+    got = {r.id: r for r in Index.rows_where(db, f"id IN ({marks})", list(ids))}
+    return [got[i] for i in dict.fromkeys(ids) if i in got]
 
 
 def choose(
@@ -164,28 +170,35 @@ def choose(
 ) -> tuple[SnapshotRow, int] | None:
     """The row and usable prefix that serve ``toks`` (chains ``chains``), or None.
 
-    First the snapshots that share the prompt's matched blocks and the
-    HEAD_TOKENS after them (any of those beats every other); if none of them
-    can serve, the ones that share only the matched blocks.  Rows in ``skip``
-    (found damaged) are passed over.
+    Levels come in order of the tokens they would reuse, so the first level
+    with a row the policy accepts holds the best hit.  Rows in ``skip``
+    (found damaged) are passed over.  Hits shorter than HEAD_TOKENS are not
+    worth a lookup.
     """
-    matched = matched_blocks(index, namespace, identity, chains)
-    tiers = []
-    if len(toks) - matched * block >= HEAD_TOKENS:
-        head = head_key(chains[matched], toks[matched * block :])
-        tiers.append(lambda: by_head(index, namespace, identity, head, len(toks)))
-    tiers.append(lambda: by_blocks(index, namespace, identity, chains, matched, len(toks)))
+    usable = len(toks) - 1
+    if usable < HEAD_TOKENS:
+        return None
     packed = pack_tokens(toks)
-    for tier in tiers:
-        rows = {r.id: r for r in tier() if r.id not in skip}
-        cands = [
-            (
-                Candidate(r.id, r.n_tokens, r.trimmable, r.min_resume, r.used),
-                common_prefix_packed(r.tokens, packed),  # tokens decide, compared in full
-            )
-            for r in rows.values()
-        ]
-        picked = choose_by_policy(cands, len(toks))
-        if picked is not None:
-            return rows[picked.candidate.id], picked.prefix
+    with index.read() as db:
+        q = _Query(db, namespace, identity, toks, skip)
+        m = min(matched_blocks(db, namespace, identity, chains), usable // block)
+        for k in range(m, -1, -1):
+            merged = _levels(q, chains[k], k, block, whole=k < m)
+            for at, group in itertools.groupby(merged, key=lambda lv: lv[0]):
+                if at < HEAD_TOKENS:
+                    return None
+                ids: list[int] = []
+                for _, fetch in group:
+                    ids += fetch(LEVEL_CANDIDATES - len(ids)) if len(ids) < LEVEL_CANDIDATES else []
+                rows = {r.id: r for r in candidate_rows(db, ids)}
+                cands = [
+                    (
+                        Candidate(r.id, r.n_tokens, r.trimmable, r.min_resume, r.used),
+                        common_prefix_packed(r.tokens, packed),  # tokens decide, compared in full
+                    )
+                    for r in rows.values()
+                ]
+                picked = choose_by_policy(cands, len(toks))
+                if picked is not None:
+                    return rows[picked.candidate.id], picked.prefix
     return None

@@ -4,7 +4,9 @@ A rate is kept per machine (host name and MLX backend: a store on a shared
 disk serves machines of different speeds), per what was measured ("restore"
 keyed by tier, "prefill" keyed by model identity) and per power-of-two
 bucket of the amount (``policy.rate_bucket``), as an exponential moving
-average so that one noisy run moves it only part of the way.
+average so that one noisy run moves it only part of the way.  Recording is
+best effort: a read never fails because its statistics could not be written
+(a full disk drops them, counted by ``full.dropped``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import msgpack
 
+from .full import best_effort
 from .index import Index
 
 __all__ = ["machine_name", "record", "rates", "all_rates", "note_decision", "decisions"]
@@ -32,6 +35,10 @@ def record(index: Index, machine: str, what: str, key: str, bucket: int, rate: f
     """Fold one measured rate (per second) into the moving average of its bucket."""
     if not rate > 0 or rate == float("inf"):
         return
+    best_effort(_record, index, machine, what, key, bucket, rate)
+
+
+def _record(index: Index, machine: str, what: str, key: str, bucket: int, rate: float) -> None:
     with index.write() as db:
         db.execute(
             "INSERT INTO rates(machine, what, key, bucket, rate, samples, updated) "
@@ -63,7 +70,11 @@ def all_rates(index: Index) -> list[dict[str, Any]]:
 
 
 def note_decision(index: Index, namespace: str, body: dict[str, Any]) -> None:
-    """Keep a decision (the latest KEEP_DECISIONS per namespace)."""
+    """Keep a decision (the latest KEEP_DECISIONS per namespace); dropped on a full disk."""
+    best_effort(_note, index, namespace, body)
+
+
+def _note(index: Index, namespace: str, body: dict[str, Any]) -> None:
     with index.write() as db:
         db.execute(
             "INSERT INTO decisions(namespace, at, body) VALUES (?, ?, ?)",

@@ -11,16 +11,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
-from . import writes
+from . import keys, writes
 from .blobs import BlobStore
-from .index import MAX_VARIABLES, Index
+from .index import Index
 from .rows import SnapshotRow, entry_info
 from .types import GcReport, Rollback
 
 if TYPE_CHECKING:
     import sqlite_utils
 
-__all__ = ["Budgets", "anonymous_ending_at", "lru_victim", "evict_lru", "collect", "gc"]
+__all__ = ["Budgets", "anonymous_prefixes_of", "lru_victim", "evict_lru", "collect", "gc"]
 
 
 @dataclass(frozen=True)
@@ -66,21 +66,34 @@ def collect(index: Index, blobs: BlobStore) -> int:
     return len(dead)
 
 
-def anonymous_ending_at(
-    db: sqlite_utils.Database, namespace: str, identity: str, ends: Sequence[bytes]
+def anonymous_prefixes_of(
+    db: sqlite_utils.Database,
+    namespace: str,
+    identity: str,
+    chains: Sequence[bytes],
+    tokens: Sequence[int],
+    block: int,
 ) -> list[SnapshotRow]:
-    """Anonymous prefix entries whose last chain is one of ``ends`` (bounded queries)."""
-    out = []
-    for i in range(0, len(ends), MAX_VARIABLES):
-        part = list(ends[i : i + MAX_VARIABLES])
-        marks = ",".join("?" * len(part))
-        out += Index.rows_where(
-            db,
-            f"last_chain IN ({marks}) AND namespace = ? AND identity = ? "
-            "AND name IS NULL AND role = 'prefix'",
-            [*part, namespace, identity],
-        )
-    return out
+    """Anonymous prefix entries whose tokens are a prefix of ``tokens`` (or all of
+    them), found through the lookup keys: under each of the new snapshot's block
+    boundaries, the tails that are a prefix of its next tokens.  O(its blocks x
+    log entries), never a scan of the entries that merely share its blocks."""
+    ids: list[int] = []
+    for b in range(len(tokens) // block + 1):
+        q = keys.sort_pack(tokens[b * block : (b + 1) * block])
+        for trimmable in (True, False):
+            for rest in keys.prefixes(db, chains[b], q, trimmable):
+                ids += [
+                    r[0]
+                    for r in db.execute(
+                        "SELECT t.snapshot FROM tails t CROSS JOIN snapshots s "
+                        "ON s.id = t.snapshot WHERE t.anchor = ? AND t.trimmable = ? "
+                        "AND t.rest = ? AND s.namespace = ? AND s.identity = ? "
+                        "AND s.name IS NULL AND s.role = 'prefix'",
+                        [chains[b], int(trimmable), rest, namespace, identity],
+                    )
+                ]
+    return [r for sid in ids for r in Index.rows_where(db, "id = ?", [sid])]
 
 
 def lru_victim(
@@ -96,7 +109,8 @@ def lru_victim(
     if protect:
         where += f" AND id NOT IN ({','.join('?' * len(protect))})"
         args += sorted(protect)
-    index = "snapshots_ns_used" if namespace is not None else "snapshots_used"
+    # (pinned, used): the oldest unpinned entry is one seek, however many are pinned
+    index = "snapshots_ns_lru" if namespace is not None else "snapshots_lru"
     row = db.execute(
         f"SELECT id FROM snapshots INDEXED BY {index} WHERE {where} ORDER BY used, id LIMIT 1",
         args,

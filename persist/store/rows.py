@@ -23,12 +23,14 @@ __all__ = [
     "row_of",
     "cols",
     "entry_info",
+    "listed_info",
     "check_name",
     "MAX_NAME",
     "store_root",
 ]
 
 MAX_NAME = 1024
+MAX_COMPONENT = 255  # bytes in one folder name (NAME_MAX on Linux and macOS)
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,32 @@ def entry_info(r: SnapshotRow) -> EntryInfo:
     )
 
 
+def listed_info(r: SnapshotRow) -> EntryInfo:
+    """``entry_info``, or for a row whose fields do not decode (bit rot in the index) an
+    entry marked damaged: listing commands show it and go on (``check --fix`` repairs)."""
+    try:
+        return entry_info(r)
+    except Exception as e:  # msgpack raises many kinds on garbage: all mean damage here
+        return EntryInfo(
+            id=r.id,
+            namespace=r.namespace,
+            session=r.name,
+            role=r.role,
+            owner=r.owner,
+            tokens=r.n_tokens,
+            bytes=r.nbytes,
+            trimmable=r.trimmable,
+            min_resume_offset=r.min_resume,
+            kinds=[],
+            identity=r.identity,
+            model="",
+            created=r.created,
+            used=r.used,
+            pinned=r.pinned,
+            damaged=f"the index row does not decode ({type(e).__name__})",
+        )
+
+
 def check_name(value: Any, what: str) -> str:
     """Session and namespace names are plain keys: any text of 1..1024 characters, no NUL."""
     if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME or "\x00" in value:
@@ -176,6 +204,12 @@ def store_root(root: str | os.PathLike[str]) -> Path:
     A root that still has a component named ``~`` after expansion is refused.
     """
     path = Path(os.path.expandvars(os.path.expanduser(os.fspath(root))))
+    long = [p for p in path.parts if len(os.fsencode(p)) > MAX_COMPONENT]
+    if long:  # the system's ENAMETOOLONG, said before anything is made
+        raise InvalidNameError(
+            f"store root {os.fspath(root)!r} has a folder name of {len(os.fsencode(long[0]))} "
+            f"bytes; a name on disk has at most {MAX_COMPONENT}"
+        )
     if "~" in path.parts:
         raise InvalidNameError(
             f"store root {os.fspath(root)!r} has a folder named '~' (not expanded): "

@@ -1,6 +1,6 @@
 """The SQLite index: schema, migrations, connection settings.  No mlx here.
 
-Schema version 3.  Each migration is a list of statements applied in one
+Schema version 4.  Each migration is a list of statements applied in one
 transaction, then its Python step if it has one (a backfill);
 ``meta.schema_version`` records where a store is.
 """
@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CorruptBlobError, InvalidArgumentError, UnsupportedVersionError
+from .full import disk_full_error, full_disk
 
 if TYPE_CHECKING:
     import sqlite_utils
 
 __all__ = ["SCHEMA_VERSION", "connect"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 MIGRATIONS: dict[int, list[str]] = {
     1: [
@@ -163,26 +165,63 @@ MIGRATIONS: dict[int, list[str]] = {
         )""",
         """CREATE INDEX decisions_ns ON decisions(namespace, id)""",
     ],
+    4: [
+        # Lookup keys (persist.store.keys), big-endian tokens so that they sort as
+        # token lists: a snapshot's tokens after its last block boundary under the
+        # chain before them, and each full block some trimmable snapshot holds.
+        """CREATE TABLE tails (
+            anchor BLOB NOT NULL,
+            trimmable INTEGER NOT NULL,
+            rest BLOB NOT NULL,
+            snapshot INTEGER NOT NULL,
+            min_resume INTEGER NOT NULL,
+            PRIMARY KEY (anchor, trimmable, rest, snapshot)
+        ) WITHOUT ROWID""",
+        """CREATE TABLE block_keys (
+            anchor BLOB NOT NULL,
+            rest BLOB NOT NULL,
+            users INTEGER NOT NULL,
+            PRIMARY KEY (anchor, rest)
+        ) WITHOUT ROWID""",
+        # What the keys replace: 16-token head keys, and the candidate rankings
+        # that had to bound how many snapshots sharing one compete.
+        """DROP TABLE heads""",
+        """DROP INDEX snapshots_ends""",
+        """DROP INDEX snapshots_facts""",
+        """DROP INDEX snapshots_last_chain""",
+        """DROP INDEX snapshot_blocks_more""",
+        """DROP INDEX snapshots_ns_used""",
+        # The oldest unpinned entry in one seek, however many are pinned (eviction).
+        """CREATE INDEX snapshots_lru ON snapshots(pinned, used)""",
+        """CREATE INDEX snapshots_ns_lru ON snapshots(namespace, pinned, used)""",
+        # persist ls --sort size streams; its line about hidden entries counts an index.
+        """CREATE INDEX snapshots_bytes ON snapshots(bytes)""",
+        """CREATE INDEX snapshots_unnamed ON snapshots(namespace, role) WHERE name IS NULL""",
+    ],
 }
 
 
-def _backfill_heads(db: sqlite_utils.Database) -> None:
+def _backfill_keys(db: sqlite_utils.Database) -> None:
+    """The lookup keys of every snapshot a version 3 (or older) store holds."""
     from ..format.tokens import unpack_tokens
-    from . import writes
+    from . import keys
 
-    block = int(db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0])
-    rows = db.execute("SELECT id, root, tokens FROM snapshots").fetchall()
-    for sid, root, raw in rows:
+    store_block = int(db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0])
+    rows = db.execute("SELECT id, root, tokens, trimmable, min_resume, manifest FROM snapshots")
+    for sid, root, raw, trimmable, floor, manifest in rows.fetchall():
+        block = keys.block_of(bytes(manifest), store_block)
         chs = [bytes(root)] + [
             bytes(r[0])
             for r in db.execute(
                 "SELECT chain FROM snapshot_blocks WHERE snapshot = ? ORDER BY idx", [sid]
             )
         ]
-        writes.add_heads(db, sid, chs, unpack_tokens(bytes(raw)), block)
+        toks = unpack_tokens(bytes(raw))
+        if len(chs) == len(toks) // block + 1:  # else damaged: check reports the row
+            keys.add(db, sid, chs, toks, block, bool(trimmable), int(floor))
 
 
-BACKFILLS = {2: _backfill_heads}
+BACKFILLS = {4: _backfill_keys}
 
 
 def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_utils.Database:
@@ -202,19 +241,70 @@ def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_uti
             os.close(os.open(path, flags, 0o600))
     try:
         conn = sqlite3.connect(str(path), timeout=60, isolation_level=None, check_same_thread=False)
+        # A flipped byte in a text column reads as U+FFFD instead of failing the whole
+        # query: listings show the row (check's row checksum finds the damage).
+        conn.text_factory = lambda b: b.decode("utf-8", "replace")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA foreign_keys=ON")
         conn.execute("PRAGMA busy_timeout=60000")
     except sqlite3.DatabaseError as e:
-        raise CorruptBlobError(str(path), f"the index is not a usable SQLite file: {e}") from None
+        if full_disk(e, path.parent):
+            raise disk_full_error(path.parent, e) from None
+        raise _damaged(path, f"the index is not a usable SQLite file: {e}") from None
     db = sqlite_utils.Database(conn)
     from .index import corruption_is_typed
 
-    with corruption_is_typed():
-        _migrate(db, path)
-        _check_block_tokens(db, block_tokens, path, adopt)
+    try:
+        with corruption_is_typed():
+            lost = _lost_index(path) if _version(db) == 0 else None
+            if lost is None:
+                _migrate(db, path)
+                _check_block_tokens(db, block_tokens, path, adopt)
+    except CorruptBlobError as e:
+        conn.close()
+        raise _damaged(path, e.detail) from None
+    except BaseException:
+        conn.close()
+        raise
+    if lost is not None:
+        conn.close()
+        raise lost
     return db
+
+
+def _damaged(path: Path, detail: str) -> CorruptBlobError:
+    """A damaged index, with the command that saves what SQLite can still read of it."""
+    if "sqlite3 " in detail:
+        return CorruptBlobError(str(path), detail)
+    return CorruptBlobError(
+        str(path),
+        f"{detail}; to save what SQLite can still read of it: "
+        f"sqlite3 {shlex.quote(str(path))} .recover > recovered.sql "
+        "(then persist check on a copy of the store with the recovered index)",
+    )
+
+
+def _lost_index(path: Path) -> CorruptBlobError | None:
+    """An index without tables beside blob files: lost or replaced, never a new store."""
+    blobs = path.parent / "blobs"
+    n = 0
+    with contextlib.suppress(OSError):
+        for sub in os.scandir(blobs):
+            if sub.is_dir(follow_symlinks=False):
+                with os.scandir(sub.path) as it:
+                    n += sum(1 for e in it if e.name.endswith(".safetensors"))
+    if not n:
+        return None
+    root = shlex.quote(str(path.parent))
+    return CorruptBlobError(
+        str(path),
+        f"the index has no tables (it is empty or was replaced) but {blobs} holds {n} blob "
+        "files: persist will not open it as a new store, which would orphan every blob. "
+        "Blobs hold tensors without the tokens or model they belong to, so no session can "
+        "be rebuilt from them alone: put the store's own index.sqlite back (from a backup), "
+        f"or give them up and start afresh by moving the folder away: mv {root} {root}.lost",
+    )
 
 
 def _version(db: sqlite_utils.Database) -> int:

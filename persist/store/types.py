@@ -28,6 +28,7 @@ class EntryInfo:
     used: float
     pinned: bool
     metadata: dict[str, str] = field(default_factory=dict)
+    damaged: str | None = None  # a row whose fields do not decode: listed, never restored
 
     def __repr__(self) -> str:
         kinds = sorted(set(self.kinds))
@@ -49,6 +50,7 @@ class Restored:
     cache: list[Any]
     tokens: list[int]
     entry: EntryInfo
+    notice: str | None = None  # said once: what a repair (check --fix) cut from this session
 
     def __repr__(self) -> str:  # never hundreds of token ids
         return (
@@ -64,6 +66,7 @@ class GcReport:
     bytes_freed: int
     unique_bytes: int  # after (or, for a dry run, as it would be after)
     dry_run: bool
+    quarantine_cleared: int = 0  # files check --fix set aside, older than QUARANTINE_DAYS
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -2,7 +2,9 @@
 
 No mlx.  A save commits through ``add_blobs``, ``insert`` and ``add_heads``;
 ``remove`` marks blobs dead when their last user goes (files are unlinked
-after the commit, by ``retention.collect``).
+after the commit, by ``retention.collect``).  Each statement touches the
+rows of the snapshot at hand, never a scan of the store: a save costs the
+same in a store of a thousand sessions and of a hundred thousand.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .chains import boundary_heads
+from . import keys
 from .index import MAX_VARIABLES, Index
 from .rows import BlockRef, NewBlob, SnapshotRow, row_digest
 
@@ -79,9 +81,12 @@ def add_heads(
     tokens: Sequence[int],
     block: int,
 ) -> None:
-    """Head keys of a snapshot at each block boundary that HEAD_TOKENS tokens follow."""
-    for b, key in enumerate(boundary_heads(chains, tokens, block)):
-        db.execute("INSERT INTO heads(snapshot, pos, key) VALUES (?, ?, ?)", [snapshot_id, b, key])
+    """The lookup keys of a committed snapshot (``keys``): its tail under its last
+    chain and, if it is trimmable, its full blocks (``chains`` h_-1 first)."""
+    trimmable, floor = db.execute(
+        "SELECT trimmable, min_resume FROM snapshots WHERE id = ?", [snapshot_id]
+    ).fetchone()
+    keys.add(db, snapshot_id, chains, tokens, block, bool(trimmable), int(floor))
 
 
 def remove(db: sqlite_utils.Database, snapshot_id: int) -> None:
@@ -96,29 +101,45 @@ def remove(db: sqlite_utils.Database, snapshot_id: int) -> None:
             [snapshot_id],
         )
     ]
+    keys.remove(db, snapshot_id)
     db.execute("DELETE FROM snapshot_blocks WHERE snapshot = ?", [snapshot_id])
-    db.execute("DELETE FROM heads WHERE snapshot = ?", [snapshot_id])
     db.execute("DELETE FROM snapshots WHERE id = ?", [snapshot_id])
     for f in files:
         db.execute("UPDATE blobs SET refs = refs - 1 WHERE file = ?", [f])
-    db.execute("UPDATE blobs SET dead = 1 WHERE refs <= 0")
+        # only this snapshot's blobs can have lost their last user here
+        db.execute("UPDATE blobs SET dead = 1 WHERE file = ? AND refs <= 0", [f])
 
 
 def set_pinned(db: sqlite_utils.Database, namespace: str, name: str, pinned: bool) -> bool:
     """Pin a session and its checkpoints (``pinned`` is not in the row checksum)."""
-    if (
-        db.execute(
-            "SELECT 1 FROM snapshots WHERE namespace = ? AND name = ?", [namespace, name]
-        ).fetchone()
-        is None
-    ):
+    ids = _session_ids(db, namespace, name)
+    if not ids:
         return False
-    db.execute(
-        "UPDATE snapshots SET pinned = ? WHERE namespace = ? AND "
-        "(name = ? OR (name IS NULL AND owner = ?))",
-        [int(pinned), namespace, name, name],
-    )
+    for sid in ids:
+        db.execute("UPDATE snapshots SET pinned = ? WHERE id = ?", [int(pinned), sid])
     return True
+
+
+def _session_ids(db: sqlite_utils.Database, namespace: str, name: str) -> list[int]:
+    """Ids of a session's named snapshot, then of the checkpoints it owns; [] if it
+    has no named snapshot.  Two index seeks (an OR of both would scan the namespace)."""
+    named = db.execute(
+        "SELECT id FROM snapshots WHERE namespace = ? AND name = ?", [namespace, name]
+    ).fetchone()
+    if named is None:
+        return []
+    return [named[0], *_owned_ids(db, namespace, name)]
+
+
+def _owned_ids(db: sqlite_utils.Database, namespace: str, name: str) -> list[int]:
+    return [
+        r[0]
+        for r in db.execute(
+            "SELECT id FROM snapshots INDEXED BY snapshots_owner "
+            "WHERE namespace = ? AND owner = ? AND name IS NULL",
+            [namespace, name],
+        )
+    ]
 
 
 def demote(db: sqlite_utils.Database, snapshot_id: int) -> None:
@@ -143,9 +164,8 @@ def finish_pending(db: sqlite_utils.Database, salt: str) -> None:
 
 
 def session_rows(db: sqlite_utils.Database, namespace: str, name: str) -> list[SnapshotRow]:
-    """A session's named snapshot and the checkpoints it owns."""
-    return Index.rows_where(
-        db,
-        "namespace = ? AND (name = ? OR (name IS NULL AND owner = ?))",
-        [namespace, name, name],
-    )
+    """A session's named snapshot and the checkpoints it owns (also those an
+    interrupted prime left without a named snapshot)."""
+    named = Index.rows_where(db, "namespace = ? AND name = ?", [namespace, name])
+    owned = _owned_ids(db, namespace, name)
+    return named + [r for sid in owned for r in Index.rows_where(db, "id = ?", [sid])]

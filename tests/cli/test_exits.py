@@ -21,7 +21,9 @@ def test_a_bug_is_exit_3_with_a_traceback(monkeypatch: pytest.MonkeyPatch, tmp_p
     def broken(*_: Any, **__: Any) -> Any:
         raise RuntimeError("an unexpected bug")
 
-    monkeypatch.setattr(persist.Store, "entries", broken)
+    from persist.store import listing
+
+    monkeypatch.setattr(listing, "stream", broken)
     res = CliRunner().invoke(cli, ["ls", "--all", "--store", str(tmp_path / "s")])
     assert res.exit_code == 3
     assert "Traceback" in res.output and "please report it" in res.output
@@ -36,7 +38,9 @@ def test_builtin_errors_are_bugs_not_user_errors(
     def broken(*_: Any, **__: Any) -> Any:
         raise error
 
-    monkeypatch.setattr(persist.Store, "entries", broken)
+    from persist.store import listing
+
+    monkeypatch.setattr(listing, "stream", broken)
     res = CliRunner().invoke(cli, ["ls", "--store", str(tmp_path / "s")])
     assert res.exit_code == 3 and "please report it" in res.output
 
@@ -51,7 +55,9 @@ def test_ctrl_c_is_exit_130(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     def interrupted(*_: Any, **__: Any) -> Any:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(persist.Store, "entries", interrupted)
+    from persist.store import listing
+
+    monkeypatch.setattr(listing, "stream", interrupted)
     res = CliRunner().invoke(cli, ["ls", "--store", str(tmp_path / "s")])
     assert res.exit_code == 130
 

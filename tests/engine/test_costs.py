@@ -1,10 +1,12 @@
 """Restore or recompute: a hit is taken only when restoring it is predicted to beat a
 prefill of its tokens, from rates measured on real restores and prefills here.
 
-The slow and fast cases are made on purpose, not hoped for: a blob tier that
-sleeps in every open (restores slower than any prefill of a tiny model), and a
-model that sleeps in every forward (prefills slower than any tiny restore).
-Both are real stores, real files and real forwards, only slowed.
+The slow and fast cases are made on purpose, not hoped for, and never measured
+on the wall clock (a busy machine made round 2's versions fail): the cost
+model's clock is a fake one that a blob tier advances in every open (a slow
+disk or a far tier, by as much as the test says), and prefill rates are
+injected where they are recorded (``Store.record_prefill``).  Real stores,
+real files and real forwards; only the seconds are the test's.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -36,36 +37,58 @@ from tests.helpers import (
 )
 
 
-class SlowBlobs(FileBlobs):
-    """The store's own files, each open delayed: a slow disk or a far tier."""
+class Clock:
+    """The cost model's clock: time moves only when a slowed tier says so."""
 
-    def __init__(self, root: Path, delay: float) -> None:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SlowBlobs(FileBlobs):
+    """The store's own files, each open taking ``delay`` seconds of the fake clock."""
+
+    def __init__(self, root: Path, delay: float, clock: Clock) -> None:
         super().__init__(root)
-        self.delay = delay
+        self.delay, self.clock = delay, clock
 
     def open(self, file: str) -> BinaryIO:
-        time.sleep(self.delay)
+        self.clock.now += self.delay
         return super().open(file)
 
 
-class SlowModel:
-    """A real model whose every forward also sleeps: a slow accelerator."""
-
-    def __init__(self, model: Any, delay: float) -> None:
-        self.model, self.delay = model, delay
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        time.sleep(self.delay)
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
+def slowed(store: persist.Store, delay: float) -> persist.Store:
+    """Restores from ``store`` take ``delay`` seconds per blob, on the fake clock."""
+    clock = Clock()
+    store.costs.clock = clock
+    store.blobs = SlowBlobs(store.root, delay, clock)
+    return store
 
 
-def _primed(model: Any, tok: Any, root: Path, toks: list[int]) -> persist.Store:
-    """A store with a session of ``toks`` and the prefill rates of computing it."""
+def prefill_rate(store: persist.Store, tokens_per_second: float) -> persist.Store:
+    """Every prefill recorded into ``store`` ran at ``tokens_per_second``, whatever it took."""
+    record = store.costs.prefilled
+
+    def at_rate(identity: Any, start: int, end: int, seconds: float) -> None:
+        record(identity, start, end, (end - start) / tokens_per_second)
+
+    store.costs.prefilled = at_rate  # type: ignore[method-assign]
+    return store
+
+
+TINY_PREFILL = 20_000.0  # tokens/s: 600 tokens in 0.03 s
+SLOW_PREFILL = 1_000.0  # tokens/s: 600 tokens in 0.6 s
+
+
+def _primed(
+    model: Any, tok: Any, root: Path, toks: list[int], rate: float = TINY_PREFILL
+) -> persist.Store:
+    """A store with a session of ``toks`` and the (injected) prefill rates of computing it."""
     ident = persist.ModelIdentity.of(model, tok)
-    store = persist.Store(root)
+    store = prefill_rate(persist.Store(root), rate)
+    store.costs.clock = Clock()  # local restores take no time until a test slows them
     cache = persist.prefill(model, toks, store=store, identity=ident, step=128)
     store.save(cache, toks, identity=ident, session="doc")
     return store
@@ -79,7 +102,7 @@ def test_a_slow_tier_is_declined_and_the_answer_is_a_plain_prefill(
     toks = tokens_for(600, seed=70)
     prompt = [*toks, 5, 6, 7]
     with _primed(model, tok, tmp_path / "s", toks) as store:
-        store.blobs = SlowBlobs(store.root, 0.3)
+        slowed(store, 0.3)
         first = store.lookup(prompt, identity=ident)  # no restore measured yet: restore
         assert first is not None and store.costs.last is not None
         assert store.costs.last.restore and store.costs.last.reason == "unmeasured"
@@ -114,8 +137,8 @@ def test_a_fast_tier_is_taken_and_restores_exactly(tiny: Any, tmp_path: Path) ->
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=71)
     prompt = [*toks, 5, 6, 7]
-    slow = SlowModel(model, 0.05)  # 5 forwards of 128 tokens: a quarter second of prefill
-    with _primed(slow, tok, tmp_path / "s", toks) as store:
+    with _primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
+        slowed(store, 0.001)  # a fast disk: a few milliseconds per restore
         for _ in range(3):  # measured, then decided from the measurement
             hit = store.lookup(prompt, identity=ident)
             assert hit is not None and len(hit.tokens) == 600
@@ -133,7 +156,7 @@ def test_rates_belong_to_their_machine_and_model(tiny: Any, tmp_path: Path) -> N
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=72)
     with _primed(model, tok, tmp_path / "s", toks) as store:
-        store.blobs = SlowBlobs(store.root, 0.3)
+        slowed(store, 0.3)
         store.lookup([*toks, 1], identity=ident)  # measured slow, here
         machines = {r["machine"] for r in rates.all_rates(store.index)}
         assert machines == {rates.machine_name(ident.backend)}
@@ -152,9 +175,9 @@ def test_generate_reports_the_decision(tiny: Any, tmp_path: Path) -> None:
     text = "the quick brown fox jumps over the lazy dog " * 30
     with persist.Store(tmp_path / "plain") as plain:
         want = generate(model, tok, ident, plain, session="a", prompt=text, max_tokens=6)
-    with persist.Store(tmp_path / "s") as store:
+    with prefill_rate(persist.Store(tmp_path / "s"), TINY_PREFILL) as store:
         generate(model, tok, ident, store, session="a", prompt=text, max_tokens=6)
-        store.blobs = SlowBlobs(store.root, 0.3)
+        slowed(store, 0.3)
         generate(model, tok, ident, store, session="b", prompt=text, max_tokens=6)  # measures
         got = generate(model, tok, ident, store, session="c", prompt=text, max_tokens=6)
     assert got.decision is not None and got.decision["restore"] is False
@@ -167,7 +190,7 @@ def test_persist_stats_shows_rates_and_decisions(tiny: Any, tmp_path: Path) -> N
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=73)
     with _primed(model, tok, tmp_path / "s", toks) as store:
-        store.blobs = SlowBlobs(store.root, 0.3)
+        slowed(store, 0.3)
         store.lookup([*toks, 1], identity=ident)
         store.lookup([*toks, 1], identity=ident)
     out = persist_cli(tmp_path, "stats", "--store", str(tmp_path / "s")).stdout

@@ -13,8 +13,10 @@ import persist
 from tests.helpers import (
     NEXT,
     ON_CUDA,
+    assert_same_state,
     check_against_child,
     kv_quantized,
+    live_state,
     prefill,
     raw,
     run_child,
@@ -203,10 +205,15 @@ def test_corrupt_blob_is_refused_skipped_and_quarantined(tiny: Any, tmp_path: Pa
         assert store.lookup(toks + [1], identity=identity) is None
         assert store.stats().counters["corrupt_skipped"] == 1
         problems = store.check()
-        assert [p.kind for p in problems] == ["damaged-blob"]
+        assert [p.kind for p in problems] == ["damaged-blob", "session-cut"]
+        assert "'bad'" in problems[1].target and "first 256 of 300" in problems[1].detail
         assert all(p.fixed for p in store.check(fix=True))
         assert store.check() == []
-        assert [s.session for s in store.sessions()] == ["good"]
+        # the blocks before the damage are kept: exactly a prefill of those tokens
+        cut = store.restore("bad", identity=identity)
+        assert cut.tokens == toks[:256] and cut.notice and "loses 44" in cut.notice
+        assert_same_state(live_state(prefill(model, toks[:256])[0]), live_state(cut.cache))
+        assert store.restore("bad", identity=identity).notice is None  # said once
         store.restore("good", identity=identity)
         assert list((store.root / "quarantine").iterdir())
 

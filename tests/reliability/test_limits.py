@@ -153,8 +153,7 @@ def test_tenants_never_touch_each_other(
             return candidates
 
         monkeypatch.setattr(store.blobs, "open", spy_open)
-        for tier in ("by_head", "by_blocks"):
-            monkeypatch.setattr(lookup, tier, spy(getattr(lookup, tier)))
+        monkeypatch.setattr(lookup, "candidate_rows", spy(lookup.candidate_rows))
         for n in (300, 450, 599):  # B probes A's prompt at several depths
             assert store.lookup(secret_prompt[:n] + [1], identity=identity, namespace="b") is None
         assert not opened and set(seen_rows) <= {"b"}

@@ -24,12 +24,12 @@ def test_v1_store_migrates_in_place(tmp_path: Path) -> None:
     shutil.copytree(GOLDEN, root)
     with persist.Store(root) as s:
         version = s.index.db.execute("SELECT value FROM meta WHERE key = 'schema_version'")
-        assert version.fetchone()[0] == str(SCHEMA_VERSION) == "3"
+        assert version.fetchone()[0] == str(SCHEMA_VERSION) == "4"
         assert s.check() == []
         got = s.restore("s300", identity=IDENTITY)
         want = kvs(100, 300)
         assert raw(got.cache[0].keys[..., :300, :]) == raw(want[0])
-        # the backfilled heads give token-exact hits inside the first block
+        # the backfilled lookup keys give token-exact hits inside the first block
         prompt = list(range(40)) + [999, 1000]
         hit = s.lookup(prompt, identity=IDENTITY)
         assert hit is not None and hit.entry.session == "s300" and len(hit.tokens) == 40

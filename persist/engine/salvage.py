@@ -1,0 +1,67 @@
+"""What ``check --fix`` keeps of a damaged trimmable session: its longest valid prefix.
+
+The store layer (``persist.store.check_damage``) finds the first damaged
+block and asks for a cut; cutting rebuilds the cache from the valid blocks
+(``loading.load_snapshot`` with ``keep``: only the blocks before the damage
+and the tail's unsplit tensors are read, each verified) and saves it again
+under the same name, which replaces the damaged row in one commit.  mlx is
+imported only here, and only when a session is cut: ``check`` alone never
+loads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from ..errors import PersistError
+from ..format.tokens import unpack_tokens
+
+if TYPE_CHECKING:
+    from ..store.index import SnapshotRow
+    from .store import Store
+
+__all__ = ["cutter"]
+
+log = logging.getLogger("persist")
+
+
+def cutter(store: Store) -> Any:
+    """A ``check_damage.Cutter`` that re-saves sessions of ``store``."""
+
+    def cut(row: SnapshotRow, keep: int) -> bool:
+        from .loading import load_snapshot
+        from .reading import saved_identity
+        from .saving import Target, save_snapshot
+
+        try:
+            cache = load_snapshot(store.index, store.blobs, row, keep=keep)
+            meta = msgpack.unpackb(row.metadata, raw=False)
+            assert row.name is not None
+            target = Target(
+                saved_identity(row),
+                row.namespace,
+                row.name,
+                None,
+                "session",
+                row.pinned,
+                meta,
+                if_version=row.id,  # a session saved again meanwhile is not cut back
+            )
+            save_snapshot(
+                store.index,
+                store.blobs,
+                cache,
+                unpack_tokens(row.tokens)[:keep],
+                target,
+                block_tokens=store.block_tokens,
+                budgets=store.budgets,
+            )
+        except PersistError as e:  # the valid part did not read back whole: no cut
+            log.warning("persist: could not cut session %r to %d tokens: %s", row.name, keep, e)
+            return False
+        return True
+
+    return cut

@@ -1,0 +1,140 @@
+"""A full disk: telling it apart from damage, and a reserve so that deleting still works.
+
+Round 3 filled a store's disk with saves: after that ``restore`` and
+``lookup`` raised a raw ``sqlite3.OperationalError`` (only the statistics
+write failed), and ``persist rm`` and ``persist gc`` exited 3, so persist
+could not free the space it had filled.  SQLite needs room to delete: its
+write-ahead log grows by the pages a transaction changes, and a fresh
+connection needs its shared-memory file.  So the store keeps a small
+``reserve`` file of real blocks; a write that finds the disk full releases
+it and tries once more, and ``collect`` makes it again once files are gone.
+Writes of statistics on the read path are best effort (``best_effort``),
+dropped and counted when the disk is full.  No mlx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..errors import StoreFullError
+
+__all__ = [
+    "RESERVE",
+    "RESERVE_BYTES",
+    "full_disk",
+    "disk_full_error",
+    "ensure_reserve",
+    "release_reserve",
+    "with_room",
+    "best_effort",
+    "dropped",
+]
+
+T = TypeVar("T")
+log = logging.getLogger("persist")
+RESERVE = "reserve"  # in the store root, beside index.sqlite
+RESERVE_BYTES = 1 << 20  # a delete's WAL frames and a connection's -shm fit with room to spare
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_dropped = {"writes": 0}
+
+
+def dropped() -> int:
+    """Statistics writes this process dropped because the disk was full."""
+    return _dropped["writes"]
+
+
+def full_disk(e: BaseException, root: Path | None = None) -> bool:
+    """Whether ``e`` says the disk is full (SQLite's SQLITE_FULL, ENOSPC, or an I/O
+    error on a disk with no room left: SQLite reports a failed -shm extension so)."""
+    if isinstance(e, StoreFullError):
+        return True
+    if isinstance(e, OSError) and e.errno in DISK_FULL:
+        return True
+    text = str(e).lower()
+    if isinstance(e, sqlite3.Error) and "database or disk is full" in text:
+        return True
+    io = (isinstance(e, OSError) and e.errno == errno.EIO) or "disk i/o error" in text
+    if io and root is not None:
+        with contextlib.suppress(OSError):
+            st = os.statvfs(root)
+            return st.f_bavail * st.f_frsize < RESERVE_BYTES
+    return False
+
+
+def disk_full_error(root: Path, e: BaseException) -> StoreFullError:
+    return StoreFullError(
+        0,
+        0,
+        f"the disk holding the store at {root} is full ({e}); free space there "
+        "(persist rm SESSION or persist gc --max-bytes SIZE work on a full disk)",
+    )
+
+
+def ensure_reserve(root: Path) -> None:
+    """Make the reserve if it is missing (best effort: on a full disk it waits)."""
+    path = root / RESERVE
+    if path.exists() or path.is_symlink():
+        return
+    tmp = root / f".{RESERVE}.{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)  # real blocks, not a sparse promise
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def release_reserve(root: Path) -> bool:
+    """Give the reserve's blocks back to the disk; whether there was one."""
+    path = root / RESERVE
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
+def with_room(root: Path, write: Callable[[], T]) -> T:
+    """Run ``write``; if the disk is full, release the reserve and run it once more."""
+    try:
+        return write()
+    except Exception as e:
+        if not full_disk(e, root):
+            raise
+        if not release_reserve(root):
+            raise disk_full_error(root, e) from e
+        log.warning("persist: the disk is full; using the store's reserve to free space")
+    try:
+        return write()
+    except Exception as e:
+        if full_disk(e, root):
+            raise disk_full_error(root, e) from e
+        raise
+
+
+def best_effort(write: Callable[..., object], *args: Any, **kwargs: Any) -> bool:
+    """``write(*args, **kwargs)``, a statistics write: on a full disk it is dropped
+    (counted) instead of failing the read it belongs to."""
+    try:
+        write(*args, **kwargs)
+    except Exception as e:
+        if not full_disk(e):
+            raise
+        _dropped["writes"] += 1
+        log.debug("persist: dropped a statistics write, the disk is full: %s", e)
+        return False
+    return True

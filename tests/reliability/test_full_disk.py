@@ -1,0 +1,139 @@
+"""A full disk, on a real small filesystem: reads go on, deletes free space, refusals are typed.
+
+Round 3 filled a store's disk with saves: ``restore`` and ``lookup`` then
+raised a raw ``sqlite3.OperationalError`` (the write that records the
+restore rate failed), ``persist rm`` and ``persist gc`` exited 3 (persist
+could not free the space it had filled) and a save's failed commit was
+untyped.  The test mounts a tmpfs of its own (skipped where mounting is not
+allowed) and fills it to the last byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as mc
+
+import persist
+from persist.store import full
+from tests.golden.cases import IDENTITY, kvs
+from tests.helpers import persist_cli
+
+DISK = "4m"
+N = 2000  # tokens per session: 128 KiB of keys and values
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    got = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK},mode=0700", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
+    if got.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def cache_of(seed: int) -> tuple[list[mc.KVCache], tuple[mx.array, mx.array]]:
+    c = mc.KVCache()
+    k, v = kvs(seed, N)
+    c.update_and_fetch(k, v)
+    return [c], (k, v)
+
+
+def fill(mnt: Path) -> None:
+    """Take every byte left, as another program on the disk would."""
+    fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for size in (1 << 16, 1 << 12, 1 << 9, 1):
+            with contextlib.suppress(OSError):
+                while os.write(fd, b"\0" * size):
+                    pass
+    finally:
+        os.close(fd)
+    st = os.statvfs(mnt)
+    assert st.f_bavail == 0
+
+
+def test_a_full_disk_keeps_reads_working_and_lets_persist_free_space(disk: Path) -> None:
+    root = disk / "store"
+    kept: dict[str, tuple[mx.array, mx.array]] = {}
+    with persist.Store(root) as s:
+        for i in range(200):
+            cache, arrays = cache_of(100 + i)
+            try:
+                s.save(cache, list(range(N)), identity=IDENTITY, session=f"s{i}")
+            except persist.StoreFullError:
+                break  # typed, whatever part of the save met the full disk
+            kept[f"s{i}"] = arrays
+        else:
+            pytest.fail("the disk never filled")
+    assert len(kept) >= 3
+    fill(disk)
+    with persist.Store(root) as s:
+        # reads: bit-exact, though no statistic can be written
+        for name, (k, v) in list(kept.items())[:3]:
+            r = s.restore(name, identity=IDENTITY)
+            c = r.cache[0]
+            got_k, got_v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+            assert mx.array_equal(got_k, k) and mx.array_equal(got_v, v)
+        hit = s.lookup(list(range(N)) + [7], identity=IDENTITY)
+        assert hit is not None and len(hit.tokens) == N
+        with pytest.raises(persist.StoreFullError):
+            s.save(cache_of(9999)[0], list(range(N)), identity=IDENTITY, session="more")
+    assert full.dropped() > 0
+    # deletes work on the full disk, from fresh processes (each needs SQLite's -shm)
+    out = persist_cli(root, "ls", check=False)
+    assert out.returncode == 0, out
+    out = persist_cli(root, "rm", "s0", check=False)
+    assert out.returncode == 0, out
+    (disk / "filler").unlink()  # the space is someone else's to give back
+    fill(disk)
+    out = persist_cli(root, "gc", "--max-bytes", "300K", check=False)
+    assert out.returncode == 0, out
+    with persist.Store(root) as s:
+        assert not s.has_session("s0")
+        # what gc freed is room for a new save
+        s.save(cache_of(4242)[0], list(range(N)), identity=IDENTITY, session="after")
+        assert s.check() == []
+
+
+def test_a_failed_commit_on_a_full_disk_is_typed(disk: Path) -> None:
+    root = disk / "store"
+    with persist.Store(root) as s:
+        s.save(cache_of(1)[0], list(range(N)), identity=IDENTITY, session="a")
+    with persist.Store(root) as s:  # open before the disk fills: SQLite's -shm exists
+        (root / full.RESERVE).unlink()  # no reserve: every refusal still typed
+        fill(disk)
+        with pytest.raises(persist.StoreFullError):
+            s.save(cache_of(2)[0], list(range(N)), identity=IDENTITY, session="b")
+        r = s.restore("a", identity=IDENTITY)
+        assert r.tokens == list(range(N))
+        try:
+            s.delete("a")
+        except persist.PersistError as e:
+            assert isinstance(e, persist.StoreFullError), e
+        else:
+            assert not s.has_session("a")
+
+
+def test_full_disk_errors_are_told_apart_from_damage() -> None:
+    import sqlite3
+
+    assert full.full_disk(sqlite3.OperationalError("database or disk is full"))
+    assert full.full_disk(OSError(errno.ENOSPC, "No space left on device"))
+    assert not full.full_disk(sqlite3.OperationalError("database is locked"))
+    assert not full.full_disk(OSError(errno.EACCES, "Permission denied"))

@@ -1,0 +1,151 @@
+"""The parts of ``persist serve``'s operator edge, one at a time (no server process)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from persist.apps.server_http import Deadlines
+from persist.apps.server_logs import JsonFormatter, redact
+from persist.apps.server_requests import BadRequest, check_request, parse_json
+
+CHAT = "/v1/chat/completions"
+TEXT = "/v1/completions"
+OK_CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (TEXT, {"prompt": ["a"]}, "prompt"),
+        (TEXT, {"prompt": ""}, "prompt"),
+        (TEXT, {}, "prompt"),
+        (TEXT, {"prompt": "a", "stop": [1]}, "stop"),
+        (TEXT, {"prompt": "a", "stop": [""]}, "stop"),
+        (TEXT, {"prompt": "a", "stop": ["x"] * 65}, "stop"),
+        (TEXT, {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        (TEXT, {"prompt": "a", "max_tokens": True}, "max_tokens"),
+        (TEXT, {"prompt": "a", "max_tokens": 2.5}, "max_tokens"),
+        (TEXT, {"prompt": "a", "max_completion_tokens": "9"}, "max_completion_tokens"),
+        (TEXT, {"prompt": "a", "temperature": -1}, "temperature"),
+        (TEXT, {"prompt": "a", "top_p": 2}, "top_p"),
+        (TEXT, {"prompt": "a", "seed": -1}, "seed"),
+        (TEXT, {"prompt": "a", "seed": 1 << 64}, "seed"),
+        (TEXT, {"prompt": "a", "logprobs": 1}, "logprobs"),
+        (TEXT, {"prompt": "a", "top_logprobs": 12}, "top_logprobs"),
+        (TEXT, {"prompt": "a", "stream": "yes"}, "stream"),
+        (TEXT, {"prompt": "a", "stream_options": {"include_usage": 1}},
+         "stream_options.include_usage"),
+        (TEXT, {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+        (TEXT, {"prompt": "a", "logit_bias": {"-3": 1}}, "logit_bias"),
+        (TEXT, {"prompt": "a", "logit_bias": {"3": "1"}}, "logit_bias"),
+        (TEXT, {"prompt": "a", "model": 5}, "model"),
+        (CHAT, {"messages": "hi"}, "messages"),
+        (CHAT, {"messages": []}, "messages"),
+        (CHAT, {"messages": ["hi"]}, "messages"),
+        (CHAT, {"messages": [{"content": "x"}]}, "messages"),
+        (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages"),
+        (CHAT, {"messages": [{"role": "user", "content": [5]}]}, "messages"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
+        (CHAT, {**OK_CHAT, "tools": "abc"}, "tools"),
+        (CHAT, {**OK_CHAT, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+        (CHAT, {**OK_CHAT, "role_mapping": "x"}, "role_mapping"),
+    ],
+)  # fmt: skip
+def test_each_bad_field_is_named(path: str, body: dict[str, Any], param: str) -> None:
+    with pytest.raises(BadRequest) as e:
+        check_request(path, body)
+    assert e.value.param == param
+    assert isinstance(e.value, ValueError)  # an InvalidArgumentError: a PersistError too
+    assert e.value.body()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (TEXT, {"prompt": "a", "max_tokens": 4, "stop": "x", "temperature": 0.5, "seed": 3}),
+        (TEXT, {"prompt": "a", "logit_bias": {"3": -100}, "top_logprobs": -1, "logprobs": True}),
+        (TEXT, {"prompt": "a", "stream": True, "stream_options": {"include_usage": True}}),
+        (CHAT, {**OK_CHAT, "stop": ["a", "b"], "tools": [], "adapters": None}),
+        (CHAT, {"messages": [{"role": "assistant", "content": None, "tool_calls": [{}]}]}),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
+    ],
+)
+def test_what_mlx_lm_serves_passes(path: str, body: dict[str, Any]) -> None:
+    check_request(path, body)
+
+
+@pytest.mark.parametrize(
+    "raw, says",
+    [
+        (b'{"prompt": NaN}', "NaN"),
+        (b'{"temperature": Infinity}', "Infinity"),
+        (b"[1]", "JSON object"),
+        (b"\xff\xfe", "UTF-8"),
+        (b"{", "not JSON"),
+    ],
+)
+def test_bodies_that_are_not_json_objects(raw: bytes, says: str) -> None:
+    with pytest.raises(BadRequest, match=says):
+        parse_json(raw)
+
+
+def test_the_reaper_answers_408_and_closes_a_stalled_connection() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        conn, _ = listener.accept()
+        deadlines = Deadlines(poll=0.01)
+        try:
+            late = deadlines.watch(conn, 0.0)
+            kept = deadlines.watch(conn, 3600.0)
+            client.settimeout(60)
+            reply = b""
+            while chunk := client.recv(4096):  # EOF: the server shut the connection
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.0 408")
+            assert not deadlines.done(late)  # the handler learns the reaper answered
+            assert deadlines.done(kept)  # a connection claimed in time is the handler's
+        finally:
+            deadlines.close()
+            client.close()
+            conn.close()
+
+
+def test_tier_urls_are_logged_without_passwords() -> None:
+    assert redact("redis://:hunter2@cache.local:6379/0") == "redis://***@cache.local:6379/0"
+    assert redact("rediss://user:pw@h/1") == "rediss://***@h/1"
+    assert redact("s3://bucket/prefix") == "s3://bucket/prefix"
+    assert redact(None) == "off"
+
+
+def test_json_log_lines() -> None:
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        exc = sys.exc_info()
+    record = logging.LogRecord("persist", logging.ERROR, __file__, 1, "a %s", ("b",), exc)
+    line = json.loads(JsonFormatter().format(record))
+    assert line["message"] == "a b" and line["level"] == "error" and line["logger"] == "persist"
+    assert "ValueError: boom" in line["exc"] and line["ts"].endswith("Z")
+
+
+def test_metrics_never_fail_a_save(tmp_path: Path) -> None:
+    """A metric that cannot be read (a closed store) is skipped: the caller goes on."""
+    import persist
+    from persist.apps.metrics import ServeMetrics
+
+    other = persist.Store(tmp_path / "other")
+    m = ServeMetrics(other, "default")
+    probe = m.probe(save=True)
+    other.close()
+    assert probe is not None
+    m.saved(probe, True)  # reads the closed store's counters: no exception
+    assert m.value("persist_writes_total", result="saved") == 1
+    assert m.health()["store"]["reachable"] is False
