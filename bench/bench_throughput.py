@@ -8,7 +8,8 @@
 For every case: store save / save_file / mlx-lm save+fsync / raw write+fsync;
 restore + first decode step, warm and cold / load_file / mlx-lm load + the same
 step / raw read; a partial hit (1/8 of the tokens): bytes and time against a
-full restore; turn n+1 (256 new tokens): time and bytes against a full save;
+full restore; turn n+1 (256 new tokens): time and bytes against a full save (and
+the time of the next turn through a Store opened for it);
 peak memory above the cache.  Minimum of interleaved repetitions.  Results in
 bench/results/throughput-<device>.json and .md.
 
@@ -242,6 +243,10 @@ def case(
             lambda: read_files(blobs(), scratch),
         ),
     }
+    if device() == "cuda":  # the machine's own limits, in the same rounds
+        from bench import cuda_limits
+
+        ops |= cuda_limits.rows(blobs)
     times = minimum(ops, reps)
     if not store.has_session("s"):
         fresh_save()
@@ -254,7 +259,7 @@ def case(
         "partial": partial(store, toks, reps),
         "turn": turn(store, cache, toks, tmp),
     }
-    toks = [*toks, *range(len(toks), len(toks) + 256)]  # turn() grew the cache
+    toks = [*toks, *range(len(toks), len(toks) + 512)]  # turn() grew the cache twice
     with Peak() as save_peak:
         info = store.save(cache, toks, identity=IDENTITY, session="peak")
     cache.clear()  # the ops above hold the list, not its layers
@@ -262,12 +267,17 @@ def case(
     mx.clear_cache()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
-    r = store.restore("peak", identity=IDENTITY)
-    mx.eval([c.state for c in r.cache])
+    with Peak() as restore_peak:
+        r = store.restore("peak", identity=IDENTITY)
+        mx.eval([c.state for c in r.cache])
     restored = mx.get_active_memory() - before  # the restored cache, capacity included
     peak = mx.get_peak_memory() - before
     del r
-    out["peak_above_cache"] = {"save": save_peak.above, "restore": peak - restored}
+    out["peak_above_cache"] = {
+        "save": save_peak.above,
+        "restore": peak - restored,
+        "restore_host": restore_peak.above,  # resident host memory (CUDA: above nothing)
+    }
     out["peak_session_bytes"] = info.bytes
     store.close()
     return out
@@ -333,6 +343,12 @@ def turn(
     store.save(cache, longer, identity=IDENTITY, session="t")
     inc = time.perf_counter() - t
     grew = store.stats().unique_bytes - before
+    extend(cache, new)  # once more, through a Store opened for the turn (the README's idiom)
+    longer = [*longer, *range(len(longer), len(longer) + new)]
+    with persist.Store(store.root, block_tokens=store.block_tokens) as per_turn:
+        t = time.perf_counter()
+        per_turn.save(cache, longer, identity=IDENTITY, session="t")
+        inc_new_store = time.perf_counter() - t
     with persist.Store(tmp / "full") as other:  # nothing to share with
         t = time.perf_counter()
         other.save(cache, longer, identity=IDENTITY, session="t")
@@ -341,6 +357,7 @@ def turn(
     return {
         "new_tokens": new,
         "turn_s": inc,
+        "turn_new_store_s": inc_new_store,
         "full_s": full,
         "grew_bytes": grew,
         "full_bytes": full_bytes,
@@ -413,6 +430,37 @@ def _ratio(s: dict[str, float], a: str, b: str) -> str:
     return f"{s[a] / s[b]:.2f}x" if a in s and b in s else "n/a"
 
 
+WARM_LIMIT = "limit: read + copy + GPU read (warm)"
+COLD_LIMIT = "limit: 8-thread read into pinned (cold)"
+
+
+def _limit_table(r: dict[str, Any]) -> list[str]:
+    """CUDA: the restore against this machine's limits (bench/cuda_limits), same run."""
+    cases = [c for c in r["cases"] if WARM_LIMIT in c["seconds"]]
+    if not cases:
+        return []
+    lines = [
+        "",
+        "Against the machine's limits (8-thread read of the store's files into a pinned "
+        "buffer, the copy kernel into device memory, a GPU read of the result):",
+        "",
+        "| case | restore+step warm | limit warm (read+copy+GPU read) | ratio | "
+        "restore+step cold | 8-thread cold read into pinned | ratio | pinned -> device copy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        s = c["seconds"]
+        lines.append(
+            f"| {c['case']} {c['tokens']} ({c['cache_bytes'] / 2**30:.2f} GiB) "
+            f"| {s['store restore + step (warm)']:.3f} s | {s[WARM_LIMIT]:.3f} s "
+            f"| {_ratio(s, 'store restore + step (warm)', WARM_LIMIT)} "
+            f"| {s['store restore + step (cold)']:.3f} s | {s[COLD_LIMIT]:.3f} s "
+            f"| {_ratio(s, 'store restore + step (cold)', COLD_LIMIT)} "
+            f"| {s['limit: pinned -> device copy']:.3f} s |"
+        )
+    return lines
+
+
 def markdown(r: dict[str, Any]) -> str:
     m = r["machine"]
     lines = [
@@ -423,8 +471,9 @@ def markdown(r: dict[str, Any]) -> str:
         "",
         "| case | save / raw write+fsync | save / mlx-lm save+fsync | restore+step warm / mlx-lm | "
         "restore+step cold / raw cold read | cold / raw read of its blob files | "
-        "cold / mlx-lm cold | partial bytes | partial time | turn n+1 time | turn n+1 bytes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "cold / mlx-lm cold | partial bytes | partial time | turn n+1 time | "
+        "turn n+1 time, a Store per turn | turn n+1 bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in r["cases"]:
         s, p, t = c["seconds"], c["partial"], c["turn"]
@@ -443,8 +492,10 @@ def markdown(r: dict[str, Any]) -> str:
             f"| {_ratio(s, 'store restore + step (cold)', 'mlx-lm load + step (cold)')} "
             f"| {part} "
             f"| {t['turn_s'] / t['full_s']:.3f}x "
+            f"| {t.get('turn_new_store_s', float('nan')) / t['full_s']:.3f}x "
             f"| {t['grew_bytes'] / t['full_bytes']:.3f}x |"
         )
+    lines += _limit_table(r)
     lines += [
         "",
         "Cold restores against a cold read into new memory (numpy's, which MLX's buffer "
@@ -468,6 +519,11 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(
             f"  peak memory above the cache: save {pk['save'] / 2**20:.0f} MiB, "
             f"restore {pk['restore'] / 2**20:.0f} MiB"
+            + (
+                f", host memory during a restore {pk['restore_host'] / 2**20:.0f} MiB"
+                if "restore_host" in pk
+                else ""
+            )
         )
     return "\n".join(lines) + "\n"
 
