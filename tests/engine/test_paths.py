@@ -31,6 +31,7 @@ def test_a_literal_tilde_folder_is_refused(tmp_path: Path) -> None:
 
 def test_cli_store_option_expands(tmp_path: Path) -> None:
     env = {"HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    persist.Store(tmp_path / "home" / "x").close()  # ls reads a store, never makes one
     for arg in (["--store", "~/x"], ["--store=~/x"]):
         r = subprocess.run(
             [sys.executable, "-m", "persist", "ls", *arg],

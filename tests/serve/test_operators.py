@@ -25,6 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.servers import ROOT, Server, free_port
+from persist.store.upkeep import default_budget
 
 # Each of these stopped generation for every later request, or the process (logit_bias).
 MALFORMED: list[tuple[str, Any]] = [
@@ -165,7 +166,8 @@ def test_health_metrics_and_json_logs(model_dir: Any, tmp_path: Path) -> None:
         health = json.loads(body)
         assert code == 200 and health["status"] == "ok", health
         assert health["store"] == {
-            "path": str(store), "reachable": True, "bytes": 0, "budget_bytes": None
+            "path": str(store), "reachable": True, "bytes": 0,
+            "budget_bytes": default_budget(store),  # the store's default budget (issue 28)
         }  # fmt: skip
         assert health["write_queue"]["depth"] == 0 and health["tiers"] == {}
         before = metrics(srv)
