@@ -32,6 +32,7 @@ from ..format.manifest import is_mlx_lm_metadata
 from ..format.opening import open_regular
 from ..identity import ModelIdentity
 from .files import load_file, save_file
+from .saving import UNVERIFIED_KEY
 
 __all__ = [
     "Importable",
@@ -79,7 +80,11 @@ def read_importable(
                 f"{path} records no model identity or no tokens; save it with "
                 "persist.save_file(path, cache, tokens, identity=...) to import it"
             )
-        return Importable(loaded.cache, loaded.tokens, loaded.identity, loaded.metadata)
+        # an export of an unverified session: its tokens are still nobody's check
+        unverified = loaded.metadata.get(UNVERIFIED_KEY) == "true"
+        return Importable(
+            loaded.cache, loaded.tokens, loaded.identity, loaded.metadata, unverified=unverified
+        )
     if identity is None or tokens is None:
         raise NotResumableError(
             f"{path} is an mlx-lm prompt cache: it records neither the tokens it covers nor "
