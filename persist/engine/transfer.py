@@ -92,7 +92,8 @@ def read_importable(
         )
     cache, metadata = read_mlx_lm(path)
     if model is not None:
-        check_fits(cache, model, str(path))
+        window = dict(identity.cache_config).get("max_kv_size")
+        check_fits(cache, model, str(path), window)
     from ..codecs.snapshot import common_offset, snapshot_facts
 
     ids = [int(t) for t in tokens]
@@ -177,15 +178,17 @@ def read_mlx_lm(path: str | os.PathLike[str]) -> tuple[list[Any], dict[str, str]
 ATTENTION = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
 
 
-def check_fits(cache: list[Any], model: Any, where: str) -> None:
+def check_fits(cache: list[Any], model: Any, where: str, max_kv_size: int | None = None) -> None:
     """Refuse a cache another model computed: the layer count, each layer's kind
     (attention, recurrent, a list) and shapes (heads, head dims, dtypes; recurrent
     state shapes) must be those of the model's own ``make_prompt_cache`` after one
-    token, so nothing is stored that the model would crash on or misread."""
+    token, so nothing is stored that the model would crash on or misread.  A
+    rotating layer's window (size, keep) is part of its kind: a ring made with
+    ``--max-kv-size`` is not the model's without it (``max_kv_size``)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    probe = make_prompt_cache(model)
+    probe = make_prompt_cache(model, max_kv_size=max_kv_size)
     model(mx.array([[0]]), cache=probe)
     mx.eval([c.state for c in probe])
     got, want = [_layout(c) for c in cache], [_layout(c) for c in probe]
@@ -208,8 +211,9 @@ def check_fits(cache: list[Any], model: Any, where: str) -> None:
 
 
 def _show(layout: tuple[Any, ...]) -> str:
-    if layout[0] == "attention" and len(layout) == 5:
-        return f"attention, {layout[1]} heads of {layout[2]}/{layout[3]}, {layout[4]}"
+    if layout[0] == "attention" and len(layout) >= 5:
+        window = f", a window of {layout[5]} (keep {layout[6]})" if len(layout) > 5 else ""
+        return f"attention, {layout[1]} heads of {layout[2]}/{layout[3]}, {layout[4]}{window}"
     return " ".join(str(x) for x in layout)
 
 
@@ -231,12 +235,14 @@ def _layout(c: Any) -> tuple[Any, ...]:
         if name == "QuantizedKVCache":  # packed: head dim = columns * 32 / bits
             dims = [int(k[0].shape[-1]) * 32 // c.bits for k in (keys, values)]
             return ("attention", int(keys[0].shape[1]), *dims, _dtype(keys[1]))
+        window = (int(c.max_size), int(c.keep)) if name == "RotatingKVCache" else ()
         return (
             "attention",
             int(keys.shape[1]),
             int(keys.shape[-1]),
             int(values.shape[-1]),
             _dtype(keys),
+            *window,
         )
     if name == "CacheList":
         return ("list", tuple(_layout(x) for x in c.caches))

@@ -91,3 +91,33 @@ def test_a_cast_and_back_is_not_the_files_model(
     hashed = persist.ModelIdentity.of(model, tok)
     assert hashed.digest != base.digest
     assert persist.ModelIdentity.of(model, tok, path=d).digest == hashed.digest
+
+
+def test_a_rotating_file_is_refused_under_a_model_without_that_window(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """mlx_lm.cache_prompt --max-kv-size writes RotatingKVCache layers: imported for
+    the model without max_kv_size, the ring (early tokens evicted) would be served
+    to plain lookups and continue unlike a fresh prefill.  Refused; with the same
+    max_kv_size it is still not what this model's own make_cache makes."""
+    from mlx_lm.models.cache import RotatingKVCache, save_prompt_cache
+
+    model, tok, _ = tiny("llama")
+    ids = tokens_for(60, seed=7)
+    ring, _ = prefill(model, ids, [RotatingKVCache(max_size=48) for _ in model.layers], step=8)
+    path = tmp_path / "ring.safetensors"
+    save_prompt_cache(str(path), ring)
+    with persist.Store(tmp_path / "s") as store:
+        plain = persist.ModelIdentity.of(model, tok)
+        with pytest.raises(persist.IdentityMismatchError, match="window"):
+            store.import_file(path, identity=plain, tokens=ids, model=model, session="r")
+        assert store.sessions() == []
+        windowed = persist.ModelIdentity.of(model, tok, max_kv_size=48)
+        with pytest.raises(persist.IdentityMismatchError, match="window of 48"):
+            store.import_file(path, identity=windowed, tokens=ids, model=model, session="r")
+        assert store.sessions() == []
+        kv, _ = prefill(model, ids)  # the model's own caches: imported, restored as saved
+        save_prompt_cache(str(path), kv)
+        store.import_file(path, identity=plain, tokens=ids, model=model, session="r")
+        got = store.restore("r", identity=plain)
+        assert_same_state(live_state(got.cache), live_state(kv))
