@@ -32,7 +32,7 @@ from ..format.manifest import is_mlx_lm_metadata
 from ..format.opening import open_regular
 from ..identity import ModelIdentity
 from .files import load_file, save_file
-from .saving import UNVERIFIED_KEY
+from .unverified import UNVERIFIED_KEY
 
 __all__ = [
     "Importable",

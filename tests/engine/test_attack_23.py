@@ -121,3 +121,23 @@ def test_a_rotating_file_is_refused_under_a_model_without_that_window(
         store.import_file(path, identity=plain, tokens=ids, model=model, session="r")
         got = store.restore("r", identity=plain)
         assert_same_state(live_state(got.cache), live_state(kv))
+
+
+def test_a_checkpoint_of_an_unverified_session_serves_no_lookup(tiny: Any, tmp_path: Path) -> None:
+    """A checkpoint owned by an unverified session, of its tokens continued, begins
+    with what nothing checked: it must not serve another prompt either."""
+    from tests.helpers import NEXT, continue_run
+
+    model, tok, _ = tiny("mamba2")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(40, seed=4)
+    cache, _ = prefill(model, toks)
+    with persist.Store(tmp_path / "s") as store:
+        store.save(cache, toks, identity=ident, session="m", unverified_tokens=True)
+        got = store.restore("m", identity=ident)
+        _, greedy = continue_run(model, got.cache, NEXT)
+        more = [*toks, *NEXT, *greedy]
+        store.checkpoint(got.cache, more, identity=ident, session="m")
+        assert store.lookup([*more, 5], identity=ident) is None
+        store.checkpoint(got.cache, more, identity=ident, session="other")  # checked
+        assert store.lookup([*more, 5], identity=ident) is not None
