@@ -91,6 +91,7 @@ def read_importable(
             "the model; give both (persist import FILE --model DIR --prompt TEXT)"
         )
     cache, metadata = read_mlx_lm(path)
+    check_quantized(cache, identity, str(path))
     if model is not None:
         window = dict(identity.cache_config).get("max_kv_size")
         check_fits(cache, model, str(path), window)
@@ -208,6 +209,23 @@ def check_fits(cache: list[Any], model: Any, where: str, max_kv_size: int | None
             f"layer {i}: {_show(got[i])}",
             f"a model whose layer {i} is {_show(want[i])}",
         )
+
+
+def check_quantized(cache: list[Any], identity: ModelIdentity, where: str) -> None:
+    """Quantized layers (generate --kv-bits) only under an identity of the same
+    kv_bits and kv_group_size: a plain lookup must never get them."""
+    cfg = dict(identity.cache_config)
+    layers = [x for c in cache for x in getattr(c, "caches", [c])]
+    for q in (c for c in layers if type(c).__name__ == "QuantizedKVCache"):
+        got = (q.bits, q.group_size)
+        if got != (cfg.get("kv_bits"), cfg.get("kv_group_size", 64)):  # mlx-lm default
+            raise IdentityMismatchError(
+                where,
+                ["kv_bits", "kv_group_size"],
+                f"quantized caches of kv_bits={got[0]}, kv_group_size={got[1]}",
+                f"{identity.display()} with kv_bits={cfg.get('kv_bits')}, "
+                f"kv_group_size={cfg.get('kv_group_size')}",
+            )
 
 
 def _show(layout: tuple[Any, ...]) -> str:

@@ -141,3 +141,29 @@ def test_a_checkpoint_of_an_unverified_session_serves_no_lookup(tiny: Any, tmp_p
         assert store.lookup([*more, 5], identity=ident) is None
         store.checkpoint(got.cache, more, identity=ident, session="other")  # checked
         assert store.lookup([*more, 5], identity=ident) is not None
+
+
+def test_a_quantized_file_is_refused_under_an_identity_without_those_kv_bits(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """A generate --kv-bits cache file imported for the model without kv_bits would
+    serve QuantizedKVCache layers to plain lookups (continuing unlike a fresh
+    prefill): refused, and under other bits too; with its own settings it imports."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from tests.helpers import kv_quantized
+
+    model, tok, _ = tiny("llama_hd64")
+    ids = tokens_for(40, seed=7)
+    q = kv_quantized(model, ids, 0, bits=4, group=32)
+    path = tmp_path / "q.safetensors"
+    save_prompt_cache(str(path), q)
+    with persist.Store(tmp_path / "s") as store:
+        for cfg in ({}, {"kv_bits": 8, "kv_group_size": 32}, {"kv_bits": 4, "kv_group_size": 64}):
+            other = persist.ModelIdentity.of(model, tok, **cfg)
+            with pytest.raises(persist.IdentityMismatchError, match="kv_bits"):
+                store.import_file(path, identity=other, tokens=ids, model=model, session="q")
+            assert store.sessions() == []
+        own = persist.ModelIdentity.of(model, tok, kv_bits=4, kv_group_size=32)
+        store.import_file(path, identity=own, tokens=ids, model=model, session="q")
+        assert_same_state(live_state(store.restore("q", identity=own).cache), live_state(q))
