@@ -187,3 +187,32 @@ def test_a_save_of_quantized_caches_under_a_plain_identity_is_refused(
         plain = persist.ModelIdentity.of(model, tok)
         with pytest.raises(persist.IdentityMismatchError):
             store.save(q, ids, identity=plain, session="q")
+
+
+def test_a_turn_of_an_unverified_session_kept_under_name_2_stays_unverified(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """persist generate --session on an unverified session whose session another
+    writer saved meanwhile keeps the turn as NAME~2: that one continues the
+    unverified tokens too, and must serve no lookup."""
+    from persist.apps.resume import resume_text, save_turn
+    from tests.helpers import NEXT, continue_run
+
+    model, tok, _ = tiny("mamba2")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(40, seed=6)
+    cache, _ = prefill(model, toks)
+    with persist.Store(tmp_path / "s") as store:
+        store.save(cache, toks, identity=ident, session="m", unverified_tokens=True)
+        got = resume_text(store, "m", list(NEXT), ident, "default", None)
+        store.save(cache, toks, identity=ident, session="m")  # another writer's turn
+        assert got.cache is not None
+        _, greedy = continue_run(model, got.cache, got.tokens[got.covered :])
+        more = [*got.tokens, *greedy]
+        name = save_turn(
+            store, got.cache, more, identity=ident, session="m", namespace="default",
+            version=got.version, unverified=got.unverified,
+        )  # fmt: skip
+        assert name == "m~2"
+        assert store.entry("m~2").metadata["persist.unverified_tokens"] == "true"
+        assert store.lookup([*more, 5], identity=ident) is None
