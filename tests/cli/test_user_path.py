@@ -90,9 +90,12 @@ def other_cache(store: persist.Store, ident: Any, n: int = 3) -> list[Any]:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    c = KVCache()
-    c.update_and_fetch(mx.zeros((1, 1, n, 4)), mx.zeros((1, 1, n, 4)))
-    return [c]
+    out = []
+    for _ in range(max(1, ident.layers)):  # as many layers as the identity's model makes
+        c = KVCache()
+        c.update_and_fetch(mx.zeros((1, 1, n, 4)), mx.zeros((1, 1, n, 4)))
+        out.append(c)
+    return out
 
 
 def test_two_generates_at_once_never_lose_a_turn(model_dir: Any, tmp_path: Path) -> None:
