@@ -197,6 +197,7 @@ def generate(
         version=got.version,
         metadata=chat_metadata(messages, text) if chat else None,
         progress=bar("save"),
+        unverified=got.unverified,
     )
     return GenerateResult(
         session=saved_as,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.store import Store
+from ..engine.unverified import UNVERIFIED_KEY
 from ..errors import (
     InvalidArgumentError,
     InvalidMetadataError,
@@ -39,6 +40,7 @@ class Resumed:
     covered: int  # of those, restored from the store
     source: str  # "session", "prefix" or "none"
     version: int  # the session's version read (0: none): the save checks it is unchanged
+    unverified: bool = False  # the restored session's tokens are unverified: so is the turn
 
 
 def resume_text(
@@ -58,8 +60,14 @@ def resume_text(
         return Resumed(hit.cache, new, len(hit.tokens), "prefix", 0)
     if CHAT_KEY in restored.entry.metadata:  # raw text would end the chat's messages
         raise InvalidArgumentError(f"session {session!r} is a chat; continue it with --chat")
-    tokens = restored.tokens + new
-    return Resumed(restored.cache, tokens, len(restored.tokens), "session", restored.entry.id)
+    tokens, unverified = restored.tokens + new, _unverified(restored)
+    return Resumed(
+        restored.cache, tokens, len(restored.tokens), "session", restored.entry.id, unverified
+    )
+
+
+def _unverified(restored: Any) -> bool:
+    return bool(restored.entry.metadata.get(UNVERIFIED_KEY) == "true")
 
 
 def save_turn(
@@ -73,9 +81,12 @@ def save_turn(
     version: int,
     metadata: dict[str, str] | None = None,
     progress: Progress | None = None,
+    unverified: bool = False,
 ) -> str:
     """Save a turn if the session is still the version it was read at; else keep it
-    under the first free ``session~N`` (returned) instead of dropping it."""
+    under the first free ``session~N`` (returned) instead of dropping it.
+    ``unverified``: the turn continues an unverified session (``Resumed``), under
+    whatever name it is kept."""
     name, n = session, 1
     while True:
         try:
@@ -88,6 +99,7 @@ def save_turn(
                 metadata=metadata,
                 progress=progress,
                 if_version=version,
+                unverified_tokens=unverified,
             )
             return name
         except SessionConflictError:
@@ -136,7 +148,10 @@ def resume_chat(
     )
     version = 0 if restored is None else restored.entry.id
     if restored is not None and full[: len(restored.tokens)] == restored.tokens:
-        return Resumed(restored.cache, full, len(restored.tokens), "session", version), messages
+        resumed = Resumed(
+            restored.cache, full, len(restored.tokens), "session", version, _unverified(restored)
+        )
+        return resumed, messages
     hit = store.lookup(full, identity=identity, namespace=namespace)
     if hit is None:
         return Resumed(None, full, 0, "none", version), messages

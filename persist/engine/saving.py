@@ -40,6 +40,7 @@ from ..store import retention, writes
 from ..store.blobs import BlobStore
 from ..store.index import BlockRef, Index, NewBlob, SnapshotRow
 from .blocks import Parts, Piece, Plan, chain_root, chains, content_key, head_key, materialize, plan
+from .unverified import UNVERIFIED_KEY, inherits_unverified
 
 __all__ = ["Target", "save_snapshot"]
 
@@ -62,7 +63,7 @@ class Target:
     metadata: dict[str, str] = field(default_factory=dict)
     # the session's version (EntryInfo.id) the caller read; 0: it must not exist yet
     if_version: int | None = None
-    # the tokens are the caller's word (an imported recurrent cache): see _inherits_unverified
+    # the tokens are the caller's word (an imported recurrent cache): see unverified.py
     unverified: bool = False
 
 
@@ -301,11 +302,13 @@ def _commit(
         }
         if t.name is not None:
             _check_version(db, t)
-            if t.unverified or _inherits_unverified(db, namespace, t.name, toks):
-                row["min_resume"] = len(toks) + 1  # no prefix of it, not even all, serves
-                row["metadata"] = msgpack.packb(
-                    {**t.metadata, UNVERIFIED_KEY: "true"}, use_bin_type=True
-                )
+        who = t.name if t.name is not None else t.owner  # a checkpoint: its session's
+        if who is not None and (t.unverified or inherits_unverified(db, namespace, who, toks)):
+            row["min_resume"] = len(toks) + 1  # no prefix of it, not even all, serves
+            row["metadata"] = msgpack.packb(
+                {**t.metadata, UNVERIFIED_KEY: "true"}, use_bin_type=True
+            )
+        if t.name is not None:
             _retire(db, namespace, t.name, t.identity.digest, snap, toks)
         elif t.role == "prefix":
             _replace_covered(db, namespace, t.identity.digest, snap, toks, chs, p.block)
@@ -317,25 +320,6 @@ def _commit(
         (committed,) = Index.rows_where(db, "id = ?", [sid])
         _evict(db, index, budgets, namespace, frozenset({sid}))
     return committed
-
-
-UNVERIFIED_KEY = "persist.unverified_tokens"  # session metadata: the session is unverified
-
-
-def _inherits_unverified(db: Any, namespace: str, name: str, toks: list[int]) -> bool:
-    """A session continued from unverified tokens stays unverified: its tokens
-    still begin with what nothing checked.
-
-    Unverified is a floor above the snapshot's length (``min_resume`` =
-    n_tokens + 1): the resume policy then lets no lookup take any prefix of it,
-    here, in the shared tier's lookups and on every machine its record reaches,
-    while a restore by name never consults the floor."""
-    for old in writes.session_rows(db, namespace, name):
-        if old.name is not None and old.min_resume > old.n_tokens:
-            old_toks = unpack_tokens(old.tokens)
-            if toks[: len(old_toks)] == old_toks:
-                return True
-    return False
 
 
 def _retire(db: Any, namespace: str, name: str, digest: str, snap: Any, toks: list[int]) -> None:

@@ -32,6 +32,7 @@ from ..format.manifest import is_mlx_lm_metadata
 from ..format.opening import open_regular
 from ..identity import ModelIdentity
 from .files import load_file, save_file
+from .unverified import UNVERIFIED_KEY
 
 __all__ = [
     "Importable",
@@ -79,15 +80,21 @@ def read_importable(
                 f"{path} records no model identity or no tokens; save it with "
                 "persist.save_file(path, cache, tokens, identity=...) to import it"
             )
-        return Importable(loaded.cache, loaded.tokens, loaded.identity, loaded.metadata)
+        # an export of an unverified session: its tokens are still nobody's check
+        unverified = loaded.metadata.get(UNVERIFIED_KEY) == "true"
+        return Importable(
+            loaded.cache, loaded.tokens, loaded.identity, loaded.metadata, unverified=unverified
+        )
     if identity is None or tokens is None:
         raise NotResumableError(
             f"{path} is an mlx-lm prompt cache: it records neither the tokens it covers nor "
             "the model; give both (persist import FILE --model DIR --prompt TEXT)"
         )
     cache, metadata = read_mlx_lm(path)
+    check_quantized(cache, identity, str(path))
     if model is not None:
-        check_fits(cache, model, str(path))
+        window = dict(identity.cache_config).get("max_kv_size")
+        check_fits(cache, model, str(path), window)
     from ..codecs.snapshot import common_offset, snapshot_facts
 
     ids = [int(t) for t in tokens]
@@ -172,15 +179,17 @@ def read_mlx_lm(path: str | os.PathLike[str]) -> tuple[list[Any], dict[str, str]
 ATTENTION = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
 
 
-def check_fits(cache: list[Any], model: Any, where: str) -> None:
+def check_fits(cache: list[Any], model: Any, where: str, max_kv_size: int | None = None) -> None:
     """Refuse a cache another model computed: the layer count, each layer's kind
     (attention, recurrent, a list) and shapes (heads, head dims, dtypes; recurrent
     state shapes) must be those of the model's own ``make_prompt_cache`` after one
-    token, so nothing is stored that the model would crash on or misread."""
+    token, so nothing is stored that the model would crash on or misread.  A
+    rotating layer's window (size, keep) is part of its kind: a ring made with
+    ``--max-kv-size`` is not the model's without it (``max_kv_size``)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    probe = make_prompt_cache(model)
+    probe = make_prompt_cache(model, max_kv_size=max_kv_size)
     model(mx.array([[0]]), cache=probe)
     mx.eval([c.state for c in probe])
     got, want = [_layout(c) for c in cache], [_layout(c) for c in probe]
@@ -202,9 +211,27 @@ def check_fits(cache: list[Any], model: Any, where: str) -> None:
         )
 
 
+def check_quantized(cache: list[Any], identity: ModelIdentity, where: str) -> None:
+    """Quantized layers (generate --kv-bits) only under an identity of the same
+    kv_bits and kv_group_size: a plain lookup must never get them."""
+    cfg = dict(identity.cache_config)
+    layers = [x for c in cache for x in getattr(c, "caches", [c])]
+    for q in (c for c in layers if type(c).__name__ == "QuantizedKVCache"):
+        got = (q.bits, q.group_size)
+        if got != (cfg.get("kv_bits"), cfg.get("kv_group_size", 64)):  # mlx-lm default
+            raise IdentityMismatchError(
+                where,
+                ["kv_bits", "kv_group_size"],
+                f"quantized caches of kv_bits={got[0]}, kv_group_size={got[1]}",
+                f"{identity.display()} with kv_bits={cfg.get('kv_bits')}, "
+                f"kv_group_size={cfg.get('kv_group_size')}",
+            )
+
+
 def _show(layout: tuple[Any, ...]) -> str:
-    if layout[0] == "attention" and len(layout) == 5:
-        return f"attention, {layout[1]} heads of {layout[2]}/{layout[3]}, {layout[4]}"
+    if layout[0] == "attention" and len(layout) >= 5:
+        window = f", a window of {layout[5]} (keep {layout[6]})" if len(layout) > 5 else ""
+        return f"attention, {layout[1]} heads of {layout[2]}/{layout[3]}, {layout[4]}{window}"
     return " ".join(str(x) for x in layout)
 
 
@@ -226,12 +253,14 @@ def _layout(c: Any) -> tuple[Any, ...]:
         if name == "QuantizedKVCache":  # packed: head dim = columns * 32 / bits
             dims = [int(k[0].shape[-1]) * 32 // c.bits for k in (keys, values)]
             return ("attention", int(keys[0].shape[1]), *dims, _dtype(keys[1]))
+        window = (int(c.max_size), int(c.keep)) if name == "RotatingKVCache" else ()
         return (
             "attention",
             int(keys.shape[1]),
             int(keys.shape[-1]),
             int(values.shape[-1]),
             _dtype(keys),
+            *window,
         )
     if name == "CacheList":
         return ("list", tuple(_layout(x) for x in c.caches))

@@ -81,24 +81,21 @@ def test_a_turn_that_lost_a_race_is_kept_under_a_new_name(
         assert {e.session for e in store.sessions()} == {"work", "work~2"}
         with pytest.raises(persist.SessionConflictError) as e:
             store.save(
-                other_cache(store, ident, layers=len(model.layers)),
-                [1, 2, 3],
-                identity=ident,
-                session="work",
-                if_version=1,
+                other_cache(store, ident), [1, 2, 3], identity=ident, session="work", if_version=1
             )
         assert isinstance(e.value, RuntimeError) and "nothing was saved" in str(e.value)
 
 
-def other_cache(store: persist.Store, ident: Any, n: int = 3, layers: int = 1) -> list[Any]:
-    """``layers`` KV caches of ``n`` tokens (a save checks the count against the model)."""
+def other_cache(store: persist.Store, ident: Any, n: int = 3) -> list[Any]:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    caches = [KVCache() for _ in range(layers)]
-    for c in caches:
+    out = []
+    for _ in range(max(1, ident.layers)):  # as many layers as the identity's model makes
+        c = KVCache()
         c.update_and_fetch(mx.zeros((1, 1, n, 4)), mx.zeros((1, 1, n, 4)))
-    return caches
+        out.append(c)
+    return out
 
 
 def test_two_generates_at_once_never_lose_a_turn(model_dir: Any, tmp_path: Path) -> None:
