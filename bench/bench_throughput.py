@@ -242,6 +242,10 @@ def case(
             lambda: read_files(blobs(), scratch),
         ),
     }
+    if device() == "cuda":  # the machine's own limits, in the same rounds
+        from bench import cuda_limits
+
+        ops |= cuda_limits.rows(blobs)
     times = minimum(ops, reps)
     if not store.has_session("s"):
         fresh_save()
@@ -262,12 +266,17 @@ def case(
     mx.clear_cache()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
-    r = store.restore("peak", identity=IDENTITY)
-    mx.eval([c.state for c in r.cache])
+    with Peak() as restore_peak:
+        r = store.restore("peak", identity=IDENTITY)
+        mx.eval([c.state for c in r.cache])
     restored = mx.get_active_memory() - before  # the restored cache, capacity included
     peak = mx.get_peak_memory() - before
     del r
-    out["peak_above_cache"] = {"save": save_peak.above, "restore": peak - restored}
+    out["peak_above_cache"] = {
+        "save": save_peak.above,
+        "restore": peak - restored,
+        "restore_host": restore_peak.above,  # resident host memory (CUDA: above nothing)
+    }
     out["peak_session_bytes"] = info.bytes
     store.close()
     return out
@@ -413,6 +422,37 @@ def _ratio(s: dict[str, float], a: str, b: str) -> str:
     return f"{s[a] / s[b]:.2f}x" if a in s and b in s else "n/a"
 
 
+WARM_LIMIT = "limit: read + copy + GPU read (warm)"
+COLD_LIMIT = "limit: 8-thread read into pinned (cold)"
+
+
+def _limit_table(r: dict[str, Any]) -> list[str]:
+    """CUDA: the restore against this machine's limits (bench/cuda_limits), same run."""
+    cases = [c for c in r["cases"] if WARM_LIMIT in c["seconds"]]
+    if not cases:
+        return []
+    lines = [
+        "",
+        "Against the machine's limits (8-thread read of the store's files into a pinned "
+        "buffer, the copy kernel into device memory, a GPU read of the result):",
+        "",
+        "| case | restore+step warm | limit warm (read+copy+GPU read) | ratio | "
+        "restore+step cold | 8-thread cold read into pinned | ratio | pinned -> device copy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        s = c["seconds"]
+        lines.append(
+            f"| {c['case']} {c['tokens']} ({c['cache_bytes'] / 2**30:.2f} GiB) "
+            f"| {s['store restore + step (warm)']:.3f} s | {s[WARM_LIMIT]:.3f} s "
+            f"| {_ratio(s, 'store restore + step (warm)', WARM_LIMIT)} "
+            f"| {s['store restore + step (cold)']:.3f} s | {s[COLD_LIMIT]:.3f} s "
+            f"| {_ratio(s, 'store restore + step (cold)', COLD_LIMIT)} "
+            f"| {s['limit: pinned -> device copy']:.3f} s |"
+        )
+    return lines
+
+
 def markdown(r: dict[str, Any]) -> str:
     m = r["machine"]
     lines = [
@@ -445,6 +485,7 @@ def markdown(r: dict[str, Any]) -> str:
             f"| {t['turn_s'] / t['full_s']:.3f}x "
             f"| {t['grew_bytes'] / t['full_bytes']:.3f}x |"
         )
+    lines += _limit_table(r)
     lines += [
         "",
         "Cold restores against a cold read into new memory (numpy's, which MLX's buffer "
@@ -468,6 +509,11 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(
             f"  peak memory above the cache: save {pk['save'] / 2**20:.0f} MiB, "
             f"restore {pk['restore'] / 2**20:.0f} MiB"
+            + (
+                f", host memory during a restore {pk['restore_host'] / 2**20:.0f} MiB"
+                if "restore_host" in pk
+                else ""
+            )
         )
     return "\n".join(lines) + "\n"
 

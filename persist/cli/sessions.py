@@ -79,11 +79,11 @@ def ls_cmd(
       persist ls --prefix user- --all --json
     """
     from ..store.listing import stream, unnamed_counts
-    from ..store.rows import entry_info
+    from ..store.rows import listed_info
 
     with open_store(store_dir) as store:
         rows = stream(store.index, namespace, every=show_all, sort=sort, prefix=prefix, limit=limit)
-        entries = (entry_info(r) for r in rows)
+        entries = (listed_info(r) for r in rows)  # a damaged row is listed, marked
         if as_json:
             _json_array(entries)
             return
@@ -234,11 +234,21 @@ def check_cmd(fix: bool, store_dir: Path | None, as_json: bool) -> None:
         for p in problems:
             what = "fixed" if p.fixed else "problem"
             click.echo(f"{what}: {p.kind}: {plain(p.target)}: {plain(p.detail)}")
-        click.echo("store is consistent" if not problems else f"{len(problems)} problems")
+        left = sum(not p.fixed for p in problems)
+        if not problems:
+            click.echo("store is consistent")
+        elif fix:
+            click.echo(f"fixed {len(problems) - left} of {_count(len(problems), 'problem')}")
+        else:
+            click.echo(_count(len(problems), "problem"))
 
     emit(as_json, [p.to_dict() for p in problems], render)
     if any(not p.fixed for p in problems):
         raise SystemExit(1)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 @cli.command("stats")
@@ -267,6 +277,8 @@ def stats_cmd(namespace: str | None, store_dir: Path | None, as_json: bool) -> N
             click.echo(plain(_render_rate(r)))
         for d in s.decisions:
             click.echo(plain(_render_decision(d)))
+        for machine, path in s.data_paths.items():
+            click.echo(plain(f"data path {machine}: {path}"))
 
     emit(as_json, s.to_dict(), render)
 

@@ -35,8 +35,11 @@ MIN_PREFILL = 16  # tokens: shorter forwards are decode steps, not a prefill rat
 def hit_bytes(index: Index, row: SnapshotRow, prefix: int) -> int:
     """Bytes a hit of ``prefix`` tokens reads: the blocks covering them and the tail
     (the partial-read rule of ``loading.load_snapshot``)."""
-    body = msgpack.unpackb(row.manifest, raw=False)
-    split, block = bool(body.get("split")), int(body.get("block", 1))
+    try:
+        body = msgpack.unpackb(row.manifest, raw=False)
+        split, block = bool(body.get("split")), int(body.get("block", 1))
+    except Exception:  # a damaged row: the read that follows refuses it, typed
+        return row.nbytes
     need = policy.partial_blocks(prefix, row.n_tokens, row.n_blocks, block, split)
     if need is None:
         return row.nbytes

@@ -9,15 +9,20 @@ unless the whole snapshot verified.
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+import mlx.core as mx
 import msgpack
 
 from .. import policy
 from ..codecs import capacity_of, check_spec, trim_record
 from ..codecs.snapshot import rebuild
 from ..errors import CorruptBlobError
+from ..format import pinned
 from ..format.container import Header, read_header
 from ..format.manifest import blob_manifest, snapshot_specs
 from ..format.tensors import Piece as TensorPiece
@@ -29,7 +34,9 @@ from ..format.tensors import (
     read_pieces,
 )
 from ..records import Progress, Record, RecordSpec, TensorSpec
+from ..store import rates
 from . import partial as partial_room
+from . import staging
 
 if TYPE_CHECKING:
     from ..store.blobs import BlobStore
@@ -98,18 +105,19 @@ def load_snapshot(
     # The tail first: it holds every unsplit tensor (a hybrid's recurrent state,
     # a third of its bytes), read while the other workers take the blocks.
     pieces = [(row.tail, len(files) * block if split else 0, "rest" if partial else "all")]
+    if partial and all(key in split for key in _keys(specs)):
+        pieces = []  # every tensor is split: the blocks hold all a partial read needs
     pieces += [(f, i * block, "split") for i, f in enumerate(files[:need]) if split]
     heads = {file: index.blob_head(file) for file, _, _ in pieces}  # the index: this thread only
     room = partial_room.roomy(specs, split, keep, need * block) if keep and partial else {}
-    with ThreadPoolExecutor(WORKERS, thread_name_prefix="persist-read") as pool:
-        ahead = _Ahead(pool, blobs, [f for f, _, _ in pieces])
-        ahead.window(0)  # the disk starts while the buffers are allocated
-        buffers = _allocate(specs, split, need * block if partial else None, room)
-        _read_pieces(pool, ahead, blobs, pieces, heads, buffers, split, progress)
-    for key, (n, _) in room.items():
-        out, view, axis = buffers[key]
-        partial_room.zero_past(view, tuple(out.shape), dtype_name(out), axis, n)
-    records = [_record(spec, str(i), buffers) for i, spec in enumerate(specs)]
+    length = need * block if partial else None
+    choice = pinned.choose()
+    _note_path(index, choice)
+    if choice.ring is not None:
+        arrays = _staged(choice.ring, blobs, pieces, heads, specs, split, length, room, progress)
+    else:
+        arrays = _host(blobs, pieces, heads, specs, split, length, room, progress)
+    records = [_record(spec, str(i), arrays) for i, spec in enumerate(specs)]
     if keep is not None and keep != row.n_tokens:
         trimmed = [trim_record(r, keep) for r in records]
         records = [
@@ -119,15 +127,117 @@ def load_snapshot(
     return rebuild(records)
 
 
+_noted: weakref.WeakKeyDictionary[Any, pinned.Choice] = weakref.WeakKeyDictionary()
+
+
+def _note_path(index: Index, choice: pinned.Choice) -> None:
+    """Tell ``persist stats`` which path this process restores by (once per store)."""
+    if _noted.get(index) is not choice:
+        _noted[index] = choice
+        rates.note_path(index, rates.machine_name(pinned.backend()), choice.describe())
+
+
+def _host(
+    blobs: BlobStore,
+    pieces: list[Piece],
+    heads: dict[str, tuple[int, bytes] | None],
+    specs: list[RecordSpec],
+    split: dict[str, int],
+    length: int | None,
+    room: partial_room.Room,
+    progress: Progress | None,
+) -> dict[str, Any]:
+    """Today's path (CPU, Metal, CUDA without the ring): read into MLX buffers."""
+    with ThreadPoolExecutor(WORKERS, thread_name_prefix="persist-read") as pool:
+        ahead = _Ahead(pool, blobs, [f for f, _, _ in pieces])
+        ahead.window(0)  # the disk starts while the buffers are allocated
+        buffers = _allocate(specs, split, length, room)
+        _read_pieces(pool, ahead, blobs, pieces, heads, buffers, split, progress)
+    for key, (n, _) in room.items():
+        out, view, axis = buffers[key]
+        partial_room.zero_past(view, tuple(out.shape), dtype_name(out), axis, n)
+    # on CUDA the host wrote these buffers: the caches get device copies of them
+    settle = device_copy if on_cuda() else (lambda a: a)
+    return {key: settle(out) for key, (out, _, _) in buffers.items()}
+
+
+def _staged(
+    ring: pinned.Ring,
+    blobs: BlobStore,
+    pieces: list[Piece],
+    heads: dict[str, tuple[int, bytes] | None],
+    specs: list[RecordSpec],
+    split: dict[str, int],
+    length: int | None,
+    room: partial_room.Room,
+    progress: Progress | None,
+) -> dict[str, Any]:
+    """CUDA: through the pinned ring into device memory (engine/staging)."""
+    keys, wanted = _wanted(specs, split, length, room)
+    shapes = {
+        key: (_grown(spec, cap, axis), axis)
+        for key, (spec, cap, axis) in zip(keys, wanted, strict=True)
+    }
+    jobs = [
+        staging.Job(functools.partial(_open_staged, blobs, f, heads[f], at, which, shapes, split))
+        for f, at, which in pieces
+    ]
+    parts: dict[str, list[tuple[int, Any]]] = {key: [] for key in keys}
+    for want, arr in staging.stage(ring, jobs, progress):
+        parts[want.key].append((want.at, arr))
+    out = {}
+    for key, (shape, axis) in shapes.items():
+        limit = room[key][0] if key in room else None
+        out[key] = staging.assemble(parts[key], shape, axis, limit)
+    mx.eval(list(out.values()))  # the chunks go: the caches hold only their own buffers
+    return out
+
+
+def _grown(spec: TensorSpec, cap: int | None, axis: int) -> tuple[int, ...]:
+    shape = list(spec.shape)
+    if cap is not None and len(shape) > axis and cap > shape[axis]:
+        shape[axis] = cap
+    return tuple(shape)
+
+
+def _open_staged(
+    blobs: BlobStore,
+    file: str,
+    known: tuple[int, bytes] | None,
+    at: int,
+    which: str,
+    shapes: dict[str, tuple[tuple[int, ...], int]],
+    split: dict[str, int],
+) -> tuple[int, list[staging.Want], Callable[[], None]]:
+    """On a reader thread: open and check a blob, name the tensors it gives (as
+    ``_read_blob`` does)."""
+    blob = _open_known(blobs, file, known)
+    wants = []
+    for key in shapes:
+        if key in split and which != "rest":
+            wants.append(_want(blob, key, at))
+        elif key not in split and which != "split":
+            wants.append(_want(blob, key, 0))
+    return blob.f.fileno(), wants, blob.f.close
+
+
+def _want(blob: _Blob, key: str, at: int) -> staging.Want:
+    entry = blob.header.tensors.get(key)
+    if entry is None:
+        raise CorruptBlobError(blob.where, f"tensor {key!r} is missing")
+    where = f"{blob.where}: tensor {key!r}"
+    return staging.Want(key, entry.start, entry.end, entry.spec, at, blob.sums[key], where)
+
+
 Buffers = dict[str, tuple[Any, memoryview, int]]  # tensor key -> (array, writable view, axis)
 
 
-def _allocate(
+def _wanted(
     specs: list[RecordSpec], split: dict[str, int], length: int | None, room: partial_room.Room
-) -> Buffers:
-    """Buffers for every tensor; with ``length``, split tensors get exactly that many
-    positions (a partial read, trimmed next) instead of their whole, capacity-sized
-    shape, or the ``room`` their trimmed records want."""
+) -> tuple[list[str], list[tuple[TensorSpec, int | None, int]]]:
+    """Every tensor's key and (shape, capacity, axis); with ``length``, split tensors
+    get exactly that many positions (a partial read, trimmed next) instead of their
+    whole, capacity-sized shape, or the ``room`` their trimmed records want."""
     keys: list[str] = []
     wanted: list[tuple[TensorSpec, int | None, int]] = []
 
@@ -147,11 +257,33 @@ def _allocate(
 
     for i, spec in enumerate(specs):
         walk(spec, str(i))
+    return keys, wanted
+
+
+def _allocate(
+    specs: list[RecordSpec], split: dict[str, int], length: int | None, room: partial_room.Room
+) -> Buffers:
+    """Host buffers for every tensor (``_wanted``'s shapes)."""
+    keys, wanted = _wanted(specs, split, length, room)
     made = allocate_many(wanted)
     return {key: (arr, view, w[2]) for key, (arr, view), w in zip(keys, made, wanted, strict=True)}
 
 
 Piece = tuple[str, int, str]  # blob file, first position it holds, which tensors to take
+
+
+def _keys(specs: list[RecordSpec]) -> list[str]:
+    """Every tensor key (``layer/name``, children ``layer.j/name``), named as ``_allocate`` does."""
+    out: list[str] = []
+
+    def walk(spec: RecordSpec, path: str) -> None:
+        out.extend(f"{path}/{name}" for name in spec.tensors)
+        for j, c in enumerate(spec.children):
+            walk(c, f"{path}.{j}")
+
+    for i, spec in enumerate(specs):
+        walk(spec, str(i))
+    return out
 
 
 class _Ahead:
@@ -249,9 +381,7 @@ def _piece(blob: _Blob, key: str, out: Any, view: memoryview, at: int, axis: int
     )
 
 
-def _record(spec: RecordSpec, path: str, buffers: Buffers) -> Record:
-    # on CUDA the host wrote these buffers: the caches get device copies of them
-    settle = device_copy if on_cuda() else (lambda a: a)
-    tensors = {name: settle(buffers[f"{path}/{name}"][0]) for name in spec.tensors}
-    kids = tuple(_record(c, f"{path}.{j}", buffers) for j, c in enumerate(spec.children))
+def _record(spec: RecordSpec, path: str, arrays: dict[str, Any]) -> Record:
+    tensors = {name: arrays[f"{path}/{name}"] for name in spec.tensors}
+    kids = tuple(_record(c, f"{path}.{j}", arrays) for j, c in enumerate(spec.children))
     return Record(spec.kind, spec.version, spec.meta, tensors, kids)

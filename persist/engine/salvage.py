@@ -20,16 +20,17 @@ from ..errors import PersistError
 from ..format.tokens import unpack_tokens
 
 if TYPE_CHECKING:
-    from ..store.index import SnapshotRow
-    from .store import Store
+    from ..store import retention
+    from ..store.blobs import BlobStore
+    from ..store.index import Index, SnapshotRow
 
 __all__ = ["cutter"]
 
 log = logging.getLogger("persist")
 
 
-def cutter(store: Store) -> Any:
-    """A ``check_damage.Cutter`` that re-saves sessions of ``store``."""
+def cutter(index: Index, blobs: BlobStore, block_tokens: int, budgets: retention.Budgets) -> Any:
+    """A ``check_damage.Cutter`` that re-saves sessions into this index and these blobs."""
 
     def cut(row: SnapshotRow, keep: int) -> bool:
         from .loading import load_snapshot
@@ -37,7 +38,7 @@ def cutter(store: Store) -> Any:
         from .saving import Target, save_snapshot
 
         try:
-            cache = load_snapshot(store.index, store.blobs, row, keep=keep)
+            cache = load_snapshot(index, blobs, row, keep=keep)
             meta = msgpack.unpackb(row.metadata, raw=False)
             assert row.name is not None
             target = Target(
@@ -51,13 +52,13 @@ def cutter(store: Store) -> Any:
                 if_version=row.id,  # a session saved again meanwhile is not cut back
             )
             save_snapshot(
-                store.index,
-                store.blobs,
+                index,
+                blobs,
                 cache,
                 unpack_tokens(row.tokens)[:keep],
                 target,
-                block_tokens=store.block_tokens,
-                budgets=store.budgets,
+                block_tokens=block_tokens,
+                budgets=budgets,
             )
         except PersistError as e:  # the valid part did not read back whole: no cut
             log.warning("persist: could not cut session %r to %d tokens: %s", row.name, keep, e)

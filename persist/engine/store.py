@@ -84,7 +84,6 @@ class Store:
                     adopt=block_tokens is None,
                 ),
             )
-            full.ensure_reserve(self.root)
             for suffix in ("", "-wal", "-shm"):
                 p = self.root / f"index.sqlite{suffix}"
                 if p.exists() and not p.is_symlink():
@@ -201,6 +200,7 @@ class Store:
             progress=progress,
             lineages=self.lineages,
         )
+        full.ensure_reserve(self.root)  # before the disk fills: what rm and gc delete with
         for tier in self.tiers:
             tier.push(self.index, self.blobs, row.namespace, row.id)
         return self._info(row)
@@ -405,6 +405,7 @@ class Store:
             counters=self.index.counters(namespace),
             rates=rates.all_rates(self.index),
             decisions=rates.decisions(self.index, namespace),
+            data_paths=rates.paths(self.index),
         )
 
     def check(self, fix: bool = False, *, progress: Progress | None = None) -> list[Problem]:
@@ -412,7 +413,8 @@ class Store:
         from ..store.check import check_store
         from .salvage import cutter
 
-        return check_store(self.index, self.blobs, fix, progress, cutter(self))
+        cut = cutter(self.index, self.blobs, self.block_tokens, self.budgets)
+        return check_store(self.index, self.blobs, fix, progress, cut)
 
     def sync(self, *, namespace: str | None = None, pull: Sequence[str] = ()) -> dict[str, Any]:
         """Push what the tiers lack (every snapshot), pull the named sessions ``pull``."""

@@ -126,7 +126,8 @@ class FileBlobs:
         path = self.path(file)
         if _is_link(path.parent) or _is_link(path):
             return  # never through or of a link: check reports it
-        with contextlib.suppress(FileNotFoundError):
+        # gone already, its folder a file now, or a folder in its place: check reports it
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError, IsADirectoryError):
             os.unlink(path)
 
     def files(self) -> Iterator[str]:

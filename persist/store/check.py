@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..errors import CorruptBlobError
 from ..format.opening import file_kind
 from ..records import Progress
 from . import writes
@@ -73,11 +74,15 @@ def check_store(
 
 
 def _sqlite(index: Index) -> list[Problem]:
-    with index.read() as db:
-        rows = [r[0] for r in db.execute("PRAGMA integrity_check")]
+    try:
+        with index.read() as db:
+            rows = [r[0] for r in db.execute("PRAGMA integrity_check")]
+    except CorruptBlobError as e:  # too damaged to check: reported, not raised
+        rows = [e.detail]
     if rows == ["ok"]:
         return []
-    return [Problem("index-corrupt", "index.sqlite", "; ".join(rows[:5]))]
+    hint = "to save what SQLite can still read: sqlite3 index.sqlite .recover > recovered.sql"
+    return [Problem("index-corrupt", "index.sqlite", "; ".join(rows[:5]) + "; " + hint)]
 
 
 TMP_RE = re.compile(r"(\d+)-[0-9a-f]{16}\.tmp")
@@ -104,7 +109,27 @@ def _folders(blobs: FileBlobs, fix: bool) -> list[Problem]:
             d.mkdir(mode=0o700, exist_ok=True)
         what = f"is {file_kind(mode)}, not a folder"
         out.append(Problem("not-a-folder", str(d), f"{what}; every file it held is lost", fix))
+    for d in _odd_subfolders(blobs):  # blobs/<ab> made a file: put() makes the folder again
+        if fix:
+            quarantine(blobs, d)
+        what = f"is {file_kind(d.lstat().st_mode)}, not a folder" if not fix else "set aside"
+        out.append(Problem("not-a-folder", str(d), f"{what}; every blob it held is lost", fix))
     return out
+
+
+SUBDIR_RE = re.compile(r"[0-9a-f]{2}")
+
+
+def _odd_subfolders(blobs: FileBlobs) -> list[Path]:
+    if not blobs.blobs.is_dir() or blobs.blobs.is_symlink():
+        return []
+    return [
+        Path(e.path)
+        for e in sorted(os.scandir(blobs.blobs), key=lambda e: e.name)
+        if SUBDIR_RE.fullmatch(e.name)
+        and not e.is_dir(follow_symlinks=False)
+        and not e.is_symlink()
+    ]
 
 
 def _links(blobs: FileBlobs) -> list[Problem]:
@@ -162,6 +187,8 @@ def _strays(blobs: FileBlobs, fix: bool, rows: Mapping[str, object]) -> list[Pro
     for p in blobs.stray_files():
         if p.is_symlink():
             continue  # reported by _links
+        if p.parent == blobs.blobs and SUBDIR_RE.fullmatch(p.name):
+            continue  # a blob folder made a file: reported by _folders
         name = p.name.removesuffix(".safetensors")
         if name in rows and name[:2] == p.parent.name and p.parent.parent == blobs.blobs:
             continue  # a listed blob that is not a regular file: damage, judged below
@@ -223,7 +250,7 @@ def _orphans(
 def _mtime(p: Path) -> float:
     try:
         return p.lstat().st_mtime
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return 0.0
 
 

@@ -20,7 +20,16 @@ import msgpack
 from .full import best_effort
 from .index import Index
 
-__all__ = ["machine_name", "record", "rates", "all_rates", "note_decision", "decisions"]
+__all__ = [
+    "machine_name",
+    "record",
+    "rates",
+    "all_rates",
+    "note_decision",
+    "decisions",
+    "note_path",
+    "paths",
+]
 
 WEIGHT = 0.3  # of a new measurement in the moving average
 KEEP_DECISIONS = 32  # per namespace, for persist stats
@@ -104,3 +113,26 @@ def decisions(index: Index, namespace: str | None = None, limit: int = 5) -> lis
         if isinstance(d, dict):
             out.append({"namespace": ns, "at": at, **d})
     return out
+
+
+_PATH = "data_path:"  # meta key prefix: the data path a machine's processes chose
+
+
+def note_path(index: Index, machine: str, text: str) -> None:
+    """Keep the data path (``format/pinned.choose``) a process on ``machine`` took;
+    dropped on a full disk."""
+    best_effort(_note_path, index, machine, text)
+
+
+def _note_path(index: Index, machine: str, text: str) -> None:
+    with index.write() as db:
+        db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", [_PATH + machine, text])
+
+
+def paths(index: Index) -> dict[str, str]:
+    """Machine -> the data path its latest process took, in words."""
+    with index.read() as db:
+        got = db.execute(
+            "SELECT key, value FROM meta WHERE key LIKE ? ORDER BY key", [_PATH + "%"]
+        ).fetchall()
+    return {str(k)[len(_PATH) :]: str(v) for k, v in got}

@@ -11,10 +11,12 @@ import contextlib
 import os
 import shlex
 import sqlite3
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CorruptBlobError, InvalidArgumentError, UnsupportedVersionError
+from ..format.opening import file_kind
 from .full import disk_full_error, full_disk
 
 if TYPE_CHECKING:
@@ -233,8 +235,14 @@ def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_uti
     import sqlite_utils  # imported here: it pulls in click, which `import persist` must not
 
     for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
-        if p.is_symlink():  # a dangling one would make SQLite create its target
+        try:
+            mode = p.lstat().st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode):  # a dangling one would make SQLite create its target
             raise CorruptBlobError(str(p), "is a symbolic link; persist never follows links")
+        if not stat.S_ISREG(mode):  # SQLite would wait forever reading a FIFO
+            raise CorruptBlobError(str(p), f"is {file_kind(mode)}, not the store's index file")
     if not path.exists():  # created private; SQLite gives -wal/-shm the same mode
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
         with contextlib.suppress(FileExistsError):

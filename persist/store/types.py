@@ -94,6 +94,7 @@ class StoreStats:
     counters: dict[str, int]
     rates: list[dict[str, Any]] = field(default_factory=list)  # measured here and elsewhere
     decisions: list[dict[str, Any]] = field(default_factory=list)  # restore or recompute
+    data_paths: dict[str, str] = field(default_factory=dict)  # machine -> restore path taken
 
     @property
     def dedup_ratio(self) -> float:

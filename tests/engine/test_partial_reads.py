@@ -90,7 +90,9 @@ def test_a_partial_hit_is_a_full_restore_trimmed(
         hit = store.lookup(prompt, identity=ident)
         assert hit is not None and len(hit.tokens) == k
         want = -(-k // BLOCK)
-        assert sorted(seen) == sorted([*blocks[:want], row.tail]), (len(seen), want)  # any order
+        # the covering blocks, and the tail only if it holds an unsplit tensor (any order)
+        assert sorted(f for f in seen if f != row.tail) == sorted(blocks[:want]), (seen, want)
+        assert len(seen) <= want + 1
         trimmed = full_then_trim(store, "s", ident, k)
         assert_same_state(live_state(hit.cache), live_state(trimmed))
         # the same room past k, zeroed, as decoding a trimmed record gives

@@ -90,8 +90,9 @@ def test_cli_commands_refuse_a_fifo_instead_of_waiting(tmp_path: Path) -> None:
     assert out.returncode == 1 and "FIFO" in out.stdout, out
     out = persist_cli(home, "export", "keep", str(tmp_path / "x.persist"), check=False)
     assert out.returncode == 1 and "FIFO" in out.stderr, out
-    out = persist_cli(home, "inspect", str(fifo), check=False)
-    assert out.returncode == 1 and "FIFO" in out.stderr, out
+    for cmd in ("inspect", "verify", "import"):
+        out = persist_cli(home, cmd, str(fifo), check=False)
+        assert out.returncode == 1 and "FIFO" in out.stderr, (cmd, out)
     out = persist_cli(home, "check", "--fix", check=False)
     assert out.returncode == 0, out
 

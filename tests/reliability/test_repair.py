@@ -122,3 +122,31 @@ def test_check_reports_progress_over_files_and_rows(tmp_path: Path) -> None:
         assert store.check(progress=lambda d, t: seen.append((d, t))) == []
     total = seen[-1][1]
     assert [d for d, _ in seen] == list(range(1, total + 1)) and total == 6 + 3  # blobs, then rows
+
+
+def statements_of_a_check(root: Path, n: int) -> int:
+    from mlx_lm.models import cache as mc
+
+    from tests.golden.cases import IDENTITY, kvs
+
+    with persist.Store(root) as store:
+        c = mc.KVCache()
+        c.update_and_fetch(*kvs(1, 40))
+        for i in range(n):
+            store.save([c], list(range(i, i + 40)), identity=IDENTITY, session=f"s{i}")
+        seen = [0]
+
+        def count(_: str) -> None:
+            seen[0] += 1
+
+        store.index.db.conn.set_trace_callback(count)
+        assert store.check() == []
+        store.index.db.conn.set_trace_callback(None)
+    return seen[0]
+
+
+def test_check_is_linear_in_files_and_rows(tmp_path: Path) -> None:
+    """Counted in SQL statements, not timed: twice the sessions, at most twice the work."""
+    small = statements_of_a_check(tmp_path / "a", 20)
+    large = statements_of_a_check(tmp_path / "b", 40)
+    assert large <= 2 * small + 10, (small, large)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The H200 run of the CUDA restore path (issue 27), after shared/gpu's install:
+#   bench/cuda_restore_run.sh probe throughput    # one call (probe --geometry: ring sizes)
+#   bench/cuda_restore_run.sh tests               # the next
+#   bench/cuda_restore_run.sh throughput32k recompute
+# Everything it writes goes to $OUT (probe report, logs, bench results).
+set -u
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/persist-out}
+mkdir -p "$OUT"
+TESTS="tests/engine/test_staging.py tests/engine/test_roundtrip_models.py
+  tests/engine/test_partial_reads.py tests/engine/test_backend.py tests/engine/test_costs.py
+  tests/codecs/test_trim_exact.py tests/engine/test_store.py"
+for phase in "$@"; do
+  case $phase in
+  probe)
+    timeout 200 python3 -m bench.cuda_restore_probe "$OUT" 2>&1 | tee "$OUT/probe.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || exit 3 ;;
+  throughput)
+    timeout 380 python3 -m bench.bench_throughput --reps 3 \
+      --cases llama3-8b:1024 llama3-8b:8192 qwen3-next:8192 2>&1 | tee "$OUT/throughput.log"
+    cp bench/results/throughput-cuda-* "$OUT/" ;;
+  throughput32k)
+    timeout 300 python3 -m bench.bench_throughput --reps 2 \
+      --cases llama3-8b:32768 2>&1 | tee "$OUT/throughput32k.log"
+    cp bench/results/throughput-cuda-* "$OUT/" ;;
+  stagingtests)
+    timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_staging.py 2>&1 | tee "$OUT/cuda-staging-tests.log" ;;
+  tests)
+    # shellcheck disable=SC2086
+    timeout 560 python3 -m pytest -q -rfEs -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/cuda-tests.log" ;;
+  recompute)
+    timeout 280 python3 -m bench.bench_recompute --lengths 1024 2048 8192 32768 2>&1 | tee "$OUT/recompute.log"
+    cp bench/results/recompute-cuda.* "$OUT/" ;;
+  esac
+done
