@@ -105,11 +105,6 @@ def shared_server(model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> I
 # -- 1. sampling values that pass validation and fail the generation loop --------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="top_k past the vocabulary (and xtc_threshold > 0.5) pass validation, raise in the "
-    "batch loop (503, not 400), and six in 60 s stop generation for good: the process exits 1",
-)
 def test_sampler_values_past_mlx_limits_are_400_and_never_stop_generation(
     model_dir: Any, tmp_path: Path
 ) -> None:
@@ -129,11 +124,6 @@ def test_sampler_values_past_mlx_limits_are_400_and_never_stop_generation(
         srv.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a bad top_k raises in the shared batch step: a valid request in the same batch "
-    "is cut off too (its stream ends without [DONE])",
-)
 def test_a_bad_sampler_value_does_not_fail_the_other_requests_of_its_batch(
     model_dir: Any, tmp_path: Path
 ) -> None:
@@ -166,11 +156,6 @@ def test_a_bad_sampler_value_does_not_fail_the_other_requests_of_its_batch(
 # -- 2. JSON the parser refuses with something other than JSONDecodeError -----------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a 5000-digit integer (ValueError) or 100000-deep nesting (RecursionError) escapes "
-    "parse_json: the connection is closed with no response and a traceback is logged",
-)
 @pytest.mark.parametrize("kind", ["long_int", "deep"])
 def test_pathological_json_gets_400(shared_server: Server, kind: str) -> None:
     body = (
@@ -204,11 +189,6 @@ FLAT: list[tuple[str, Any]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="requests mlx-lm refuses later are answered 404 (or mlx-lm's own 400) with a flat "
-    '{"error": "..."} body, not 400 with the documented {"error": {"message", "type"}}',
-)
 @pytest.mark.parametrize("case", [c for _, c in FLAT], ids=[n for n, _ in FLAT])
 def test_every_bad_request_is_400_with_the_documented_error_body(
     shared_server: Server, case: tuple[str, Any]
@@ -222,11 +202,6 @@ def test_every_bad_request_is_400_with_the_documented_error_body(
 # -- 4. stream_options without include_usage ----------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason='stream_options {} passes validation; mlx-lm reads ["include_usage"] after the '
-    "stream started: KeyError, the stream ends without [DONE], a traceback in the log",
-)
 def test_stream_options_without_include_usage_streams_to_done(shared_server: Server) -> None:
     body = {"prompt": "hello", "max_tokens": 3, "stream": True, "stream_options": {}}
     code, answer = post(shared_server, "/v1/completions", body)
@@ -304,11 +279,6 @@ def test_store_bytes_are_the_stores_bytes_after_a_restart(model_dir: Any, tmp_pa
 # -- 7. control characters into the text log ----------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PersistHandler.log_message drops http.server's control-character escaping: "
-    "ESC and CR from a request line reach the text log raw (forged/overwritten lines)",
-)
 def test_request_lines_cannot_write_control_characters_into_the_log(
     shared_server: Server,
 ) -> None:
@@ -356,11 +326,6 @@ def test_json_logs_stay_json_when_generation_stops_for_good(model_dir: Any, tmp_
 # -- 9. requests answered by http.server are not counted ----------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="persist_requests_total ('HTTP requests answered') misses what http.server answers "
-    "itself: 400 bad request syntax, 501 unsupported method, OPTIONS 204",
-)
 def test_requests_total_counts_every_answered_request(shared_server: Server) -> None:
     def total() -> float:
         return sum(v for (n, _), v in samples(shared_server).items()
@@ -406,11 +371,6 @@ def test_health_answers_while_many_slow_clients_hold_connections(
 # -- 11. the server fetches URLs it is given ----------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an http(s) image_url is fetched by the server (mlx-lm's _inline_image_urls) "
-    "before the request is refused, even for a text-only model: server-side request forgery",
-)
 def test_image_urls_are_not_fetched_for_a_text_model(shared_server: Server) -> None:
     marker = "fetched-by-the-server"
     url = f"http://127.0.0.1:{shared_server.port}/health?{marker}"
