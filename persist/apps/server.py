@@ -178,6 +178,8 @@ class PersistentPromptCache(LRUPromptCache):
                         m.saved(probe, ok)
                 self._count(persisted=1)
             except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
+                if self.metrics is not None:
+                    self.metrics.store_failed(e)
                 self._count(persist_errors=1)
                 log.warning("persist: could not persist a cache: %s", e)
             finally:
@@ -195,8 +197,15 @@ class PersistentPromptCache(LRUPromptCache):
     def _count(self, **deltas: int) -> None:
         deltas = {k: v for k, v in deltas.items() if v}
         self.counters.update(deltas)
-        if deltas:
+        if not deltas:
+            return
+        try:
             self.store.count(self.namespace, **{f"serve_{k}": v for k, v in deltas.items()})
+        except Exception as e:  # best effort: a full disk or a busy index never fails a request
+            self.counters["count_errors"] += 1
+            if self.metrics is not None:
+                self.metrics.store_failed(e, counter=True)
+            log.debug("persist: store counters not recorded: %r", e)
 
 
 def cache_config_of(cli_args: Any) -> dict[str, int]:

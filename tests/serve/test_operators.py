@@ -165,7 +165,8 @@ def test_health_metrics_and_json_logs(model_dir: Any, tmp_path: Path) -> None:
         health = json.loads(body)
         assert code == 200 and health["status"] == "ok", health
         assert health["store"] == {
-            "path": str(store), "reachable": True, "bytes": 0, "budget_bytes": None
+            "path": str(store), "reachable": True, "state": "ok", "bytes": 0,
+            "budget_bytes": None,
         }  # fmt: skip
         assert health["write_queue"]["depth"] == 0 and health["tiers"] == {}
         before = metrics(srv)
