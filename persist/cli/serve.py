@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
 
-from .app import cli, default_store, parse_size, store_option, tier_urls
+from ..errors import PersistError
+from .app import cli, default_store, parse_size, plain, store_option, tier_urls
 
 
 @cli.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -108,19 +113,42 @@ def serve_cmd(
     from ..apps.demo import demo_model_dir
     from ..apps.server import serve
 
-    serve(
-        str(model_dir if model_dir is not None else demo_model_dir()),
-        store_dir if store_dir is not None else default_store(),
-        max_bytes=parse_size(max_bytes) if max_bytes else None,
-        namespace=namespace,
-        server_args=list(server_args),
-        backlog=backlog,
-        drain_timeout=drain_timeout,
-        queue_size=write_queue,
-        when_full=when_full,
-        mlx_cache=None if mlx_cache == "auto" else parse_size(mlx_cache),
-        read_timeout=request_timeout,
-        max_request_bytes=parse_size(max_request_bytes),
-        log_format=log_format,
-        **tier_urls(),
-    )
+    with _exit_line(log_format):
+        serve(
+            str(model_dir if model_dir is not None else demo_model_dir()),
+            store_dir if store_dir is not None else default_store(),
+            max_bytes=parse_size(max_bytes) if max_bytes else None,
+            namespace=namespace,
+            server_args=list(server_args),
+            backlog=backlog,
+            drain_timeout=drain_timeout,
+            queue_size=write_queue,
+            when_full=when_full,
+            mlx_cache=None if mlx_cache == "auto" else parse_size(mlx_cache),
+            read_timeout=request_timeout,
+            max_request_bytes=parse_size(max_request_bytes),
+            log_format=log_format,
+            **tier_urls(),
+        )
+
+
+@contextlib.contextmanager
+def _exit_line(log_format: str) -> Iterator[None]:
+    """With --log-format json, why the process exits is one JSON log line like every
+    other (exit 1, or 3 for a bug); with text, persist's own error line."""
+    try:
+        yield
+    except click.ClickException:
+        raise  # a usage error: click's message and exit 2
+    except Exception as e:
+        if log_format != "json":
+            raise
+        from ..apps.server_logs import use_log_format
+
+        use_log_format("json")  # also when it failed before mlx-lm configured logging
+        log = logging.getLogger("persist")
+        if isinstance(e, PersistError):
+            log.error("persist: error: %s", plain(e))
+            sys.exit(1)
+        log.error("persist: this is a bug in persist; please report it", exc_info=e)
+        sys.exit(3)

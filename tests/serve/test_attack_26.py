@@ -286,11 +286,6 @@ def test_request_lines_cannot_write_control_characters_into_the_log(
 # -- 8. --log-format json: the exit line ---------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with --log-format json the last line, why the process exits 1 "
-    "('persist: error: ...', click.echo), is not JSON",
-)
 def test_json_logs_stay_json_when_generation_stops_for_good(model_dir: Any, tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(model_dir("llama"), broken)
