@@ -271,6 +271,7 @@ def serve(
     read_timeout: float = 30.0,
     max_request_bytes: int = 4 << 20,
     log_format: str = "text",
+    max_connections: int = 128,
 ) -> None:
     """Run mlx-lm's server (``mlx_lm.server``) with the store behind its prompt cache.
 
@@ -280,7 +281,8 @@ def serve(
     at once.  If generation stops for good, the same stop runs and
     InvalidStateError is raised (the CLI exits 1).  ``mlx_cache``: see
     ``keep_freed_buffers``; ``read_timeout``, ``max_request_bytes``: what a
-    request may take to arrive, and its size (``server_handler``).
+    request may take to arrive, and its size (``server_handler``); ``max_connections``:
+    connections open at once (``server_http``).
     """
     import functools
     import sys
@@ -335,6 +337,7 @@ def serve(
         metrics=metrics,
         read_timeout=read_timeout,
         max_request_bytes=max_request_bytes,
+        max_connections=max_connections,
     )
     sys.argv = ["mlx_lm.server", "--model", str(model_dir), *(server_args or [])]
     try:

@@ -74,6 +74,14 @@ from .app import cli, default_store, parse_size, plain, store_option, tier_urls
     help="Seconds a client has to send its whole request (slower: 408, connection closed).",
 )
 @click.option(
+    "--max-connections",
+    type=click.IntRange(1),
+    default=128,
+    show_default=True,
+    help="Connections open at once (at most half the open-file limit); past it, the client "
+    "sending its request longest is closed (503), or the new one if all are being served.",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
     default="text",
@@ -94,6 +102,7 @@ def serve_cmd(
     max_request_bytes: str,
     request_timeout: float,
     log_format: str,
+    max_connections: int,
     store_dir: Path | None,
     server_args: tuple[str, ...],
 ) -> None:
@@ -128,6 +137,7 @@ def serve_cmd(
             read_timeout=request_timeout,
             max_request_bytes=parse_size(max_request_bytes),
             log_format=log_format,
+            max_connections=max_connections,
             **tier_urls(),
         )
 

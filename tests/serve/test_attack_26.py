@@ -329,11 +329,6 @@ def test_requests_total_counts_every_answered_request(shared_server: Server) -> 
 # -- 10. slow clients: no cap on connections ----------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no cap on connections: slow clients up to the open-file limit (here 256) take "
-    "every file descriptor and /health stops answering until they time out",
-)
 def test_health_answers_while_many_slow_clients_hold_connections(
     model_dir: Any, tmp_path: Path
 ) -> None:
