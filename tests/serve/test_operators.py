@@ -173,6 +173,11 @@ def test_health_metrics_and_json_logs(model_dir: Any, tmp_path: Path) -> None:
         srv.chat(chat)
         srv.chat(chat)  # the same prompt again: the memory tier has it
         after = metrics(srv)
+        for _ in range(100):  # saves are written behind: wait for the first (no clock)
+            if any(name == "persist_writes_total" for name, _ in after):
+                break
+            threading.Event().wait(0.1)
+            after = metrics(srv)
         assert hits(after, "memory") > hits(before, "memory")
         assert after[("persist_cached_prompt_tokens_total", ())] > 0
         assert after[("persist_generation_alive", ())] == 1
