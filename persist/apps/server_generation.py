@@ -7,8 +7,10 @@ server then answers every later request with an error while it stays up.
 ``GuardedGenerator`` keeps mlx-lm's loop and:
 
 - checks what only the loaded model can check (an empty tokenized prompt,
-  ``logit_bias`` ids past the vocabulary, which crash MLX) inside the
-  per-request ``try``, so those fail their own request (400);
+  ``logit_bias`` ids past the vocabulary, which crash MLX, a sampler that
+  raises on the model's logits: ``check_sampling``) inside the per-request
+  ``try``, before the request joins the batch, so those fail their own
+  request (400) and never count against the restart budget;
 - when the loop raises anyway, fails the requests it had picked up (their
   handlers get ``GenerationFailed``, 503), and starts the loop again: the
   loaded model and the prompt cache are kept, queued requests go on;

@@ -10,9 +10,14 @@ mlx-lm's code runs:
   one, 413 past the limit), within the server's request deadline (the
   reaper of ``server_http`` answers 408 and closes a client too slow);
 - parses the body strictly and checks every field (``server_requests``):
-  400 with a JSON error body naming the field;
+  400 with a JSON error body naming the field; image parts for a model
+  without an image processor are refused here, before mlx-lm would fetch
+  their URLs; mlx-lm's own later refusals get the same error body
+  (``DocumentedErrors``);
 - answers ``GET /health`` (JSON) and ``GET /metrics`` (Prometheus text);
-- logs its access lines through ``logging`` (so ``--log-format json`` holds).
+- logs its access lines through ``logging`` (so ``--log-format json`` holds),
+  control characters escaped as ``http.server`` does, and counts every
+  answer, those ``http.server`` sends itself included.
 """
 
 from __future__ import annotations

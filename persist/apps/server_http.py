@@ -12,7 +12,10 @@ generation thread stops for good (``GuardedGenerator``), the same orderly
 stop runs and ``serve_until_signal`` raises, so the process exits non-zero
 and a supervisor restarts it.  Every connection must send its whole request
 within ``read_timeout`` seconds (``Deadlines``): a slow or stalled client is
-answered 408 and closed, and holds no handler thread past that.
+answered 408 and closed, and holds no handler thread past that.  At most
+``max_connections`` are open at once: past it the one sending its request
+longest is closed with 503 (``Deadlines.evict_oldest``), so slow clients
+cannot take every file descriptor.
 """
 
 from __future__ import annotations
