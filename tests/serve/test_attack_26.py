@@ -1,9 +1,9 @@
 """Issue 26 attacked from outside: where ``persist serve``'s operator claims do not hold.
 
 Each test is a real ``persist serve`` process on 127.0.0.1 and a real HTTP
-client (urllib or a raw socket).  Every one is ``xfail(strict=True)``: it
-records a failure found on this code; when a fix lands its test passes and
-the strict xfail says so.
+client (urllib or a raw socket).  Each was committed as a strict xfail
+recording a failure found on the code of issue 26; the fixes removed the
+markers, so each now guards its fix.
 """
 
 from __future__ import annotations
