@@ -1,19 +1,24 @@
 """The tiers over loopback, one run: an 8k Llama-3-8B-shaped session restored from Redis
 and from S3 (moto's server mode) on an empty machine, beside the local store and the raw
 read; the lookup of a 32k-token prompt (round trips, ms); save throughput with
-write-through on and off.
+write-through on and off; and the cost of authentication (an operator key: HMAC-SHA256
+over every record, pointer and blob), each operation with and without a key, interleaved.
 
     python -m bench.bench_shared            # starts its own redis-server and moto_server
+    python -m bench.bench_shared --small    # a 2k-token session, an 8k-token lookup
 
-Results in bench/results/shared.json and .md.  Minimum of interleaved runs.
+Results in bench/results/shared.json and .md (shared-small.* for --small).  Minimum of
+interleaved runs.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +33,11 @@ from tests.tiers.conftest import RedisServer, S3Server
 
 REPS = 3
 GB = 1e9
+SMALL = "--small" in sys.argv
+SESSION, LONG = (2048, 8192) if SMALL else (8192, 32768)
+KEY = bytes(range(32))
+# a build without tier keys (to measure the one before them) runs the keyless rows only
+KEYED = "tier_key" in inspect.signature(persist.Store).parameters
 
 
 def timed(fn: Any) -> float:
@@ -51,8 +61,10 @@ def main() -> None:
     )
     try:
         s3.start()
-        r = run(tmp, server.url)
-        r["seconds"].update(run_s3(tmp, s3.url))
+        r = run(tmp, server.url) if not SMALL else {"seconds": {}}
+        r.update(run_keys(tmp, server.url))
+        if not SMALL:
+            r["seconds"].update(run_s3(tmp, s3.url))
         r["redis"] = subprocess.run(
             ["redis-server", "--version"], capture_output=True, text=True
         ).stdout.strip()
@@ -62,9 +74,10 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     r["machine"] = machine()
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "shared.json").write_text(json.dumps(r, indent=2) + "\n")
+    name = "shared-small" if SMALL else "shared"
+    (RESULTS / f"{name}.json").write_text(json.dumps(r, indent=2) + "\n")
     md = markdown(r)
-    (RESULTS / "shared.md").write_text(md)
+    (RESULTS / f"{name}.md").write_text(md)
     print(md)
 
 
@@ -105,13 +118,15 @@ def run(tmp: Path, url: str) -> dict[str, Any]:
         c.shared.agree(c.index, "default")
         secret = c.index.secret("default")
         assert secret is not None
+        from persist.engine.tier_records import Expect
         from persist.store.chains import chain_root, chains, head_key
 
         every = chains(chain_root(secret, IDENTITY.digest), long, c.block_tokens)
         b = c.block_tokens
         heads = [head_key(h, long[i * b :]) for i, h in enumerate(every) if len(long) - i * b >= 16]
+        want = Expect("default", secret=secret, block=b, identity=IDENTITY.digest)
         t = time.perf_counter()
-        found = c.shared.tier.deepest_chain("default", every[1:], heads)
+        found = c.shared._deepest(c.index, "default", every[1:], heads, want)
         lookup_ms = 1e3 * (time.perf_counter() - t)
         assert len(found) == 1  # the snapshot at the end of all 128 blocks
     return {
@@ -124,6 +139,55 @@ def run(tmp: Path, url: str) -> dict[str, Any]:
             "ms": lookup_ms,
         },
     }
+
+
+def keyed(key: bytes | None) -> dict[str, Any]:
+    return {"tier_key": key} if key is not None else {}
+
+
+def run_keys(tmp: Path, url: str) -> dict[str, Any]:
+    """Each operation on the shared tier with and without an operator key, interleaved:
+    a save new to the tier, a restore on an empty machine, and a lookup of a
+    LONG-token prompt in the tier (the full pull_prefix path on a machine that already
+    holds the snapshot: pointers, records, their checks; nothing is pulled)."""
+    cache, toks = llama(SESSION), list(range(SESSION))
+    long = [*range(LONG), 1]
+    best: dict[str, float] = {}
+    variants = [("no key", None), *([("key", KEY)] if KEYED else [])]
+
+    def keep(name: str, s: float) -> None:
+        best[name] = min(best.get(name, float("inf")), s)
+
+    stores = {}
+    for label, key in variants:  # the namespaces: one per variant, on one server
+        ns = f"bench-{label}".replace(" ", "-")
+        a = persist.Store(tmp / f"k-{ns}", shared=url, **keyed(key))
+        keep(
+            f"save, new to the tier ({label})",
+            timed(
+                lambda a=a, ns=ns: a.save(cache, toks, identity=IDENTITY, session="s", namespace=ns)
+            ),
+        )
+        a.save(llama(LONG), long[:-1], identity=IDENTITY, namespace=ns)
+        stores[label] = (a, ns)
+    for i in range(REPS + 2):
+        for label, key in variants:
+            a, ns = stores[label]
+            with persist.Store(tmp / f"kb-{label}-{i}", shared=url, **keyed(key)) as b:
+                s = timed(lambda b=b, ns=ns: ev(b.restore("s", identity=IDENTITY, namespace=ns)))
+                keep(f"restore from Redis ({label})", s)
+            assert a.shared is not None
+            for _ in range(20):
+                t = time.perf_counter()
+                a.shared.pull_prefix(a.index, a.blobs, long, IDENTITY, ns, a.block_tokens)
+                keep(f"lookup of {LONG} tokens in the tier ({label})", time.perf_counter() - t)
+    for a, _ in stores.values():
+        a.close()
+    return {"keys": best, "session_bytes": cache_bytes(toks)}
+
+
+def cache_bytes(toks: list[int]) -> int:
+    return len(toks) * 32 * 2 * 8 * 128 * 2  # 32 layers, K and V, 8 heads of 128, bf16
 
 
 def run_s3(tmp: Path, url: str) -> dict[str, float]:
@@ -148,6 +212,20 @@ def ev(r: Any) -> None:
 
 def markdown(r: dict[str, Any]) -> str:
     s, gb = r["seconds"], r["session_bytes"] / GB
+    k = r["keys"]
+    auth = [
+        "## The cost of authentication",
+        "",
+        f"A {SESSION}-token session ({gb:.2f} GB) and a {LONG}-token lookup, without and "
+        "with an operator key (HMAC-SHA256 over every record, pointer and blob), interleaved.",
+        "",
+        "| operation | seconds |",
+        "|---|---|",
+        *(f"| {name} | {v:.4f} |" for name, v in k.items()),
+        "",
+    ]
+    if SMALL:
+        return "\n".join(["# The shared tier over loopback (small run)", "", *auth])
     lines = [
         "# The shared tier over loopback",
         "",
@@ -162,6 +240,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"{r['lookup_32k']['heads']} head keys in one MGET plus one GET of the record, "
         f"{r['lookup_32k']['ms']:.1f} ms.",
         "",
+        *auth,
     ]
     return "\n".join(lines)
 

@@ -170,6 +170,15 @@ def main() -> None:
         "A save at the byte budget:",
         "",
         *included("budget"),
+        *(
+            [
+                "A server's lifetime: one store grown to 100,000 sessions:",
+                "",
+                *included("scale-full"),
+            ]
+            if (RESULTS / "scale-full.md").exists()
+            else []
+        ),
         "`persist serve` under load, beside plain `mlx_lm.server` (plain's errors are",
         "connection resets from its backlog of 5 during the burst; its exit code is",
         "-15 because SIGTERM kills it):",

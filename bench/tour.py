@@ -25,8 +25,11 @@ COMMANDS = [
     'persist generate --session work --prompt " Next step:" --max-tokens 24',
     "persist ls",
     "persist show work",
-    'persist generate --session c1 --chat --system "You are brief." --prompt "Hi" --max-tokens 8',
-    'persist generate --session c2 --chat --system "You are brief." --prompt "Hey" --max-tokens 8',
+    'persist generate --session c1 --chat --system-prompt "You are brief." --prompt "Hi"'
+    " --max-tokens 8",
+    'persist generate --session c2 --chat --system-prompt "You are brief." --prompt "Hey"'
+    " --max-tokens 8",
+    "persist show c2",
     "persist make-model tiny-qwen --arch qwen3_next",
     "python3 -c \"print('Section 1. Install the device. ' * 60)\" > manual.txt",
     "persist prime --model tiny-qwen --session manual --prompt-file manual.txt"
@@ -35,6 +38,7 @@ COMMANDS = [
     ' What is step 2?" --max-tokens 8',
     "persist ls",
     "persist ls --all",
+    "persist config set max-bytes 2G",
     "persist stats",
     "persist export work work.safetensors && persist inspect work.safetensors",
     "persist check",

@@ -29,6 +29,8 @@ __all__ = [
     "StoreBusyError",
     "SessionConflictError",
     "StorageError",
+    "StoreNotFoundError",
+    "ModelNotFoundError",
 ]
 
 
@@ -181,4 +183,22 @@ class StoreFullError(PersistError, OSError):
         )
 
     def __str__(self) -> str:  # OSError formats multi-arg messages oddly
+        return str(self.args[0])
+
+
+class StoreNotFoundError(PersistError, FileNotFoundError):
+    """A command that only reads or tidies a store was pointed at a folder with none."""
+
+    def __init__(self, root: object) -> None:
+        self.root = root
+        super().__init__(f"no store at {root} (persist generate, prime and import create one)")
+
+    def __str__(self) -> str:  # OSError formats a one-argument message as is; keep it so
+        return str(self.args[0])
+
+
+class ModelNotFoundError(PersistError, FileNotFoundError):
+    """A ``--model`` that is neither a model folder nor a Hugging Face repo persist can get."""
+
+    def __str__(self) -> str:
         return str(self.args[0])

@@ -99,21 +99,70 @@ def backend_kind(backend: str) -> str:
     return backend.split(":", 1)[0]
 
 
+ADAPTER_CLASSES = ("LoRA", "DoRA")  # mlx-lm's tuner layers: LoRALinear, DoRAEmbedding, ...
+MODULE_SETTINGS = ("group_size", "bits", "mode", "scale")  # what a layer computes with, not held
+
+
+def _structure(model: Any) -> tuple[str, bool]:
+    """What the model in memory is, without reading a weight: every parameter's
+    name, dtype and shape, every module's class and settings (quantization's
+    group size, bits and mode; a LoRA layer's scale); and whether it holds
+    adapter layers.  A cast (``set_dtype``), an in-memory ``nn.quantize`` or an
+    adapter applied in code changes it."""
+    from mlx.utils import tree_flatten
+
+    h = xxhash.xxh3_128()
+    params: Any = tree_flatten(model.parameters())
+    for name, arr in sorted(params, key=lambda kv: kv[0]):
+        h.update(f"{name}|{arr.dtype}|{tuple(arr.shape)}\n".encode())
+    adapters = False
+    modules = model.named_modules() if hasattr(model, "named_modules") else []
+    for where, mod in sorted(modules, key=lambda kv: kv[0]):
+        cls = type(mod)
+        adapters = adapters or any(a in cls.__name__ for a in ADAPTER_CLASSES)
+        settings = [
+            (k, v)
+            for k in MODULE_SETTINGS
+            if isinstance(v := getattr(mod, k, None), (int, float, str))
+        ]
+        h.update(f"{where}|{cls.__module__}.{cls.__qualname__}|{settings}\n".encode())
+    return h.hexdigest(), adapters
+
+
 def _remembered_weights(
     model: Any, path: str | os.PathLike[str] | None, adapter: str | os.PathLike[str] | None
 ) -> str:
+    """The weights digest, remembered by the files ``path`` names and by what the
+    model in memory is (``_structure``): a model cast, quantized or given an
+    adapter after loading never gets the files' digest.  Adapter layers the
+    files do not name (no ``adapter``) are hashed every time: their values are
+    not in any file the key reads."""
     if path is None:
         return _weights_digest(model)
     from . import weights_memo
 
+    structure, adapters = _structure(model)
+    if adapters and adapter is None:
+        return _weights_digest(model)
     dirs = [Path(path), None if adapter is None else Path(adapter)]
-    key = weights_memo.files_key(dirs, _versions())
+    key = weights_memo.files_key(dirs, _versions(), structure)
     known = weights_memo.recall(key)
     if known is not None:
         return known
     digest = _weights_digest(model)
     weights_memo.remember(key, digest)
     return digest
+
+
+def _layer_count(model: Any) -> int:
+    """The layers of the model's own ``make_prompt_cache`` (empty caches, no compute);
+    0 when it cannot make them (a model mlx-lm does not know how to cache)."""
+    try:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return len(make_prompt_cache(model))
+    except Exception:
+        return 0
 
 
 def _tokenizer_digests(tokenizer: Any) -> tuple[str, str]:
@@ -220,6 +269,9 @@ class ModelIdentity:
     # where the cache was computed ("cpu", "metal", "cuda"): not digested, since the
     # state is valid anywhere; Store(strict_backend=True) refuses another backend's
     backend: str = field(default="", compare=False)
+    # how many layers the model's own make_prompt_cache makes (0: unknown): not
+    # digested; a save of a cache list of another length is refused
+    layers: int = field(default=0, compare=False)
 
     def _digested(self) -> tuple[str, ...]:
         return DIGEST_FIELDS + tuple(k for k in OPTIONAL_FIELDS if getattr(self, k))
@@ -246,8 +298,11 @@ class ModelIdentity:
         """The identity of a loaded mlx-lm model (and its tokenizer).
 
         With the ``path`` (and ``adapter_path``) the model was loaded from,
-        the weights digest is remembered by those files (``weights_memo``):
-        computed once, then looked up, the same digest either way.
+        the weights digest is remembered by those files and by the model's
+        structure in memory (``weights_memo``, ``_structure``): computed once,
+        then looked up, the same digest either way.  Weights replaced in
+        memory by others of the same dtypes and shapes (``model.update``)
+        cannot be seen without hashing them: pass no ``path`` then.
         """
         model_type, config = config_digest(model)
         tok, template = _tokenizer_digests(tokenizer)
@@ -261,6 +316,7 @@ class ModelIdentity:
             name=name or model_type,  # one display rule: the model_type unless named
             versions=tuple(sorted(_versions().items())),
             backend=current_backend(),
+            layers=_layer_count(model),
         )
 
     @classmethod
@@ -317,6 +373,7 @@ class ModelIdentity:
             "versions": dict(self.versions),
             "digest": self.digest,
             **({"backend": self.backend} if self.backend else {}),
+            **({"layers": self.layers} if self.layers else {}),
         }
 
     @classmethod
@@ -333,6 +390,9 @@ class ModelIdentity:
         draft, backend = d.get("draft", ""), d.get("backend", "")
         if not all(isinstance(v, str) and len(v) <= 4096 for v in (draft, backend)):
             raise InvalidArgumentError("identity fields draft and backend must be strings")
+        layers = d.get("layers", 0)
+        if type(layers) is not int or not 0 <= layers <= 1 << 20:
+            raise InvalidArgumentError("identity field layers must be a small int")
         cc, ver = d.get("cache_config"), d.get("versions", {})
         if not isinstance(cc, dict) or not isinstance(ver, dict):
             raise InvalidArgumentError("identity cache_config and versions must be maps")
@@ -347,6 +407,7 @@ class ModelIdentity:
             versions=tuple(sorted((str(k), str(v)) for k, v in ver.items())),
             draft=draft,
             backend=backend,
+            layers=layers,
         )
         if d.get("digest") != ident.digest:
             raise InvalidArgumentError("identity digest does not match its fields")

@@ -6,8 +6,11 @@ can only be remembered, not read from the files: the first ``from_path`` (or
 ``of(model, path=...)``) computes it and writes it here; later ones look it up
 by a key of every weight file (name, size, mtime, inode and device; or the
 sha256 that a Hugging Face cache path names, ``blobs/<sha256>``), the adapter
-files, the config and the mlx / mlx-lm versions.  Anything that changes a
-file changes the key.  No mlx.
+files, the config, the mlx / mlx-lm versions, and the structure of the model
+in memory (every parameter's dtype and shape, every layer's class and
+quantization settings: a model cast or quantized after loading is another
+key; one with adapter layers the files do not name is never remembered).
+Anything that changes a file changes the key.  No mlx.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin", ".json")
 
 
 def memo_dir() -> Path:
-    """Where digests are kept (``PERSIST_IDENTITY_CACHE``, else the user cache dir)."""
-    env = os.environ.get("PERSIST_IDENTITY_CACHE")
-    if env:
-        return Path(os.path.expandvars(os.path.expanduser(env)))
+    """Where digests are kept: ``PERSIST_IDENTITY_CACHE``, else ``$PERSIST_HOME/identity``
+    (a persist home keeps everything persist writes), else the user cache dir."""
+    for env, sub in (("PERSIST_IDENTITY_CACHE", ""), ("PERSIST_HOME", "identity")):
+        value = os.environ.get(env)
+        if value:
+            return Path(os.path.expandvars(os.path.expanduser(value))) / sub
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("persist")) / "identity"
@@ -45,9 +50,11 @@ def _file_facts(path: Path) -> list[object]:
     return [path.name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
 
 
-def files_key(dirs: Iterable[Path | None], versions: dict[str, str]) -> str:
-    """The key of every file a load reads from ``dirs`` (weights, configs, adapters)."""
-    facts: list[object] = [sorted(versions.items())]
+def files_key(dirs: Iterable[Path | None], versions: dict[str, str], structure: str = "") -> str:
+    """The key of every file a load reads from ``dirs`` (weights, configs, adapters),
+    and of the model's structure in memory (``identity._structure``): the same
+    files cast, quantized or adapted after loading are another key."""
+    facts: list[object] = [sorted(versions.items()), structure]
     for d in dirs:
         if d is None:
             facts.append(None)

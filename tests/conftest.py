@@ -70,3 +70,19 @@ def store(tmp_path: Path) -> Iterator[Any]:
     with persist.Store(tmp_path / "store") as s:
         yield s
         clean(s)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "needs(tool): the test runs a system tool (tests/tools.py)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from tests import tools
+
+    tools.leave_out_missing(config, items)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    from tests import tools
+
+    tools.summary(terminalreporter)

@@ -80,3 +80,86 @@ def test_a_hugging_face_blob_name_is_the_key(
     for blob in blobs.iterdir():  # touching a content-addressed blob changes nothing
         os.utime(blob)
     assert persist.ModelIdentity.from_path(snap) == first and not calls
+
+
+# -- a model changed in memory never gets the files' identity (issue 23.2) ----------
+
+
+def _fresh(d: Path) -> tuple[Any, Any]:
+    from mlx_lm import load
+
+    model, tok = load(str(d))[:2]
+    return model, tok
+
+
+def test_a_cast_or_quantized_model_is_not_the_files(
+    model_dir: Any, memo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    d = model_dir("llama")
+    files = persist.ModelIdentity.from_path(d)  # remembered for the files as loaded
+    model, tok = _fresh(d)
+    model.set_dtype(mx.float16)
+    cast = persist.ModelIdentity.of(model, tok, path=d)
+    assert cast != files and cast == persist.ModelIdentity.of(model, tok)  # as if hashed
+    assert persist.ModelIdentity.of(model, tok, path=d) == cast  # now remembered too
+
+    for bits in (4, 8):
+        model, tok = _fresh(d)
+        nn.quantize(model, group_size=32, bits=bits, class_predicate=_quantizable)
+        q = persist.ModelIdentity.of(model, tok, path=d)
+        assert q != files and q == persist.ModelIdentity.of(model, tok)
+
+
+def _quantizable(_: str, m: Any) -> bool:
+    import mlx.nn as nn
+
+    return isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0
+
+
+def test_an_adapter_applied_in_code_is_hashed_every_time(
+    model_dir: Any, memo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlx.core as mx
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    d = model_dir("llama")
+    files = persist.ModelIdentity.from_path(d)
+    seen = []
+    for seed in (1, 2):  # two adapters of one shape: two identities
+        model, tok = _fresh(d)
+        linear_to_lora_layers(model, 2, {"rank": 4, "scale": 10.0, "dropout": 0.0})
+        for layer in model.model.layers:
+            lora = layer.self_attn.q_proj
+            if hasattr(lora, "lora_b"):
+                lora.lora_b = mx.random.normal(lora.lora_b.shape, key=mx.random.key(seed))
+        calls = counting(monkeypatch)
+        ident = persist.ModelIdentity.of(model, tok, path=d)
+        assert len(calls) == 1  # never looked up: the adapter's values are in no file
+        assert ident != files and ident == persist.ModelIdentity.of(model, tok)
+        seen.append(ident)
+        monkeypatch.undo()
+        monkeypatch.setenv("PERSIST_IDENTITY_CACHE", str(memo))
+    assert seen[0] != seen[1]
+
+
+def test_a_session_of_the_files_is_not_served_to_the_cast_model(
+    model_dir: Any, memo: Path, tmp_path: Path
+) -> None:
+    import mlx.core as mx
+
+    from tests.helpers import prefill, tokens_for
+
+    d = model_dir("llama")
+    model, tok = _fresh(d)
+    ident = persist.ModelIdentity.of(model, tok, path=d)
+    toks = tokens_for(80, seed=5)
+    with persist.Store(tmp_path / "s") as store:
+        store.save(prefill(model, toks)[0], toks, identity=ident, session="bf")
+        model.set_dtype(mx.float16)
+        cast = persist.ModelIdentity.of(model, tok, path=d)
+        assert store.lookup(toks, identity=cast) is None
+        with pytest.raises(persist.IdentityMismatchError):
+            store.restore("bf", identity=cast)

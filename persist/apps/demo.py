@@ -260,7 +260,11 @@ DEMO_VERSION = 2
 
 
 def cache_home() -> Path:
-    """persist's own cache directory (the demo model, the default store)."""
+    """persist's own cache directory (the demo model, the default store):
+    ``$PERSIST_HOME`` when set, so one folder holds all persist writes."""
+    home = os.environ.get("PERSIST_HOME")
+    if home:
+        return Path(os.path.expandvars(os.path.expanduser(home)))
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("persist"))

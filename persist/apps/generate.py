@@ -25,9 +25,42 @@ from ..identity import ModelIdentity
 from ..records import Progress
 from .resume import chat_metadata, resume_chat, resume_text, save_turn
 
-__all__ = ["GenerateResult", "PrimeResult", "load_model", "generate", "prime"]
+__all__ = ["GenerateResult", "PrimeResult", "Sampling", "load_model", "generate", "prime"]
 
 Bars = Callable[[str], Progress]  # a progress callback per phase ("restore", "prefill", ...)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are drawn: mlx_lm.generate's sampling options, same names and defaults.
+
+    None of them changes what a cache holds (the cache covers the tokens, however
+    they were drawn), so none is in the identity; they are reported with the turn."""
+
+    temp: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+    min_tokens_to_keep: int = 1
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    seed: int | None = None
+
+    def sampler(self, tokenizer: Any) -> Callable[[Any], Any]:
+        from mlx_lm.sample_utils import make_sampler
+
+        if self.seed is not None:
+            mx.random.seed(self.seed)
+        return make_sampler(
+            self.temp,
+            self.top_p,
+            self.min_p,
+            self.min_tokens_to_keep,
+            top_k=self.top_k,
+            xtc_probability=self.xtc_probability,
+            xtc_threshold=self.xtc_threshold,
+            xtc_special_tokens=list(tokenizer.encode("\n")) + list(tokenizer.eos_token_ids),
+        )
 
 
 @dataclass(frozen=True)
@@ -45,6 +78,7 @@ class GenerateResult:
     conflict_with: str | None = None
     # restore or recompute (``policy.CostDecision`` as a map), when a lookup was made
     decision: dict[str, Any] | None = None
+    sampling: dict[str, Any] | None = None  # the Sampling the turn's tokens were drawn with
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,15 +96,34 @@ class PrimeResult:
         return asdict(self)
 
 
-def load_model(model_dir: str | os.PathLike[str] | None) -> tuple[Any, Any, ModelIdentity]:
-    """(model, tokenizer, identity); the built-in demo model when ``model_dir`` is None."""
+def load_model(
+    model: str | os.PathLike[str] | None,
+    *,
+    adapter_path: str | os.PathLike[str] | None = None,
+    trust_remote_code: bool = False,
+    **cache_config: int | None,
+) -> tuple[Any, Any, ModelIdentity]:
+    """(model, tokenizer, identity) of a folder or Hugging Face repo id (``hub``); the
+    built-in demo model when ``model`` is None.  ``cache_config`` (kv_bits,
+    kv_group_size, quantized_kv_start, max_kv_size) changes what the caches hold,
+    so it is part of the identity, and ``generate`` builds its caches from it."""
     from mlx_lm import load
 
-    from .demo import demo_model_dir
+    from .hub import resolve_model
 
-    path = Path(model_dir) if model_dir is not None else demo_model_dir()
-    model, tok = load(str(path))[:2]
-    return model, tok, ModelIdentity.of(model, tok, path=path)
+    path = resolve_model(model)
+    adapter = None if adapter_path is None else str(adapter_path)
+    loaded = load(
+        str(path),
+        adapter_path=adapter,
+        tokenizer_config={"trust_remote_code": trust_remote_code},
+        trust_remote_code=trust_remote_code,
+    )
+    m, tok = loaded[0], loaded[1]
+    wanted = {k: v for k, v in cache_config.items() if v is not None}
+    name = None if model is None or Path(os.fspath(model)).is_dir() else os.fspath(model)
+    ident = ModelIdentity.of(m, tok, name=name, path=path, adapter_path=adapter, **wanted)
+    return m, tok, ident
 
 
 def generate(
@@ -82,22 +135,23 @@ def generate(
     session: str,
     prompt: str,
     max_tokens: int = 64,
-    temp: float = 0.0,
+    sampling: Sampling | None = None,
     namespace: str = "default",
     on_text: Callable[[str], None] | None = None,
     bars: Bars | None = None,
     chat: bool = False,
     system: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    prefill_step_size: int = 2048,
 ) -> GenerateResult:
     """Resume ``session`` (or the best stored prefix), append ``prompt``, generate, save.
 
     With ``chat`` the prompt is a user message rendered by the tokenizer's chat
-    template (``system`` opens a new chat), and the session keeps its messages.
+    template (``system`` opens a new chat; ``template_kwargs`` go to
+    ``apply_chat_template``, as mlx_lm.generate's --chat-template-config), and
+    the session keeps its messages.  The caches follow ``identity.cache_config``
+    (kv_bits and max_kv_size, as ``load_model`` set them).
     """
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.sample_utils import make_sampler
-
     if system is not None and not chat:
         raise InvalidArgumentError("--system needs --chat")
     t0 = time.perf_counter()
@@ -108,7 +162,15 @@ def generate(
     messages: list[dict[str, str]] = []
     if chat:
         got, messages = resume_chat(
-            store, session, tokenizer, prompt, system, identity, namespace, bar("restore")
+            store,
+            session,
+            tokenizer,
+            prompt,
+            system,
+            identity,
+            namespace,
+            bar("restore"),
+            template_kwargs=template_kwargs,
         )
     else:
         new = list(tokenizer.encode(prompt, add_special_tokens=False))
@@ -117,17 +179,11 @@ def generate(
         raise InvalidArgumentError("the prompt is empty after tokenization")
     tokens, covered = got.tokens, got.covered
     decision = store.costs.last
-    cache = make_prompt_cache(model) if got.cache is None else got.cache
-    steps = generate_step(
-        mx.array(tokens[covered:]),
-        model,
-        prompt_cache=cache,
-        max_tokens=max_tokens,
-        sampler=make_sampler(temp=temp),
-        prompt_progress_callback=bar("prefill"),
-    )
+    sampling = sampling or Sampling()
+    cache = got.cache if got.cache is not None else _new_cache(model, identity)
+    run = _Run(model, tokenizer, identity, sampling, prefill_step_size)
     started = time.perf_counter()
-    out, text, first = _decode(steps, tokenizer, on_text, t0)
+    out, text, first = run(tokens[covered:], cache, max_tokens, bar("prefill"), on_text, t0)
     elapsed = time.perf_counter() - t0
     if out:  # the prompt's forward (and one step) until the first token: a prefill rate
         store.record_prefill(identity, covered, len(tokens), t0 + first - started)
@@ -154,7 +210,62 @@ def generate(
         session_tokens=len(tokens) + len(out),
         conflict_with=session if saved_as != session else None,
         decision=None if decision is None else asdict(decision),
+        sampling=asdict(sampling),
     )
+
+
+def _new_cache(model: Any, identity: ModelIdentity) -> list[Any]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    # as mlx-lm: a ring of max_kv_size for a model without caches of its own
+    return list(
+        make_prompt_cache(model, max_kv_size=dict(identity.cache_config).get("max_kv_size"))
+    )
+
+
+@dataclass(frozen=True)
+class _Run:
+    """mlx-lm's generate_step with the identity's cache options and the sampling."""
+
+    model: Any
+    tokenizer: Any
+    identity: ModelIdentity
+    sampling: Sampling
+    prefill_step_size: int
+
+    def __call__(
+        self,
+        prompt: list[int],
+        cache: list[Any],
+        max_tokens: int,
+        bar: Progress | None,
+        on_text: Callable[[str], None] | None,
+        t0: float,
+    ) -> tuple[list[int], str, float]:
+        from mlx_lm.generate import generate_step
+
+        cfg = dict(self.identity.cache_config)
+        steps = generate_step(
+            mx.array(prompt),
+            self.model,
+            prompt_cache=cache,
+            max_tokens=max_tokens,
+            sampler=self.sampling.sampler(self.tokenizer),
+            prompt_progress_callback=bar,
+            prefill_step_size=self.prefill_step_size,
+            kv_bits=cfg.get("kv_bits"),
+            kv_group_size=cfg.get("kv_group_size", 64),
+            quantized_kv_start=cfg.get("quantized_kv_start", 5000),
+        )
+        try:
+            return _decode(steps, self.tokenizer, on_text, t0)
+        except ValueError as e:  # mlx's quantize refuses a group size the heads do not divide
+            if "kv_bits" not in cfg or "quantiz" not in str(e):
+                raise
+            raise InvalidArgumentError(
+                f"--kv-bits {cfg['kv_bits']} --kv-group-size {cfg.get('kv_group_size', 64)} "
+                f"do not fit this model's caches: {str(e).splitlines()[0]}"
+            ) from None
 
 
 def _decode(

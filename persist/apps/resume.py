@@ -104,6 +104,7 @@ def resume_chat(
     identity: ModelIdentity,
     namespace: str,
     bar: Progress | None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Resumed, list[dict[str, str]]]:
     """The turn's start and the chat's messages with the new user message appended."""
     try:
@@ -128,7 +129,11 @@ def resume_chat(
             f"the chat's messages take {size} bytes; a session keeps at most "
             f"{MAX_USER_METADATA >> 20} MiB of metadata: start a new chat"
         )
-    full = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    full = list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **(template_kwargs or {})
+        )
+    )
     version = 0 if restored is None else restored.entry.id
     if restored is not None and full[: len(restored.tokens)] == restored.tokens:
         return Resumed(restored.cache, full, len(restored.tokens), "session", version), messages

@@ -1,11 +1,15 @@
-"""The ``persist`` command line: thin click commands over the library."""
+"""The ``persist`` command line: thin click commands over the library.
+
+Each module registers its commands on ``app.cli``; a command's module is
+imported only when that command runs (``app.PersistGroup`` reads
+``COMMANDS``), so ``persist ls`` loads the store commands and nothing else.
+"""
 
 from __future__ import annotations
 
-from . import files, models, run, serve, sessions, transfer  # noqa: F401  (each module registers its commands)
-from .app import cli
+from .app import COMMANDS, cli
 
-__all__ = ["cli", "main"]
+__all__ = ["cli", "main", "COMMANDS"]
 
 
 def main() -> None:

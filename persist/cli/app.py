@@ -16,7 +16,13 @@ from typing import Any, TypeVar
 
 import click
 
-from ..errors import IdentityMismatchError, InvalidArgumentError, PersistError
+from ..errors import (
+    IdentityMismatchError,
+    InvalidArgumentError,
+    PersistError,
+    StoreNotFoundError,
+)
+from .terminal import end_line, progress
 
 __all__ = [
     "cli",
@@ -26,6 +32,7 @@ __all__ = [
     "json_option",
     "open_store",
     "parse_size",
+    "plural",
     "plain",
     "progress",
 ]
@@ -39,6 +46,11 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """'1 session', '2 sessions', '1 entry' / '3 entries'."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 # C0 and C1 controls, DEL, and the bidirectional overrides: a name that carries them
@@ -148,40 +160,70 @@ def json_option(f: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(f)
 
 
-def open_store(store_dir: Path | None, **kw: Any) -> Any:
+def open_store(store_dir: Path | None, *, create: bool = False, **kw: Any) -> Any:
+    """The store of ``--store`` (or the default one).  Only commands that write
+    sessions (``create``) make a store; the others refuse a folder without one, so
+    a mistyped ``--store`` is an error, not a new empty store."""
     from ..engine.store import Store
+    from ..store.rows import store_root
 
+    root = store_root(store_dir if store_dir is not None else default_store())
+    if not create and not (root / "index.sqlite").is_file():
+        raise StoreNotFoundError(root)
     kw = {**tier_urls(), **kw}
-    return Store(store_dir if store_dir is not None else default_store(), **kw)
+    store = Store(root, **kw)
+    if create and "max_bytes" not in kw:  # what writes is held to the store's budget
+        from ..store import upkeep
+        from ..store.retention import Budgets
+
+        limit, _ = upkeep.budget(store.index, store.root)
+        store.budgets = Budgets(limit, store.budgets.per_namespace)
+    return store
 
 
-class _Bar:
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.bar: Any = None
+def complete_sessions(
+    ctx: click.Context, param: click.Parameter, incomplete: str
+) -> list[click.shell_completion.CompletionItem]:
+    """Shell completion of session names, from the store the command line names so far.
+    Completion never makes a store and never fails: a problem completes nothing."""
+    from click.shell_completion import CompletionItem
 
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:
-            if not sys.stderr.isatty() or total <= 0:
-                return
-            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr)
-            self.bar.__enter__()
-        self.bar.update(done - self.bar.pos)
-        if done >= total:
-            self.close()
+    try:
+        from ..store.rows import store_root
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None
-
-
-def progress(label: str) -> _Bar:
-    """A progress callback (done, total) that draws a bar on an interactive stderr."""
-    return _Bar(label)
+        given = ctx.params.get("store_dir")
+        root = store_root(given if given is not None else default_store())
+        if not (root / "index.sqlite").is_file():
+            return []
+        with open_store(root) as store:
+            names = [e.session for e in store.sessions(ctx.params.get("namespace"))]
+    except Exception:  # a half-typed command line: offer nothing rather than a traceback
+        return []
+    return [CompletionItem(n) for n in sorted({n for n in names if n}) if n.startswith(incomplete)]
 
 
 REPORT = "persist: this is a bug in persist; please report it with the traceback above"
+
+
+# command -> the module of persist.cli that registers it (imported when it runs)
+COMMANDS = {
+    **dict.fromkeys(["ls", "show", "rm", "check", "pin", "unpin"], "sessions"),
+    **dict.fromkeys(["gc", "stats", "config"], "upkeep"),
+    **dict.fromkeys(["generate", "prime"], "run"),
+    **dict.fromkeys(["export", "import", "sync"], "transfer"),
+    **dict.fromkeys(["inspect", "verify"], "files"),
+    "serve": "serve",
+    "make-model": "models",
+}
+
+
+def load_commands(name: str | None = None) -> None:
+    """Import the module of command ``name``; of every command when None (or unknown)."""
+    import importlib
+
+    mod = COMMANDS.get(name or "")
+    for m in [mod] if mod else sorted(set(COMMANDS.values())):
+        importlib.import_module(f"{__package__}.{m}")
 
 
 class PersistGroup(click.Group):
@@ -190,28 +232,58 @@ class PersistGroup(click.Group):
     a bug (traceback and a line asking to report it), 130 Ctrl-C.  A closed
     pipe (``persist ls | head``) ends quietly."""
 
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands:
+            load_commands(cmd_name)
+        if cmd_name not in self.commands:  # a command COMMANDS does not name yet
+            load_commands()
+        return super().get_command(ctx, cmd_name)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        load_commands()
+        return super().list_commands(ctx)
+
     def invoke(self, ctx: click.Context) -> Any:
+        as_json = "--json" in ctx.args  # the command's own flag, not parsed yet
         try:
             return super().invoke(ctx)
         except PersistError as e:
-            hint = "; pass --model with the model it was saved for"
-            extra = hint if isinstance(e, IdentityMismatchError) else ""
-            click.echo(f"persist: error: {plain(e)}{extra}", err=True)
-            sys.exit(1)
+            end_line()  # an answer cut short keeps its line
+            extra = _mismatch_hint(e) if isinstance(e, IdentityMismatchError) else ""
+            _fail(as_json, f"{e}{extra}", type(e).__name__, 1)
         except BrokenPipeError:
             _quiet_stdout()
             sys.exit(0)
         except KeyboardInterrupt:
-            click.echo("persist: interrupted", err=True)
-            sys.exit(130)
-        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            _fail(as_json, "interrupted", "KeyboardInterrupt", 130)
+        except click.ClickException as e:
+            if not as_json:
+                raise
+            _fail(as_json, e.format_message(), type(e).__name__, e.exit_code)
+        except (click.exceptions.Exit, click.Abort):
             raise
-        except Exception:
+        except Exception as e:
             import traceback
 
             traceback.print_exc()
-            click.echo(REPORT, err=True)
-            sys.exit(3)
+            _fail(as_json, f"{type(e).__name__}: {e}", "Bug", 3, REPORT)
+
+
+def _fail(as_json: bool, message: str, kind: str, code: int, text: str | None = None) -> None:
+    """Say what failed, one line on stderr (or, under --json, a JSON object on stdout
+    for the script that asked for JSON), and exit with ``code``."""
+    if as_json:  # the exact message: JSON escapes controls itself
+        click.echo(json.dumps({"error": message, "type": kind, "exit": code}))
+    else:
+        line = text or f"persist: {'error: ' if code == 1 else ''}{plain(message)}"
+        click.echo(line, err=True)
+    sys.exit(code)
+
+
+def _mismatch_hint(e: IdentityMismatchError) -> str:
+    if e.fields and all(f.startswith("cache_config.") for f in e.fields):
+        return "; pass the --kv-bits / --max-kv-size options it was saved with"
+    return "; pass --model with the model it was saved for"
 
 
 def _quiet_stdout() -> None:

@@ -2,23 +2,33 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
 if TYPE_CHECKING:  # generation imports mlx-lm: loaded by these commands only
     from ..apps.generate import GenerateResult, PrimeResult
-from .app import cli, emit, json_option, open_store, plain, progress, store_option
+from .app import cli, complete_sessions, emit, json_option, open_store, plain, store_option
+from .terminal import end_line, progress, write_answer
 
 _model = click.option(
     "--model",
-    "model_dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
-    help="mlx-lm model directory (default: the built-in demo model).",
+    metavar="PATH_OR_REPO",
+    help="The model's folder or a Hugging Face repo id, as mlx-lm takes it "
+    "(default: the built-in demo model).",
 )
-_session = click.option("--session", required=True, help="Session name (any text).")
+_adapter = click.option(
+    "--adapter-path", default=None, help="Trained LoRA adapter weights and config (mlx-lm's)."
+)
+_session = click.option(
+    "--session",
+    required=True,
+    shell_complete=complete_sessions,
+    help="Session name (any text).",
+)
 _namespace = click.option(
     "--namespace",
     default="default",
@@ -27,11 +37,8 @@ _namespace = click.option(
 )
 
 
-def _render_generate(r: GenerateResult, streamed: bool) -> None:
-    if not streamed:
-        click.echo(r.text)
-    else:
-        click.echo()
+def _render_generate(r: GenerateResult) -> None:
+    end_line()  # the streamed answer has no newline of its own
     click.echo(
         f"[{plain(r.session)}] {r.reused_tokens} of {r.prompt_tokens} prompt tokens from the store "
         f"({r.source}); first token after {r.first_token_seconds:.3f} s; "
@@ -46,84 +53,203 @@ def _render_generate(r: GenerateResult, streamed: bool) -> None:
         )
 
 
+def read_prompt(prompt: str | None, prompt_file: Any) -> str:
+    """The text of --prompt (``-``: stdin; ``\\n`` and ``\\t`` as mlx_lm.generate reads
+    them) or --prompt-file; exactly one of them."""
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give exactly one of --prompt and --prompt-file")
+    if prompt_file is not None:
+        return str(prompt_file.read())
+    assert prompt is not None
+    text = prompt.replace("\\n", "\n").replace("\\t", "\t")
+    return sys.stdin.read() if text == "-" else text
+
+
+_prompt = click.option(
+    "--prompt", "-p", default=None, help="Text appended to the session ('-' reads stdin)."
+)
+_prompt_file = click.option(
+    "--prompt-file", type=click.File("r"), default=None, help="A file to read the prompt from."
+)
+
+
+def _sampling_options(f: Any) -> Any:
+    """mlx_lm.generate's sampling options: same names, meanings and defaults."""
+    opts = [
+        ("--temp", click.FloatRange(0.0), 0.0, "Sampling temperature (0: greedy)."),
+        ("--top-p", click.FloatRange(0.0, 1.0), 1.0, "Sampling top-p."),
+        ("--min-p", click.FloatRange(0.0, 1.0), 0.0, "Sampling min-p."),
+        ("--top-k", click.IntRange(0), 0, "Sampling top-k (0: off)."),
+        ("--min-tokens-to-keep", click.IntRange(1), 1, "Minimum tokens to keep for min-p."),
+        ("--xtc-probability", click.FloatRange(0.0, 1.0), 0.0, "Probability of XTC sampling."),
+        ("--xtc-threshold", click.FloatRange(0.0, 0.5), 0.1, "XTC's probability threshold."),
+        ("--seed", int, None, "PRNG seed."),
+    ]
+    for name, kind, default, text in reversed(opts):
+        f = click.option(name, type=kind, default=default, show_default=True, help=text)(f)
+    return f
+
+
+def _cache_options(f: Any) -> Any:
+    """mlx_lm.generate's cache options: they change what the caches hold, so they
+    are part of the model identity (a session continues only with the same ones)."""
+    opts = [
+        (
+            "--kv-bits",
+            click.IntRange(1, 8),
+            None,
+            "Bits for KV cache quantization (default: none).",
+        ),
+        ("--kv-group-size", click.IntRange(1), 64, "Group size for KV cache quantization."),
+        ("--quantized-kv-start", click.IntRange(0), 5000, "With --kv-bits: quantize from here."),
+        ("--max-kv-size", click.IntRange(1), None, "The maximum key-value cache size."),
+    ]
+    for name, kind, default, text in reversed(opts):
+        f = click.option(name, type=kind, default=default, show_default=True, help=text)(f)
+    return f
+
+
 @cli.command("generate")
 @_model
+@_adapter
 @_session
-@click.option("--prompt", required=True, help="Text appended to the session.")
-@click.option("--max-tokens", type=click.IntRange(1, 1 << 20), default=64, show_default=True)
+@_prompt
+@_prompt_file
+@click.option("--max-tokens", "-m", type=click.IntRange(1, 1 << 20), default=64, show_default=True)
+@_sampling_options
+@_cache_options
 @click.option(
-    "--temp",
-    type=click.FloatRange(0.0),
-    default=0.0,
+    "--prefill-step-size",
+    type=click.IntRange(1),
+    default=2048,
     show_default=True,
-    help="Sampling temperature (0: greedy).",
+    help="Prompt tokens processed at a time.",
+)
+@click.option(
+    "--extra-eos-token", multiple=True, help="A token that also ends the answer (repeatable)."
 )
 @click.option(
     "--chat",
     is_flag=True,
     help="The session is a conversation: the prompt is a user message (chat template).",
 )
-@click.option("--system", default=None, help="With --chat: the system prompt of a new chat.")
+@click.option(
+    "--system-prompt", "--system", "system", default=None,
+    help="With --chat: the system prompt of a new chat.",
+)  # fmt: skip
+@click.option(
+    "--chat-template-config",
+    default=None,
+    help="With --chat: JSON of further apply_chat_template arguments.",
+)
+@click.option("--trust-remote-code", is_flag=True, help="Trust remote code for the tokenizer.")
 @_namespace
 @store_option
 @json_option
 def generate_cmd(
-    model_dir: Path | None,
+    model: str | None,
+    adapter_path: str | None,
     session: str,
-    prompt: str,
+    prompt: str | None,
+    prompt_file: Any,
     max_tokens: int,
-    temp: float,
+    prefill_step_size: int,
+    extra_eos_token: tuple[str, ...],
     chat: bool,
     system: str | None,
+    chat_template_config: str | None,
+    trust_remote_code: bool,
     namespace: str,
     store_dir: Path | None,
     as_json: bool,
+    **options: Any,
 ) -> None:
     """Resume a session (or the best stored prefix), generate, save the session.
 
     Only tokens the store does not already hold are prefilled; the text is
     streamed as it is generated.  Without --chat a session is a transcript
     (each prompt appended as text); with --chat it is a conversation, and a
-    new chat with the same --system prompt reuses it.
+    new chat with the same --system-prompt reuses it.  The model and sampling
+    options are mlx_lm.generate's.
 
     \b
     Example:
       persist generate --session work --prompt "Where were we?" --max-tokens 32
-      persist generate --session c1 --chat --system "Be brief." --prompt "Hi"
+      persist generate --model mlx-community/Llama-3.2-1B-Instruct-4bit \\
+          --session c1 --chat --system-prompt "Be brief." --prompt "Hi"
+      cat notes.txt | persist generate --session notes --prompt - --temp 0.7 --seed 1
     """
     if system is not None and not chat:
-        raise click.UsageError("--system needs --chat")
-    from ..apps.generate import generate, load_model
+        raise click.UsageError("--system-prompt / --system needs --chat")
+    if chat_template_config is not None and not chat:
+        raise click.UsageError("--chat-template-config needs --chat")
+    template = _template_kwargs(chat_template_config)
+    text = read_prompt(prompt, prompt_file)
+    from ..apps.generate import Sampling, generate, load_model
 
-    model, tok, identity = load_model(model_dir)
-    with open_store(store_dir) as store:
-
-        def write(text: str) -> None:
-            click.echo(text, nl=False)
-
+    sampling = Sampling(**{k: options.pop(k) for k in list(options) if k in SAMPLING})
+    model_, tok, identity = load_model(
+        model, adapter_path=adapter_path, trust_remote_code=trust_remote_code, **_cache(options)
+    )
+    for t in extra_eos_token:
+        tok.add_eos_token(t)
+    with open_store(store_dir, create=True) as store:
         r = generate(
-            model,
+            model_,
             tok,
             identity,
             store,
             session=session,
-            prompt=prompt,
+            prompt=text,
             max_tokens=max_tokens,
-            temp=temp,
+            sampling=sampling,
             namespace=namespace,
-            on_text=None if as_json else write,
+            on_text=None if as_json else write_answer,
             bars=progress,
             chat=chat,
             system=system,
+            template_kwargs=template,
+            prefill_step_size=prefill_step_size,
         )
-    emit(as_json, r.to_dict(), lambda _: _render_generate(r, streamed=True))
+    emit(as_json, r.to_dict(), lambda _: _render_generate(r))
+
+
+SAMPLING = (
+    "temp", "top_p", "min_p", "top_k", "min_tokens_to_keep", "xtc_probability",
+    "xtc_threshold", "seed",
+)  # fmt: skip
+
+
+def _cache(options: dict[str, Any]) -> dict[str, int | None]:
+    """The identity's cache configuration: the quantization settings only with --kv-bits
+    (without it they change nothing, as in mlx-lm)."""
+    out = {"max_kv_size": options.get("max_kv_size"), "kv_bits": options.get("kv_bits")}
+    if out["kv_bits"] is not None:
+        out["kv_group_size"] = options.get("kv_group_size")
+        out["quantized_kv_start"] = options.get("quantized_kv_start")
+    return out
+
+
+def _template_kwargs(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    import json
+
+    try:
+        got = json.loads(text)
+    except ValueError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint="--chat-template-config") from None
+    if not isinstance(got, dict):
+        raise click.BadParameter("give a JSON object", param_hint="--chat-template-config")
+    return got
 
 
 @cli.command("prime")
 @_model
+@_adapter
 @_session
-@click.option("--prompt", default=None, help="Text to prefill.")
-@click.option("--prompt-file", type=click.File("r"), default=None, help="File to prefill.")
+@_prompt
+@_prompt_file
 @click.option(
     "--checkpoint-every",
     type=click.IntRange(1),
@@ -134,10 +260,11 @@ def generate_cmd(
 @store_option
 @json_option
 def prime_cmd(
-    model_dir: Path | None,
+    model: str | None,
+    adapter_path: str | None,
     session: str,
     prompt: str | None,
-    prompt_file: object,
+    prompt_file: Any,
     checkpoint_every: int | None,
     namespace: str,
     store_dir: Path | None,
@@ -150,15 +277,13 @@ def prime_cmd(
       persist prime --model ./tiny-qwen --session docs --prompt-file manual.txt \\
           --checkpoint-every 256
     """
-    if (prompt is None) == (prompt_file is None):
-        raise click.UsageError("give exactly one of --prompt and --prompt-file")
-    text = prompt if prompt is not None else prompt_file.read()  # type: ignore[attr-defined]
+    text = read_prompt(prompt, prompt_file)
     from ..apps.generate import load_model, prime
 
-    model, tok, identity = load_model(model_dir)
-    with open_store(store_dir) as store:
+    model_, tok, identity = load_model(model, adapter_path=adapter_path)
+    with open_store(store_dir, create=True) as store:
         r: PrimeResult = prime(
-            model,
+            model_,
             tok,
             identity,
             store,

@@ -11,18 +11,20 @@ from pathlib import Path
 import click
 
 from ..errors import PersistError
-from .app import cli, default_store, parse_size, plain, store_option, tier_urls
+from .app import cli, default_store, open_store, parse_size, plain, store_option, tier_urls
 
 
 @cli.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option(
     "--model",
     "model_dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
-    help="mlx-lm model directory (default: the built-in demo model).",
+    metavar="PATH_OR_REPO",
+    help="The model's folder or a Hugging Face repo id (default: the built-in demo model).",
 )
-@click.option("--max-bytes", default=None, help="Store budget, e.g. 20G.")
+@click.option(
+    "--max-bytes", default=None, help="Store budget, e.g. 20G (default: the store's budget)."
+)
 @click.option("--namespace", default="default", show_default=True)
 @click.option(
     "--backlog",
@@ -91,7 +93,7 @@ from .app import cli, default_store, parse_size, plain, store_option, tier_urls
 @store_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(
-    model_dir: Path | None,
+    model_dir: str | None,
     max_bytes: str | None,
     namespace: str,
     backlog: int,
@@ -119,14 +121,20 @@ def serve_cmd(
       persist serve --model ./tiny --store ./cache --port 8080
       persist serve --model ./tiny --mlx-cache 8G --port 8080
     """
-    from ..apps.demo import demo_model_dir
+    from ..apps.hub import resolve_model
     from ..apps.server import serve
 
     with _exit_line(log_format):
+        root = store_dir if store_dir is not None else default_store()
+        if max_bytes:
+            budget = parse_size(max_bytes)
+        else:  # the store's remembered budget, else the default one (persist config)
+            with open_store(root, create=True) as store:
+                budget = store.budgets.max_bytes
         serve(
-            str(model_dir if model_dir is not None else demo_model_dir()),
-            store_dir if store_dir is not None else default_store(),
-            max_bytes=parse_size(max_bytes) if max_bytes else None,
+            str(resolve_model(model_dir)),
+            root,
+            max_bytes=budget,
             namespace=namespace,
             server_args=list(server_args),
             backlog=backlog,

@@ -15,12 +15,13 @@ from ..errors import SessionNotFoundError
 from ..store.types import EntryInfo
 from .app import (
     cli,
+    complete_sessions,
     emit,
     human_bytes,
     json_option,
     open_store,
-    parse_size,
     plain,
+    plural,
     progress,
     store_option,
 )
@@ -42,10 +43,15 @@ def _row(e: EntryInfo) -> str:
     )
     pin = " pinned" if e.pinned else ""
     model = "DAMAGED (persist check --fix)" if e.damaged else plain(e.model)
-    return (
-        f"{plain(e.namespace):<10} {plain(name):<28} {e.tokens:>7} tok "
-        f"{human_bytes(e.bytes):>10}  {model:<16} used {_when(e.used)}{pin}"
+    ns, shown = plain(e.namespace), plain(name)
+    head = f"{ns:<10} {shown:<28}"
+    rest = (
+        f" {e.tokens:>7} tok {human_bytes(e.bytes):>10}  used {_when(e.used)}"
+        f"{pin:<7}  {model}"  # the model last: a repo id of any length keeps the columns
     )
+    if len(ns) > 10 or len(shown) > 28:  # a long name on its own line, whole
+        return f"{ns} {shown}\n{'':<39}{rest}"
+    return head + rest
 
 
 @cli.command("ls")
@@ -121,7 +127,7 @@ def _hidden(roles: dict[str, int]) -> str:
 
 
 @cli.command("show")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_sessions)
 @_namespace
 @store_option
 @json_option
@@ -148,62 +154,91 @@ def show_cmd(name: str, namespace: str, store_dir: Path | None, as_json: bool) -
         click.echo(f"  pinned             {e.pinned}")
         for i, k in enumerate(e.kinds):
             click.echo(f"  layer {i:3d}          {k}")
+        if chat:
+            click.echo(f"  chat               {plural(len(chat), 'message')}")
+            for m in chat:
+                click.echo(f"    {m.get('role', '?'):<9} {_one_line(m.get('content', ''))}")
 
-    emit(as_json, e.to_dict(), render)
+    chat = _chat(e)
+    emit(as_json, {**e.to_dict(), **({"chat": chat} if chat else {})}, render)
+
+
+def _chat(e: EntryInfo) -> list[dict[str, str]]:
+    """A chat session's messages (``--chat`` keeps them in its metadata); [] otherwise."""
+    import json
+
+    raw = e.metadata.get("persist.chat")
+    try:
+        got = json.loads(raw) if raw else []
+    except ValueError:
+        return []
+    return [m for m in got if isinstance(m, dict)] if isinstance(got, list) else []
+
+
+def _one_line(text: object, width: int = 100) -> str:
+    """A message on one line: newlines and control characters shown as escapes."""
+    flat = str(text).encode("unicode_escape").decode("ascii", "replace")
+    return flat if len(flat) <= width else flat[: width - 3] + "..."
 
 
 @cli.command("rm")
-@click.argument("name")
+@click.argument("names", nargs=-1, shell_complete=complete_sessions)
+@click.option("--all", "every", is_flag=True, help="Every session of the namespace.")
 @_namespace
 @store_option
 @json_option
-def rm_cmd(name: str, namespace: str, store_dir: Path | None, as_json: bool) -> None:
-    """Delete a session and its checkpoints.
+def rm_cmd(
+    names: tuple[str, ...], every: bool, namespace: str, store_dir: Path | None, as_json: bool
+) -> None:
+    """Delete sessions and their checkpoints: NAMES, glob patterns ('work-*'), or --all.
+
+    Every name and pattern must match before anything is deleted.
 
     \b
     Example:
       persist rm work
+      persist rm 'draft-*' old
+      persist rm --all --namespace trials
     """
+    if not names and not every:
+        raise click.UsageError("give session names, patterns, or --all")
     with open_store(store_dir) as store:
-        store.delete(name, namespace=namespace)
+        doomed = _matching(store.entries(namespace), names, every, namespace)
+        for name in doomed:
+            store.delete(name, namespace=namespace)
     emit(
         as_json,
-        {"deleted": name, "namespace": namespace},
-        lambda _: click.echo(f"deleted session {name!r}"),
+        {"deleted": doomed, "namespace": namespace},
+        lambda _: click.echo(
+            f"deleted session {plain(repr(doomed[0]))}"
+            if len(doomed) == 1
+            else f"deleted {plural(len(doomed), 'session')}: {plain(', '.join(doomed))}"
+        ),
     )
 
 
-@cli.command("gc")
-@click.option("--max-bytes", default=None, help="Budget to evict down to, e.g. 500M or 2G.")
-@click.option("--dry-run", is_flag=True, help="Only report what would be evicted.")
-@store_option
-@json_option
-def gc_cmd(max_bytes: str | None, dry_run: bool, store_dir: Path | None, as_json: bool) -> None:
-    """Evict least recently used unpinned entries; delete unreferenced blobs.
+def _matching(
+    entries: list[EntryInfo], names: tuple[str, ...], every: bool, namespace: str
+) -> list[str]:
+    """The session names to delete, each once, in the order given; SessionNotFoundError
+    for a name or pattern that matches none (nothing is deleted then)."""
+    import fnmatch
 
-    \b
-    Example:
-      persist gc --max-bytes 2G --dry-run
-    """
-    budget = parse_size(max_bytes) if max_bytes is not None else None
-    with open_store(store_dir) as store:
-        r = store.gc(budget, dry_run=dry_run)
-
-    def render(_: Any) -> None:
-        verb = "would evict" if r.dry_run else "evicted"
-        now, after = r.unique_bytes + r.bytes_freed, r.unique_bytes
-        sizes = (
-            f"now {human_bytes(now)}, after {human_bytes(after)}"
-            if r.dry_run
-            else f"{human_bytes(after)} on disk"
-        )
-        click.echo(
-            f"{verb} {len(r.evicted)} entries, freeing {human_bytes(r.bytes_freed)}; {sizes}"
-        )
-        for e in r.evicted:
-            click.echo("  " + _row(e))
-
-    emit(as_json, r.to_dict(), render)
+    # a session, or the owner of checkpoints an interrupted prime left without one
+    owners = (e.session or e.owner for e in entries)
+    known: list[str] = list(dict.fromkeys(n for n in owners if n))
+    if every:
+        return known
+    out: list[str] = []
+    for pattern in names:
+        if any(c in pattern for c in "*?["):
+            hits = [n for n in known if fnmatch.fnmatchcase(n, pattern)]
+        else:
+            hits = [pattern] if pattern in known else []
+        if not hits:
+            raise SessionNotFoundError(pattern, namespace)
+        out += [n for n in hits if n not in out]
+    return out
 
 
 @cli.command("check")
@@ -238,78 +273,17 @@ def check_cmd(fix: bool, store_dir: Path | None, as_json: bool) -> None:
         if not problems:
             click.echo("store is consistent")
         elif fix:
-            click.echo(f"fixed {len(problems) - left} of {_count(len(problems), 'problem')}")
+            click.echo(f"fixed {len(problems) - left} of {plural(len(problems), 'problem')}")
         else:
-            click.echo(_count(len(problems), "problem"))
+            click.echo(plural(len(problems), "problem"))
 
     emit(as_json, [p.to_dict() for p in problems], render)
     if any(not p.fixed for p in problems):
         raise SystemExit(1)
 
 
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}{'' if n == 1 else 's'}"
-
-
-@cli.command("stats")
-@click.option("--namespace", default=None, help="Counters of this namespace only.")
-@store_option
-@json_option
-def stats_cmd(namespace: str | None, store_dir: Path | None, as_json: bool) -> None:
-    """Entries, bytes on disk, dedup ratio, hits and misses.
-
-    \b
-    Example:
-      persist stats --json
-    """
-    with open_store(store_dir) as store:
-        s = store.stats(namespace)
-
-    def render(_: Any) -> None:
-        click.echo(f"entries {s.entries} ({s.sessions} sessions)")
-        click.echo(
-            f"on disk {human_bytes(s.unique_bytes)}, referenced "
-            f"{human_bytes(s.referenced_bytes)}, dedup {s.dedup_ratio:.2f}x"
-        )
-        for k, v in sorted(s.counters.items()):
-            click.echo(f"{plain(k)} {v}")
-        for r in s.rates:
-            click.echo(plain(_render_rate(r)))
-        for d in s.decisions:
-            click.echo(plain(_render_decision(d)))
-        for machine, path in s.data_paths.items():
-            click.echo(plain(f"data path {machine}: {path}"))
-
-    emit(as_json, s.to_dict(), render)
-
-
-def _render_rate(r: dict[str, Any]) -> str:
-    """One measured rate: restores in bytes/s per tier, prefills in tokens/s per model."""
-    lo = 1 << max(0, r["bucket"] - 1)
-    if r["what"] == "restore":
-        return (
-            f"rate {r['machine']} restore from {r['key']} ({human_bytes(lo)}+): "
-            f"{human_bytes(int(r['rate']))}/s ({r['samples']} runs)"
-        )
-    return (
-        f"rate {r['machine']} prefill at {lo}+ tokens of {r['key'][:12]}: "
-        f"{r['rate']:.0f} tokens/s ({r['samples']} runs)"
-    )
-
-
-def _render_decision(d: dict[str, Any]) -> str:
-    def secs(v: float | None) -> str:
-        return "unmeasured" if v is None else f"{v:.3f} s"
-
-    chosen = "restore" if d["restore"] else "recompute"
-    return (
-        f"decision {chosen}: {d['tokens']} tokens from {d['tier']}, restore "
-        f"{secs(d['restore_s'])} vs prefill {secs(d['prefill_s'])} ({d['reason']})"
-    )
-
-
 @cli.command("pin")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_sessions)
 @_namespace
 @store_option
 @json_option
@@ -324,7 +298,7 @@ def pin_cmd(name: str, namespace: str, store_dir: Path | None, as_json: bool) ->
 
 
 @cli.command("unpin")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_sessions)
 @_namespace
 @store_option
 @json_option

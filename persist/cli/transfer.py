@@ -9,14 +9,14 @@ from typing import Any
 import click
 
 from ..errors import AlreadyExistsError, InvalidArgumentError
-from .app import cli, emit, json_option, open_store, plain, store_option
+from .app import cli, complete_sessions, emit, json_option, open_store, plain, store_option
 from .sessions import _exists, _namespace
 
 _force = click.option("--force", is_flag=True, help="Replace what is already there.")
 
 
 @cli.command("export")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_sessions)
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--format",
@@ -26,6 +26,13 @@ _force = click.option("--force", is_flag=True, help="Replace what is already the
     show_default=True,
     help="mlx-lm: a file mlx_lm's load_prompt_cache reads (no tokens, no identity).",
 )
+@click.option(
+    "--model",
+    "model_dir",
+    default=None,
+    help="For --format mlx-lm: the model (folder or repo id), as you will give it to "
+    "mlx_lm generate (recorded in the file; a folder is checked against the session's).",
+)
 @_namespace
 @_force
 @store_option
@@ -34,6 +41,7 @@ def export_cmd(
     name: str,
     file: Path,
     fmt: str,
+    model_dir: str | None,
     namespace: str,
     force: bool,
     store_dir: Path | None,
@@ -44,12 +52,17 @@ def export_cmd(
     \b
     Example:
       persist export work work.safetensors
-      persist export work work-mlx.safetensors --format mlx-lm
+      persist export work work-mlx.safetensors --format mlx-lm --model ./my-model
+      python -m mlx_lm generate --model ./my-model --prompt-cache-file work-mlx.safetensors \\
+          --prompt "and then?"
     """
     if file.exists() and not force:
         raise AlreadyExistsError(f"{file} exists; pass --force to replace it")
-    with open_store(store_dir) as store:
-        e = store.export(name, file, namespace=namespace, format=fmt)
+    if model_dir is not None and fmt != "mlx-lm":
+        raise click.UsageError("--model is for --format mlx-lm (a persist file names its model)")
+    with open_store(store_dir) as store:  # reads only: no store is made
+        model = None if model_dir is None else str(model_dir)
+        e = store.export(name, file, namespace=namespace, format=fmt, model=model)
     emit(
         as_json,
         {"session": name, "file": str(file), "tokens": e.tokens},
@@ -63,12 +76,24 @@ def export_cmd(
 @click.option(
     "--model",
     "model_dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
-    help="For an mlx-lm prompt cache: the model that computed it.",
+    metavar="PATH_OR_REPO",
+    help="For an mlx-lm prompt cache: the model that computed it (folder or repo id).",
 )
 @click.option("--tokens", default=None, help="For an mlx-lm file: the token ids it covers, 1,2,3.")
 @click.option("--prompt", default=None, help="For an mlx-lm file: the text it covers.")
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="The --prompt was one user message under the chat template, as "
+    "mlx_lm.cache_prompt applies it.",
+)
+@click.option(
+    "--unverified-tokens",
+    is_flag=True,
+    help="A purely recurrent cache records no position count, so its tokens cannot be "
+    "checked: store it anyway, restorable by its name only, never serving another prompt.",
+)
 @_namespace
 @_force
 @store_option
@@ -76,9 +101,11 @@ def export_cmd(
 def import_cmd(
     file: Path,
     session: str | None,
-    model_dir: Path | None,
+    model_dir: str | None,
     tokens: str | None,
     prompt: str | None,
+    chat: bool,
+    unverified_tokens: bool,
     namespace: str,
     force: bool,
     store_dir: Path | None,
@@ -96,12 +123,19 @@ def import_cmd(
       persist import prompt.safetensors --model ./my-model --prompt "You are..."
     """
     name = session if session is not None else file.name.split(".")[0]
-    identity, ids = _foreign_inputs(model_dir, tokens, prompt)
-    with open_store(store_dir) as store:
+    model, identity, ids, templated = _foreign_inputs(model_dir, tokens, prompt, chat)
+    with open_store(store_dir, create=True) as store:
         if not force and _exists(store, name, namespace):
             raise AlreadyExistsError(f"session {name!r} exists; pass --force to replace it")
         e = store.import_file(
-            file, session=name, namespace=namespace, identity=identity, tokens=ids
+            file,
+            session=name,
+            namespace=namespace,
+            identity=identity,
+            tokens=ids,
+            model=model,
+            unverified_tokens=unverified_tokens,
+            chat_tokens=templated,
         )
     emit(
         as_json,
@@ -113,20 +147,39 @@ def import_cmd(
 
 
 def _foreign_inputs(
-    model_dir: Path | None, tokens: str | None, prompt: str | None
-) -> tuple[Any, list[int] | None]:
-    """(identity, token ids) from --model and --tokens/--prompt, for an mlx-lm file."""
+    model_dir: str | None, tokens: str | None, prompt: str | None, chat: bool
+) -> tuple[Any, Any, list[int] | None, list[int] | None]:
+    """(model, identity, token ids, the text's ids under the chat template) from
+    --model (a folder or Hugging Face repo id) and --tokens/--prompt (--chat), for
+    an mlx-lm file."""
     if tokens is not None and prompt is not None:
         raise click.UsageError("give at most one of --tokens and --prompt")
+    if chat and prompt is None:
+        raise click.UsageError("--chat applies the chat template to --prompt")
     if model_dir is None:
         if prompt is not None:
             raise click.UsageError("--prompt needs --model (its tokenizer)")
-        return None, _ids(tokens)
+        return None, None, _ids(tokens), None
     from ..apps.generate import load_model
 
-    _, tok, identity = load_model(model_dir)
-    ids = _ids(tokens) if prompt is None else list(tok.encode(prompt, add_special_tokens=False))
-    return identity, ids
+    model, tok, identity = load_model(model_dir)
+    if prompt is None:
+        return model, identity, _ids(tokens), None
+    templated = cache_prompt_tokens(tok, prompt)
+    raw = list(tok.encode(prompt, add_special_tokens=False))
+    return model, identity, templated if chat else raw, None if chat else templated
+
+
+def cache_prompt_tokens(tok: Any, prompt: str) -> list[int]:
+    """The tokens ``mlx_lm.cache_prompt`` caches for ``prompt``: one user message under
+    the chat template (continuing it, no generation prompt), else the plain encoding."""
+    if getattr(tok, "has_chat_template", False):
+        messages = [{"role": "user", "content": prompt}]
+        out = tok.apply_chat_template(
+            messages, add_generation_prompt=False, continue_final_message=True
+        )
+        return [int(t) for t in out]
+    return [int(t) for t in tok.encode(prompt)]
 
 
 def _ids(text: str | None) -> list[int] | None:
@@ -155,7 +208,7 @@ def sync_cmd(
     Example:
       persist sync --shared redis://127.0.0.1:6379/0 --pull work
     """
-    with open_store(store_dir) as store:
+    with open_store(store_dir, create=True) as store:  # a pull may fill a new store
         if not store.tiers:
             raise InvalidArgumentError("persist sync needs --shared or --cold (or $PERSIST_*)")
         r = store.sync(namespace=namespace, pull=list(names))

@@ -10,8 +10,9 @@ so two snapshots share a block only if its bytes are identical.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,11 +36,15 @@ __all__ = [
 ]
 
 
+Rows = tuple[int, list[memoryview]]  # bytes per token, one flat view per (batch row, head)
+
+
 @dataclass(frozen=True)
 class Piece:
     key: str  # file key of the whole tensor ("3/keys")
     spec: TensorSpec  # of the piece
     data: Any  # host bytes of the piece: a numpy uint8 view shaped (*shape, itemsize)
+    runs: list[memoryview] | None = None  # its contiguous runs, where the plan knows them
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Plan:
     block: int
     n_tokens: int
     arrays: dict[str, Any]  # whole-tensor key -> host view (``snapshot.host_bytes``)
+    rows: dict[str, Rows | None] = field(default_factory=dict)  # split key -> ``_token_rows``
 
     def block_pieces(self, i: int) -> list[Piece]:
         return [
@@ -68,7 +74,12 @@ class Plan:
         idx: list[Any] = [slice(None)] * (whole.ndim - 1)  # the last axis is the item's bytes
         idx[axis] = slice(lo, hi)
         part = whole[tuple(idx)]
-        return Piece(key, TensorSpec(self.specs[key].dtype, tuple(part.shape[:-1])), part)
+        spec = TensorSpec(self.specs[key].dtype, tuple(part.shape[:-1]))
+        rows = self.rows.get(key)
+        if rows is None:
+            return Piece(key, spec, part)
+        width, flat = rows
+        return Piece(key, spec, part, [r[lo * width : hi * width] for r in flat])
 
     def manifest(self) -> bytes:
         return pack_snapshot_manifest(self.records, self.specs, self.split, self.block)
@@ -91,7 +102,8 @@ def plan(snap: Snapshot, block: int, dtype_name: Any) -> Plan:
             if key in specs and specs[key].shape[axis] == f.offset:
                 split[key] = axis
     n = len(snap.tokens or [])
-    return Plan(snap.records, specs, split, n // block, block, n, snap.host)
+    rows = {k: _token_rows(snap.host[k], a) for k, a in split.items()}
+    return Plan(snap.records, specs, split, n // block, block, n, snap.host, rows)
 
 
 def _key(layer: int, axis_name: str) -> str:
@@ -103,6 +115,21 @@ def _key(layer: int, axis_name: str) -> str:
     return ".".join(path) + "/" + ".".join(parts)
 
 
+def _token_rows(whole: np.ndarray, axis: int) -> Rows | None:
+    """One flat view per index before the token axis (batch row, head), when each
+    holds its tokens contiguously, as every KV cache does: a block's runs are then
+    slices of these, not views built per block (``None``: cut the general way).
+
+    Every byte of every block is hashed on every save, the only sound way to know
+    a block unchanged, so this is the save's inner loop."""
+    inner = whole.shape[axis:]
+    want = [math.prod(inner[j + 1 :]) for j in range(len(inner))]
+    if whole.size == 0 or list(whole.strides[axis:]) != want:
+        return None
+    leads = np.ndindex(*whole.shape[:axis])
+    return want[0], [whole[idx].reshape(-1).data for idx in leads]
+
+
 Parts = list[memoryview]  # a piece's bytes as contiguous runs, in row-major order
 
 
@@ -111,7 +138,7 @@ def materialize(pieces: list[Piece]) -> list[tuple[Piece, Parts, bytes]]:
     their checksum, hashed once here and trusted by the writer."""
     out = []
     for p in pieces:
-        runs = list(_runs(p.data))
+        runs = p.runs if p.runs is not None else list(_runs(p.data))
         h = xxhash.xxh3_128()
         for r in runs:
             h.update(r)

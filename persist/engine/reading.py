@@ -19,7 +19,6 @@ from ..records import Progress
 from ..store import lookup as lookup_queries
 from ..store.chains import chain_root, chains
 from ..store.full import best_effort
-from . import lineage
 from .costs import LOCAL, CostModel, hit_bytes
 from .loading import load_snapshot
 
@@ -46,7 +45,6 @@ def restore_named(
     progress: Progress | None = None,
     strict_backend: bool = False,
     costs: CostModel | None = None,
-    lineages: dict[tuple[str, str], Any] | None = None,
 ) -> tuple[list[Any], SnapshotRow]:
     """The named session's caches and row, exactly as saved.
 
@@ -82,8 +80,6 @@ def restore_named(
     # statistics: a full disk drops them, never the restore (store.full)
     best_effort(index.touch, row.id)
     best_effort(index.count, namespace, restores=1, restored_tokens=row.n_tokens)
-    if lineages is not None:  # the next save of these objects reuses these blocks
-        lineage.remember_restored(lineages, (namespace, session), cache, row, refs)
     return cache, row
 
 

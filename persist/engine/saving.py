@@ -24,7 +24,13 @@ import msgpack
 from .. import policy
 from ..codecs.base import dtype_name
 from ..codecs.snapshot import Snapshot, capture
-from ..errors import NotResumableError, SessionConflictError, StoreBusyError, StoreFullError
+from ..errors import (
+    IdentityMismatchError,
+    NotResumableError,
+    SessionConflictError,
+    StoreBusyError,
+    StoreFullError,
+)
 from ..format.container import write_tensors
 from ..format.manifest import blob_metadata
 from ..format.tokens import check_tokens, pack_tokens, unpack_tokens
@@ -33,14 +39,14 @@ from ..records import Progress
 from ..store import retention, writes
 from ..store.blobs import BlobStore
 from ..store.index import BlockRef, Index, NewBlob, SnapshotRow
-from . import lineage
-from .blocks import Piece, Plan, chain_root, chains, content_key, head_key, materialize, plan
-from .lineage import Lineage
+from .blocks import Parts, Piece, Plan, chain_root, chains, content_key, head_key, materialize, plan
 
 __all__ = ["Target", "save_snapshot"]
 
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 WRITERS = 2  # blobs written at once (one fsyncs while the other writes)
+HASHERS = min(4, os.cpu_count() or 1)  # blocks hashed at once (xxhash drops the GIL)
+Hashed = list[tuple[Piece, Parts, bytes]]  # ``blocks.materialize``
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,8 @@ class Target:
     metadata: dict[str, str] = field(default_factory=dict)
     # the session's version (EntryInfo.id) the caller read; 0: it must not exist yet
     if_version: int | None = None
+    # the tokens are the caller's word (an imported recurrent cache): see _inherits_unverified
+    unverified: bool = False
 
 
 def save_snapshot(
@@ -68,13 +76,16 @@ def save_snapshot(
     block_tokens: int,
     budgets: retention.Budgets,
     progress: Progress | None = None,
-    lineages: dict[tuple[str, str], Lineage] | None = None,
 ) -> SnapshotRow:
     """Write blocks and tail, commit the snapshot; return its row as committed.
 
-    ``lineages`` (the Store's, per named session) lets a session saved again from
-    the same cache objects reuse its previous blocks unhashed (``lineage``)."""
+    A session saved again (turn n+1) writes only the blocks whose bytes changed:
+    every block is hashed in full and one whose content key is a live blob is
+    taken as it is (``_put``).  Nothing short of the bytes is trusted: MLX writes
+    in place (``c.keys[..., 5, :] = x``) keep the Python object and its buffer,
+    so no identity or fingerprint can prove a block unchanged (docs/FORMAT.md)."""
     identity, namespace = target.identity, target.namespace
+    _check_layers(cache, identity)
     snap = cache if isinstance(cache, Snapshot) else capture(cache, tokens)
     if isinstance(cache, Snapshot) and snap.tokens != check_tokens(tokens):
         raise NotResumableError("a captured snapshot is saved with the tokens it was captured with")
@@ -87,17 +98,13 @@ def save_snapshot(
     secret = index.secret(namespace, lambda: os.urandom(32))
     assert secret is not None
     chs = chains(chain_root(secret, identity.digest), toks, block_tokens)
-    key = (namespace, target.name) if target.name is not None else None
-    memo = lineages.get(key) if key is not None and lineages is not None else None
-    for attempt in range(3):
+    for _attempt in range(3):
         written: list[NewBlob] = []
         salt = secrets.token_hex(6)
         index.begin_pending(salt)
-        # a retry (a reused blob died under us) hashes everything
-        reuse = lineage.reusable(memo, cache, snap, p, identity.digest, chs) if not attempt else {}
         try:
             refs, tail = _write_blobs(
-                index, blobs, p, chs, secret, block_tokens, written, progress, salt, reuse
+                index, blobs, p, chs, secret, block_tokens, written, progress, salt
             )
             done = _commit(index, p, snap, chs, refs, tail, written, target, salt, budgets)
         except BaseException as e:
@@ -116,10 +123,6 @@ def save_snapshot(
                 ) from e
             raise
         if done is not None:
-            if key is not None and lineages is not None:
-                lineages.pop(key, None)
-                if (new := lineage.remember(cache, snap, p, identity.digest, refs)) is not None:
-                    lineages[key] = new
             retention.collect(index, blobs)
             index.count(namespace, saves=1, bytes_written=sum(b.size for b in written))
             return done
@@ -127,6 +130,20 @@ def save_snapshot(
             blobs.delete(b.file)
         index.end_pending(salt)
     raise StoreBusyError("the store kept collecting blobs this save meant to reuse")
+
+
+def _check_layers(cache: Sequence[Any] | Snapshot, identity: ModelIdentity) -> None:
+    """A cache list of another length than the identity's model makes was computed
+    by another model: refused before anything is written (a draft's caches ride
+    in the same list, so identities with a draft are not checked)."""
+    n = len(cache.records) if isinstance(cache, Snapshot) else len(cache)
+    if identity.layers and not identity.draft and n != identity.layers:
+        raise IdentityMismatchError(
+            "this cache",
+            ["layers"],
+            f"{n} layers",
+            f"{identity.display()}, whose caches have {identity.layers} layers",
+        )
 
 
 def _committed(index: Index, salt: str) -> bool:
@@ -147,27 +164,31 @@ def _write_blobs(
     written: list[NewBlob],
     progress: Progress | None,
     salt: str,
-    reuse: dict[int, str],
 ) -> tuple[list[BlockRef], str]:
     refs = []
     n = p.n_tokens
     blocks = n // block_tokens
     writes = _Writes(blobs, salt, written)
+    # Hashing every byte is most of a turn's save (the blocks unchanged since
+    # the last one are found by it): on threads, ahead of the lookups and writes.
+    hashing = ThreadPoolExecutor(HASHERS, thread_name_prefix="persist-hash")
     try:
+        hashed = hashing.map(
+            lambda i: materialize(p.block_pieces(i)), range(blocks if p.split else 0)
+        )
         for i in range(blocks):
-            if i in reuse:  # this session's own block, unchanged since its last save
-                blob: str | None = reuse[i]
-            else:
-                pieces = p.block_pieces(i) if p.split else []
-                blob = _put(index, secret, b"block", pieces, writes) if pieces else None
+            mats = next(hashed) if p.split else []
+            blob = _put(index, secret, b"block", mats, writes) if mats else None
             refs.append(BlockRef(i, chs[i + 1], blob))
             if progress is not None:
                 progress(i + 1, blocks + 1)
-        tail = _put(index, secret, b"tail", p.tail_pieces(n), writes)
+        tail = _put(index, secret, b"tail", materialize(p.tail_pieces(n)), writes)
     except BaseException:
+        hashing.shutdown(wait=True, cancel_futures=True)
         with contextlib.suppress(BaseException):  # the first error is the one to report
             writes.close()
         raise
+    hashing.shutdown(wait=True)
     writes.close()  # every blob on disk (fsynced, renamed) before the commit
     if progress is not None:
         progress(blocks + 1, blocks + 1)
@@ -213,8 +234,7 @@ class _Writes:
             raise first
 
 
-def _put(index: Index, secret: bytes, role: bytes, pieces: list[Piece], writes: _Writes) -> str:
-    mats = materialize(pieces)
+def _put(index: Index, secret: bytes, role: bytes, mats: Hashed, writes: _Writes) -> str:
     key = content_key(secret, role, mats)
     same = writes.find(key)  # the same bytes twice in one snapshot: one file
     if same is not None:
@@ -281,6 +301,11 @@ def _commit(
         }
         if t.name is not None:
             _check_version(db, t)
+            if t.unverified or _inherits_unverified(db, namespace, t.name, toks):
+                row["min_resume"] = len(toks) + 1  # no prefix of it, not even all, serves
+                row["metadata"] = msgpack.packb(
+                    {**t.metadata, UNVERIFIED_KEY: "true"}, use_bin_type=True
+                )
             _retire(db, namespace, t.name, t.identity.digest, snap, toks)
         elif t.role == "prefix":
             _replace_covered(db, namespace, t.identity.digest, snap, toks, chs, p.block)
@@ -292,6 +317,25 @@ def _commit(
         (committed,) = Index.rows_where(db, "id = ?", [sid])
         _evict(db, index, budgets, namespace, frozenset({sid}))
     return committed
+
+
+UNVERIFIED_KEY = "persist.unverified_tokens"  # session metadata: the session is unverified
+
+
+def _inherits_unverified(db: Any, namespace: str, name: str, toks: list[int]) -> bool:
+    """A session continued from unverified tokens stays unverified: its tokens
+    still begin with what nothing checked.
+
+    Unverified is a floor above the snapshot's length (``min_resume`` =
+    n_tokens + 1): the resume policy then lets no lookup take any prefix of it,
+    here, in the shared tier's lookups and on every machine its record reaches,
+    while a restore by name never consults the floor."""
+    for old in writes.session_rows(db, namespace, name):
+        if old.name is not None and old.min_resume > old.n_tokens:
+            old_toks = unpack_tokens(old.tokens)
+            if toks[: len(old_toks)] == old_toks:
+                return True
+    return False
 
 
 def _retire(db: Any, namespace: str, name: str, digest: str, snap: Any, toks: list[int]) -> None:

@@ -94,7 +94,6 @@ class Store:
             raise StorageError(f"cannot open the store at {self.root}", e) from e
         self._index: Index | None = Index(db)
         self.costs = CostModel(self._index)  # restore or recompute, from measured rates
-        self.lineages: dict[tuple[str, str], Any] = {}  # incremental saves (engine.lineage)
         self.shared: Shared | None = None  # a Redis-protocol server every machine shares
         self.cold: Shared | None = None  # S3, for named sessions
         if shared or cold:  # the tier code and clients load only when asked for
@@ -141,8 +140,14 @@ class Store:
         metadata: Mapping[str, str] | None = None,
         progress: Progress | None = None,
         if_version: int | None = None,
+        unverified_tokens: bool = False,
     ) -> EntryInfo:
         """Save ``cache`` (covering exactly ``tokens``); named if ``session`` is given.
+
+        ``unverified_tokens``: nothing vouches that ``tokens`` are what the cache
+        covers (an imported purely recurrent cache records no offset): the
+        session is then restored by its name only and never serves a lookup,
+        nor does any later save of it (docs/FORMAT.md).
 
         ``cache`` may also be a ``persist.codecs.snapshot.capture(cache, tokens)``
         taken earlier, in another thread (a server captures on its generation thread).
@@ -156,7 +161,11 @@ class Store:
 
         role = "prefix" if session is None else "session"
         meta = check_metadata(metadata)
-        target = Target(identity, namespace, session, None, role, pin, meta, if_version)
+        if unverified_tokens and session is None:
+            raise InvalidArgumentError("unverified tokens are kept only under a session name")
+        target = Target(
+            identity, namespace, session, None, role, pin, meta, if_version, unverified_tokens
+        )
         return self._save(cache, tokens, target, progress)
 
     def checkpoint(
@@ -198,7 +207,6 @@ class Store:
             block_tokens=self.block_tokens,
             budgets=self.budgets,
             progress=progress,
-            lineages=self.lineages,
         )
         full.ensure_reserve(self.root)  # before the disk fills: what rm and gc delete with
         for tier in self.tiers:
@@ -229,7 +237,7 @@ class Store:
                 tier.pull_session(self.index, self.blobs, namespace, session)
         i, strict = self.index, self.strict_backend
         cache, row = restore_named(
-            i, self.blobs, namespace, session, identity, progress, strict, self.costs, self.lineages
+            i, self.blobs, namespace, session, identity, progress, strict, self.costs
         )
         notice = pop_notice(i, namespace, session)
         if notice is not None:  # said once, here and to whoever logs
@@ -309,16 +317,20 @@ class Store:
         *,
         namespace: str = "default",
         format: str = "persist",
+        model: str | None = None,
     ) -> EntryInfo:
         """Write a session to one file: a persist file (``load_file`` reads it, with
         tokens and identity) or, with ``format="mlx-lm"``, one mlx-lm's
-        ``load_prompt_cache`` reads (caches and metadata only)."""
+        ``load_prompt_cache`` and ``mlx_lm generate --prompt-cache-file`` read
+        (caches and metadata: ``model``, the path or repo id as mlx-lm will be
+        given it, default the identity's name, and ``tokenizer_config``).  A
+        ``model`` directory must hold the session's model."""
         from .transfer import export_row
 
         row = self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
         if row is None:
             raise SessionNotFoundError(session, namespace)
-        export_row(self.index, self.blobs, row, path, format)
+        export_row(self.index, self.blobs, row, path, format, model)
         return self._info(row)
 
     def import_file(
@@ -329,17 +341,33 @@ class Store:
         namespace: str = "default",
         identity: ModelIdentity | None = None,
         tokens: Sequence[int] | None = None,
+        model: Any = None,
+        unverified_tokens: bool = False,
+        chat_tokens: Sequence[int] | None = None,
     ) -> EntryInfo:
         """Store a file as a session (named after the file unless ``session``).
 
         A persist file carries its tokens and identity (``identity``, if given,
         must match).  An mlx-lm prompt cache carries neither: pass the
         ``identity`` of the model that computed it and the ``tokens`` it covers
-        (checked against every layer's offset).
+        (checked against every layer's offset), and the ``model`` itself so
+        the file's layers are checked against the model's own caches (count,
+        kinds, heads, head dims, dtypes: ``transfer.check_fits``).  A cache
+        with no offset (purely recurrent) cannot vouch for any token list: it
+        is refused unless ``unverified_tokens`` (``Store.save``).
+        ``chat_tokens`` (the text's tokens with the chat template) only let the
+        error say when those are the ones that fit.
         """
         from .transfer import read_importable
 
-        got = read_importable(path, identity=identity, tokens=tokens)
+        got = read_importable(
+            path,
+            identity=identity,
+            tokens=tokens,
+            model=model,
+            unverified_tokens=unverified_tokens,
+            chat_tokens=chat_tokens,
+        )
         name = session if session is not None else Path(path).name.split(".")[0]
         return self.save(
             got.cache,
@@ -348,6 +376,7 @@ class Store:
             session=name,
             namespace=namespace,
             metadata=got.metadata,
+            unverified_tokens=got.unverified,
         )
 
     def has_session(self, session: str, *, namespace: str = "default") -> bool:

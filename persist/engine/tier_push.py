@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgpack
 
@@ -27,8 +28,21 @@ from ..store.index import Index
 from ..store.redis_tier import TierUnavailable
 from .tier_records import ROW_FIELDS, BadValue, Expect, Keys, open_record, seal_record
 
-if TYPE_CHECKING:
-    from .tiers import Shared, Tier
+
+class Shared(Protocol):
+    """What of ``tiers.Shared`` the secret needs (a protocol: tiers imports this module)."""
+
+    tier: Any
+    name: str
+    keys: Keys
+    backup: Any
+
+    def push(self, index: Index, blobs: BlobStore, namespace: str, sid: int) -> str: ...
+
+    def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool: ...
+
+
+Tier = Any  # a RedisTier or S3Tier (their common methods)
 
 __all__ = ["namespace_secret", "push", "sync"]
 
@@ -48,7 +62,7 @@ def namespace_secret(
         fleet: bytes | None = derived
     else:
         fleet = shared.tier.get_secret(namespace)
-        if fleet is None:
+        if fleet is None and local is None:  # a machine with one keeps using its own
             fleet = _recovered(shared, index, namespace)
             if fleet is not None:  # put back where the next machine looks first
                 shared.tier.secret(namespace, fleet)
@@ -121,7 +135,7 @@ def push(
         "row": {**fields, "trimmable": bool(row.trimmable)},
         "blocks": [[r.idx, r.chain, facts[r.blob][0] if r.blob else None] for r in refs],
         "tail": facts[row.tail][0],
-        "blobs": {facts[f][0]: [facts[f][1], facts[f][2]] for f in set(files)},
+        "blobs": {facts[f][0]: [facts[f][1], facts[f][2]] for f in sorted(set(files))},
         "secret": None if keys.key is not None else secret,  # a derived one is kept nowhere
     }
     rkey, record = seal_record(keys, namespace, body)
@@ -156,7 +170,11 @@ def _pointers(
 
 
 def sync(
-    index: Index, blobs: BlobStore, shared: list[Shared], namespace: str | None, names: list[str]
+    index: Index,
+    blobs: BlobStore,
+    shared: Sequence[Shared],
+    namespace: str | None,
+    names: list[str],
 ) -> dict[str, Any]:
     """Push every local snapshot (of ``namespace``) to the tiers (each push writes only
     what a tier lacks), then pull the named sessions this store lacks.  The report says

@@ -25,12 +25,21 @@ from typing import Any
 import msgpack
 import xxhash
 
+from .. import policy
 from ..errors import CorruptBlobError, InvalidArgumentError
-from ..format.tokens import unpack_tokens
-from ..store.chains import boundary_heads, chain_root, chains, head_key
+from ..format.tokens import common_prefix_packed, pack_tokens, unpack_tokens
+from ..store.chains import HEAD_TOKENS, chain_root, head_key
 from ..store.redis_tier import namespace_tag
 
-__all__ = ["BadValue", "Keys", "Expect", "seal_record", "open_record", "tier_key_from_env"]
+__all__ = [
+    "BadValue",
+    "Keys",
+    "Expect",
+    "seal_record",
+    "open_record",
+    "tier_key_from_env",
+    "best_record",
+]
 
 log = logging.getLogger("persist")
 VERSION = 2
@@ -249,15 +258,52 @@ def _bind(body: dict[str, Any], want: Expect) -> None:
         raise BadValue("mismatched", "a record cut into blocks of another size")
     if want.secret is None:
         return
-    tokens = unpack_tokens(row["tokens"])
+    packed, step = row["tokens"], 4 * block  # the tokens as chains() packs them
     got = [bytes(row["root"]), *(b[1] for b in body["blocks"])]
-    if got != chains(chain_root(want.secret, row["identity"]), tokens, block)[: len(got)]:
+    root = chain_root(want.secret, row["identity"])
+    if got != packed_chains(root, packed, block, len(got) - 1):
         raise BadValue("mismatched", "a record whose chains are not its tokens' chains")
-    last = got[-1] if len(got) > 1 else head_key(got[0], tokens)
+    last = got[-1] if len(got) > 1 else head_key(got[0], unpack_tokens(packed[:64]))
     if row["last_chain"] != last:
         raise BadValue("mismatched", "a record whose last chain is not its last block's")
     if want.via is not None:
         kind, key = want.via
-        held: Sequence[bytes] = got[1:] if kind == "blk" else boundary_heads(got, tokens, block)
+        if kind == "blk":
+            held: Sequence[bytes] = got[1:]
+        else:  # a head key needs the 16 tokens after each boundary, not all of them
+            heads = [
+                unpack_tokens(packed[b * step : b * step + 4 * HEAD_TOKENS])
+                for b in range(len(got))
+            ]
+            held = [
+                head_key(c, t) for c, t in zip(got, heads, strict=True) if len(t) == HEAD_TOKENS
+            ]
         if key not in held:
             raise BadValue("mismatched", f"a {kind} pointer to a record that lacks it")
+
+
+def packed_chains(root: bytes, packed: bytes, block: int, n: int) -> list[bytes]:
+    """``store.chains.chains(root, tokens, block)[: n + 1]`` from the packed tokens: the
+    same hashes without unpacking and packing every block again (a test compares)."""
+    out, step = [root], 4 * block
+    for i in range(n):
+        out.append(
+            hashlib.blake2b(out[-1] + packed[i * step : (i + 1) * step], digest_size=16).digest()
+        )
+    return out
+
+
+def best_record(bodies: list[dict[str, Any]], toks: list[int]) -> tuple[int, dict[str, Any]] | None:
+    """(usable prefix, checked body) of the candidate that serves the prompt furthest,
+    by the resume policy over its stored tokens (an untrimmable snapshot only at its
+    own length)."""
+    best: tuple[int, dict[str, Any]] | None = None
+    prompt = pack_tokens(toks) if bodies else b""
+    for body in bodies:
+        row = body["row"]
+        lcp = common_prefix_packed(row["tokens"], prompt)  # memcmp, not a loop per token
+        n, trim, floor = row["n_tokens"], bool(row["trimmable"]), int(row["min_resume"])
+        p = policy.usable_prefix(n, lcp, len(toks), trim, floor)
+        if p and (best is None or p > best[0]):
+            best = (p, body)
+    return best

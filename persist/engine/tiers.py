@@ -19,7 +19,6 @@ import sqlite3
 import time
 from typing import Any
 
-from .. import policy
 from ..errors import CorruptBlobError
 from ..format.tokens import unpack_tokens
 from ..store import writes
@@ -38,6 +37,7 @@ from .tier_records import (
     BadValue,
     Expect,
     Keys,
+    best_record,
     block_of,
     open_record,
     tier_key_from_env,
@@ -53,6 +53,7 @@ class EvictedError(CorruptBlobError):
 log = logging.getLogger("persist")
 Tier = RedisTier | S3Tier
 PULL_AHEAD = 4  # blobs fetched (in parallel) before they are written locally
+ASK_AGAIN_S = 10.0  # a namespace no tier had a secret for is looked for again after this
 
 
 class Shared:
@@ -66,6 +67,7 @@ class Shared:
         self.keys = keys if keys is not None else Keys()
         self.backup = backup  # the cold tier, where a secret the shared one lost is kept
         self._agreed: dict[str, bytes] = {}
+        self._none_until: dict[str, float] = {}
 
     def _count(self, index: Index, namespace: str, what: str) -> None:
         index.count(namespace, **{f"{self.name}_{what}": 1})
@@ -82,8 +84,12 @@ class Shared:
     def secret(self, index: Index, namespace: str, create: bool = False) -> bytes | None:
         """The namespace's chain secret, the fleet's (None: not shared, or none yet)."""
         if namespace not in self._agreed:
+            if not create and time.monotonic() < self._none_until.get(namespace, 0.0):
+                return None  # nothing anywhere a moment ago: no scan on every lookup
             got = self._run(lambda: namespace_secret(self, index, namespace, create))
             if got is None or not got[1]:
+                if got is None:
+                    self._none_until[namespace] = time.monotonic() + ASK_AGAIN_S
                 return None if got is None else got[0]  # asked again next time
             self._agreed[namespace] = got[0]
         return self._agreed[namespace]
@@ -267,23 +273,6 @@ class Shared:
         return False
 
 
-def best_record(bodies: list[dict[str, Any]], toks: list[int]) -> tuple[int, dict[str, Any]] | None:
-    """(usable prefix, checked body) of the candidate that serves the prompt furthest,
-    by the resume policy over its stored tokens (an untrimmable snapshot only at its
-    own length)."""
-    best: tuple[int, dict[str, Any]] | None = None
-    for body in bodies:
-        row = body["row"]
-        stored = unpack_tokens(row["tokens"])
-        pairs = enumerate(zip(stored, toks, strict=False))
-        lcp = next((i for i, (a, b) in pairs if a != b), min(len(stored), len(toks)))
-        n, trim, floor = len(stored), bool(row["trimmable"]), int(row["min_resume"])
-        p = policy.usable_prefix(n, lcp, len(toks), trim, floor)
-        if p and (best is None or p > best[0]):
-            best = (p, body)
-    return best
-
-
 def open_tiers(
     shared: str | None, cold: str | None, tier_key: bytes | None = None
 ) -> tuple[Shared | None, Shared | None]:
@@ -313,15 +302,19 @@ def pull(
     salt = secrets.token_hex(6)
     index.begin_pending(salt)
     written: list[NewBlob] = []
-    tag_bytes = TAG_BYTES if keys.key is not None else 0
+    tag_bytes, where = TAG_BYTES if keys.key is not None else 0, namespace_tag(namespace).encode()
+
+    def check(k: str, data: bytes, tag: bytes) -> None:  # the tag, on the fetching thread
+        keys.check(b"blob", tag, where, k.encode(), data)
+
     try:
         # a few blobs in memory at a time: fresh memory for a whole session costs more
         # than the network here, and a pull never holds more than PULL_AHEAD blobs
         for at in range(0, len(keys_needed), PULL_AHEAD):
             chunk = {k: int(facts[k][0]) for k in keys_needed[at : at + PULL_AHEAD]}
-            got = tier.get_blobs(namespace, chunk, tag_bytes)
+            got = tier.get_blobs(namespace, chunk, tag_bytes, check)
             for k, value in got.items():
-                files[k] = _local(blobs, keys, namespace, k, value, facts[k], salt, written)
+                files[k] = _local(blobs, k, value, facts[k], salt, written)
             del got
         return _commit(index, namespace, body, files, written, salt, named)
     except BaseException:
@@ -333,8 +326,6 @@ def pull(
 
 def _local(
     blobs: BlobStore,
-    keys: Keys,
-    namespace: str,
     key: str,
     value: tuple[bytes, bytes] | None,
     facts: list[Any],
@@ -346,8 +337,7 @@ def _local(
     where = f"shared blob {key}"
     if value is None:
         raise EvictedError(where, "the shared tier no longer holds it")
-    data, tag = value
-    keys.check(b"blob", tag, namespace_tag(namespace).encode(), key.encode(), data)
+    data = value[0]  # its tag was checked as it arrived (pull's check)
     size, digest = facts[0], bytes(facts[1])
     # every tensor checked in memory, before a byte is written or committed
     problem = verify_blob(io.BytesIO(data), where, size, digest, len(data))

@@ -12,6 +12,7 @@ own writer, so ``load_prompt_cache`` reads it, then the atomic rename.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from typing import Any
 
 from ..errors import (
     CorruptBlobError,
+    IdentityMismatchError,
     NotResumableError,
     PersistError,
     UnknownKindError,
@@ -38,6 +40,7 @@ __all__ = [
     "read_mlx_lm",
     "export_row",
     "FORMATS",
+    "check_fits",
 ]
 
 FORMATS = ("persist", "mlx-lm")
@@ -47,9 +50,15 @@ class Importable:
     """What a file holds that a Store can save as a session."""
 
     def __init__(
-        self, cache: list[Any], tokens: list[int], identity: ModelIdentity, metadata: dict[str, str]
+        self,
+        cache: list[Any],
+        tokens: list[int],
+        identity: ModelIdentity,
+        metadata: dict[str, str],
+        unverified: bool = False,
     ) -> None:
         self.cache, self.tokens, self.identity, self.metadata = cache, tokens, identity, metadata
+        self.unverified = unverified  # the tokens are the caller's word (``Store.save``)
 
 
 def read_importable(
@@ -57,8 +66,12 @@ def read_importable(
     *,
     identity: ModelIdentity | None = None,
     tokens: Sequence[int] | None = None,
+    model: Any = None,
+    unverified_tokens: bool = False,
+    chat_tokens: Sequence[int] | None = None,
 ) -> Importable:
-    """A persist file as it is, or an mlx-lm prompt cache with the caller's tokens and model."""
+    """A persist file as it is, or an mlx-lm prompt cache with the caller's tokens and
+    model (whose own caches it must fit, ``check_fits``, when ``model`` is given)."""
     if not _is_mlx_lm(path):
         loaded = load_file(path, identity=identity)
         if loaded.identity is None or loaded.tokens is None:
@@ -73,7 +86,30 @@ def read_importable(
             "the model; give both (persist import FILE --model DIR --prompt TEXT)"
         )
     cache, metadata = read_mlx_lm(path)
-    return Importable(cache, [int(t) for t in tokens], identity, metadata)
+    if model is not None:
+        check_fits(cache, model, str(path))
+    from ..codecs.snapshot import common_offset, snapshot_facts
+
+    ids = [int(t) for t in tokens]
+    offset = common_offset(snapshot_facts(cache))
+    if offset is None and not unverified_tokens:
+        raise NotResumableError(
+            f"{path}: no layer records how many positions it covers (a purely recurrent "
+            f"model), so nothing can check that it covers the {len(ids)} tokens given; "
+            "import it with --unverified-tokens (unverified_tokens=True) if you are sure: "
+            "it is then restored by its name only and never serves another prompt"
+        )
+    if offset is not None and offset != len(ids):
+        hint = ""
+        if chat_tokens is not None and len(chat_tokens) == offset:
+            hint = (
+                f"; with the chat template (as mlx_lm.cache_prompt applies it) the text is "
+                f"{offset} tokens: import it with --chat"
+            )
+        raise NotResumableError(
+            f"{path}: the cache covers {offset} positions but {len(ids)} tokens were given{hint}"
+        )
+    return Importable(cache, ids, identity, metadata, unverified=offset is None)
 
 
 def _is_mlx_lm(path: str | os.PathLike[str]) -> bool:
@@ -131,6 +167,85 @@ def read_mlx_lm(path: str | os.PathLike[str]) -> tuple[list[Any], dict[str, str]
     except Exception as e:
         raise CorruptBlobError(where, f"a layer does not hold a valid cache: {e}") from None
     return cache, {str(k): str(v) for k, v in dict(user or {}).items()}
+
+
+ATTENTION = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
+
+
+def check_fits(cache: list[Any], model: Any, where: str) -> None:
+    """Refuse a cache another model computed: the layer count, each layer's kind
+    (attention, recurrent, a list) and shapes (heads, head dims, dtypes; recurrent
+    state shapes) must be those of the model's own ``make_prompt_cache`` after one
+    token, so nothing is stored that the model would crash on or misread."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    probe = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=probe)
+    mx.eval([c.state for c in probe])
+    got, want = [_layout(c) for c in cache], [_layout(c) for c in probe]
+    if len(got) != len(want):
+        raise IdentityMismatchError(
+            where, ["layers"], _describe(got), f"a model of {_describe(want)}"
+        )
+    bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+    if bad:
+        i = bad[0]
+        fields = [f"layer {j}" for j in bad[:4]] + (
+            [f"{len(bad) - 4} more"] if len(bad) > 4 else []
+        )
+        raise IdentityMismatchError(
+            where,
+            fields,
+            f"layer {i}: {_show(got[i])}",
+            f"a model whose layer {i} is {_show(want[i])}",
+        )
+
+
+def _show(layout: tuple[Any, ...]) -> str:
+    if layout[0] == "attention" and len(layout) == 5:
+        return f"attention, {layout[1]} heads of {layout[2]}/{layout[3]}, {layout[4]}"
+    return " ".join(str(x) for x in layout)
+
+
+def _describe(layout: list[tuple[Any, ...]]) -> str:
+    kinds: dict[str, int] = {}
+    for lay in layout:
+        kinds[lay[0]] = kinds.get(lay[0], 0) + 1
+    return f"{len(layout)} layers: " + ", ".join(f"{k} x{n}" for k, n in kinds.items())
+
+
+def _layout(c: Any) -> tuple[Any, ...]:
+    """What must agree between a cache and the model's own, whatever its offset,
+    batch size or quantization of the same heads."""
+    name = type(c).__name__
+    if name in ATTENTION:
+        keys, values = c.keys, c.values
+        if keys is None:
+            return ("attention",)
+        if name == "QuantizedKVCache":  # packed: head dim = columns * 32 / bits
+            dims = [int(k[0].shape[-1]) * 32 // c.bits for k in (keys, values)]
+            return ("attention", int(keys[0].shape[1]), *dims, _dtype(keys[1]))
+        return (
+            "attention",
+            int(keys.shape[1]),
+            int(keys.shape[-1]),
+            int(values.shape[-1]),
+            _dtype(keys),
+        )
+    if name == "CacheList":
+        return ("list", tuple(_layout(x) for x in c.caches))
+    state = getattr(c, "cache", None)
+    if isinstance(state, list):  # ArraysCache, MambaCache: every state but the batch axis
+        return (
+            "recurrent",
+            tuple(None if a is None else (_dtype(a), tuple(a.shape[1:])) for a in state),
+        )
+    return (name,)
+
+
+def _dtype(a: Any) -> str:
+    return str(a.dtype).removeprefix("mlx.core.")
 
 
 def _scalars(arrays: dict[str, Any], scalars: Any) -> dict[str, Any]:
@@ -193,7 +308,14 @@ def write_file(
         raise UnsupportedFormatError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
-def export_row(index: Any, blobs: Any, row: Any, path: str | os.PathLike[str], format: str) -> None:
+def export_row(
+    index: Any,
+    blobs: Any,
+    row: Any,
+    path: str | os.PathLike[str],
+    format: str,
+    model: str | None = None,
+) -> None:
     """``Store.export``: a stored snapshot, restored, written as one file."""
     from ..format.tokens import unpack_tokens
     from ..store.rows import entry_info
@@ -202,4 +324,26 @@ def export_row(index: Any, blobs: Any, row: Any, path: str | os.PathLike[str], f
 
     cache = load_snapshot(index, blobs, row)
     meta = entry_info(row).metadata
-    write_file(path, cache, unpack_tokens(row.tokens), saved_identity(row), meta, format)
+    identity = saved_identity(row)
+    if format == "mlx-lm":
+        if model is not None and Path(model).is_dir():  # the file will claim this model
+            _same_model(identity, ModelIdentity.from_path(model), model)
+        meta = mlx_lm_metadata(meta, model or identity.name)
+    write_file(path, cache, unpack_tokens(row.tokens), identity, meta, format)
+
+
+def _same_model(saved: ModelIdentity, given: ModelIdentity, where: str) -> None:
+    """The session's model is ``where``'s (its cache settings aside: mlx-lm takes
+    those as options, and the file's caches carry them)."""
+    fields = [f for f in saved.diff(given) if not f.startswith("cache_config")]
+    if fields:
+        raise IdentityMismatchError(
+            f"this session (exported for {where})", fields, saved.display(), given.display()
+        )
+
+
+def mlx_lm_metadata(user: dict[str, str], model: str) -> dict[str, str]:
+    """What ``mlx_lm.cache_prompt`` writes and ``mlx_lm generate --prompt-cache-file``
+    reads: ``model`` (compared as a string with its --model, or loaded when that is
+    not given) and ``tokenizer_config`` (JSON); the session's own metadata beside."""
+    return {**user, "model": model, "tokenizer_config": json.dumps({})}

@@ -37,8 +37,10 @@ __all__ = [
     "levels",
     "prefixes",
     "Range",
+    "TABLES",
 ]
 
+TABLES = ("tails", "block_keys")
 Range = tuple[bytes, bytes | None]  # [lo, hi) over packed token lists; None: no end
 
 

@@ -52,17 +52,24 @@ def stream(
         raise InvalidArgumentError(f"sort must be one of {', '.join(SORTS)}, not {sort!r}")
     if limit is not None and (type(limit) is not int or limit < 0):
         raise InvalidArgumentError(f"limit must be a count >= 0, got {limit!r}")
+    page = PAGE if limit is None else max(1, min(PAGE, limit))  # --limit 5 reads 5 rows
     if prefix is not None:
         rows = _prefixed(index, namespace, every, sort, prefix)
     elif sort == "name":
-        rows = _by_name(index, namespace, every)
+        rows = _by_name(index, namespace, every, page)
     else:
-        rows = _ordered(index, namespace, every, sort)
+        rows = _ordered(index, namespace, every, sort, page)
     return rows if limit is None else itertools.islice(rows, limit)
 
 
 def _pages(
-    index: Index, select: str, filt: str, args: list[Any], order: str, after: tuple[str, ...]
+    index: Index,
+    select: str,
+    filt: str,
+    args: list[Any],
+    order: str,
+    after: tuple[str, ...],
+    page_rows: int,
 ) -> Iterator[SnapshotRow]:
     """Rows of ``select`` in ``order`` (the columns ``after``, all ascending or all
     descending), page by page: each page resumes after the last row of the one before
@@ -71,11 +78,11 @@ def _pages(
     resume = f" AND ({', '.join(after)}) {cmp} ({', '.join('?' * len(after))})"
     last: list[Any] = []
     while True:
-        sql = f"{select} WHERE 1=1{filt}{resume if last else ''} ORDER BY {order} LIMIT {PAGE}"
+        sql = f"{select} WHERE 1=1{filt}{resume if last else ''} ORDER BY {order} LIMIT ?"
         with index.read() as db:
-            page = [row_of(r) for r in db.execute(sql, [*args, *last])]
+            page = [row_of(r) for r in db.execute(sql, [*args, *last, page_rows])]
         yield from page
-        if len(page) < PAGE:
+        if len(page) < page_rows:
             return
         last = [getattr(page[-1], ATTR.get(c, c)) for c in after]
 
@@ -91,22 +98,24 @@ def _filters(namespace: str | None, named: bool | None) -> tuple[str, list[Any]]
     return sql, args
 
 
-def _by_name(index: Index, namespace: str | None, every: bool) -> Iterator[SnapshotRow]:
+def _by_name(index: Index, namespace: str | None, every: bool, page: int) -> Iterator[SnapshotRow]:
     filt, args = _filters(namespace, True)
     select = f"SELECT {COLS} FROM snapshots INDEXED BY snapshots_name"
-    yield from _pages(index, select, filt, args, "namespace, name", ("namespace", "name"))
+    yield from _pages(index, select, filt, args, "namespace, name", ("namespace", "name"), page)
     if every:
         filt, args = _filters(namespace, False)
         select = f"SELECT {COLS} FROM snapshots INDEXED BY snapshots_unnamed"
         after = ("namespace", "role", "id")
-        yield from _pages(index, select, filt, args, "namespace, role, id", after)
+        yield from _pages(index, select, filt, args, "namespace, role, id", after, page)
 
 
-def _ordered(index: Index, namespace: str | None, every: bool, sort: str) -> Iterator[SnapshotRow]:
+def _ordered(
+    index: Index, namespace: str | None, every: bool, sort: str, page: int
+) -> Iterator[SnapshotRow]:
     name, order, after = ORDERS[sort]
     filt, args = _filters(namespace, None if every else True)
     select = f"SELECT {COLS} FROM snapshots INDEXED BY {name}"
-    yield from _pages(index, select, filt, args, order, after)
+    yield from _pages(index, select, filt, args, order, after, page)
 
 
 def _past(prefix: str) -> str | None:

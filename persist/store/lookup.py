@@ -159,6 +159,32 @@ def candidate_rows(db: sqlite_utils.Database, ids: Sequence[int]) -> list[Snapsh
     return [got[i] for i in dict.fromkeys(ids) if i in got]
 
 
+def _pick(
+    db: sqlite_utils.Database, ids: list[int], at: int, toks: list[int], packed: bytes
+) -> tuple[SnapshotRow, int] | None:
+    """The policy's choice among one level's candidates (each sharing ``at`` tokens by
+    its keys), confirmed on the chosen row's tokens, compared in full; a row whose
+    tokens disagree (damage, a collision) gives way to the next choice."""
+    if not ids:
+        return None
+    marks = ",".join("?" * len(ids))
+    facts = db.execute(
+        f"SELECT id, n_tokens, trimmable, min_resume, used FROM snapshots WHERE id IN ({marks})",
+        ids,
+    ).fetchall()
+    cands = {r[0]: Candidate(r[0], r[1], bool(r[2]), r[3], r[4]) for r in facts}
+    while cands:
+        picked = choose_by_policy([(c, at) for c in cands.values()], len(toks))
+        if picked is None:
+            return None
+        (row,) = candidate_rows(db, [picked.candidate.id])
+        lcp = common_prefix_packed(row.tokens, packed)  # tokens decide
+        if choose_by_policy([(picked.candidate, lcp)], len(toks)) == picked:
+            return row, picked.prefix
+        del cands[picked.candidate.id]
+    return None
+
+
 def choose(
     index: Index,
     namespace: str,
@@ -190,15 +216,7 @@ def choose(
                 ids: list[int] = []
                 for _, fetch in group:
                     ids += fetch(LEVEL_CANDIDATES - len(ids)) if len(ids) < LEVEL_CANDIDATES else []
-                rows = {r.id: r for r in candidate_rows(db, ids)}
-                cands = [
-                    (
-                        Candidate(r.id, r.n_tokens, r.trimmable, r.min_resume, r.used),
-                        common_prefix_packed(r.tokens, packed),  # tokens decide, compared in full
-                    )
-                    for r in rows.values()
-                ]
-                picked = choose_by_policy(cands, len(toks))
-                if picked is not None:
-                    return rows[picked.candidate.id], picked.prefix
+                found = _pick(db, ids, at, toks, packed)
+                if found is not None:
+                    return found
     return None

@@ -5,18 +5,19 @@ Keys live under one prefix per namespace, ``persist:<tag>:`` with ``tag`` the
 first 16 hex digits of sha256(namespace), so a Redis ACL key pattern confines
 a tenant.  Under it:
 
-- ``secret``: the namespace's chain secret (the same on every machine);
-- ``blob:<content key>``: a blob file's bytes, or ``parts:<n>`` and the parts
-  ``blob:<key>:<i>`` of at most 8 MiB; written with SET NX (content-addressed,
-  write-once) and a TTL unless the snapshot is pinned;
-- ``rec:<record key>``: a snapshot record (msgpack, ``engine/tiers.py``);
-- ``sess:<name>``: the record key of a named session;
-- ``blk:<chain hex>``: the record key of a snapshot holding that block.
+- ``secret``: the namespace's chain secret, when there is no operator key;
+- ``blob:<content key>``: a blob file's bytes (and its tag), or ``parts:<n>[:<tag>]``
+  and the parts ``blob:<key>:<i>`` of at most 8 MiB; written with SET NX
+  (content-addressed, write-once) and a TTL unless the snapshot is pinned;
+- ``rec:<record key>``: a snapshot record (``engine/tier_records.py``);
+- ``sess:<name>``, ``blk:<chain hex>``, ``head:<head key hex>``: pointers to records.
 
-Every value read is checked by the caller (blob headers against the record's
-checksums, records by their own checksum): a corrupt or evicted value is a
-miss, never a wrong cache.  A server that is down costs one connect timeout,
-then a breaker skips it for ``retry_after`` seconds.
+Nothing read here is trusted: the engine checks every value against what it
+asked for (``engine/tier_records.py``), and every read is bounded (GETRANGE) by
+what the record says; a key of another type reads as nothing.  A server that
+is down costs one connect timeout, then a breaker skips it for
+``retry_after`` seconds; an answer about one key (another type, out of memory,
+an ACL) fails that operation only.
 """
 
 from __future__ import annotations
@@ -206,8 +207,7 @@ class RedisTier:
                 break
         return found
 
-    def _bad_is_none(self, fn: Any) -> Any:
-        """A key of another type (a hand-made list, a hash) is no value of persist's."""
+    def _bad_is_none(self, fn: Any) -> Any:  # a key of another type: no value of persist's
         try:
             return fn()
         except self._redis.ResponseError as e:
@@ -255,11 +255,12 @@ class RedisTier:
         self._ok()
 
     def get_blobs(
-        self, namespace: str, sizes: dict[str, int], tag_bytes: int = 0
+        self, namespace: str, sizes: dict[str, int], tag_bytes: int = 0, check: Any = None
     ) -> dict[str, tuple[bytes, bytes] | None]:
         """Each blob's (bytes, tag), None where the tier lacks it (evicted, never written).
         ``sizes`` are the record's: every read is bounded by them (GETRANGE) and a part
-        count that disagrees is refused before the first part is asked for."""
+        count that disagrees is refused before the first part is asked for.  ``check(key,
+        bytes, tag)`` runs on the fetching thread (a tag's HMAC beside the next fetch)."""
         p = self.prefix(namespace)
 
         def one(k: str) -> tuple[bytes, bytes] | None:
@@ -272,7 +273,7 @@ class RedisTier:
                     return None
                 if len(v) != size + tag_bytes:
                     raise CorruptBlobError(where, f"{len(v)} bytes where the record says {size}")
-                return bytes(v[:size]), bytes(v[size:])
+                return _checked(check, k, bytes(v[:size]), bytes(v[size:]))
             marker = self._bad(where, lambda: self._client.getrange(f"{p}blob:{k}", 0, 127))
             if not marker:
                 return None
@@ -289,7 +290,7 @@ class RedisTier:
                 if len(got) != want:
                     raise CorruptBlobError(where, f"part {i} is {len(got)} bytes, not {want}")
                 parts.append(got)
-            return b"".join(parts), tag
+            return _checked(check, k, b"".join(parts), tag)
 
         def run() -> dict[str, tuple[bytes, bytes] | None]:
             with ThreadPoolExecutor(FETCHERS) as pool:  # connections from redis-py's pool
@@ -355,9 +356,7 @@ class RedisTier:
 
     def has_record(self, namespace: str, rkey: str) -> bool:
         key = f"{self.prefix(namespace)}rec:{rkey}"
-        out = bool(self._call("exists", lambda: self._client.exists(key)))
-        self._ok()
-        return out
+        return bool(self._call("exists", lambda: self._client.exists(key)))
 
     def records(self, namespace: str, rkeys: Sequence[str]) -> list[bytes | None]:
         """Records by key, in one pipelined round trip, each read at most MAX_VALUE bytes."""
@@ -373,6 +372,12 @@ class RedisTier:
         out: list[bytes | None] = self._call("records", run)
         self._ok()
         return out
+
+
+def _checked(check: Any, key: str, data: bytes, tag: bytes) -> tuple[bytes, bytes]:
+    if check is not None:
+        check(key, data, tag)
+    return data, tag
 
 
 def _pointer_key(prefix: str, kind: str, key: bytes) -> bytes | str:

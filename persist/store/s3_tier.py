@@ -3,12 +3,14 @@
 Named sessions' records and blobs go here, under ``<prefix>/persist/<tag>/`` with
 the same names as the shared tier's keys (``redis_tier.py``): ``secret``,
 ``blob/<content key>`` (created with If-None-Match: write-once), ``rec/<key>``,
-``sess/<name>``.  A machine with only this tier restores any named session;
-prefix lookups are the shared tier's job (one object per chain would cost a
-request each), so ``deepest_chain`` finds nothing here.  Endpoint, region and
-credentials come from the standard variables (``AWS_ENDPOINT_URL``,
-``AWS_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``;
-``AWS_ALLOW_HTTP=true`` for a plain-http endpoint).
+``sess/<name>`` (the name percent-encoded into one segment: ``object_name``).
+A machine with only this tier restores any named session; prefix lookups are
+the shared tier's job (one object per chain would cost a request each), so it
+keeps no ``blk`` or ``head`` pointers.  An object is read only at the size
+expected.  The breaker opens on the server's failures, never on its answer
+about one key.  Endpoint, region and credentials come from the standard
+variables (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``; ``AWS_ALLOW_HTTP=true`` for a plain-http endpoint).
 """
 
 from __future__ import annotations
@@ -162,15 +164,20 @@ class S3Tier:
         self._count("bytes_pushed", len(data))
 
     def get_blobs(
-        self, namespace: str, sizes: dict[str, int], tag_bytes: int = 0
+        self, namespace: str, sizes: dict[str, int], tag_bytes: int = 0, check: Any = None
     ) -> dict[str, tuple[bytes, bytes] | None]:
         """Each blob's (bytes, tag), None where the tier lacks it; an object whose size is
-        not the record's is never read."""
+        not the record's is never read; ``check(key, bytes, tag)`` on the fetching thread."""
 
         def one(k: str) -> tuple[bytes, bytes] | None:
             want = sizes[k] + tag_bytes
             v = self._get(self._path(namespace, "blob", k), size=want, most=want)
-            return None if v is None else (v[: sizes[k]], v[sizes[k] :])
+            if v is None:
+                return None
+            data, tag = (v[: sizes[k]], v[sizes[k] :]) if tag_bytes else (v, b"")
+            if check is not None:
+                check(k, data, tag)
+            return data, tag
 
         with ThreadPoolExecutor(4) as pool:
             out = dict(zip(sizes, pool.map(one, sizes), strict=True))

@@ -13,7 +13,7 @@ import shlex
 import sqlite3
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptBlobError, InvalidArgumentError, UnsupportedVersionError
 from ..format.opening import file_kind
@@ -21,8 +21,11 @@ from .full import disk_full_error, full_disk
 
 if TYPE_CHECKING:
     import sqlite_utils
+    from sqlite_utils import Database as _DatabaseBase
+else:
+    _DatabaseBase = object
 
-__all__ = ["SCHEMA_VERSION", "connect"]
+__all__ = ["SCHEMA_VERSION", "connect", "Database"]
 
 SCHEMA_VERSION = 4
 
@@ -226,14 +229,35 @@ def _backfill_keys(db: sqlite_utils.Database) -> None:
 BACKFILLS = {4: _backfill_keys}
 
 
+class Database(_DatabaseBase):
+    """The part of ``sqlite_utils.Database`` the store uses (``conn``, ``execute``,
+    ``table_names``) over a plain connection.
+
+    Importing sqlite_utils costs about 0.25 s (it pulls in numpy), more than
+    the rest of ``persist ls``: a store whose schema is current is opened with
+    this instead, and sqlite_utils is imported only for schema work
+    (creating, migrating).  To the type checker it is a ``sqlite_utils.Database``,
+    so the store's functions take either."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def execute(self, sql: str, parameters: Any = None) -> sqlite3.Cursor:
+        if parameters is None:
+            return self.conn.execute(sql)
+        return self.conn.execute(sql, parameters)
+
+    def table_names(self, fts4: bool = False, fts5: bool = False) -> list[str]:
+        rows = self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        return [r[0] for r in rows]
+
+
 def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_utils.Database:
     """Open (creating and migrating) the index at ``path``.
 
     A new store records ``block_tokens``; an existing one keeps its own, and
     asking for another is an error unless ``adopt`` (the caller did not ask).
     """
-    import sqlite_utils  # imported here: it pulls in click, which `import persist` must not
-
     for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
         try:
             mode = p.lstat().st_mode
@@ -260,11 +284,16 @@ def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_uti
         if full_disk(e, path.parent):
             raise disk_full_error(path.parent, e) from None
         raise _damaged(path, f"the index is not a usable SQLite file: {e}") from None
-    db = sqlite_utils.Database(conn)
     from .index import corruption_is_typed
 
+    light = Database(conn)
     try:
         with corruption_is_typed():
+            if _ready(light, block_tokens, adopt):  # no schema work: no lock, no sqlite_utils
+                return light
+            import sqlite_utils  # imported here: it pulls in click, which `import persist` must not
+
+            db = sqlite_utils.Database(conn)
             lost = _lost_index(path) if _version(db) == 0 else None
             if lost is None:
                 _migrate(db, path)
@@ -279,6 +308,20 @@ def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_uti
         conn.close()
         raise lost
     return db
+
+
+def _ready(db: Database, block_tokens: int, adopt: bool) -> bool:
+    """The schema is current and the block size recorded and accepted (read, not locked)."""
+    if "meta" not in db.table_names():
+        return False
+    rows = dict(
+        db.execute(
+            "SELECT key, value FROM meta WHERE key IN ('schema_version', 'block_tokens')"
+        ).fetchall()
+    )
+    if rows.get("schema_version") != str(SCHEMA_VERSION) or "block_tokens" not in rows:
+        return False  # the locked path migrates, or raises UnsupportedVersionError
+    return adopt or int(rows["block_tokens"]) == block_tokens
 
 
 def _damaged(path: Path, detail: str) -> CorruptBlobError:

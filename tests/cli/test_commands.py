@@ -172,9 +172,9 @@ def one_error_line(res: Any) -> str:
 
 def test_bad_inputs_exit_1_with_one_line(store: str, model_dir: Any, tmp_path: Path) -> None:
     m = str(model_dir("llama"))
+    run(*gen(m, store, "s", "x " * 200, 2))
     assert "no session 'nope'" in one_error_line(run("show", "nope", "--store", store, ok=False))
     assert "no session" in one_error_line(run("rm", "nope", "--store", store, ok=False))
-    run(*gen(m, store, "s", "x " * 200, 2))
     other = make_model(tmp_path / "other", "llama", seed=7)
     line = one_error_line(
         run(

@@ -17,6 +17,12 @@ from tests.golden.cases import IDENTITY, kvs
 from tests.helpers import ROOT
 
 
+def made(tmp_path: Path) -> str:
+    """An empty store: only commands that write sessions make one."""
+    persist.Store(tmp_path / "s").close()
+    return str(tmp_path / "s")
+
+
 def test_a_bug_is_exit_3_with_a_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     def broken(*_: Any, **__: Any) -> Any:
         raise RuntimeError("an unexpected bug")
@@ -24,7 +30,7 @@ def test_a_bug_is_exit_3_with_a_traceback(monkeypatch: pytest.MonkeyPatch, tmp_p
     from persist.store import listing
 
     monkeypatch.setattr(listing, "stream", broken)
-    res = CliRunner().invoke(cli, ["ls", "--all", "--store", str(tmp_path / "s")])
+    res = CliRunner().invoke(cli, ["ls", "--all", "--store", made(tmp_path)])
     assert res.exit_code == 3
     assert "Traceback" in res.output and "please report it" in res.output
 
@@ -41,13 +47,14 @@ def test_builtin_errors_are_bugs_not_user_errors(
     from persist.store import listing
 
     monkeypatch.setattr(listing, "stream", broken)
-    res = CliRunner().invoke(cli, ["ls", "--store", str(tmp_path / "s")])
+    res = CliRunner().invoke(cli, ["ls", "--store", made(tmp_path)])
     assert res.exit_code == 3 and "please report it" in res.output
 
 
 def test_what_the_system_refuses_is_exit_1(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("a file, not a folder")
-    res = CliRunner().invoke(cli, ["ls", "--store", str(tmp_path / "f" / "s")])
+    f = str(tmp_path / "f")  # import makes its store: here it cannot
+    res = CliRunner().invoke(cli, ["import", f, "--store", str(tmp_path / "f" / "s")])
     assert res.exit_code == 1 and "cannot open the store" in res.output
 
 
@@ -58,12 +65,12 @@ def test_ctrl_c_is_exit_130(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     from persist.store import listing
 
     monkeypatch.setattr(listing, "stream", interrupted)
-    res = CliRunner().invoke(cli, ["ls", "--store", str(tmp_path / "s")])
+    res = CliRunner().invoke(cli, ["ls", "--store", made(tmp_path)])
     assert res.exit_code == 130
 
 
 def test_a_persist_error_is_exit_1(tmp_path: Path) -> None:
-    res = CliRunner().invoke(cli, ["show", "nope", "--store", str(tmp_path / "s")])
+    res = CliRunner().invoke(cli, ["show", "nope", "--store", made(tmp_path)])
     assert res.exit_code == 1 and "no session 'nope'" in res.output
 
 

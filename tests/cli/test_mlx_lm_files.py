@@ -130,3 +130,45 @@ def test_a_session_mlx_lm_cannot_load_is_not_exported_for_it(tmp_path: Path) -> 
         with pytest.raises(persist.UnsupportedFormatError, match="DelayedQuantizedKVCache"):
             store.export("d", tmp_path / "d.safetensors", format="mlx-lm")
     assert not list(tmp_path.glob("*d.safetensors*"))
+
+
+def _mlx_generate(model: str, cache_file: Path, prompt: str) -> str:
+    """``python -m mlx_lm generate`` on a prompt-cache file: its answer's text."""
+    import os
+    import sys
+
+    from tests.helpers import pythonpath
+
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "generate", "--model", model, "--prompt-cache-file",
+         str(cache_file), "--prompt", prompt, "--max-tokens", "6", "--temp", "0"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split("==========")[1]
+
+
+def test_an_export_mlx_lm_generate_continues(tiny: Any, model_dir: Any, tmp_path: Path) -> None:
+    """The export's metadata is what mlx_lm.cache_prompt writes, so mlx-lm's own
+    generate resumes it; its answer equals one from a fresh prefill of the tokens."""
+    home = tmp_path / "home"
+    m = str(model_dir("llama"))
+    gen = cli(home, "generate", "--model", m, "--session", "w", "--prompt", PROMPT,
+              "--max-tokens", "3")  # fmt: skip
+    assert gen.returncode == 0, gen.stderr
+    out = tmp_path / "w-mlx.safetensors"
+    done = cli(home, "export", "w", str(out), "--format", "mlx-lm", "--model", m)
+    assert done.returncode == 0, done.stderr
+    _, meta = load_prompt_cache(str(out), return_metadata=True)
+    assert meta["model"] == m and meta["tokenizer_config"] == "{}"
+    model, tok, _ = tiny("llama")
+    with persist.Store(home) as store:
+        tokens = store.restore("w", identity=persist.ModelIdentity.of(model, tok)).tokens
+    fresh, _ = prefill(model, tokens)
+    ref = tmp_path / "fresh.safetensors"
+    save_prompt_cache(str(ref), fresh, {"model": m, "tokenizer_config": "{}"})
+    assert _mlx_generate(m, out, " more") == _mlx_generate(m, ref, " more")
+    other = str(model_dir("llama_hd64"))  # a file claims its model: never another one
+    wrong = cli(home, "export", "w", str(out), "--format", "mlx-lm", "--model", other, "--force")
+    assert wrong.returncode == 1 and "another model" in wrong.stderr

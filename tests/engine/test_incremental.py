@@ -1,8 +1,10 @@
-"""Incremental saves: a session saved again from the same cache objects reuses the
-blocks its last save or restore wrote, unhashed, and still restores bit for bit.
+"""Incremental saves: a session saved again writes only the blocks whose bytes
+changed since its last save or restore (from any Store object, in any process),
+and still restores bit for bit.
 
-The spy counts the blocks a save hashes and writes (``saving._put`` with role
-block); every test also restores and compares, so a wrong reuse cannot pass.
+The spy counts the blocks a save writes (``saving._put`` with role block that
+starts a blob write); every test also restores and compares, so a wrong reuse
+cannot pass.  In-place writes and the property test: test_incremental_sound.py.
 """
 
 from __future__ import annotations
@@ -28,14 +30,16 @@ from tests.helpers import (
 BLOCK = 64
 
 
-def hashed_blocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def written_blocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
     real = saving._put
 
-    def spy(index: Any, secret: Any, role: bytes, *rest: Any) -> str:
-        if role == b"block":
+    def spy(index: Any, secret: Any, role: bytes, mats: Any, writes: Any) -> str:
+        before = len(writes.running) + len(writes.written)
+        out = real(index, secret, role, mats, writes)
+        if role == b"block" and len(writes.running) + len(writes.written) > before:
             seen.append(1)
-        return real(index, secret, role, *rest)
+        return out
 
     monkeypatch.setattr(saving, "_put", spy)
     return seen
@@ -45,14 +49,14 @@ def _store(tmp: Path) -> persist.Store:
     return persist.Store(tmp / "s", block_tokens=BLOCK)
 
 
-def test_turn_n_plus_1_hashes_only_the_new_blocks(
+def test_turn_n_plus_1_writes_only_the_new_blocks(
     tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, tok, model_dir = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=80)  # 9 blocks and a tail
     cache, _ = prefill(model, toks)
-    seen = hashed_blocks(monkeypatch)
+    seen = written_blocks(monkeypatch)
     with _store(tmp_path) as store:
         store.save(cache, toks, identity=ident, session="chat")
         assert len(seen) == 9
@@ -81,7 +85,7 @@ def test_a_trim_into_a_block_and_the_same_tokens_again_is_saved_anew(
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=82)
     cache, _ = prefill(model, toks, step=600)
-    seen = hashed_blocks(monkeypatch)
+    seen = written_blocks(monkeypatch)
     with _store(tmp_path) as store:
         store.save(cache, toks, identity=ident, session="chat")
         for c in cache:
@@ -106,24 +110,24 @@ def test_a_trim_into_a_block_and_the_same_tokens_again_is_saved_anew(
         assert_same_state(live_state(got.cache), live_state(cache))
 
 
-def test_other_objects_or_kinds_are_hashed_in_full(
+def test_other_objects_sessions_or_kinds(
     tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, tok, _ = tiny("llama_hd64")  # head dim 64: quantizable
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(300, seed=83)
     cache, _ = prefill(model, toks)
-    seen = hashed_blocks(monkeypatch)
+    seen = written_blocks(monkeypatch)
     with _store(tmp_path) as store:
         store.save(cache, toks, identity=ident, session="chat")
-        twin, _ = prefill(model, toks)  # the same tokens in other objects
+        twin, _ = prefill(model, toks)  # the same bytes in other objects: nothing new
         seen.clear()
         store.save(twin, toks, identity=ident, session="chat")
-        assert len(seen) == 4
+        assert len(seen) == 0
         seen.clear()
         store.save(cache, toks, identity=ident, session="other")  # another session
-        assert len(seen) == 4
-        q = [c.to_quantized(group_size=32, bits=8) for c in twin]  # another kind
+        assert len(seen) == 0
+        q = [c.to_quantized(group_size=32, bits=8) for c in twin]  # another kind: all new
         seen.clear()
         store.save(q, toks, identity=ident, session="chat")
         assert len(seen) == 4
@@ -139,7 +143,7 @@ def test_a_restored_session_saves_its_next_turn_incrementally(
     toks = tokens_for(600, seed=84)
     with _store(tmp_path) as store:
         store.save(prefill(model, toks)[0], toks, identity=ident, session="chat")
-    seen = hashed_blocks(monkeypatch)
+    seen = written_blocks(monkeypatch)
     with _store(tmp_path) as store:  # another process, as it were
         got = store.restore("chat", identity=ident)
         more = tokens_for(40, seed=85)
@@ -153,21 +157,20 @@ def test_a_restored_session_saves_its_next_turn_incrementally(
 def test_blocks_collected_since_are_written_again(
     tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The memo's blob files died (the session was deleted and its files collected,
-    as another process's save or an eviction does): the commit refuses them and the
-    save hashes and writes everything."""
+    """The session's blob files died (deleted and collected, as another process's
+    save or an eviction does): the save writes everything again."""
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(300, seed=86)
     cache, _ = prefill(model, toks)
-    seen = hashed_blocks(monkeypatch)
+    seen = written_blocks(monkeypatch)
     with _store(tmp_path) as store:
         store.save(cache, toks, identity=ident, session="chat")
         store.delete("chat")
         assert store.stats().unique_bytes == 0
         seen.clear()
         store.save(cache, toks, identity=ident, session="chat")
-        assert len(seen) >= 4  # everything, after the refused reuse
+        assert len(seen) == 4  # everything
         assert store.check() == []
         got = store.restore("chat", identity=ident)
         assert_same_state(live_state(got.cache), live_state(cache))

@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import persist
 from tests.helpers import ROOT, assert_same_state, live_state, prefill
 from tests.reliability.conftest import scale
@@ -24,6 +26,7 @@ from tests.store_helpers import clean
 OPS = int(os.environ.get("PERSIST_CONCURRENCY_OPS", scale(30, 300)))
 
 
+@pytest.mark.long
 def test_processes_and_threads(tiny: Any, tmp_path: Path, tally: Any) -> None:
     model, tok, model_dir = tiny("llama")
     identity = persist.ModelIdentity.of(model, tok)

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import persist
 from tests.helpers import ROOT, assert_same_state, live_state, prefill
 from tests.reliability.conftest import scale
@@ -66,6 +68,7 @@ def allowed_states(expected: dict[str, Any], journal: Path) -> dict[str, list[An
     return out
 
 
+@pytest.mark.long
 def test_kill_while_saving(tiny: Any, tmp_path: Path, tally: Any) -> None:
     model, tok, model_dir = tiny("llama")
     identity = persist.ModelIdentity.of(model, tok)

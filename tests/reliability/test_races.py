@@ -18,6 +18,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import persist
 from tests.golden.cases import IDENTITY
 from tests.helpers import ROOT, raw
@@ -28,6 +30,7 @@ SECONDS = scale(20, 120)
 CHILD = [sys.executable, "-m", "tests.reliability.race_child"]
 
 
+@pytest.mark.long
 def test_check_fix_and_readers_beside_a_writer(tmp_path: Path, tally: Any) -> None:
     root = tmp_path / "store"
     persist.Store(root).close()

@@ -7,9 +7,7 @@ durable through a process crash, lost on a power cut.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT
+from tests.tools import need
 
 CHILD = """
 import sys
@@ -77,15 +76,13 @@ def _event(call: str, rest: str) -> tuple[str, str] | None:
     return None
 
 
-@pytest.mark.skipif(
-    shutil.which("strace") is None and not os.environ.get("CI"),
-    reason="strace is installed by .ci/run (in CI a missing strace fails this test)",
-)
+@pytest.mark.needs("strace")
 def test_no_file_is_written_after_its_last_fsync(tmp_path: Path) -> None:
+    strace = need("strace")
     log = tmp_path / "trace"
     subprocess.run(
         [
-            "strace", "-f", "-qq", "-y", "-o", str(log),
+            strace, "-f", "-qq", "-y", "-o", str(log),
             "-e", "trace=write,pwrite64,writev,pwritev,pwritev2,ftruncate,fsync,fdatasync,"
             "rename,renameat,renameat2",
             sys.executable, "-c", CHILD, str(tmp_path),

@@ -39,6 +39,7 @@ def cached(resp: dict[str, Any]) -> int:
     return int(resp["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("variant", ["llama", "qwen3_next", "gemma3"])
 def test_restart_keeps_the_prompt_cache(variant: str, model_dir: Any, tmp_path: Path) -> None:
     model = model_dir(variant)

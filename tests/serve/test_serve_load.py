@@ -16,6 +16,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import persist
 from bench.servers import Server
 
@@ -51,6 +53,7 @@ def persist_serve(model: Path, store: Path, log: Path) -> Server:
     return Server(["persist", "serve", "--model", str(model), "--store", str(store)], log)
 
 
+@pytest.mark.long
 def test_a_burst_is_answered_and_written_then_sigterm_drains(
     model_dir: Any, tmp_path: Path
 ) -> None:
@@ -70,6 +73,7 @@ def test_a_burst_is_answered_and_written_then_sigterm_drains(
         assert s.check() == []
 
 
+@pytest.mark.long
 def test_sigterm_during_a_burst_answers_every_accepted_request(
     model_dir: Any, tmp_path: Path
 ) -> None:
@@ -117,6 +121,7 @@ def test_a_second_signal_stops_at_once(model_dir: Any, tmp_path: Path) -> None:
         assert s.check() == []
 
 
+@pytest.mark.long
 def test_max_bytes_holds_under_a_burst(model_dir: Any, tmp_path: Path) -> None:
     store, log = tmp_path / "store", tmp_path / "serve.log"
     budget = 2 << 20

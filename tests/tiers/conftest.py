@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from tests.tools import need
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -26,9 +28,7 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.fail("redis-server is not installed (.ci/run installs it with apt-get)")
+        exe = need("redis-server")
         args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
         args += ["--appendonly", "no", "--dir", str(self.tmp), *self.extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -141,11 +141,9 @@ class RedisClusterServers:
         self.url = f"redis+cluster://{hosts}"
 
     def start(self) -> None:
+        cli = need("redis-cli")
         for n in self.nodes:
             n.start()
-        cli = shutil.which("redis-cli")
-        if cli is None:
-            pytest.fail("redis-cli is not installed (Debian's redis-server brings redis-tools)")
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
         subprocess.run(
             [cli, "--cluster", "create", *addrs, "--cluster-yes"],

@@ -47,6 +47,7 @@ def test_three_machines_continue_each_others_work(
     three_machines(model, tok, model_dir, redis_server.url, tmp_path)
 
 
+@pytest.mark.long
 def test_a_redis_cluster_is_a_shared_tier(tiny: Any, redis_cluster: Any, tmp_path: Path) -> None:
     model, tok, model_dir = tiny("llama")
     three_machines(model, tok, model_dir, redis_cluster.url, tmp_path)
@@ -81,6 +82,7 @@ def test_cluster_urls_are_checked() -> None:
     assert RedisTier("valkey+cluster://u:p@127.0.0.1:1,127.0.0.1:2").cluster
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("shared", [40, 300])
 def test_a_prefix_that_ends_inside_a_block_serves_another_machine(
     shared: int, tiny: Any, redis_server: Any, tmp_path: Path
@@ -100,6 +102,7 @@ def test_a_prefix_that_ends_inside_a_block_serves_another_machine(
     check_against_child(model, want, out, stored[:shared], next_tokens=[8])
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("shared,hit", [(300, 256), (400, 384), (120, 0)])
 def test_recurrent_checkpoints_serve_other_machines(
     shared: int, hit: int, tiny: Any, redis_server: Any, tmp_path: Path

@@ -13,6 +13,7 @@ import persist
 from tests.helpers import check_against_child, persist_cli, prefill, run_child, tokens_for
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("variant", ["llama", "qwen3_next"])
 def test_a_machine_with_only_the_cold_tier_restores_a_session(
     variant: str, tiny: Any, s3_server: Any, tmp_path: Path
@@ -69,6 +70,7 @@ def test_a_cold_tier_that_is_down_never_fails_local_work(
         assert a.cold is not None and a.cold.tier.counters.get("errors", 0) == 1
 
 
+@pytest.mark.long
 def test_the_cli_takes_a_session_to_a_new_machine_through_s3(
     model_dir: Any, s3_server: Any, tmp_path: Path
 ) -> None:

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.servers import Server
 from tests.serve.test_serve import TURN1, TURN2, cached, text
 
@@ -17,6 +19,7 @@ def serve(model: Path, store: Path, shared: str, log: Path) -> Server:
     return Server([*args, "--shared", shared], log)
 
 
+@pytest.mark.long
 def test_a_conversation_moves_between_machines(
     model_dir: Any, redis_server: Any, tmp_path: Path
 ) -> None:

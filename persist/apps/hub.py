@@ -1,0 +1,73 @@
+"""What ``--model`` names: a model folder, a Hugging Face repo id, or nothing (the demo).
+
+A repo id (``mlx-community/Llama-3.2-1B-Instruct-4bit``) is resolved as
+mlx-lm resolves it, to a snapshot folder of the Hugging Face cache, with the
+files mlx-lm downloads.  The cache is asked first (no network), so a cached
+model works offline and ``HF_HUB_OFFLINE=1`` is honoured; only a model the
+cache lacks is downloaded, and only when the hub allows it.  The snapshot's
+path names its revision, and the weights memo keys by that path and the
+blobs' content hashes, so another revision is another identity.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from ..errors import ModelNotFoundError
+
+__all__ = ["resolve_model", "looks_like_repo"]
+
+# owner/name or name, as the hub spells repo ids (no leading dot, no "..")
+REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}")
+
+
+def looks_like_repo(text: str) -> bool:
+    return REPO_ID.fullmatch(text) is not None and ".." not in text and not text.endswith(".")
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> Path:
+    """The folder mlx-lm loads for ``model``: the demo model when None, a folder as
+    given, a repo id from the Hugging Face cache (downloaded if missing and allowed)."""
+    if model is None:
+        from .demo import demo_model_dir
+
+        return demo_model_dir()
+    text = os.fspath(model)
+    path = Path(os.path.expanduser(text))
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"--model {text}: not a folder (give the model's folder)")
+    if not looks_like_repo(text):
+        raise ModelNotFoundError(f"--model {text}: no such folder, and not a Hugging Face repo id")
+    return _snapshot(text)
+
+
+def _snapshot(repo: str) -> Path:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError, RevisionResolutionError
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    misses = (OSError, ValueError, EntryNotFoundError, RevisionResolutionError)
+    try:  # the cache first: no network for a model already here
+        local = snapshot_download(
+            repo, allow_patterns=DEFAULT_ALLOW_PATTERNS, local_files_only=True
+        )
+        return Path(local)
+    except misses:
+        pass
+    where = constants.HF_HUB_CACHE
+    if constants.is_offline_mode():
+        raise ModelNotFoundError(
+            f"--model {repo}: not a folder, and not in the Hugging Face cache ({where}); "
+            "HF_HUB_OFFLINE is set, so it is not downloaded"
+        )
+    try:
+        return Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except misses as e:
+        raise ModelNotFoundError(
+            f"--model {repo}: not a folder, and the Hugging Face hub did not give it: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e

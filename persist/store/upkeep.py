@@ -1,0 +1,110 @@
+"""A store's own settings (its remembered budget), its files on disk, and compaction.
+
+Settings live in the index's ``meta`` table under ``config.<key>``, so they
+travel with the store and change in one transaction.  The default budget is
+the smaller of a tenth of the disk and 20 GiB: a cache should not fill a
+disk, and a user who wants more says so once (``persist config set``).
+No mlx here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from .index import Index
+
+__all__ = [
+    "SETTINGS",
+    "DEFAULT_CAP",
+    "get_setting",
+    "set_setting",
+    "default_budget",
+    "budget",
+    "files_bytes",
+    "vacuum",
+]
+
+SETTINGS = {"max-bytes": "the store's byte budget; evicted down to on every save and by gc"}
+DEFAULT_CAP = 20 << 30  # bytes
+DISK_SHARE = 10  # the default budget is at most 1/10 of the disk
+NO_BUDGET = "none"  # `persist config set max-bytes none`: no budget at all
+OTHER_CACHES = ("identity",)  # persist's other caches when PERSIST_HOME is the store; demo-*
+
+
+def _key(key: str) -> str:
+    if key not in SETTINGS:
+        raise InvalidArgumentError(f"no setting {key!r}; settings: {', '.join(sorted(SETTINGS))}")
+    return f"config.{key}"
+
+
+def get_setting(index: Index, key: str) -> str | None:
+    with index.read() as db:
+        row = db.execute("SELECT value FROM meta WHERE key = ?", [_key(key)]).fetchone()
+    return None if row is None else str(row[0])
+
+
+def set_setting(index: Index, key: str, value: str | None) -> None:
+    """Remember ``value`` for ``key``; None forgets it (back to the default)."""
+    name = _key(key)
+    with index.write() as db:
+        if value is None:
+            db.execute("DELETE FROM meta WHERE key = ?", [name])
+        else:
+            db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", [name, value])
+
+
+def default_budget(root: Path) -> int:
+    """min(a tenth of the disk holding ``root``, 20 GiB)."""
+    where = root
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return min(shutil.disk_usage(where).total // DISK_SHARE, DEFAULT_CAP)
+
+
+def budget(index: Index | None, root: Path) -> tuple[int | None, str]:
+    """(bytes or None for no budget, where it comes from: "config" or "default")."""
+    value = None if index is None else get_setting(index, "max-bytes")
+    if value is None:
+        return default_budget(root), "default"
+    return (None if value == NO_BUDGET else int(value)), "config"
+
+
+def files_bytes(root: Path) -> dict[str, int]:
+    """Bytes of every file of the store: the index (with its -wal and -shm), the blobs,
+    and the rest (temporary and quarantined files); persist's other caches kept in
+    the same folder (the demo model, the identity memo) are not the store's."""
+    out = {"index": 0, "blobs": 0, "other": 0}
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        if here == root:
+            dirnames[:] = [
+                d for d in dirnames if d not in OTHER_CACHES and not d.startswith("demo-")
+            ]
+        for name in filenames:
+            try:
+                size = (here / name).lstat().st_size
+            except OSError:  # removed while we looked
+                continue
+            part = (
+                "index"
+                if here == root and name.startswith("index.sqlite")
+                else "blobs"
+                if here.relative_to(root).parts[:1] == ("blobs",)
+                else "other"
+            )
+            out[part] += size
+    out["total"] = sum(out.values())
+    return out
+
+
+def vacuum(index: Index) -> None:
+    """Give the pages of deleted rows back to the file system (after a large gc)."""
+    with index.lock:
+        index.db.execute("VACUUM")
+        index.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
