@@ -225,11 +225,11 @@ def test_a_full_store_disk_never_fails_requests(model_dir: Any, tmp_path: Path) 
     try:
         srv = persist_serve(model_dir("llama"), mnt / "store", tmp_path / "serve.log")
         assert valid(srv) == 200
-        with (mnt / "fill").open("wb") as f:  # the disk is full from here on
+        # the disk is full from here on (unbuffered: closing has nothing left to flush)
+        with (mnt / "fill").open("wb", buffering=0) as f:
             try:
                 while True:
                     f.write(b"\0" * 65536)
-                    f.flush()
             except OSError:
                 pass
         codes = [
