@@ -74,3 +74,46 @@ def test_reads_of_a_current_store_never_import_sqlite_utils(command: str, tmp_pa
     assert not loaded & {"sqlite_utils", "numpy", *HEAVY}, sorted(
         loaded & {"sqlite_utils", "numpy"}
     )
+
+
+# What a listing does not need: the engine (costs, retention, tiers), the blob files
+# and their container format, logging's machinery, and the other commands' modules.
+LISTING_NEVER = (
+    "persist.engine.store",
+    "persist.engine.costs",
+    "persist.store.blobs",
+    "persist.store.retention",
+    "persist.format.container",
+    "persist.policy",
+    "persist.cli.upkeep",
+    "persist.cli.run",
+    "persist.cli.transfer",
+    "logging",
+    "sqlite_utils",
+    "numpy",
+)
+
+
+@pytest.mark.parametrize("command", ["ls", "ls --sort used --limit 1", "show w", "show nope"])
+def test_ls_and_show_import_only_the_index(command: str, tmp_path: Path) -> None:
+    """`persist ls` and `show` print their first rows after click, SQLite and the index
+    modules: the engine's Store and the blob layer cost them ~0.1 s of CPU at start."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from tests.golden.cases import IDENTITY
+
+    root = tmp_path / "s"
+    with persist.Store(root) as store:
+        c = KVCache()
+        c.update_and_fetch(mx.zeros((1, 1, 8, 4)), mx.zeros((1, 1, 8, 4)))
+        store.save([c], list(range(8)), identity=IDENTITY, session="w")
+    code = (
+        "import sys\n"
+        f"sys.argv = ['persist', *{command.split()!r}, '--store', {str(root)!r}]\n"
+        "from persist.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+    )
+    loaded = modules_after(code)
+    assert not loaded & set(LISTING_NEVER), sorted(loaded & set(LISTING_NEVER))
+    assert "persist.store.index" in loaded  # the probe ran the command's read

@@ -75,6 +75,7 @@ class ServeMetrics:
         self.started = time.time()
         self.caches: list[Any] = []  # PersistentPromptCache objects (their write queues)
         self.generator: Any = None  # the GuardedGenerator, once mlx-lm's server made it
+        self.host: Any = None  # the host-RAM tier (engine.host_tier.HostTier), if any
         self.store_bytes = 0
         self.store_problem: str | None = None  # the last store write's failure, until one succeeds
         self.read_store_bytes()  # what a store from an earlier run holds already
@@ -91,7 +92,7 @@ class ServeMetrics:
         )
         self.lookups = Counter(
             "persist_cache_lookups",
-            "Prompt-cache lookups by source (memory, local, shared, cold) and result.",
+            "Prompt-cache lookups by source (memory, host, local, shared, cold) and result.",
             ["source", "result"],
             registry=r,
         )
@@ -145,12 +146,19 @@ class ServeMetrics:
         return Probe(time.perf_counter(), key, moved, self._bytes_written() if save else 0)
 
     @_never_raises
-    def looked_up(self, probe: Probe, prompt: int, memory: int, hit: int, cost: Any) -> None:
-        """One keyed lookup: ``memory`` tokens the memory tier had, ``hit`` the store restored."""
+    def looked_up(
+        self, probe: Probe, prompt: int, memory: int, hit: int, cost: Any, host: int = 0
+    ) -> None:
+        """One keyed lookup: ``memory`` tokens the memory tier had, ``host`` the host
+        tier restored (longer than memory's), ``hit`` the store restored."""
         seconds = time.perf_counter() - probe.t0
         self.prompt_tokens.inc(prompt)
-        self.cached_tokens.inc(max(memory, hit))
+        self.cached_tokens.inc(max(memory, host, hit))
         self.lookups.labels("memory", "hit" if memory else "miss").inc()
+        if self.host is not None:
+            self.lookups.labels("host", "hit" if host and not hit else "miss").inc()
+            if host and not hit:
+                self.restore_seconds.labels("host").observe(seconds)
         pulled = self._moved(probe)
         source = next((name for name, n in pulled.items() if n and hit), "local" if hit else None)
         for name in ("local", *probe.moved):
@@ -272,6 +280,7 @@ class ServeMetrics:
                       "state": self.store_problem or "ok", "bytes": self.read_store_bytes(),
                       "budget_bytes": self.store.budgets.max_bytes},
             "tiers": tiers,
+            **({"host_cache": self.host.stats()} if self.host is not None else {}),
         }  # fmt: skip
 
     def summary(self) -> str:
@@ -280,7 +289,12 @@ class ServeMetrics:
         cached = self.value("persist_cached_prompt_tokens_total")
         hits = {
             s: int(self.value("persist_cache_lookups_total", source=s, result="hit"))
-            for s in ("memory", "local", *(t.name for t in self.store.tiers))
+            for s in (
+                "memory",
+                *(["host"] if self.host else []),
+                "local",
+                *(t.name for t in self.store.tiers),
+            )
         }
         saved = int(self.value("persist_writes_total", result="saved"))
         errors = int(self.value("persist_writes_total", result="error"))
@@ -350,6 +364,13 @@ class _Gauges:
             up.add_metric([name], int(state == "up"))
         yield up
         yield _gauge("persist_store_bytes", "Bytes the store holds on disk.", m.read_store_bytes())
+        if m.host is not None:
+            got = m.host.stats()
+            yield _gauge("persist_host_cache_bytes", "Bytes the host-RAM tier holds.", got["bytes"])
+            yield _gauge(
+                "persist_host_cache_budget_bytes", "The host-RAM tier's budget (--host-cache).",
+                got["budget_bytes"],
+            )  # fmt: skip
         budget = m.store.budgets.max_bytes
         if budget is not None:
             yield _gauge("persist_store_budget_bytes", "The store's budget (--max-bytes).", budget)

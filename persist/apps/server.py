@@ -24,8 +24,10 @@ from typing import Any
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..codecs.snapshot import Snapshot, capture
+from ..engine.host_tier import HOST, EvictionWatch, HostTier, default_budget
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
+from ..format.tensors import on_cuda
 from ..identity import ModelIdentity
 from .metrics import ServeMetrics
 
@@ -64,8 +66,12 @@ class PersistentPromptCache(LRUPromptCache):
         when_full: str = "block",
         block_seconds: float = 30.0,
         metrics: ServeMetrics | None = None,
+        host: HostTier | None = None,
     ) -> None:
         super().__init__(max_size, max_bytes)
+        self.host = host  # what mlx-lm evicts is kept there, asked before the store
+        if host is not None:
+            self._trie = EvictionWatch(self._trie, self._evicted)  # type: ignore[assignment]
         self.metrics = metrics  # persist serve's Prometheus metrics (apps.metrics)
         if metrics is not None:
             metrics.caches.append(self)
@@ -101,14 +107,18 @@ class PersistentPromptCache(LRUPromptCache):
             return cache, rest
         m = self.metrics
         probe = m.probe() if m is not None else None
+        memory, near = have, self._from_host(identity, tokens, have)
+        if near is not None:
+            cache, rest, have = near.cache, list(tokens[len(near.tokens) :]), len(near.tokens)
         try:
-            # one index pass: a hit no longer than the memory tier's is not read
+            # one index pass: a hit no longer than memory's or the host's is not read
             hit = self.store.lookup(
                 tokens, identity=identity, namespace=self.namespace, longer_than=have
             )
             if m is not None and probe is not None:
                 n = len(hit.tokens) if hit is not None else 0
-                m.looked_up(probe, len(tokens), have, n, self.store.costs.last)
+                host = len(near.tokens) if near is not None else 0
+                m.looked_up(probe, len(tokens), memory, n, self.store.costs.last, host=host)
             if hit is not None:
                 self._count(store_hits=1, restored_tokens=len(hit.tokens))
                 log.info(
@@ -122,8 +132,29 @@ class PersistentPromptCache(LRUPromptCache):
             if self.metrics is not None:
                 self.metrics.store_errors.inc()
             log.warning("persist: store lookup failed: %s", e)
-        self._count(memory_hits=1 if cache is not None else 0, misses=1 if cache is None else 0)
+        if near is not None:
+            self._count(host_hits=1, host_tokens=len(near.tokens))
+        else:
+            self._count(memory_hits=int(cache is not None), misses=int(cache is None))
         return cache, rest
+
+    def _from_host(self, identity: ModelIdentity, tokens: list[int], have: int) -> Any:
+        """A host-tier hit longer than memory's (a fresh copy), its rate told to the costs."""
+        if self.host is None:
+            return None
+        try:
+            near = self.host.fetch(identity.digest, tokens, longer_than=have)
+            if near is not None:
+                self.store.costs.restored(identity, HOST, near.nbytes, near.seconds)
+            return near
+        except Exception as e:  # the tier must never take the server down
+            log.warning("persist: host cache lookup failed: %s", e)
+            return None
+
+    def _evicted(self, model: Any, tokens: list[int], cache: list[Any]) -> None:
+        identity = self.identity_for(model)
+        if self.host is not None and identity is not None:
+            self.host.keep(identity.digest, tokens, cache)
 
     def insert_cache(
         self,
@@ -197,15 +228,12 @@ class PersistentPromptCache(LRUPromptCache):
     def _count(self, **deltas: int) -> None:
         deltas = {k: v for k, v in deltas.items() if v}
         self.counters.update(deltas)
-        if not deltas:
-            return
-        try:
-            self.store.count(self.namespace, **{f"serve_{k}": v for k, v in deltas.items()})
-        except Exception as e:  # best effort: a full disk or a busy index never fails a request
-            self.counters["count_errors"] += 1
+        try:  # best effort: a full disk or a busy index never fails a request (counted)
+            if deltas:
+                self.store.count(self.namespace, **{f"serve_{k}": v for k, v in deltas.items()})
+        except Exception as e:
             if self.metrics is not None:
                 self.metrics.store_failed(e, counter=True)
-            log.debug("persist: store counters not recorded: %r", e)
 
 
 def cache_config_of(cli_args: Any) -> dict[str, int]:
@@ -271,6 +299,7 @@ def serve(
     read_timeout: float = 30.0,
     max_request_bytes: int = 4 << 20,
     log_format: str = "text",
+    host_cache: int | None = None,
     max_connections: int = 128,
 ) -> None:
     """Run mlx-lm's server (``mlx_lm.server``) with the store behind its prompt cache.
@@ -280,9 +309,9 @@ def serve(
     write-behind queue is flushed, the store closed.  A second signal exits
     at once.  If generation stops for good, the same stop runs and
     InvalidStateError is raised (the CLI exits 1).  ``mlx_cache``: see
-    ``keep_freed_buffers``; ``read_timeout``, ``max_request_bytes``: what a
-    request may take to arrive, and its size (``server_handler``); ``max_connections``:
-    connections open at once (``server_http``).
+    ``keep_freed_buffers``; ``read_timeout``, ``max_request_bytes``, ``max_connections``:
+    ``server_handler``, ``server_http``; ``host_cache``: bytes of evicted caches kept in
+    RAM (``engine.host_tier``; None: its default budget, none on CUDA; 0: none).
     """
     import functools
     import sys
@@ -301,6 +330,10 @@ def serve(
     store = Store(store_root, max_bytes=max_bytes, shared=shared, cold=cold, tier_key=tier_key)
     measure_prefills(server, store, lambda model: by_model.get(id(model)))
     metrics = ServeMetrics(store, namespace)
+    # auto on CUDA: none, since the tier would keep evicted caches in device memory
+    # there (no pinned copy yet), holding what mlx-lm's eviction meant to free
+    budget = (0 if on_cuda() else default_budget()) if host_cache is None else host_cache
+    metrics.host = host = HostTier(budget) if budget > 0 else None
     caches: list[PersistentPromptCache] = []
 
     def make(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
@@ -313,6 +346,7 @@ def serve(
             queue_size=queue_size,
             when_full=when_full,
             metrics=metrics,
+            host=host,
         )
         caches.append(pc)
         return pc

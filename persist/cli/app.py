@@ -6,11 +6,12 @@ Exit codes: 0 success, 1 a PersistError (one clear line on stderr), 2 usage,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,6 +21,7 @@ from ..errors import (
     IdentityMismatchError,
     InvalidArgumentError,
     PersistError,
+    StorageError,
     StoreNotFoundError,
 )
 from .terminal import end_line, progress
@@ -31,6 +33,7 @@ __all__ = [
     "store_option",
     "json_option",
     "open_store",
+    "open_index",
     "parse_size",
     "plural",
     "plain",
@@ -179,6 +182,33 @@ def open_store(store_dir: Path | None, *, create: bool = False, **kw: Any) -> An
         limit, _ = upkeep.budget(store.index, store.root)
         store.budgets = Budgets(limit, store.budgets.per_namespace)
     return store
+
+
+@contextlib.contextmanager
+def open_index(store_dir: Path | None) -> Iterator[Any]:
+    """The index of ``--store`` alone, for the commands that only read rows (ls, show):
+    no ``Store``, so a listing imports neither the engine (costs, retention, tiers) nor
+    the blob files and their format; its first rows come after SQLite's open.  A folder
+    without a store is refused, as ``open_store`` refuses it."""
+    from ..store import full
+    from ..store.index import Index
+    from ..store.rows import store_root
+    from ..store.schema import connect
+
+    root = store_root(store_dir if store_dir is not None else default_store())
+    path = root / "index.sqlite"
+    if not path.is_file():
+        raise StoreNotFoundError(root)
+    try:  # block size 256 is only a default: adopt keeps the store's own
+        db = full.with_room(root, lambda: connect(path, 256, adopt=True))
+    except PersistError:
+        raise
+    except OSError as e:  # as Store(): permissions, a file where a folder goes
+        raise StorageError(f"cannot open the store at {root}", e) from e
+    try:
+        yield Index(db)
+    finally:
+        db.conn.close()
 
 
 def complete_sessions(

@@ -90,6 +90,13 @@ from .app import cli, default_store, open_store, parse_size, plain, store_option
     show_default=True,
     help="json: one JSON object a line, for log shippers.",
 )
+@click.option(
+    "--host-cache",
+    default="auto",
+    show_default=True,
+    help="RAM for caches mlx-lm's prompt cache evicts, asked before the store, e.g. 4G; "
+    "'auto': min(10% of available memory, 8G); 0: none.",
+)
 @store_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(
@@ -105,6 +112,7 @@ def serve_cmd(
     request_timeout: float,
     log_format: str,
     max_connections: int,
+    host_cache: str,
     store_dir: Path | None,
     server_args: tuple[str, ...],
 ) -> None:
@@ -146,6 +154,7 @@ def serve_cmd(
             max_request_bytes=parse_size(max_request_bytes),
             log_format=log_format,
             max_connections=max_connections,
+            host_cache=None if host_cache == "auto" else parse_size(host_cache),
             **tier_urls(),
         )
 

@@ -19,6 +19,7 @@ from .app import (
     emit,
     human_bytes,
     json_option,
+    open_index,
     open_store,
     plain,
     plural,
@@ -87,8 +88,8 @@ def ls_cmd(
     from ..store.listing import stream, unnamed_counts
     from ..store.rows import listed_info
 
-    with open_store(store_dir) as store:
-        rows = stream(store.index, namespace, every=show_all, sort=sort, prefix=prefix, limit=limit)
+    with open_index(store_dir) as index:
+        rows = stream(index, namespace, every=show_all, sort=sort, prefix=prefix, limit=limit)
         entries = (listed_info(r) for r in rows)  # a damaged row is listed, marked
         if as_json:
             _json_array(entries)
@@ -99,7 +100,7 @@ def ls_cmd(
             shown += 1
         if not shown:
             click.echo("no sessions")
-        hidden = "" if show_all or prefix else _hidden(unnamed_counts(store.index, namespace))
+        hidden = "" if show_all or prefix else _hidden(unnamed_counts(index, namespace))
         if hidden:
             click.echo(hidden)
 
@@ -138,8 +139,13 @@ def show_cmd(name: str, namespace: str, store_dir: Path | None, as_json: bool) -
     Example:
       persist show work
     """
-    with open_store(store_dir) as store:
-        e = store.entry(name, namespace=namespace)
+    from ..store.rows import listed_info
+
+    with open_index(store_dir) as index:
+        row = index.by_name(namespace, name)
+    if row is None:
+        raise SessionNotFoundError(name, namespace)
+    e = listed_info(row)  # as Store.entry: a row that does not decode is shown damaged
 
     def render(_: Any) -> None:
         click.echo(f"session {e.session!r} in namespace {e.namespace!r}")

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import StoreFullError
+
+if TYPE_CHECKING:
+    import logging
 
 __all__ = [
     "RESERVE",
@@ -38,7 +40,16 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-log = logging.getLogger("persist")
+
+
+def _log() -> logging.Logger:
+    """persist's logger, imported when there is something to say: ``persist ls`` opens
+    the index through this module and needs no logging machinery to list."""
+    import logging
+
+    return logging.getLogger("persist")
+
+
 RESERVE = "reserve"  # in the store root, beside index.sqlite
 RESERVE_BYTES = 1 << 20  # a delete's WAL frames and a connection's -shm fit with room to spare
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -117,7 +128,7 @@ def with_room(root: Path, write: Callable[[], T]) -> T:
             raise
         if not release_reserve(root):
             raise disk_full_error(root, e) from e
-        log.warning("persist: the disk is full; using the store's reserve to free space")
+        _log().warning("persist: the disk is full; using the store's reserve to free space")
     try:
         return write()
     except Exception as e:
@@ -135,6 +146,6 @@ def best_effort(write: Callable[..., object], *args: Any, **kwargs: Any) -> bool
         if not full_disk(e):
             raise
         _dropped["writes"] += 1
-        log.debug("persist: dropped a statistics write, the disk is full: %s", e)
+        _log().debug("persist: dropped a statistics write, the disk is full: %s", e)
         return False
     return True

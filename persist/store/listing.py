@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
-from .index import Index
 from .rows import SNAPSHOT_COLS, SnapshotRow, row_of
+
+if TYPE_CHECKING:
+    from .index import Index
 
 __all__ = ["SORTS", "stream", "unnamed_counts"]
 

@@ -1,0 +1,100 @@
+"""The host-RAM tier (engine.host_tier): budget, LRU by bytes, fresh copies, bit-exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from persist.engine.host_tier import HostTier, default_budget
+from persist.errors import InvalidArgumentError, PersistError
+
+PROMPT = list(range(3, 40))
+
+
+def prefilled(model: Any, tokens: list[int]) -> list[Any]:
+    cache = make_prompt_cache(model)
+    model(mx.array(tokens)[None], cache=cache)
+    mx.eval([a for c in cache for a in c.state if isinstance(a, mx.array)])
+    return cache
+
+
+def states(cache: list[Any]) -> list[np.ndarray]:
+    # what a layer holds: its live positions (the buffer past offset is spare room)
+    arrays = [a[..., : c.offset, :] for c in cache for a in (c.keys, c.values)]
+    return [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in arrays]
+
+
+def test_hit_is_bit_exact_and_a_fresh_copy(tiny: Any) -> None:
+    model, _, _ = tiny("llama")
+    kept = prefilled(model, PROMPT[:20])
+    want = states(kept)
+    tier = HostTier(1 << 30)
+    assert tier.keep("m", PROMPT[:20], kept)
+    hit = tier.fetch("m", PROMPT)
+    assert hit is not None and hit.tokens == PROMPT[:20]
+    assert all((a == b).all() for a, b in zip(states(hit.cache), want, strict=True))
+    # continuing the restored copy in place must not touch the kept entry
+    model(mx.array(PROMPT[20:])[None], cache=hit.cache)
+    mx.eval([a for c in hit.cache for a in c.state if isinstance(a, mx.array)])
+    again = tier.fetch("m", PROMPT)
+    assert again is not None
+    assert all((a == b).all() for a, b in zip(states(again.cache), want, strict=True))
+    # and the continuation equals a fresh prefill of the whole prompt
+    fresh = prefilled(model, PROMPT)
+    got = model(mx.array([7])[None], cache=hit.cache)
+    ref = model(mx.array([7])[None], cache=fresh)
+    assert np.array_equal(np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32)))
+
+
+def test_lookup_rules(tiny: Any) -> None:
+    model, _, _ = tiny("llama")
+    tier = HostTier(1 << 30)
+    tier.keep("m", PROMPT[:10], prefilled(model, PROMPT[:10]))
+    twenty = prefilled(model, PROMPT[:20])
+    tier.keep("m", PROMPT[:20], twenty)
+    assert tier.fetch("other", PROMPT) is None  # another model's caches never match
+    # a trimmable cache serves the part it shares, one token at least left over
+    assert tier.fetch("m", PROMPT[:20]).tokens == PROMPT[:19]  # type: ignore[union-attr]
+    turn = tier.fetch("m", [*PROMPT[:15], 999, 998])
+    assert turn is not None and turn.tokens == PROMPT[:15]
+    # bit-exact: the kept cache's first 15 positions (a 20-token forward's numbers)
+    want = [a[..., :15, :] for a in states(twenty)]
+    assert all((a == b).all() for a, b in zip(states(turn.cache), want, strict=True))
+    assert tier.fetch("m", PROMPT, longer_than=20) is None  # memory has as much
+    assert tier.fetch("m", [9, 9, 9]) is None
+    assert tier.stats()["hits"] == 2 and tier.stats()["misses"] == 3
+
+
+def test_budget_and_lru_by_bytes(tiny: Any) -> None:
+    model, _, _ = tiny("llama")
+    caches = [prefilled(model, PROMPT[:n]) for n in (10, 10, 10)]
+    size = int(sum(c.nbytes for c in caches[0]))
+    tier = HostTier(2 * size)
+    tier.keep("m", [1, *PROMPT[:9]], caches[0])
+    tier.keep("m", [2, *PROMPT[:9]], caches[1])
+    assert tier.fetch("m", [1, *PROMPT[:9], 5]) is not None  # 1 is now the most recent
+    tier.keep("m", [3, *PROMPT[:9]], caches[2])  # over budget: 2, the least recent, goes
+    assert tier.nbytes == 2 * size and len(tier) == 2 and tier.stats()["evicted"] == 1
+    assert tier.fetch("m", [2, *PROMPT[:9], 5]) is None
+    assert tier.fetch("m", [1, *PROMPT[:9], 5]) is not None
+    assert not HostTier(size - 1).keep("m", PROMPT[:10], caches[0])  # never fits: not kept
+    assert len(HostTier(0)) == 0
+
+
+def test_bad_budget_is_typed() -> None:
+    with pytest.raises(InvalidArgumentError) as e:
+        HostTier(-1)
+    assert isinstance(e.value, PersistError) and isinstance(e.value, ValueError)
+
+
+def test_default_budget(tmp_path: Path) -> None:
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal: 1000 kB\nMemAvailable:    1048576 kB\n")
+    assert default_budget(str(info)) == (1 << 30) // 10
+    info.write_text("MemAvailable: 1048576000 kB\n")
+    assert default_budget(str(info)) == 8 << 30
