@@ -12,6 +12,7 @@ expects; ``persist stats`` keeps the store's own totals across restarts.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -29,11 +30,14 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..errors import StoreFullError
+
 __all__ = ["ServeMetrics", "CONTENT_TYPE"]
 
 log = logging.getLogger("persist")
 F = TypeVar("F", bound=Callable[..., Any])
 
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 LOCK_WAIT = 2.0  # seconds /health waits for the index before calling the store unreachable
@@ -73,6 +77,8 @@ class ServeMetrics:
         self.generator: Any = None  # the GuardedGenerator, once mlx-lm's server made it
         self.host: Any = None  # the host-RAM tier (engine.host_tier.HostTier), if any
         self.store_bytes = 0
+        self.store_problem: str | None = None  # the last store write's failure, until one succeeds
+        self.read_store_bytes()  # what a store from an earlier run holds already
         disable_created_metrics()  # no *_created series: a scrape is a page an operator reads
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -120,6 +126,10 @@ class ServeMetrics:
         self.store_errors = Counter(
             "persist_store_errors", "Store lookups that failed (the request was served anyway).",
             registry=r,
+        )  # fmt: skip
+        self.counter_errors = Counter(
+            "persist_store_counter_errors", "Store counter updates skipped (a full disk, a busy "
+            "index); the request was served anyway.", registry=r,
         )  # fmt: skip
         r.register(_Gauges(self))
 
@@ -171,8 +181,22 @@ class ServeMetrics:
             self.written_bytes.labels(name).inc(n)
         after = self._bytes_written()
         self.written_bytes.labels("local").inc(max(0, after - probe.written))
-        with contextlib.suppress(Exception):  # a metric never fails a save; the last value stands
-            self.store_bytes = self.store.index.unique_bytes()
+        if ok:
+            self.store_problem = None
+        self.read_store_bytes()
+
+    def read_store_bytes(self) -> int:
+        """The store's bytes (a sum its triggers keep: no scan); the last value if unreadable."""
+        with contextlib.suppress(Exception):  # a metric never fails a save or a scrape
+            self.store_bytes = int(self.store.index.unique_bytes())
+        return self.store_bytes
+
+    @_never_raises
+    def store_failed(self, e: BaseException, counter: bool = False) -> None:
+        """A store write failed (served anyway): /health shows it until a save succeeds."""
+        if counter:
+            self.counter_errors.inc()
+        self.store_problem = "full" if _is_full(e) else f"error: {type(e).__name__}"
 
     @_never_raises
     def prompt_only(self, prompt: int, memory: int) -> None:
@@ -241,7 +265,8 @@ class ServeMetrics:
         alive, reachable, tiers = self.generation_alive(), self.store_reachable(), self.tiers()
         depth, room = self.queue()
         g = self.generator
-        status = "ok" if reachable and "down" not in tiers.values() else "degraded"
+        ok = reachable and self.store_problem is None and "down" not in tiers.values()
+        status = "ok" if ok else "degraded"
         return {
             "status": status if alive else "unavailable",
             "generation": {
@@ -252,7 +277,8 @@ class ServeMetrics:
             "write_queue": {"depth": depth, "capacity": room, "drops": int(self.value(
                 "persist_write_queue_drops_total"))},
             "store": {"path": str(self.store.root), "reachable": reachable,
-                      "bytes": self.store_bytes, "budget_bytes": self.store.budgets.max_bytes},
+                      "state": self.store_problem or "ok", "bytes": self.read_store_bytes(),
+                      "budget_bytes": self.store.budgets.max_bytes},
             "tiers": tiers,
             **({"host_cache": self.host.stats()} if self.host is not None else {}),
         }  # fmt: skip
@@ -281,6 +307,20 @@ class ServeMetrics:
             + f"; {saved} caches persisted, {int(self.value('persist_write_queue_drops_total'))}"
             f" dropped, {errors} write errors"
         )
+
+
+def _is_full(e: BaseException) -> bool:
+    """A full disk or budget, whichever layer said so (StoreFullError, ENOSPC, SQLite's)."""
+    seen: BaseException | None = e
+    for _ in range(8):  # a chain of causes, bounded (a chain can loop)
+        if seen is None:
+            break
+        if isinstance(seen, StoreFullError) or getattr(seen, "errno", None) in FULL_ERRNOS:
+            return True
+        if "full" in str(seen).lower():  # sqlite3: "database or disk is full"
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _samples(registry: CollectorRegistry, name: str) -> Iterator[float]:
@@ -323,7 +363,7 @@ class _Gauges:
         for name, state in m.tiers().items():
             up.add_metric([name], int(state == "up"))
         yield up
-        yield _gauge("persist_store_bytes", "Bytes the store holds on disk.", m.store_bytes)
+        yield _gauge("persist_store_bytes", "Bytes the store holds on disk.", m.read_store_bytes())
         if m.host is not None:
             got = m.host.stats()
             yield _gauge("persist_host_cache_bytes", "Bytes the host-RAM tier holds.", got["bytes"])

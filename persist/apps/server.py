@@ -209,6 +209,8 @@ class PersistentPromptCache(LRUPromptCache):
                         m.saved(probe, ok)
                 self._count(persisted=1)
             except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
+                if self.metrics is not None:
+                    self.metrics.store_failed(e)
                 self._count(persist_errors=1)
                 log.warning("persist: could not persist a cache: %s", e)
             finally:
@@ -226,8 +228,12 @@ class PersistentPromptCache(LRUPromptCache):
     def _count(self, **deltas: int) -> None:
         deltas = {k: v for k, v in deltas.items() if v}
         self.counters.update(deltas)
-        if deltas:
-            self.store.count(self.namespace, **{f"serve_{k}": v for k, v in deltas.items()})
+        try:  # best effort: a full disk or a busy index never fails a request (counted)
+            if deltas:
+                self.store.count(self.namespace, **{f"serve_{k}": v for k, v in deltas.items()})
+        except Exception as e:
+            if self.metrics is not None:
+                self.metrics.store_failed(e, counter=True)
 
 
 def cache_config_of(cli_args: Any) -> dict[str, int]:
@@ -294,6 +300,7 @@ def serve(
     max_request_bytes: int = 4 << 20,
     log_format: str = "text",
     host_cache: int | None = None,
+    max_connections: int = 128,
 ) -> None:
     """Run mlx-lm's server (``mlx_lm.server``) with the store behind its prompt cache.
 
@@ -302,10 +309,9 @@ def serve(
     write-behind queue is flushed, the store closed.  A second signal exits
     at once.  If generation stops for good, the same stop runs and
     InvalidStateError is raised (the CLI exits 1).  ``mlx_cache``: see
-    ``keep_freed_buffers``; ``read_timeout``, ``max_request_bytes``: what a
-    request may take to arrive, and its size (``server_handler``).
-    ``host_cache``: bytes of evicted caches kept in RAM (``engine.host_tier``;
-    None: its default budget, none on CUDA; 0: none).
+    ``keep_freed_buffers``; ``read_timeout``, ``max_request_bytes``, ``max_connections``:
+    ``server_handler``, ``server_http``; ``host_cache``: bytes of evicted caches kept in
+    RAM (``engine.host_tier``; None: its default budget, none on CUDA; 0: none).
     """
     import functools
     import sys
@@ -365,6 +371,7 @@ def serve(
         metrics=metrics,
         read_timeout=read_timeout,
         max_request_bytes=max_request_bytes,
+        max_connections=max_connections,
     )
     sys.argv = ["mlx_lm.server", "--model", str(model_dir), *(server_args or [])]
     try:

@@ -7,8 +7,10 @@ server then answers every later request with an error while it stays up.
 ``GuardedGenerator`` keeps mlx-lm's loop and:
 
 - checks what only the loaded model can check (an empty tokenized prompt,
-  ``logit_bias`` ids past the vocabulary, which crash MLX) inside the
-  per-request ``try``, so those fail their own request (400);
+  ``logit_bias`` ids past the vocabulary, which crash MLX, a sampler that
+  raises on the model's logits: ``check_sampling``) inside the per-request
+  ``try``, before the request joins the batch, so those fail their own
+  request (400) and never count against the restart budget;
 - when the loop raises anyway, fails the requests it had picked up (their
   handlers get ``GenerationFailed``, 503), and starts the loop again: the
   loaded model and the prompt cache are kept, queued requests go on;
@@ -29,7 +31,8 @@ from collections.abc import Callable
 from queue import Empty
 from typing import Any
 
-from mlx_lm.server import ResponseGenerator
+import mlx.core as mx
+from mlx_lm.server import ResponseGenerator, _make_logits_processors, _make_sampler
 
 from ..errors import InvalidStateError
 from .server_requests import BadRequest
@@ -83,6 +86,21 @@ def vocab_size(model: Any, tokenizer: Any) -> int:
     return int(tokenizer.vocab_size)  # HF's base vocabulary: never wider than the logits
 
 
+def check_sampling(args: Any, tokenizer: Any, width: int) -> None:
+    """Build this request's sampler and logits processors now, and run the sampler once on
+    logits of the model's width: what would raise in the shared batch step (top_k past
+    the vocabulary, an XTC threshold mlx-lm refuses) fails this request alone (400)."""
+    top_k = args.sampling.top_k
+    if top_k and not 0 < top_k < width:
+        raise BadRequest(f"top_k must be below the vocabulary size {width}, not {top_k}", "top_k")
+    try:
+        sampler = _make_sampler(args, tokenizer)
+        _make_logits_processors(args)
+        mx.eval(sampler(mx.zeros((1, width))))
+    except Exception as e:  # mlx-lm checks its ranges only when the sampler first runs
+        raise BadRequest(f"the sampling parameters are refused: {e}") from None
+
+
 class GuardedGenerator(ResponseGenerator):
     """mlx-lm's ResponseGenerator whose thread survives a failing request."""
 
@@ -94,6 +112,7 @@ class GuardedGenerator(ResponseGenerator):
         self.failures = 0  # loop failures survived
         self.death: str | None = None  # why generation stopped for good
         self.died = threading.Event()
+        self.loaded = threading.Event()  # the default model is loaded (or never will be)
         self._picked: weakref.WeakSet[Any] = weakref.WeakSet()  # response queues it took
         super().__init__(model_provider, prompt_cache)
 
@@ -105,6 +124,8 @@ class GuardedGenerator(ResponseGenerator):
         except Exception as e:
             self._die(f"the model did not load: {type(e).__name__}: {e}", e)
             return
+        finally:
+            self.loaded.set()
         while True:
             try:
                 self._generate()
@@ -148,15 +169,14 @@ class GuardedGenerator(ResponseGenerator):
         out = super()._tokenize(tokenizer, request, args)
         if not out[0]:
             raise BadRequest("the prompt is empty after tokenization", "prompt")
-        bias = args.logits.logit_bias
-        if bias:
-            limit = vocab_size(self.model_provider.model, tokenizer)
-            bad = [k for k in bias if not 0 <= k < limit]
-            if bad:
-                raise BadRequest(
-                    f"logit_bias token id {bad[0]} is outside the vocabulary (0 to {limit - 1})",
-                    "logit_bias",
-                )
+        limit = vocab_size(self.model_provider.model, tokenizer)
+        bad = [k for k in args.logits.logit_bias or () if not 0 <= k < limit]
+        if bad:
+            raise BadRequest(
+                f"logit_bias token id {bad[0]} is outside the vocabulary (0 to {limit - 1})",
+                "logit_bias",
+            )
+        check_sampling(args, tokenizer, limit)
         return out
 
     # -- the handler threads ---------------------------------------------------
@@ -178,9 +198,15 @@ class GuardedGenerator(ResponseGenerator):
                 raise GenerationFailed(self._why())
             return super().generate(request, generation_args, progress_callback)
         except Exception as e:  # mlx-lm answers 404 for all; the handler asks for this one
-            _status.code = (
-                400
-                if isinstance(e, BadRequest)
-                else (503 if isinstance(e, GenerationFailed) else None)
-            )
+            _status.code = status_for(e)
             raise
+
+
+def status_for(e: Exception) -> int | None:
+    """400 for what the request's own content raised before generation (a chat template
+    or tokenizer refusing it), 503 once generation failed; None: mlx-lm's 404."""
+    if isinstance(e, GenerationFailed):
+        return 503
+    if isinstance(e, (BadRequest, ValueError, TypeError, KeyError, IndexError)):
+        return 400
+    return None

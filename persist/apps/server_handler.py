@@ -10,9 +10,14 @@ mlx-lm's code runs:
   one, 413 past the limit), within the server's request deadline (the
   reaper of ``server_http`` answers 408 and closes a client too slow);
 - parses the body strictly and checks every field (``server_requests``):
-  400 with a JSON error body naming the field;
+  400 with a JSON error body naming the field; image parts for a model
+  without an image processor are refused here, before mlx-lm would fetch
+  their URLs; mlx-lm's own later refusals get the same error body
+  (``DocumentedErrors``);
 - answers ``GET /health`` (JSON) and ``GET /metrics`` (Prometheus text);
-- logs its access lines through ``logging`` (so ``--log-format json`` holds).
+- logs its access lines through ``logging`` (so ``--log-format json`` holds),
+  control characters escaped as ``http.server`` does, and counts every
+  answer, those ``http.server`` sends itself included.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from mlx_lm.server import APIHandler
 
 from .metrics import CONTENT_TYPE
 from .server_generation import GenerationFailed, take_error_status
-from .server_requests import BadRequest, check_request, parse_json
+from .server_requests import BadRequest, check_request, normalize, parse_json
 
 if TYPE_CHECKING:
     from .server_http import DrainingServer
@@ -39,6 +44,7 @@ log = logging.getLogger("persist")
 access = logging.getLogger("persist.access")
 POSTS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 GETS = ("/health", "/metrics", "/v1/models")
+KNOWN: dict[str | None, tuple[str, ...]] = {"GET": GETS, "POST": POSTS}
 CHUNK = 1 << 16
 
 
@@ -66,15 +72,26 @@ class PersistHandler(APIHandler):
         self._code = code
         super().send_response(code, message)
 
+    def handle_one_request(self) -> None:
+        # counted here, so what http.server answers itself (400 for a bad request line,
+        # 501 for an unknown method) and mlx-lm's OPTIONS are counted too
+        self._code = 0
+        try:
+            super().handle_one_request()
+        finally:
+            self._count(self._endpoint(KNOWN.get(getattr(self, "command", None), POSTS + GETS)))
+
     def log_message(self, format: str, *args: Any) -> None:
-        access.info("%s %s", self.address_string(), format % args)
+        # as http.server does: a request line's ESC or CR never reaches a terminal or log raw
+        message = (format % args).translate(self._control_char_table)  # type: ignore[attr-defined]
+        access.info("%s %s", self.address_string(), message)
 
     def _claim(self) -> bool:
         """Take the connection from the reaper; False if it already answered 408."""
         return bool(self.server.deadlines.done(self._token))
 
     def _endpoint(self, known: tuple[str, ...]) -> str:
-        path = self.path.split("?")[0]
+        path = (getattr(self, "path", None) or "").split("?")[0]
         if path.startswith("/v1/models"):
             path = "/v1/models"
         return path if path in known else "other"
@@ -94,33 +111,26 @@ class PersistHandler(APIHandler):
         endpoint = self._endpoint(GETS)
         if not self._claim():
             return
-        try:
-            metrics = self.server.metrics
-            if endpoint == "/health":
-                health = metrics.health()
-                self._json(200 if health["generation"]["alive"] else 503, health)
-            elif endpoint == "/metrics":
-                data = metrics.text()
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-            elif endpoint == "/v1/models":
-                super().do_GET()
-            else:
-                self._json(404, _error(f"no such endpoint: GET {self.path}", "not_found"))
-        finally:
-            self._count(endpoint)
+        metrics = self.server.metrics
+        if endpoint == "/health":
+            health = metrics.health()
+            self._json(200 if health["generation"]["alive"] else 503, health)
+        elif endpoint == "/metrics":
+            data = metrics.text()
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        elif endpoint == "/v1/models":
+            super().do_GET()
+        else:
+            self._json(404, _error(f"no such endpoint: GET {self.path}", "not_found"))
 
     # -- POST ------------------------------------------------------------------
 
     def do_POST(self) -> None:
-        endpoint = self._endpoint(POSTS)
-        try:
-            self._post(endpoint)
-        finally:
-            self._count(endpoint)
+        self._post(self._endpoint(POSTS))
 
     def _count(self, endpoint: str) -> None:
         if self._code:  # nothing sent: the client went away, or the reaper counted its 408
@@ -135,10 +145,12 @@ class PersistHandler(APIHandler):
             return
         try:
             body = parse_json(raw)
-            check_request(endpoint, body)
+            check_request(endpoint, body, images=self._takes_images(body))
         except BadRequest as e:
             self._json(400, e.body())
             return
+        if normalize(body):
+            raw = json.dumps(body).encode()
         # mlx-lm's do_POST reads the body again: from memory, exactly these bytes
         self.path = endpoint  # and routes on the path without its query string
         self.rfile = io.BytesIO(raw)
@@ -187,11 +199,23 @@ class PersistHandler(APIHandler):
             return None
         return b"".join(parts)
 
+    def _takes_images(self, body: dict[str, Any]) -> bool:
+        """Whether the loaded model takes image parts (waits for the model to load)."""
+        if not any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                   for m in body.get("messages") or ()):  # fmt: skip
+            return False
+        gen = self.response_generator
+        loaded = getattr(gen, "loaded", None)
+        if loaded is not None:
+            loaded.wait(self.server.read_timeout)
+        return getattr(gen.model_provider, "processor", None) is not None
+
     def _set_completion_headers(self, status_code: int = 200) -> None:
         # mlx-lm answers 404 for every exception of generate(); ask which one it was
-        super()._set_completion_headers(
-            take_error_status(404) if status_code == 404 else status_code
-        )
+        code = take_error_status(404) if status_code == 404 else status_code
+        if code >= 400:  # mlx-lm writes {"error": "..."}: the documented shape instead
+            self.wfile = DocumentedErrors(self.wfile)  # type: ignore[assignment]
+        super()._set_completion_headers(code)
 
     def _failed(self, e: Exception) -> None:
         if isinstance(e, (GenerationFailed, ConnectionError, TimeoutError)):
@@ -204,6 +228,24 @@ class PersistHandler(APIHandler):
             with contextlib.suppress(OSError):  # the client has gone
                 self._json(code, _error(str(e), "server_error"))
         self.close_connection = True
+
+
+class DocumentedErrors:
+    """A wfile that rewrites mlx-lm's flat ``{"error": "..."}`` body as
+    ``{"error": {"message", "type", "param"}}``, the body every other 4xx/5xx has."""
+
+    def __init__(self, wfile: Any) -> None:
+        self._wfile = wfile
+
+    def write(self, data: bytes) -> int:
+        with contextlib.suppress(ValueError):  # not one JSON body: written as it is
+            flat = json.loads(data)
+            if isinstance(flat, dict) and isinstance(flat.get("error"), str):
+                data = json.dumps(_error(flat["error"])).encode()
+        return int(self._wfile.write(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wfile, name)
 
 
 def models_without_hf_cache(scan: Any) -> Any:

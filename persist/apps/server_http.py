@@ -12,13 +12,18 @@ generation thread stops for good (``GuardedGenerator``), the same orderly
 stop runs and ``serve_until_signal`` raises, so the process exits non-zero
 and a supervisor restarts it.  Every connection must send its whole request
 within ``read_timeout`` seconds (``Deadlines``): a slow or stalled client is
-answered 408 and closed, and holds no handler thread past that.
+answered 408 and closed, and holds no handler thread past that.  At most
+``max_connections`` are open at once: past it the one sending its request
+longest is closed with 503 (``Deadlines.evict_oldest``), so slow clients
+cannot take every file descriptor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import resource
 import signal
 import socket
 import threading
@@ -36,6 +41,22 @@ TIMEOUT_RESPONSE = (
     b"HTTP/1.0 408 Request Timeout\r\nContent-Type: application/json\r\n"
     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(TIMEOUT_BODY), TIMEOUT_BODY)
 )
+BUSY_BODY = b'{"error": {"message": "too many connections", "type": "server_busy", "param": null}}'
+BUSY_RESPONSE = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1"
+    b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(BUSY_BODY), BUSY_BODY)
+)
+
+
+def _answer_and_close(conn: socket.socket, response: bytes) -> None:
+    """Send a short canned answer without waiting on the client, and shut it down."""
+    try:
+        conn.setblocking(False)  # a client that reads nothing never holds this thread
+        conn.send(response)
+    except OSError:
+        pass  # the client has gone, or its window is full: it gets the close only
+    with contextlib.suppress(OSError):  # already closed
+        conn.shutdown(socket.SHUT_RDWR)  # wakes a handler blocked reading it
 
 
 class Deadlines:
@@ -67,6 +88,17 @@ class Deadlines:
         """Claim the connection: False if the reaper already answered and closed it."""
         with self._lock:
             return self._live.pop(token, None) is not None
+
+    def evict_oldest(self) -> bool:
+        """Answer 503 to, and shut down, the connection that has been sending its request
+        longest (a slow client); False if every connection has sent its request."""
+        with self._lock:
+            if not self._live:
+                return False
+            token = min(self._live, key=lambda t: self._live[t][0])
+            conn = self._live.pop(token)[1]
+        _answer_and_close(conn, BUSY_RESPONSE)
+        return True
 
     def close(self) -> None:
         self._closed.set()
@@ -101,8 +133,10 @@ class DrainingServer(ThreadingHTTPServer):
         metrics: Any = None,
         read_timeout: float = 30.0,
         max_request_bytes: int = 4 << 20,
+        max_connections: int = 128,
     ) -> None:
         self.request_queue_size = backlog  # listen(backlog), read by server_activate
+        self.max_connections = max_connections
         self.in_flight = 0
         self._idle = threading.Condition()
         # what PersistHandler reads from its server
@@ -122,7 +156,22 @@ class DrainingServer(ThreadingHTTPServer):
         else:
             log.error("persist: a request from %s failed", client_address[0], exc_info=e)
 
+    def connection_cap(self) -> int:
+        """--max-connections, and never more than half the open-file limit: the model,
+        the store and a new /health always have descriptors left."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        half = soft // 2 if soft != resource.RLIM_INFINITY else self.max_connections
+        return max(1, min(self.max_connections, half))
+
     def process_request(self, request: Any, client_address: Any) -> None:
+        # At the cap a slow client still sending its request makes room (oldest first):
+        # many slow clients cannot take every connection; requests being served are kept.
+        if self.in_flight >= self.connection_cap() and not self.deadlines.evict_oldest():
+            _answer_and_close(request, BUSY_RESPONSE)
+            self.shutdown_request(request)
+            if self.metrics is not None:
+                self.metrics.request("refused", 503)
+            return
         with self._idle:  # counted before its thread starts: drain cannot miss it
             self.in_flight += 1
         try:
@@ -160,6 +209,7 @@ def serve_until_signal(
     metrics: Any = None,
     read_timeout: float = 30.0,
     max_request_bytes: int = 4 << 20,
+    max_connections: int = 128,
 ) -> None:
     """mlx-lm's ``_run_http_server`` with a real backlog, bounded requests and an orderly
     stop; InvalidStateError if it stopped because generation did (exit non-zero)."""
@@ -177,6 +227,7 @@ def serve_until_signal(
         metrics=metrics,
         read_timeout=read_timeout,
         max_request_bytes=max_request_bytes,
+        max_connections=max_connections,
     )
     stopping = threading.Event()
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["BadRequest", "check_request", "parse_json"]
+__all__ = ["BadRequest", "check_request", "normalize", "parse_json"]
 
 MAX_STOP = 64  # stop sequences per request (OpenAI allows 4; mlx-lm builds an automaton)
 MAX_SEED = (1 << 64) - 1  # mx.random.seed takes an unsigned 64-bit seed
@@ -30,8 +30,17 @@ NUMBERS: dict[str, tuple[float | None, float | None]] = {
     "presence_penalty": (None, None),
     "frequency_penalty": (None, None),
     "xtc_probability": (0, 1),
-    "xtc_threshold": (0, 1),
+    "xtc_threshold": (0, 0.5),  # mlx-lm's XTC sampler refuses more, inside the batch step
 }
+FLOATS = ("xtc_probability", "xtc_threshold")  # mlx-lm refuses an integer (1) for these
+MAX_DEPTH = 64  # nesting of arrays and objects: nothing mlx-lm reads is deeper than a few
+# apply_chat_template's own arguments: set through chat_template_kwargs they collide with
+# mlx-lm's (a TypeError) or change what it returns (tokenize: false gives a string)
+TEMPLATE_RESERVED = frozenset(
+    {"conversation", "tools", "tokenize", "add_generation_prompt", "return_dict",
+     "return_tensors", "return_assistant_tokens_mask", "padding", "truncation",
+     "max_length", "tokenizer_kwargs"}
+)  # fmt: skip
 INTEGERS: dict[str, tuple[int, int | None]] = {
     "max_tokens": (1, None),
     "max_completion_tokens": (1, None),
@@ -70,24 +79,63 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw.decode("utf-8"), parse_constant=_constant)
     except UnicodeDecodeError as e:
         raise BadRequest(f"the body is not UTF-8: {e}") from None
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"the body is not JSON: {e}") from None
+    except ValueError as e:  # JSONDecodeError, or an integer past Python's 4300 digits
+        raise BadRequest(f"the body is not JSON this server takes: {e}") from None
+    except RecursionError:
+        raise BadRequest(f"the body nests deeper than {MAX_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise BadRequest(f"the body must be a JSON object, not {type(body).__name__}")
+    _check_tree(body)
     return body
 
 
-def check_request(path: str, body: dict[str, Any]) -> None:
-    """Raise BadRequest for the first field of ``body`` mlx-lm could not serve."""
+def _check_tree(body: Any) -> None:
+    """Nesting at most MAX_DEPTH deep, and every string encodable as UTF-8 (JSON lets a
+    lone surrogate like \\ud800 through; the tokenizer raises on it later)."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise BadRequest(f"the body holds a string that is not Unicode text: {e}") from None
+            continue
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth > MAX_DEPTH:
+            raise BadRequest(f"the body nests deeper than {MAX_DEPTH} levels")
+        items = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in items)
+
+
+def normalize(body: dict[str, Any]) -> bool:
+    """Fill in what mlx-lm reads without a default; True if ``body`` changed."""
+    options = body.get("stream_options")
+    if isinstance(options, dict) and "include_usage" not in options:
+        options["include_usage"] = False  # mlx-lm reads ["include_usage"] mid-stream
+        return True
+    return False
+
+
+def check_request(path: str, body: dict[str, Any], images: bool = False) -> None:
+    """Raise BadRequest for the first field of ``body`` mlx-lm could not serve
+    (``images``: the model takes image parts in messages)."""
     if path == "/v1/completions":
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise BadRequest("prompt must be a non-empty string (one prompt per request)", "prompt")
     else:
-        _check_messages(body.get("messages"))
+        _check_messages(body.get("messages"), images)
         _optional(body, "tools", list)
         _optional(body, "role_mapping", dict)
     _optional(body, "chat_template_kwargs", dict)
+    reserved = sorted(TEMPLATE_RESERVED.intersection(body.get("chat_template_kwargs") or ()))
+    if reserved:
+        raise BadRequest(
+            f"chat_template_kwargs cannot set {', '.join(reserved)} (the server sets them)",
+            "chat_template_kwargs",
+        )
     _optional(body, "stream_options", dict)
     if isinstance(body.get("stream_options"), dict):
         _optional(body["stream_options"], "include_usage", bool, "stream_options.include_usage")
@@ -97,6 +145,9 @@ def check_request(path: str, body: dict[str, Any]) -> None:
         _optional(body, name, str)
     for name, (lo, hi) in NUMBERS.items():
         _number(body, name, lo, hi)
+    for name in FLOATS:
+        if isinstance(body.get(name), int):
+            raise BadRequest(f"{name} must be written as a decimal number (1.0, not 1)", name)
     for name, (ilo, ihi) in INTEGERS.items():
         _integer(body, name, ilo, ihi)
     _check_top_logprobs(body.get("top_logprobs"))
@@ -179,7 +230,7 @@ def _check_logit_bias(bias: Any) -> None:
             raise BadRequest(f"logit_bias[{k}] must be a finite number", "logit_bias")
 
 
-def _check_messages(messages: Any) -> None:
+def _check_messages(messages: Any, images: bool) -> None:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of messages", "messages")
     for i, m in enumerate(messages):
@@ -188,15 +239,35 @@ def _check_messages(messages: Any) -> None:
             raise BadRequest(f"{where} must be a JSON object", "messages")
         if not isinstance(m.get("role"), str) or not m["role"]:
             raise BadRequest(f"{where}.role must be a non-empty string", "messages")
-        _check_content(m.get("content"), where)
-        calls = m.get("tool_calls")
-        if calls is not None and not (
-            isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
-        ):
-            raise BadRequest(f"{where}.tool_calls must be a list of objects", "messages")
+        _check_content(m.get("content"), where, images)
+        _check_tool_calls(m.get("tool_calls"), where)
 
 
-def _check_content(content: Any, where: str) -> None:
+def _check_tool_calls(calls: Any, where: str) -> None:
+    if calls is None:
+        return
+    if not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+        raise BadRequest(f"{where}.tool_calls must be a list of objects", "messages")
+    for j, call in enumerate(calls):
+        func = call.get("function")
+        if func is None:
+            continue
+        if not isinstance(func, dict):
+            raise BadRequest(f"{where}.tool_calls[{j}].function must be an object", "messages")
+        args = func.get("arguments")
+        if isinstance(args, str) and args:
+            try:  # mlx-lm decodes it for the chat template
+                args = json.loads(args)
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise BadRequest(
+                    f"{where}.tool_calls[{j}].function.arguments must hold a JSON object",
+                    "messages",
+                )
+
+
+def _check_content(content: Any, where: str, images: bool) -> None:
     if content is None or isinstance(content, str):
         return
     if not isinstance(content, list):
@@ -206,3 +277,9 @@ def _check_content(content: Any, where: str) -> None:
             raise BadRequest(f"{where}.content[{j}] must be an object with a type", "messages")
         if part["type"] == "text" and not isinstance(part.get("text"), str):
             raise BadRequest(f"{where}.content[{j}].text must be a string", "messages")
+        if part["type"] != "text" and not images:
+            # refused here, before mlx-lm would fetch an http(s) image URL for nothing
+            raise BadRequest(
+                f"{where}.content[{j}] is a {part['type']!r} part; this model takes text only",
+                "messages",
+            )

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
 
-from .app import cli, default_store, open_store, parse_size, store_option, tier_urls
+from ..errors import PersistError
+from .app import cli, default_store, open_store, parse_size, plain, store_option, tier_urls
 
 
 @cli.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -71,6 +76,14 @@ from .app import cli, default_store, open_store, parse_size, store_option, tier_
     help="Seconds a client has to send its whole request (slower: 408, connection closed).",
 )
 @click.option(
+    "--max-connections",
+    type=click.IntRange(1),
+    default=128,
+    show_default=True,
+    help="Connections open at once (at most half the open-file limit); past it, the client "
+    "sending its request longest is closed (503), or the new one if all are being served.",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
     default="text",
@@ -98,6 +111,7 @@ def serve_cmd(
     max_request_bytes: str,
     request_timeout: float,
     log_format: str,
+    max_connections: int,
     host_cache: str,
     store_dir: Path | None,
     server_args: tuple[str, ...],
@@ -118,26 +132,50 @@ def serve_cmd(
     from ..apps.hub import resolve_model
     from ..apps.server import serve
 
-    root = store_dir if store_dir is not None else default_store()
-    if max_bytes:
-        budget = parse_size(max_bytes)
-    else:  # the store's remembered budget, else the default one (persist config)
-        with open_store(root, create=True) as store:
-            budget = store.budgets.max_bytes
-    serve(
-        str(resolve_model(model_dir)),
-        root,
-        max_bytes=budget,
-        namespace=namespace,
-        server_args=list(server_args),
-        backlog=backlog,
-        drain_timeout=drain_timeout,
-        queue_size=write_queue,
-        when_full=when_full,
-        mlx_cache=None if mlx_cache == "auto" else parse_size(mlx_cache),
-        read_timeout=request_timeout,
-        max_request_bytes=parse_size(max_request_bytes),
-        log_format=log_format,
-        host_cache=None if host_cache == "auto" else parse_size(host_cache),
-        **tier_urls(),
-    )
+    with _exit_line(log_format):
+        root = store_dir if store_dir is not None else default_store()
+        if max_bytes:
+            budget = parse_size(max_bytes)
+        else:  # the store's remembered budget, else the default one (persist config)
+            with open_store(root, create=True) as store:
+                budget = store.budgets.max_bytes
+        serve(
+            str(resolve_model(model_dir)),
+            root,
+            max_bytes=budget,
+            namespace=namespace,
+            server_args=list(server_args),
+            backlog=backlog,
+            drain_timeout=drain_timeout,
+            queue_size=write_queue,
+            when_full=when_full,
+            mlx_cache=None if mlx_cache == "auto" else parse_size(mlx_cache),
+            read_timeout=request_timeout,
+            max_request_bytes=parse_size(max_request_bytes),
+            log_format=log_format,
+            max_connections=max_connections,
+            host_cache=None if host_cache == "auto" else parse_size(host_cache),
+            **tier_urls(),
+        )
+
+
+@contextlib.contextmanager
+def _exit_line(log_format: str) -> Iterator[None]:
+    """With --log-format json, why the process exits is one JSON log line like every
+    other (exit 1, or 3 for a bug); with text, persist's own error line."""
+    try:
+        yield
+    except click.ClickException:
+        raise  # a usage error: click's message and exit 2
+    except Exception as e:
+        if log_format != "json":
+            raise
+        from ..apps.server_logs import use_log_format
+
+        use_log_format("json")  # also when it failed before mlx-lm configured logging
+        log = logging.getLogger("persist")
+        if isinstance(e, PersistError):
+            log.error("persist: error: %s", plain(e))
+            sys.exit(1)
+        log.error("persist: this is a bug in persist; please report it", exc_info=e)
+        sys.exit(3)

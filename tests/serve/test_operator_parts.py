@@ -55,6 +55,14 @@ OK_CHAT = {"messages": [{"role": "user", "content": "hi"}]}
         (CHAT, {**OK_CHAT, "tools": "abc"}, "tools"),
         (CHAT, {**OK_CHAT, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
         (CHAT, {**OK_CHAT, "role_mapping": "x"}, "role_mapping"),
+        (TEXT, {"prompt": "a", "xtc_threshold": 0.6}, "xtc_threshold"),
+        (TEXT, {"prompt": "a", "xtc_probability": 1}, "xtc_probability"),
+        (CHAT, {**OK_CHAT, "chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        (CHAT, {"messages": [{"role": "assistant", "tool_calls": [{"function": "f"}]}]},
+         "messages"),
+        (CHAT, {"messages": [{"role": "assistant", "tool_calls": [
+            {"function": {"name": "f", "arguments": "[1]"}}]}]}, "messages"),
     ],
 )  # fmt: skip
 def test_each_bad_field_is_named(path: str, body: dict[str, Any], param: str) -> None:
@@ -74,10 +82,18 @@ def test_each_bad_field_is_named(path: str, body: dict[str, Any], param: str) ->
         (CHAT, {**OK_CHAT, "stop": ["a", "b"], "tools": [], "adapters": None}),
         (CHAT, {"messages": [{"role": "assistant", "content": None, "tool_calls": [{}]}]}),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
+        (CHAT, {"messages": [{"role": "assistant", "tool_calls": [
+            {"function": {"name": "f", "arguments": '{"x": 1}'}}]}]}),
+        (CHAT, {**OK_CHAT, "chat_template_kwargs": {"enable_thinking": False}}),
     ],
-)
+)  # fmt: skip
 def test_what_mlx_lm_serves_passes(path: str, body: dict[str, Any]) -> None:
     check_request(path, body)
+
+
+def test_image_parts_pass_for_a_model_that_takes_images() -> None:
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    check_request(CHAT, {"messages": [{"role": "user", "content": [part]}]}, images=True)
 
 
 @pytest.mark.parametrize(
@@ -88,6 +104,10 @@ def test_what_mlx_lm_serves_passes(path: str, body: dict[str, Any]) -> None:
         (b"[1]", "JSON object"),
         (b"\xff\xfe", "UTF-8"),
         (b"{", "not JSON"),
+        (b'{"n": ' + b"1" * 5000 + b"}", "not JSON"),
+        (b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deeper"),
+        (b'{"x": ' + b"[" * 65 + b"]" * 65 + b"}", "deeper"),
+        (b'{"prompt": "\\ud800"}', "not Unicode"),
     ],
 )
 def test_bodies_that_are_not_json_objects(raw: bytes, says: str) -> None:
