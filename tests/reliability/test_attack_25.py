@@ -1,0 +1,68 @@
+"""Round-3 outside attack on fault handling: what broke, each with its test.
+
+1. An index row whose column holds a value of the wrong SQLite type (text in a
+   BLOB column, text in a number column: what a damaged or hand-edited index
+   holds, SQLite does not enforce column types) made ``ls``, ``stats``,
+   ``show``, ``check`` and ``check --fix`` exit 3 with a TypeError traceback.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import pytest
+from mlx_lm.models import cache as mc
+
+import persist
+from tests.golden.cases import IDENTITY, kvs
+from tests.helpers import persist_cli
+
+
+def saved(root: Path, names: tuple[str, ...] = ("keep", "other"), n: int = 300) -> None:
+    for seed, name in enumerate(names, 1):
+        c = mc.KVCache()
+        c.update_and_fetch(*kvs(seed, n))
+        with persist.Store(root) as s:
+            s.save([c], list(range(n)), identity=IDENTITY, session=name)
+
+
+def edit(root: Path, sql: str) -> None:
+    db = sqlite3.connect(root / "index.sqlite")
+    with db:
+        db.execute(sql)
+    db.close()
+
+
+def typed(out: subprocess.CompletedProcess[str]) -> None:
+    text = out.stdout + out.stderr
+    assert out.returncode in (0, 1), text
+    assert "Traceback" not in text, text
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "manifest = 'hello'",
+        "tokens = 'abc'",
+        "identity_map = 'x'",
+        "metadata = 7",
+        "bytes = 'x'",
+        "created = 'zz'",
+        "used = x'00'",
+        "n_tokens = 'abc'",
+    ],
+)
+def test_a_row_with_a_wrongly_typed_column_is_damage_not_a_crash(
+    tmp_path: Path, change: str
+) -> None:
+    root = tmp_path / "store"
+    saved(root)
+    edit(root, f"UPDATE snapshots SET {change} WHERE name = 'keep'")
+    for args in (["ls"], ["ls", "--json"], ["stats"], ["show", "keep"], ["check"]):
+        typed(persist_cli(root, *args, check=False))
+    typed(persist_cli(root, "check", "--fix", check=False))
+    typed(persist_cli(root, "ls", check=False))
+    with persist.Store(root) as s:  # the undamaged session is untouched
+        assert s.restore("other", identity=IDENTITY).tokens == list(range(300))
