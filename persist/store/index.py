@@ -22,6 +22,7 @@ from .rows import (
     BlockRef,
     NewBlob,
     SnapshotRow,
+    blob_value,
     row_digest,
     row_of,
 )
@@ -92,7 +93,7 @@ class Index:
         with self.read() as db:
             row = db.execute("SELECT secret FROM namespaces WHERE name = ?", [namespace]).fetchone()
         if row:
-            return bytes(row[0])
+            return Index._secret(row[0], namespace)
         if make is None:
             return None
         with self.write() as db:
@@ -100,7 +101,16 @@ class Index:
                 "INSERT OR IGNORE INTO namespaces(name, secret) VALUES (?, ?)", [namespace, make()]
             )
             row = db.execute("SELECT secret FROM namespaces WHERE name = ?", [namespace]).fetchone()
-        return bytes(row[0])
+        return Index._secret(row[0], namespace)
+
+    @staticmethod
+    def _secret(value: Any, namespace: str) -> bytes:
+        """A namespace secret as stored; a damaged one is refused, never keyed with."""
+        if not isinstance(value, bytes) or len(value) < 16:
+            raise CorruptBlobError(
+                "index.sqlite", f"the secret of namespace {namespace!r} is damaged"
+            )
+        return value
 
     # -- saves in flight ------------------------------------------------------
 
@@ -139,7 +149,7 @@ class Index:
                     "SELECT key, size, head_xxh3 FROM blobs WHERE file = ? AND dead = 0", [f]
                 ).fetchone()
                 if row is not None:
-                    out[f] = (row[0], row[1], bytes(row[2]))
+                    out[f] = (row[0], row[1], blob_value(row[2]))
         return out
 
     def set_secret(self, namespace: str, secret: bytes) -> bytes:
@@ -149,7 +159,7 @@ class Index:
                 "INSERT OR IGNORE INTO namespaces(name, secret) VALUES (?, ?)", [namespace, secret]
             )
             row = db.execute("SELECT secret FROM namespaces WHERE name = ?", [namespace]).fetchone()
-        return bytes(row[0])
+        return Index._secret(row[0], namespace)
 
     def blob_rows_and_pending(
         self,
@@ -159,7 +169,7 @@ class Index:
             rows = db.execute("SELECT file, size, head_xxh3, refs, dead FROM blobs").fetchall()
             pending = db.execute("SELECT salt, pid, created FROM pending").fetchall()
         return (
-            {r[0]: (r[1], bytes(r[2]), r[3], bool(r[4])) for r in rows},
+            {r[0]: (r[1], blob_value(r[2]), r[3], bool(r[4])) for r in rows},
             {r[0]: (r[1], r[2]) for r in pending},
         )
 
@@ -168,7 +178,7 @@ class Index:
             row = db.execute(
                 "SELECT size, head_xxh3 FROM blobs WHERE file = ? AND dead = 0", [file]
             ).fetchone()
-        return (row[0], bytes(row[1])) if row else None
+        return (row[0], blob_value(row[1])) if row else None
 
     # -- snapshots ----------------------------------------------------------
 
@@ -205,7 +215,7 @@ class Index:
             "SELECT idx, chain, blob FROM snapshot_blocks WHERE snapshot = ? ORDER BY idx",
             [snapshot_id],
         ).fetchall()
-        return [BlockRef(r[0], bytes(r[1]), r[2]) for r in rows]
+        return [BlockRef(r[0], blob_value(r[1]), r[2]) for r in rows]
 
     def by_name_with_blocks(
         self, namespace: str, name: str

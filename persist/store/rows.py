@@ -112,7 +112,7 @@ def cols(alias: str) -> str:
     return ", ".join(f"{alias}.{c.strip()}" for c in SNAPSHOT_COLS.split(","))
 
 
-def _blob(v: Any) -> bytes:
+def blob_value(v: Any) -> bytes:
     """A BLOB column's value; any other type (SQLite does not enforce column types:
     a damaged or hand-edited index) reads as empty, which fails the row's checksum
     and every decode, so the row is damage, never a crash."""
@@ -135,22 +135,22 @@ def row_of(r: Sequence[Any]) -> SnapshotRow:
         owner=r[3],
         role=r[4],
         identity=r[5],
-        identity_map=_blob(r[6]),
-        root=_blob(r[7]),
-        last_chain=_blob(r[8]),
+        identity_map=blob_value(r[6]),
+        root=blob_value(r[7]),
+        last_chain=blob_value(r[8]),
         n_blocks=_int(r[9]),
         n_tokens=_int(r[10]),
-        tokens=_blob(r[11]),
+        tokens=blob_value(r[11]),
         trimmable=bool(r[12]),
         min_resume=_int(r[13]),
-        manifest=_blob(r[14]),
+        manifest=blob_value(r[14]),
         tail=r[15],
         nbytes=max(_int(r[16]), 0),
         pinned=bool(r[17]),
         created=_real(r[18]),
         used=_real(r[19]),
-        metadata=_blob(r[20]),
-        row_xxh3=_blob(r[21]),
+        metadata=blob_value(r[20]),
+        row_xxh3=blob_value(r[21]),
     )
 
 

@@ -4,6 +4,10 @@
    BLOB column, text in a number column: what a damaged or hand-edited index
    holds, SQLite does not enforce column types) made ``ls``, ``stats``,
    ``show``, ``check`` and ``check --fix`` exit 3 with a TypeError traceback.
+2. The same in the other tables: text in ``blobs.head_xxh3`` or
+   ``snapshot_blocks.chain`` made ``check`` exit 3; a block size in ``meta``
+   that is not a number made every command exit 3 (ValueError); a namespace
+   secret of the wrong type must be refused, never read as an empty key.
 """
 
 from __future__ import annotations
@@ -66,3 +70,27 @@ def test_a_row_with_a_wrongly_typed_column_is_damage_not_a_crash(
     typed(persist_cli(root, "ls", check=False))
     with persist.Store(root) as s:  # the undamaged session is untouched
         assert s.restore("other", identity=IDENTITY).tokens == list(range(300))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "UPDATE blobs SET head_xxh3 = 'x' WHERE rowid = 1",
+        "UPDATE snapshot_blocks SET chain = 'x'",
+        "UPDATE meta SET value = 'abc' WHERE key = 'block_tokens'",
+        "UPDATE namespaces SET secret = 'x'",
+    ],
+)
+def test_other_tables_with_a_wrongly_typed_column_are_typed_damage(
+    tmp_path: Path, change: str
+) -> None:
+    root = tmp_path / "store"
+    saved(root)
+    edit(root, change)
+    for args in (["ls"], ["stats"], ["show", "keep"], ["check"], ["check", "--fix"], ["ls"]):
+        typed(persist_cli(root, *args, check=False))
+    try:
+        with persist.Store(root) as s:
+            s.restore("other", identity=IDENTITY)
+    except persist.PersistError:
+        pass  # typed: refused, or restored; never a raw TypeError or a keyless secret
