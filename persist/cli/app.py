@@ -190,6 +190,13 @@ class PersistGroup(click.Group):
     a bug (traceback and a line asking to report it), 130 Ctrl-C.  A closed
     pipe (``persist ls | head``) ends quietly."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.ClickException as e:
+            e.message = plain(e.message)
+            raise
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -204,7 +211,10 @@ class PersistGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("persist: interrupted", err=True)
             sys.exit(130)
-        except (click.exceptions.Exit, click.ClickException, click.Abort):
+        except click.ClickException as e:
+            e.message = plain(e.message)  # click quotes some values raw ("extra argument (x)")
+            raise
+        except (click.exceptions.Exit, click.Abort):
             raise
         except Exception:
             import traceback

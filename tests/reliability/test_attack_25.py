@@ -8,6 +8,8 @@
    ``snapshot_blocks.chain`` made ``check`` exit 3; a block size in ``meta``
    that is not a number made every command exit 3 (ValueError); a namespace
    secret of the wrong type must be refused, never read as an empty key.
+3. click's own usage errors printed an argument raw (``persist ls $'n\x1b]0;..'``
+   gave "Got unexpected extra argument (n<ESC>]0;..)" on the terminal).
 """
 
 from __future__ import annotations
@@ -94,3 +96,18 @@ def test_other_tables_with_a_wrongly_typed_column_are_typed_damage(
             s.restore("other", identity=IDENTITY)
     except persist.PersistError:
         pass  # typed: refused, or restored; never a raw TypeError or a keyless secret
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ls", "n\x1b]0;forged\x07"],  # an extra argument: click's own usage error
+        ["show", "a", "b\x1b[2J"],
+        ["ls", "--bogus\x1b[2J\r"],
+        ["--bogus\x1b[2J\u202e"],
+    ],
+)
+def test_usage_errors_escape_control_characters(tmp_path: Path, args: list[str]) -> None:
+    out = persist_cli(tmp_path / "store", *args, check=False)
+    assert out.returncode == 2, out.stderr
+    assert not any(c in out.stdout + out.stderr for c in "\x1b\x07\r\u202e"), out.stderr
