@@ -194,7 +194,7 @@ class PersistGroup(click.Group):
         try:
             return super().parse_args(ctx, args)
         except click.ClickException as e:
-            e.message = plain(e.message)
+            _escape_click(e)
             raise
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -212,7 +212,7 @@ class PersistGroup(click.Group):
             click.echo("persist: interrupted", err=True)
             sys.exit(130)
         except click.ClickException as e:
-            e.message = plain(e.message)  # click quotes some values raw ("extra argument (x)")
+            _escape_click(e)  # click quotes some values raw ("extra argument (x)")
             raise
         except (click.exceptions.Exit, click.Abort):
             raise
@@ -222,6 +222,10 @@ class PersistGroup(click.Group):
             traceback.print_exc()
             click.echo(REPORT, err=True)
             sys.exit(3)
+
+
+def _escape_click(e: click.ClickException) -> None:
+    vars(e)["message"] = plain(e.message)  # typed Final in click, a plain attribute at run time
 
 
 def _quiet_stdout() -> None:
