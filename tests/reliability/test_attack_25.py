@@ -10,10 +10,13 @@
    secret of the wrong type must be refused, never read as an empty key.
 3. click's own usage errors printed an argument raw (``persist ls $'n\x1b]0;..'``
    gave "Got unexpected extra argument (n<ESC>]0;..)" on the terminal).
+4. ``tmp/`` or ``blobs/`` replaced by a regular file was reported as "is not a
+   regular file, not a folder": the opposite of what it is.
 """
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
 import subprocess
 from pathlib import Path
@@ -111,3 +114,18 @@ def test_usage_errors_escape_control_characters(tmp_path: Path, args: list[str])
     out = persist_cli(tmp_path / "store", *args, check=False)
     assert out.returncode == 2, out.stderr
     assert not any(c in out.stdout + out.stderr for c in "\x1b\x07\r\u202e"), out.stderr
+
+
+@pytest.mark.parametrize("folder", ["tmp", "blobs"])
+def test_a_folder_replaced_by_a_file_is_named_a_regular_file(tmp_path: Path, folder: str) -> None:
+    root = tmp_path / "store"
+    saved(root, ("keep",))
+    target = root / folder
+    if folder == "tmp":
+        target.rmdir()
+    else:
+        shutil.rmtree(target)
+    target.write_text("x")
+    out = persist_cli(root, "check", check=False)
+    assert out.returncode == 1, out.stderr
+    assert f"{folder}: is a regular file, not a folder" in out.stdout, out.stdout
