@@ -12,10 +12,14 @@
    gave "Got unexpected extra argument (n<ESC>]0;..)" on the terminal).
 4. ``tmp/`` or ``blobs/`` replaced by a regular file was reported as "is not a
    regular file, not a folder": the opposite of what it is.
+5. A FIFO or folder in place of the ``reserve`` file: ``check`` said the store
+   was consistent, and the full-disk path (which frees only a regular
+   reserve) had nothing to free, so ``rm``/``gc`` lost their room to delete.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 import subprocess
@@ -129,3 +133,19 @@ def test_a_folder_replaced_by_a_file_is_named_a_regular_file(tmp_path: Path, fol
     out = persist_cli(root, "check", check=False)
     assert out.returncode == 1, out.stderr
     assert f"{folder}: is a regular file, not a folder" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir"])
+def test_an_odd_file_in_place_of_the_reserve_is_reported_and_replaced(
+    tmp_path: Path, kind: str
+) -> None:
+    root = tmp_path / "store"
+    saved(root, ("keep",))
+    reserve = root / "reserve"
+    reserve.unlink()
+    os.mkfifo(reserve) if kind == "fifo" else reserve.mkdir()
+    out = persist_cli(root, "check", check=False)
+    assert out.returncode == 1 and "reserve" in out.stdout, out.stdout
+    typed(persist_cli(root, "check", "--fix", check=False))
+    assert reserve.is_file() and not reserve.is_symlink() and reserve.stat().st_size > 0
+    assert persist_cli(root, "check").returncode == 0
