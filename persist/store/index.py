@@ -8,6 +8,7 @@ committed (``Index.collect`` hands back the dead files).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import sqlite3
@@ -23,12 +24,15 @@ from .rows import (
     NewBlob,
     SnapshotRow,
     blob_value,
+    listed_info,
     row_digest,
     row_of,
 )
 
 if TYPE_CHECKING:
     import sqlite_utils
+
+    from .types import EntryInfo
 
 __all__ = ["Index", "SnapshotRow", "NewBlob", "BlockRef", "corruption_is_typed"]
 
@@ -208,6 +212,17 @@ class Index:
             if row_digest(r, Index.blocks_in(db, r.id)) != r.row_xxh3:
                 out.append((r, "index row does not match its checksum"))
         return out
+
+    def checked_info(self, row: SnapshotRow) -> EntryInfo:
+        """``listed_info``, also marked damaged when the row fails its checksum (a flipped
+        token count would otherwise be shown as the session's)."""
+        info = listed_info(row)
+        if info.damaged is None:
+            with self.read() as db:
+                bad = Index.damaged_rows(db, row.id)
+            if bad:
+                info = dataclasses.replace(info, damaged=f"the {bad[0][1]}")
+        return info
 
     @staticmethod
     def blocks_in(db: sqlite_utils.Database, snapshot_id: int) -> list[BlockRef]:

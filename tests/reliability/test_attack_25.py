@@ -15,10 +15,14 @@
 5. A FIFO or folder in place of the ``reserve`` file: ``check`` said the store
    was consistent, and the full-disk path (which frees only a regular
    reserve) had nothing to free, so ``rm``/``gc`` lost their room to delete.
+6. A row whose token count was changed (bit rot in a column the row checksum
+   covers): ``persist show`` printed "tokens 200" for a 300-token session,
+   unmarked, though ``check`` calls the row damaged.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sqlite3
@@ -149,3 +153,14 @@ def test_an_odd_file_in_place_of_the_reserve_is_reported_and_replaced(
     typed(persist_cli(root, "check", "--fix", check=False))
     assert reserve.is_file() and not reserve.is_symlink() and reserve.stat().st_size > 0
     assert persist_cli(root, "check").returncode == 0
+
+
+def test_show_marks_a_row_that_fails_its_checksum(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    saved(root)
+    edit(root, "UPDATE snapshots SET n_tokens = 200 WHERE name = 'keep'")
+    out = persist_cli(root, "show", "keep")
+    assert "DAMAGED" in out.stdout and "checksum" in out.stdout, out.stdout
+    data = json.loads(persist_cli(root, "show", "keep", "--json").stdout)
+    assert data["damaged"], data
+    assert "DAMAGED" not in persist_cli(root, "show", "other").stdout
