@@ -17,7 +17,7 @@
    reserve) had nothing to free, so ``rm``/``gc`` lost their room to delete.
 6. A row whose token count was changed (bit rot in a column the row checksum
    covers): ``persist show`` printed "tokens 200" for a 300-token session,
-   unmarked, though ``check`` calls the row damaged.
+   unmarked, though ``check`` calls the row damaged; ``persist ls`` the same.
 """
 
 from __future__ import annotations
@@ -164,3 +164,14 @@ def test_show_marks_a_row_that_fails_its_checksum(tmp_path: Path) -> None:
     data = json.loads(persist_cli(root, "show", "keep", "--json").stdout)
     assert data["damaged"], data
     assert "DAMAGED" not in persist_cli(root, "show", "other").stdout
+
+
+def test_ls_marks_a_row_that_fails_its_checksum(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    saved(root)
+    edit(root, "UPDATE snapshots SET n_tokens = 200 WHERE name = 'keep'")
+    lines = persist_cli(root, "ls").stdout.splitlines()
+    assert [ln for ln in lines if "DAMAGED" in ln and " keep " in ln], lines
+    assert not [ln for ln in lines if "DAMAGED" in ln and " other " in ln], lines
+    data = json.loads(persist_cli(root, "ls", "--json").stdout)
+    assert [e["session"] for e in data if e["damaged"]] == ["keep"], data
