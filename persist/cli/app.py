@@ -273,6 +273,13 @@ class PersistGroup(click.Group):
         load_commands()
         return super().list_commands(ctx)
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.ClickException as e:
+            _escape_click(e)
+            raise
+
     def invoke(self, ctx: click.Context) -> Any:
         as_json = "--json" in ctx.args  # the command's own flag, not parsed yet
         try:
@@ -288,6 +295,7 @@ class PersistGroup(click.Group):
             _fail(as_json, "interrupted", "KeyboardInterrupt", 130)
         except click.ClickException as e:
             if not as_json:
+                _escape_click(e)  # click quotes some values raw ("extra argument (x)")
                 raise
             _fail(as_json, e.format_message(), type(e).__name__, e.exit_code)
         except (click.exceptions.Exit, click.Abort):
@@ -314,6 +322,10 @@ def _mismatch_hint(e: IdentityMismatchError) -> str:
     if e.fields and all(f.startswith("cache_config.") for f in e.fields):
         return "; pass the --kv-bits / --max-kv-size options it was saved with"
     return "; pass --model with the model it was saved for"
+
+
+def _escape_click(e: click.ClickException) -> None:
+    vars(e)["message"] = plain(e.message)  # typed Final in click, a plain attribute at run time
 
 
 def _quiet_stdout() -> None:

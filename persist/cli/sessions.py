@@ -86,11 +86,10 @@ def ls_cmd(
       persist ls --prefix user- --all --json
     """
     from ..store.listing import stream, unnamed_counts
-    from ..store.rows import listed_info
 
     with open_index(store_dir) as index:
         rows = stream(index, namespace, every=show_all, sort=sort, prefix=prefix, limit=limit)
-        entries = (listed_info(r) for r in rows)  # a damaged row is listed, marked
+        entries = (index.checked_info(r) for r in rows)  # a damaged row: marked
         if as_json:
             _json_array(entries)
             return

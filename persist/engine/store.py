@@ -308,7 +308,7 @@ class Store:
         row = self.index.by_name(namespace, session)
         if row is None:
             raise SessionNotFoundError(session, namespace)
-        return self._info(row)
+        return self.index.checked_info(row)  # show: a row failing its checksum is marked
 
     def export(
         self,

@@ -35,10 +35,11 @@ def file_kind(mode: int) -> str:
         (stat.S_ISCHR, "a character device"),
         (stat.S_ISBLK, "a block device"),
         (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISREG, "a regular file"),
     ):
         if test(mode):
             return name
-    return "not a regular file"
+    return "a file of an unknown kind"
 
 
 def open_regular(path: str | os.PathLike[str], *, user: bool = False) -> BinaryIO:

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import CorruptBlobError
 from ..format.opening import file_kind
 from ..records import Progress
-from . import writes
+from . import full, writes
 from .blobs import FILE_RE, FileBlobs
 from .check_damage import Cutter, damaged, quarantine, repair, verify_blob
 from .index import Index
@@ -49,6 +49,7 @@ def check_store(
     if any(p.kind == "index-corrupt" for p in problems):
         return problems
     problems += _folders(blobs, fix)
+    problems += _reserve(blobs, fix)
     problems += _links(blobs)
     problems += _tmp(blobs, fix)
     # Files first, then blob rows and pending saves in one read transaction:
@@ -115,6 +116,23 @@ def _folders(blobs: FileBlobs, fix: bool) -> list[Problem]:
         what = f"is {file_kind(d.lstat().st_mode)}, not a folder" if not fix else "set aside"
         out.append(Problem("not-a-folder", str(d), f"{what}; every blob it held is lost", fix))
     return out
+
+
+def _reserve(blobs: FileBlobs, fix: bool) -> list[Problem]:
+    """A FIFO, folder or device where the reserve belongs: a full disk could not free
+    it, so ``rm`` and ``gc`` would find no room to delete with.  Set aside, made again."""
+    path = blobs.root / full.RESERVE
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return []  # made again when the store opens
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):  # a link: reported by _links, left
+        return []
+    if fix:
+        quarantine(blobs, path)
+        full.ensure_reserve(blobs.root)
+    what = f"is {file_kind(mode)}, not the reserve a full disk frees to delete with"
+    return [Problem("not-a-file", str(path), what, fix)]
 
 
 SUBDIR_RE = re.compile(r"[0-9a-f]{2}")

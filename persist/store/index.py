@@ -8,6 +8,7 @@ committed (``Index.collect`` hands back the dead files).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import sqlite3
@@ -22,12 +23,16 @@ from .rows import (
     BlockRef,
     NewBlob,
     SnapshotRow,
+    blob_value,
+    listed_info,
     row_digest,
     row_of,
 )
 
 if TYPE_CHECKING:
     import sqlite_utils
+
+    from .types import EntryInfo
 
 __all__ = ["Index", "SnapshotRow", "NewBlob", "BlockRef", "corruption_is_typed"]
 
@@ -92,7 +97,7 @@ class Index:
         with self.read() as db:
             row = db.execute("SELECT secret FROM namespaces WHERE name = ?", [namespace]).fetchone()
         if row:
-            return bytes(row[0])
+            return Index._secret(row[0], namespace)
         if make is None:
             return None
         with self.write() as db:
@@ -100,7 +105,16 @@ class Index:
                 "INSERT OR IGNORE INTO namespaces(name, secret) VALUES (?, ?)", [namespace, make()]
             )
             row = db.execute("SELECT secret FROM namespaces WHERE name = ?", [namespace]).fetchone()
-        return bytes(row[0])
+        return Index._secret(row[0], namespace)
+
+    @staticmethod
+    def _secret(value: Any, namespace: str) -> bytes:
+        """A namespace secret as stored; a damaged one is refused, never keyed with."""
+        if not isinstance(value, bytes) or len(value) < 16:
+            raise CorruptBlobError(
+                "index.sqlite", f"the secret of namespace {namespace!r} is damaged"
+            )
+        return value
 
     # -- saves in flight ------------------------------------------------------
 
@@ -142,7 +156,7 @@ class Index:
                     "SELECT key, size, head_xxh3 FROM blobs WHERE file = ? AND dead = 0", [f]
                 ).fetchone()
                 if row is not None:
-                    out[f] = (row[0], row[1], bytes(row[2]))
+                    out[f] = (row[0], row[1], blob_value(row[2]))
         return out
 
     def set_secret(self, namespace: str, secret: bytes) -> bytes:
@@ -152,7 +166,7 @@ class Index:
                 "INSERT OR IGNORE INTO namespaces(name, secret) VALUES (?, ?)", [namespace, secret]
             )
             row = db.execute("SELECT secret FROM namespaces WHERE name = ?", [namespace]).fetchone()
-        return bytes(row[0])
+        return Index._secret(row[0], namespace)
 
     def blob_rows_and_pending(
         self,
@@ -162,7 +176,7 @@ class Index:
             rows = db.execute("SELECT file, size, head_xxh3, refs, dead FROM blobs").fetchall()
             pending = db.execute("SELECT salt, pid, created FROM pending").fetchall()
         return (
-            {r[0]: (r[1], bytes(r[2]), r[3], bool(r[4])) for r in rows},
+            {r[0]: (r[1], blob_value(r[2]), r[3], bool(r[4])) for r in rows},
             {r[0]: (r[1], r[2]) for r in pending},
         )
 
@@ -171,7 +185,7 @@ class Index:
             row = db.execute(
                 "SELECT size, head_xxh3 FROM blobs WHERE file = ? AND dead = 0", [file]
             ).fetchone()
-        return (row[0], bytes(row[1])) if row else None
+        return (row[0], blob_value(row[1])) if row else None
 
     # -- snapshots ----------------------------------------------------------
 
@@ -202,13 +216,24 @@ class Index:
                 out.append((r, "index row does not match its checksum"))
         return out
 
+    def checked_info(self, row: SnapshotRow) -> EntryInfo:
+        """``listed_info``, also marked damaged when the row fails its checksum (a flipped
+        token count would otherwise be shown as the session's)."""
+        info = listed_info(row)
+        if info.damaged is None:
+            with self.read() as db:
+                bad = Index.damaged_rows(db, row.id)
+            if bad:
+                info = dataclasses.replace(info, damaged=f"the {bad[0][1]}")
+        return info
+
     @staticmethod
     def blocks_in(db: sqlite_utils.Database, snapshot_id: int) -> list[BlockRef]:
         rows = db.execute(
             "SELECT idx, chain, blob FROM snapshot_blocks WHERE snapshot = ? ORDER BY idx",
             [snapshot_id],
         ).fetchall()
-        return [BlockRef(r[0], bytes(r[1]), r[2]) for r in rows]
+        return [BlockRef(r[0], blob_value(r[1]), r[2]) for r in rows]
 
     def by_name_with_blocks(
         self, namespace: str, name: str

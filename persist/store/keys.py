@@ -103,10 +103,11 @@ def remove(db: sqlite_utils.Database, snapshot_id: int) -> None:
     ).fetchone()
     if row is None:
         return
-    root, n, toks, trimmable = bytes(row[0]), row[1], unpack_tokens(bytes(row[2])), row[3]
-    block = block_of(bytes(row[4]), _store_block(db))
+    root, toks, trimmable = _b(row[0]), unpack_tokens(_b(row[2])), row[3]
+    n = row[1] if isinstance(row[1], int) else -1  # a wrongly typed column: damage
+    block = block_of(_b(row[4]), _store_block(db))
     every = [root] + [
-        bytes(r[0])
+        _b(r[0])
         for r in db.execute(
             "SELECT chain FROM snapshot_blocks WHERE snapshot = ? ORDER BY idx", [snapshot_id]
         )
@@ -127,6 +128,11 @@ def remove(db: sqlite_utils.Database, snapshot_id: int) -> None:
         key = [every[i], sort_pack(toks[i * block : (i + 1) * block])]
         db.execute("UPDATE block_keys SET users = users - 1 WHERE anchor = ? AND rest = ?", key)
         db.execute("DELETE FROM block_keys WHERE anchor = ? AND rest = ? AND users <= 0", key)
+
+
+def _b(v: object) -> bytes:
+    """A BLOB column's value; another type (a damaged index) reads as empty."""
+    return bytes(v) if isinstance(v, (bytes, bytearray, memoryview)) else b""
 
 
 def block_of(manifest: bytes, default: int) -> int:

@@ -112,6 +112,21 @@ def cols(alias: str) -> str:
     return ", ".join(f"{alias}.{c.strip()}" for c in SNAPSHOT_COLS.split(","))
 
 
+def blob_value(v: Any) -> bytes:
+    """A BLOB column's value; any other type (SQLite does not enforce column types:
+    a damaged or hand-edited index) reads as empty, which fails the row's checksum
+    and every decode, so the row is damage, never a crash."""
+    return bytes(v) if isinstance(v, (bytes, bytearray, memoryview)) else b""
+
+
+def _int(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else -1
+
+
+def _real(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+
 def row_of(r: Sequence[Any]) -> SnapshotRow:
     return SnapshotRow(
         id=r[0],
@@ -120,22 +135,22 @@ def row_of(r: Sequence[Any]) -> SnapshotRow:
         owner=r[3],
         role=r[4],
         identity=r[5],
-        identity_map=bytes(r[6]),
-        root=bytes(r[7]),
-        last_chain=bytes(r[8]),
-        n_blocks=r[9],
-        n_tokens=r[10],
-        tokens=bytes(r[11]),
+        identity_map=blob_value(r[6]),
+        root=blob_value(r[7]),
+        last_chain=blob_value(r[8]),
+        n_blocks=_int(r[9]),
+        n_tokens=_int(r[10]),
+        tokens=blob_value(r[11]),
         trimmable=bool(r[12]),
-        min_resume=r[13],
-        manifest=bytes(r[14]),
+        min_resume=_int(r[13]),
+        manifest=blob_value(r[14]),
         tail=r[15],
-        nbytes=r[16],
+        nbytes=max(_int(r[16]), 0),
         pinned=bool(r[17]),
-        created=r[18],
-        used=r[19],
-        metadata=bytes(r[20]),
-        row_xxh3=bytes(r[21]),
+        created=_real(r[18]),
+        used=_real(r[19]),
+        metadata=blob_value(r[20]),
+        row_xxh3=blob_value(r[21]),
     )
 
 

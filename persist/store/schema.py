@@ -395,6 +395,10 @@ def _check_block_tokens(
             db.execute(
                 "INSERT INTO meta(key, value) VALUES ('block_tokens', ?)", [str(block_tokens)]
             )
+        elif not str(row[0]).isdigit() or int(row[0]) <= 0:  # isdigit: ASCII digits only
+            raise CorruptBlobError(
+                str(path), f"its block size {str(row[0])[:40]!r} is not a positive number"
+            )
         elif int(row[0]) != block_tokens and not adopt:
             raise InvalidArgumentError(
                 f"store {path.parent} uses blocks of {row[0]} tokens, not {block_tokens}"
