@@ -138,13 +138,11 @@ def show_cmd(name: str, namespace: str, store_dir: Path | None, as_json: bool) -
     Example:
       persist show work
     """
-    from ..store.rows import listed_info
-
     with open_index(store_dir) as index:
         row = index.by_name(namespace, name)
-    if row is None:
-        raise SessionNotFoundError(name, namespace)
-    e = listed_info(row)  # as Store.entry: a row that does not decode is shown damaged
+        if row is None:
+            raise SessionNotFoundError(name, namespace)
+        e = index.checked_info(row)  # a row that does not decode or check is shown damaged
 
     def render(_: Any) -> None:
         click.echo(f"session {e.session!r} in namespace {e.namespace!r}")

@@ -321,7 +321,10 @@ def _ready(db: Database, block_tokens: int, adopt: bool) -> bool:
     )
     if rows.get("schema_version") != str(SCHEMA_VERSION) or "block_tokens" not in rows:
         return False  # the locked path migrates, or raises UnsupportedVersionError
-    return adopt or int(rows["block_tokens"]) == block_tokens
+    size = str(rows["block_tokens"])
+    if not size.isdigit() or int(size) <= 0:
+        return False  # damaged: the locked path says so (_check_block_tokens)
+    return adopt or int(size) == block_tokens
 
 
 def _damaged(path: Path, detail: str) -> CorruptBlobError:
