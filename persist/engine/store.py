@@ -9,7 +9,6 @@ never import mlx: ``persist ls`` starts in a blink.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -18,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     InvalidArgumentError,
-    InvalidStateError,
     PersistError,
     SessionNotFoundError,
     StorageError,
@@ -27,14 +25,15 @@ from ..format.manifest import check_metadata
 from ..format.tokens import check_tokens, unpack_tokens
 from ..identity import ModelIdentity
 from ..records import Progress
-from ..store import full, rates, retention, writes
+from ..store import full, retention
 from ..store.blobs import FileBlobs
-from ..store.check_damage import clear_quarantine, pop_notice
+from ..store.check_damage import pop_notice
 from ..store.index import Index, SnapshotRow
 from ..store.rows import check_name, listed_info, store_root
 from ..store.schema import connect
-from ..store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
+from ..store.types import EntryInfo, Restored
 from .costs import CostModel
+from .upkeep import StoreUpkeep
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
     from ..codecs.snapshot import Snapshot
@@ -47,7 +46,7 @@ log = logging.getLogger("persist")
 DEFAULT_BLOCK = 256
 
 
-class Store:
+class Store(StoreUpkeep):
     """A directory of cached states: ``Store(root, max_bytes=None, block_tokens=256)``.
 
     ``namespace_max_bytes`` (bytes for every namespace, or a map of namespace to
@@ -104,27 +103,6 @@ class Store:
         self.block_tokens = int(
             db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0]
         )
-
-    # -- context manager --------------------------------------------------
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Close the index; any later call on this Store is InvalidStateError."""
-        if self._index is not None:
-            self._index.db.conn.close()
-            self._index = None
-
-    @property
-    def index(self) -> Index:
-        """The SQLite index (``persist.store.index``); InvalidStateError once closed."""
-        if self._index is None:
-            raise InvalidStateError(f"the store at {self.root} is closed")
-        return self._index
 
     # -- saving -----------------------------------------------------------
 
@@ -378,78 +356,6 @@ class Store:
             metadata=got.metadata,
             unverified_tokens=got.unverified,
         )
-
-    def has_session(self, session: str, *, namespace: str = "default") -> bool:
-        return (
-            self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
-            is not None
-        )
-
-    def pin(self, session: str, *, namespace: str = "default", pinned: bool = True) -> None:
-        """Pin (or unpin) a session and its checkpoints: pinned entries are never evicted."""
-        check_name(session, "session")
-        with self.index.write() as db:
-            changed = writes.set_pinned(db, namespace, session, pinned)
-        if not changed:
-            raise SessionNotFoundError(session, namespace)
-
-    def delete(self, session: str, *, namespace: str = "default") -> None:
-        """Delete a session and its checkpoints (also those an interrupted prime left
-        without a session: the name owns them); files go after the commit."""
-        check_name(session, "session")
-
-        def remove() -> None:
-            with self.index.write() as db:
-                rows = writes.session_rows(db, namespace, session)
-                if not rows:
-                    raise SessionNotFoundError(session, namespace)
-                for r in rows:
-                    writes.remove(db, r.id)
-
-        full.with_room(self.root, remove)  # works on a full disk: the reserve makes room
-        full.with_room(self.root, lambda: retention.collect(self.index, self.blobs))
-        full.ensure_reserve(self.root)
-
-    def gc(self, max_bytes: int | None = None, *, dry_run: bool = False) -> GcReport:
-        """Evict least recently used unpinned snapshots down to ``max_bytes``.
-
-        Without a budget (here or on the store) it only deletes unreferenced
-        blob files.  ``dry_run`` reports what would go and changes nothing.
-        """
-        budget = self.budgets.max_bytes if max_bytes is None else max_bytes
-        report = full.with_room(
-            self.root, lambda: retention.gc(self.index, self.blobs, budget, dry_run)
-        )
-        full.ensure_reserve(self.root)
-        cleared = clear_quarantine(self.root, dry_run=dry_run)
-        return dataclasses.replace(report, quarantine_cleared=cleared)
-
-    def stats(self, namespace: str | None = None) -> StoreStats:
-        rows = self.index.snapshots(namespace, named_only=False)
-        return StoreStats(
-            entries=len(rows),
-            sessions=sum(1 for r in rows if r.name is not None),
-            unique_bytes=self.index.unique_bytes(namespace=namespace),
-            referenced_bytes=sum(r.nbytes for r in rows),
-            counters=self.index.counters(namespace),
-            rates=rates.all_rates(self.index),
-            decisions=rates.decisions(self.index, namespace),
-            data_paths=rates.paths(self.index),
-        )
-
-    def check(self, fix: bool = False, *, progress: Progress | None = None) -> list[Problem]:
-        """Reconcile index and files; with ``fix`` repair what can be repaired."""
-        from ..store.check import check_store
-        from .salvage import cutter
-
-        cut = cutter(self.index, self.blobs, self.block_tokens, self.budgets)
-        return check_store(self.index, self.blobs, fix, progress, cut)
-
-    def sync(self, *, namespace: str | None = None, pull: Sequence[str] = ()) -> dict[str, Any]:
-        """Push what the tiers lack (every snapshot), pull the named sessions ``pull``."""
-        from .tiers import sync
-
-        return sync(self.index, self.blobs, self.tiers, namespace, list(pull))
 
     def _info(self, r: SnapshotRow) -> EntryInfo:
         return listed_info(r)  # a row that does not decode is listed as damaged
