@@ -113,3 +113,25 @@ def test_every_name_check_name_accepts_saves_or_is_a_typed_refusal(
             pytest.fail(f"untyped exception: {e}")
     with persist.Store(tmp_path / "b", cold=s3_server.url) as b:
         assert b.restore("a\udcffb", identity=ident).tokens == t
+
+
+@pytest.mark.xfail(strict=True, reason="after a Redis restart a new machine's save plants a new secret; the old machines never share again")
+def test_a_redis_restart_never_splits_a_keyless_fleet(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """README: Redis is a cache (what it holds is gone with its memory) and the namespace
+    secret is recovered when it disappears, so allkeys-lru never splits a fleet.  Losing
+    everything (a restart, or an LRU that took every key) and a new machine saving first:"""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    t1, t2, t3 = tokens_for(300, seed=11), tokens_for(300, seed=12), tokens_for(300, seed=13)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, t1)[0], t1, identity=ident, session="from-a")
+    redis_server.client().flushall()  # the server restarted (no persistence, as advised)
+    with persist.Store(tmp_path / "b", shared=redis_server.url) as b:  # a new machine
+        b.save(prefill(model, t2)[0], t2, identity=ident, session="from-b")
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, t3)[0], t3, identity=ident, session="from-a-again")
+        assert a.restore("from-b", identity=ident).tokens == t2
+    with persist.Store(tmp_path / "c", shared=redis_server.url) as c:
+        assert c.restore("from-a-again", identity=ident).tokens == t3
