@@ -135,3 +135,22 @@ def test_a_redis_restart_never_splits_a_keyless_fleet(
         assert a.restore("from-b", identity=ident).tokens == t2
     with persist.Store(tmp_path / "c", shared=redis_server.url) as c:
         assert c.restore("from-a-again", identity=ident).tokens == t3
+
+
+@pytest.mark.xfail(strict=True, reason="sync --pull with the tier down says 'not in any tier' and exits 0")
+def test_sync_pull_with_the_tier_down_is_a_failure_not_a_miss(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """README: sync reports what failed and exits 1 if anything failed.  A pull that could
+    not ask the only tier is a failure, not 'not in any tier'."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    t = tokens_for(300, seed=1)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, t)[0], t, identity=ident, session="x")
+    redis_server.stop()  # x is on the tier; the tier is down
+    out = persist_cli(
+        tmp_path / "b", "sync", "--shared", redis_server.url, "--pull", "x", check=False
+    )
+    assert out.returncode == 1, out.stdout
+    assert "not in any tier" not in out.stdout, out.stdout
