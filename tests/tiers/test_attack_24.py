@@ -154,3 +154,30 @@ def test_sync_pull_with_the_tier_down_is_a_failure_not_a_miss(
     )
     assert out.returncode == 1, out.stdout
     assert "not in any tier" not in out.stdout, out.stdout
+
+
+@pytest.mark.xfail(strict=True, reason="Redis pointer values are read whole (MGET): a 32 MB sess:/blk:/head: value is 32 MB read each")
+def test_a_huge_pointer_value_is_not_read_whole(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """A pointer is under 100 bytes (S3 reads at most 128); on Redis a hostile value of
+    any size (up to 512 MB, times every chain key a lookup asks for) is read whole."""
+    from tests.tiers.test_trust import two
+
+    model, tok, _ = tiny("llama")
+    ident, toks = two(model, tok, redis_server.url, tmp_path / "a")
+    r, p = redis_server.client(), RedisTier.prefix("default")
+    big = b"0" * (32 << 20)
+    r.set(f"{p}sess:x", big)
+    for k in r.keys(p.encode() + b"blk:*") + r.keys(p.encode() + b"head:*"):
+        r.set(k, big)
+
+    def sent() -> int:
+        return int(r.info("stats")["total_net_output_bytes"])
+
+    with persist.Store(tmp_path / "b", shared=redis_server.url) as b:
+        before = sent()
+        with pytest.raises(persist.SessionNotFoundError):
+            b.restore("x", identity=ident)
+        assert b.lookup([*toks["y"], 5], identity=ident) is None
+        assert sent() - before < 1 << 20, f"{sent() - before} bytes read for pointers"
