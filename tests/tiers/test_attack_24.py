@@ -7,17 +7,19 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import persist_cli
-
 import persist
 from persist.store.redis_tier import RedisTier
-from tests.helpers import assert_same_state, live_state, prefill, tokens_for
+from tests.helpers import persist_cli, prefill, tokens_for
 
 KEY = bytes(range(32))
 
 
-@pytest.mark.xfail(strict=True, reason="an old authentic sess: pointer replayed restores the stale version as current "
-    "(the README documents this rollback as what a keyless writer can still do; kept for the lead to judge)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="an old authentic sess: pointer replayed restores the stale version as current "
+    "(the README documents this rollback as what a keyless writer can still do; "
+    "kept for the lead to judge)",
+)
 def test_replayed_old_pointer_is_not_restored_as_current(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -39,7 +41,9 @@ def test_replayed_old_pointer_is_not_restored_as_current(
         assert got.tokens == new, "the stale version of x was restored as current"
 
 
-@pytest.mark.xfail(strict=True, reason="a store that shared before the operator key was set never shares with it")
+@pytest.mark.xfail(
+    strict=True, reason="a store that shared before the operator key was set never shares with it"
+)
 def test_adding_an_operator_key_to_an_existing_fleet_keeps_it_sharing(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -58,7 +62,10 @@ def test_adding_an_operator_key_to_an_existing_fleet_keeps_it_sharing(
         assert got.tokens == after
 
 
-@pytest.mark.xfail(strict=True, reason="Store(tier_key=b'') authenticates with an empty HMAC key anyone can compute")
+@pytest.mark.xfail(
+    strict=True,
+    reason="Store(tier_key=b'') authenticates with an empty HMAC key anyone can compute",
+)
 def test_an_empty_or_short_tier_key_is_refused(redis_server: Any, tmp_path: Path) -> None:
     """$PERSIST_TIER_KEY and --tier-key-file refuse a key under 16 bytes; the library takes
     b'' and b'x', so every record's 'authentic' tag is one any writer can forge."""
@@ -67,7 +74,9 @@ def test_an_empty_or_short_tier_key_is_refused(redis_server: Any, tmp_path: Path
             persist.Store(tmp_path / f"s{i}", shared=redis_server.url, tier_key=k).close()
 
 
-@pytest.mark.xfail(strict=True, reason="Store(tier_key=<hex str>) is accepted, then a save raises a raw TypeError")
+@pytest.mark.xfail(
+    strict=True, reason="Store(tier_key=<hex str>) is accepted, then a save raises a raw TypeError"
+)
 def test_a_tier_key_of_the_wrong_type_is_a_typed_error(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -83,20 +92,30 @@ def test_a_tier_key_of_the_wrong_type_is_a_typed_error(
         pytest.fail(f"untyped exception: {e}")
 
 
-@pytest.mark.xfail(strict=True, reason="a key file of two lines is read as one key of both lines concatenated")
+@pytest.mark.xfail(
+    strict=True, reason="a key file of two lines is read as one key of both lines concatenated"
+)
 def test_a_key_file_with_two_keys_is_refused(redis_server: Any, tmp_path: Path) -> None:
     """A key file where a rotated key was appended (or one pasted twice) is silently a
     third, 64-byte key: the machine given it shares with nobody and says nothing."""
     kf = tmp_path / "tier.key"
     kf.write_text(KEY.hex() + "\n" + bytes(32).hex() + "\n")
     out = persist_cli(
-        tmp_path / "h", "sync", "--shared", redis_server.url, "--tier-key-file", str(kf),
+        tmp_path / "h",
+        "sync",
+        "--shared",
+        redis_server.url,
+        "--tier-key-file",
+        str(kf),
         check=False,
     )
     assert out.returncode != 0, out.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="a session name check_name accepts (a lone surrogate) raises UnicodeEncodeError")
+@pytest.mark.xfail(
+    strict=True,
+    reason="a session name check_name accepts (a lone surrogate) raises UnicodeEncodeError",
+)
 def test_every_name_check_name_accepts_saves_or_is_a_typed_refusal(
     tiny: Any, s3_server: Any, tmp_path: Path
 ) -> None:
@@ -115,7 +134,13 @@ def test_every_name_check_name_accepts_saves_or_is_a_typed_refusal(
         assert b.restore("a\udcffb", identity=ident).tokens == t
 
 
-@pytest.mark.xfail(strict=True, reason="after a Redis restart a new machine's save plants a new secret; the old machines never share again")
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "after a Redis restart a new machine's save plants a new secret; the old machines "
+        "never share again"
+    ),
+)
 def test_a_redis_restart_never_splits_a_keyless_fleet(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -137,7 +162,9 @@ def test_a_redis_restart_never_splits_a_keyless_fleet(
         assert c.restore("from-a-again", identity=ident).tokens == t3
 
 
-@pytest.mark.xfail(strict=True, reason="sync --pull with the tier down says 'not in any tier' and exits 0")
+@pytest.mark.xfail(
+    strict=True, reason="sync --pull with the tier down says 'not in any tier' and exits 0"
+)
 def test_sync_pull_with_the_tier_down_is_a_failure_not_a_miss(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -156,7 +183,13 @@ def test_sync_pull_with_the_tier_down_is_a_failure_not_a_miss(
     assert "not in any tier" not in out.stdout, out.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="Redis pointer values are read whole (MGET): a 32 MB sess:/blk:/head: value is 32 MB read each")
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "Redis pointer values are read whole (MGET): a 32 MB sess:/blk:/head: value is 32 MB "
+        "read each"
+    ),
+)
 def test_a_huge_pointer_value_is_not_read_whole(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -183,7 +216,13 @@ def test_a_huge_pointer_value_is_not_read_whole(
         assert sent() - before < 1 << 20, f"{sent() - before} bytes read for pointers"
 
 
-@pytest.mark.xfail(strict=True, reason="one malformed rec: value found first blocks recovery of an evicted secret: lookups miss, the fleet splits")
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "one malformed rec: value found first blocks recovery of an evicted secret: lookups "
+        "miss, the fleet splits"
+    ),
+)
 def test_one_malformed_record_never_blocks_secret_recovery(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -202,14 +241,20 @@ def test_one_malformed_record_never_blocks_secret_recovery(
     for i in range(200):  # bounded: until SCAN meets a bad record first
         r.set(f"{p}rec:{i:032x}", b"not a record")
         first = r.scan(0, match=f"{p}rec:*", count=SCAN_COUNT)[1]
-        if first and b"not a record" == r.get(first[0]):
+        if first and r.get(first[0]) == b"not a record":
             break
     with persist.Store(tmp_path / "b", shared=redis_server.url) as b:  # a new machine
         hit = b.lookup([*doc[:280], 9], identity=ident)
         assert hit is not None and hit.tokens == doc[:280]
 
 
-@pytest.mark.xfail(strict=True, reason="a secret key of another type (a list) breaks the whole keyless namespace: lookups miss, every push fails")
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "a secret key of another type (a list) breaks the whole keyless namespace: lookups "
+        "miss, every push fails"
+    ),
+)
 def test_a_secret_of_another_type_breaks_only_that_key(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
