@@ -137,6 +137,8 @@ def _check_layers(cache: Sequence[Any] | Snapshot, identity: ModelIdentity) -> N
     """A cache list of another length than the identity's model makes was computed
     by another model: refused before anything is written (a draft's caches ride
     in the same list, so identities with a draft are not checked)."""
+    if not isinstance(cache, (Snapshot, list, tuple)):
+        return  # not a cache list at all: capture refuses it (UnsupportedCacheError)
     n = len(cache.records) if isinstance(cache, Snapshot) else len(cache)
     if identity.layers and not identity.draft and n != identity.layers:
         raise IdentityMismatchError(

@@ -77,13 +77,23 @@ def tier_key_from_env() -> bytes | None:
 
 
 def parse_key(text: str, where: str) -> bytes:
+    """One hex key; two lines are two keys, never one longer key (fromhex skips spaces)."""
+    if len(text.split()) > 1:
+        raise InvalidArgumentError(f"{where} must hold one tier key (hex), not several words")
     try:
         key = bytes.fromhex(text.strip())
     except ValueError:
         raise InvalidArgumentError(f"{where} must be hex digits (a tier key)") from None
+    return check_key(key, where)
+
+
+def check_key(key: object, where: str = "tier_key") -> bytes:
+    """A usable operator key: bytes, 16 or more of them (an empty HMAC key is anyone's)."""
+    if not isinstance(key, (bytes, bytearray)):
+        raise InvalidArgumentError(f"{where} must be bytes, not {type(key).__name__}")
     if len(key) < 16:
         raise InvalidArgumentError(f"{where} holds {len(key)} bytes: a tier key needs 16 or more")
-    return key
+    return bytes(key)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from .tier_records import (
     Keys,
     best_record,
     block_of,
+    check_key,
     open_record,
     tier_key_from_env,
 )
@@ -278,7 +279,7 @@ def open_tiers(
 ) -> tuple[Shared | None, Shared | None]:
     """The shared (Redis) and cold (S3) tiers of these URLs (None where not given), and
     the operator key (``tier_key``, else ``$PERSIST_TIER_KEY``) that authenticates them."""
-    keys = Keys(tier_key if tier_key is not None else tier_key_from_env())
+    keys = Keys(check_key(tier_key) if tier_key is not None else tier_key_from_env())
     c = Shared(S3Tier(cold), "cold", keys) if cold else None
     s = Shared(RedisTier(shared), "shared", keys, c.tier if c else None) if shared else None
     return s, c

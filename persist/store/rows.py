@@ -205,9 +205,14 @@ def listed_info(r: SnapshotRow) -> EntryInfo:
 
 
 def check_name(value: Any, what: str) -> str:
-    """Session and namespace names are plain keys: any text of 1..1024 characters, no NUL."""
+    """Session and namespace names are plain keys: any text of 1..1024 characters, no NUL,
+    encodable as UTF-8 (a lone surrogate is no text SQLite or a tier key can hold)."""
     if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME or "\x00" in value:
         raise InvalidNameError(f"{what} must be 1 to {MAX_NAME} characters of text without NUL")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidNameError(f"{what} must be valid text (it holds a lone surrogate)") from None
     return value
 
 

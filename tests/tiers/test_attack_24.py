@@ -62,10 +62,6 @@ def test_adding_an_operator_key_to_an_existing_fleet_keeps_it_sharing(
         assert got.tokens == after
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Store(tier_key=b'') authenticates with an empty HMAC key anyone can compute",
-)
 def test_an_empty_or_short_tier_key_is_refused(redis_server: Any, tmp_path: Path) -> None:
     """$PERSIST_TIER_KEY and --tier-key-file refuse a key under 16 bytes; the library takes
     b'' and b'x', so every record's 'authentic' tag is one any writer can forge."""
@@ -74,9 +70,6 @@ def test_an_empty_or_short_tier_key_is_refused(redis_server: Any, tmp_path: Path
             persist.Store(tmp_path / f"s{i}", shared=redis_server.url, tier_key=k).close()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="Store(tier_key=<hex str>) is accepted, then a save raises a raw TypeError"
-)
 def test_a_tier_key_of_the_wrong_type_is_a_typed_error(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -92,9 +85,6 @@ def test_a_tier_key_of_the_wrong_type_is_a_typed_error(
         pytest.fail(f"untyped exception: {e}")
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a key file of two lines is read as one key of both lines concatenated"
-)
 def test_a_key_file_with_two_keys_is_refused(redis_server: Any, tmp_path: Path) -> None:
     """A key file where a rotated key was appended (or one pasted twice) is silently a
     third, 64-byte key: the machine given it shares with nobody and says nothing."""
@@ -112,10 +102,6 @@ def test_a_key_file_with_two_keys_is_refused(redis_server: Any, tmp_path: Path) 
     assert out.returncode != 0, out.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a session name check_name accepts (a lone surrogate) raises UnicodeEncodeError",
-)
 def test_every_name_check_name_accepts_saves_or_is_a_typed_refusal(
     tiny: Any, s3_server: Any, tmp_path: Path
 ) -> None:
