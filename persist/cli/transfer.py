@@ -222,8 +222,13 @@ def sync_cmd(
         click.echo(f"pulled {len(r['pulled'])} sessions")
         if r["missing"]:
             click.echo(f"not in any tier: {plain(', '.join(r['missing']))}")
+        if r["unreached"]:
+            click.echo(f"a tier was down, not pulled: {plain(', '.join(r['unreached']))}")
 
     emit(as_json, r, render)
     if r["failed"]:  # a push that did not happen is not a success
         click.echo(f"persist: {r['snapshots_failed']} snapshots did not reach a tier", err=True)
+    if r["unreached"]:  # nor is a pull from a tier that could not be asked
+        click.echo(f"persist: {len(r['unreached'])} sessions not pulled: a tier was down", err=True)
+    if r["failed"] or r["unreached"]:
         sys.exit(1)

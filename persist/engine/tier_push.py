@@ -36,6 +36,7 @@ class Shared(Protocol):
     name: str
     keys: Keys
     backup: Any
+    unreachable: int  # operations the tier was down for
 
     def push(self, index: Index, blobs: BlobStore, namespace: str, sid: int) -> str: ...
 
@@ -191,14 +192,19 @@ def sync(
                 per[tier.name][how] += 1
             if how == "failed":
                 failed.add(row.id)
-    pulled = []
+    pulled, unreached = [], []
     for name in names:
         ns = namespace or "default"
+        down = False
         for tier in shared:
             if index.by_name(ns, name) is None:
+                before = tier.unreachable
                 tier.pull_session(index, blobs, ns, name)
+                down = down or tier.unreachable > before
         if index.by_name(ns, name) is not None:
             pulled.append(name)
+        elif down:  # a tier that could not be asked: a failure, not "not in any tier"
+            unreached.append(name)
     total = {k: sum(p[k] for p in per.values()) for k in ("pushed", "present", "failed")}
     return {
         **total,
@@ -206,5 +212,6 @@ def sync(
         "snapshots_failed": len(failed),
         "tiers": per,
         "pulled": pulled,
-        "missing": sorted(set(names) - set(pulled)),
+        "unreached": sorted(set(unreached)),
+        "missing": sorted(set(names) - set(pulled) - set(unreached)),
     }

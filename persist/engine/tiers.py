@@ -69,6 +69,7 @@ class Shared:
         self.backup = backup  # the cold tier, where a secret the shared one lost is kept
         self._agreed: dict[str, bytes] = {}
         self._none_until: dict[str, float] = {}
+        self.unreachable = 0  # operations the tier was down for (sync tells a miss from these)
 
     def _count(self, index: Index, namespace: str, what: str) -> None:
         index.count(namespace, **{f"{self.name}_{what}": 1})
@@ -99,6 +100,7 @@ class Shared:
         try:
             return op()
         except TierUnavailable:
+            self.unreachable += 1
             return None
 
     def _bytes(self, index: Index, namespace: str, before: dict[str, int]) -> None:

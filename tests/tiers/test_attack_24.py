@@ -148,9 +148,6 @@ def test_a_redis_restart_never_splits_a_keyless_fleet(
         assert c.restore("from-a-again", identity=ident).tokens == t3
 
 
-@pytest.mark.xfail(
-    strict=True, reason="sync --pull with the tier down says 'not in any tier' and exits 0"
-)
 def test_sync_pull_with_the_tier_down_is_a_failure_not_a_miss(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
