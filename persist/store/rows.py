@@ -154,11 +154,9 @@ def row_of(r: Sequence[Any]) -> SnapshotRow:
     )
 
 
-def entry_info(r: SnapshotRow) -> EntryInfo:
-    """What a caller sees of a snapshot row."""
-    body = msgpack.unpackb(r.manifest, raw=False)
-    ident = msgpack.unpackb(r.identity_map, raw=False)
-    return EntryInfo(
+def _row_fields(r: SnapshotRow) -> dict[str, Any]:
+    """The fields of an entry that are plain columns (no decoding needed)."""
+    return dict(
         id=r.id,
         namespace=r.namespace,
         session=r.name,
@@ -168,12 +166,21 @@ def entry_info(r: SnapshotRow) -> EntryInfo:
         bytes=r.nbytes,
         trimmable=r.trimmable,
         min_resume_offset=r.min_resume,
-        kinds=[layer["kind"] for layer in body["layers"]],
         identity=r.identity,
-        model=str(ident.get("name", "")),
         created=r.created,
         used=r.used,
         pinned=r.pinned,
+    )
+
+
+def entry_info(r: SnapshotRow) -> EntryInfo:
+    """What a caller sees of a snapshot row."""
+    body = msgpack.unpackb(r.manifest, raw=False)
+    ident = msgpack.unpackb(r.identity_map, raw=False)
+    return EntryInfo(
+        **_row_fields(r),
+        kinds=[layer["kind"] for layer in body["layers"]],
+        model=str(ident.get("name", "")),
         metadata=msgpack.unpackb(r.metadata, raw=False),
     )
 
@@ -185,21 +192,9 @@ def listed_info(r: SnapshotRow) -> EntryInfo:
         return entry_info(r)
     except Exception as e:  # msgpack raises many kinds on garbage: all mean damage here
         return EntryInfo(
-            id=r.id,
-            namespace=r.namespace,
-            session=r.name,
-            role=r.role,
-            owner=r.owner,
-            tokens=r.n_tokens,
-            bytes=r.nbytes,
-            trimmable=r.trimmable,
-            min_resume_offset=r.min_resume,
+            **_row_fields(r),
             kinds=[],
-            identity=r.identity,
             model="",
-            created=r.created,
-            used=r.used,
-            pinned=r.pinned,
             damaged=f"the index row does not decode ({type(e).__name__})",
         )
 
