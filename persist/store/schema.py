@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import sqlite3
 import stat
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CorruptBlobError, InvalidArgumentError, UnsupportedVersionError
 from ..format.opening import file_kind
 from .full import disk_full_error, full_disk
+from .lost import damaged_index, lost_index
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -283,7 +283,7 @@ def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_uti
     except sqlite3.DatabaseError as e:
         if full_disk(e, path.parent):
             raise disk_full_error(path.parent, e) from None
-        raise _damaged(path, f"the index is not a usable SQLite file: {e}") from None
+        raise damaged_index(path, f"the index is not a usable SQLite file: {e}") from None
     from .index import corruption_is_typed
 
     light = Database(conn)
@@ -294,13 +294,13 @@ def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_uti
             import sqlite_utils  # imported here: it pulls in click, which `import persist` must not
 
             db = sqlite_utils.Database(conn)
-            lost = _lost_index(path) if _version(db) == 0 else None
+            lost = lost_index(path) if _version(db) == 0 else None
             if lost is None:
                 _migrate(db, path)
                 _check_block_tokens(db, block_tokens, path, adopt)
     except CorruptBlobError as e:
         conn.close()
-        raise _damaged(path, e.detail) from None
+        raise damaged_index(path, e.detail) from None
     except BaseException:
         conn.close()
         raise
@@ -325,40 +325,6 @@ def _ready(db: Database, block_tokens: int, adopt: bool) -> bool:
     if not size.isdigit() or int(size) <= 0:
         return False  # damaged: the locked path says so (_check_block_tokens)
     return adopt or int(size) == block_tokens
-
-
-def _damaged(path: Path, detail: str) -> CorruptBlobError:
-    """A damaged index, with the command that saves what SQLite can still read of it."""
-    if "sqlite3 " in detail:
-        return CorruptBlobError(str(path), detail)
-    return CorruptBlobError(
-        str(path),
-        f"{detail}; to save what SQLite can still read of it: "
-        f"sqlite3 {shlex.quote(str(path))} .recover > recovered.sql "
-        "(then persist check on a copy of the store with the recovered index)",
-    )
-
-
-def _lost_index(path: Path) -> CorruptBlobError | None:
-    """An index without tables beside blob files: lost or replaced, never a new store."""
-    blobs = path.parent / "blobs"
-    n = 0
-    with contextlib.suppress(OSError):
-        for sub in os.scandir(blobs):
-            if sub.is_dir(follow_symlinks=False):
-                with os.scandir(sub.path) as it:
-                    n += sum(1 for e in it if e.name.endswith(".safetensors"))
-    if not n:
-        return None
-    root = shlex.quote(str(path.parent))
-    return CorruptBlobError(
-        str(path),
-        f"the index has no tables (it is empty or was replaced) but {blobs} holds {n} blob "
-        "files: persist will not open it as a new store, which would orphan every blob. "
-        "Blobs hold tensors without the tokens or model they belong to, so no session can "
-        "be rebuilt from them alone: put the store's own index.sqlite back (from a backup), "
-        f"or give them up and start afresh by moving the folder away: mv {root} {root}.lost",
-    )
 
 
 def _version(db: sqlite_utils.Database) -> int:
