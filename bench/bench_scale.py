@@ -2,6 +2,7 @@
 
     python -m bench.bench_scale                          # 1,000, 10,000, 100,000
     python -m bench.bench_scale --sizes 1000,10000 --label quick
+    python -m bench.bench_scale --sizes 100000 --keep /tmp/scale   # built once, then reused
 
 Nine in ten sessions are chats: a 300-token system prompt every chat shares
 plus 40 tokens of their own (named sessions, each its own tail blob: one
@@ -18,6 +19,13 @@ stored session offers, the time to the first row of ``persist ls --limit
 20`` in a fresh process (and of the listing alone), a real gc of a tenth,
 ``check`` and the index bytes per session; then the store grows on.
 Results in bench/results/scale-<label>.*
+
+The bulk is saved on the caller's thread too (``serial_saves``: the same
+index work, without starting a save's hashing and writing threads), about
+3.6 ms a save here, so 100,000 sessions build in about 6 minutes.
+``--keep DIR`` builds in DIR and leaves the store there with its corpus
+(``corpus.pickle``): a later run with the same DIR grows it back to the size
+asked (its gc took a tenth) instead of building from nothing.
 """
 
 from __future__ import annotations
@@ -26,13 +34,15 @@ import argparse
 import bisect
 import contextlib
 import os
+import pickle
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +78,16 @@ class Corpus:
         i = bisect.bisect_left(ordered, own)
         near = [ordered[j] for j in (i - 1, i) if 0 <= j < len(ordered)]
         return len(SYSTEM) + max((_shared(own, x) for x in near), default=0)
+
+    def dump(self) -> bytes:
+        return pickle.dumps((self.chats, self.prompts, self.n, self.rng.getstate()))
+
+    @classmethod
+    def load(cls, raw: bytes) -> Corpus:
+        out = cls()
+        out.chats, out.prompts, out.n, state = pickle.loads(raw)
+        out.rng.setstate(state)
+        return out
 
     def freeze(self) -> None:
         self.sorted = sorted(self.chats.values())
@@ -138,6 +158,41 @@ def no_fsync(store: persist.Store) -> Iterator[None]:
         store.index.db.execute("PRAGMA synchronous=FULL")
 
 
+class _Serial:
+    """A ThreadPoolExecutor's face that runs each call at once, on the caller's thread."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        pass
+
+    def map(self, fn: Callable[[Any], Any], items: Any) -> Iterator[Any]:
+        return map(fn, items)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        f: Future[Any] = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:
+            f.set_exception(e)
+        return f
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def serial_saves() -> Iterator[None]:
+    """The build's bulk without a save's threads: for tiny caches starting them is
+    most of a save (the index work, the SQL and the files are the same)."""
+    from persist.engine import saving
+
+    real = saving.ThreadPoolExecutor
+    saving.ThreadPoolExecutor = _Serial  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        saving.ThreadPoolExecutor = real  # type: ignore[misc]
+
+
 def vm_steps(store: persist.Store, run: Any) -> int:
     n = [0]
     store.index.db.conn.set_progress_handler(lambda: n.__setitem__(0, n[0] + 1) or 0, 1)
@@ -181,21 +236,38 @@ def lookups(store: persist.Store, corpus: Corpus) -> dict[str, Any]:
     return out
 
 
-def ls_first_row(root: Path, *extra: str) -> float:
-    """Seconds from starting ``persist ls --limit 20`` to its first row (min of 3)."""
-    best = float("inf")
+CLI_CASES = {  # result key -> the command's arguments after the store
+    "ls first row s": ("ls", "--limit", "20"),
+    "ls --sort used first row s": ("ls", "--limit", "20", "--sort", "used"),
+    "ls --sort size first row s": ("ls", "--limit", "20", "--sort", "size"),
+    "ls --prefix first row s": ("ls", "--limit", "20", "--prefix", "chat99"),
+    "show first row s": ("show", "{name}"),  # a chat the store holds
+}
+
+
+def first_rows(root: Path, name: str, reps: int = 5) -> dict[str, float]:
+    """Seconds from starting each ``persist`` command of CLI_CASES in a fresh process to
+    its first line of output: the minimum of ``reps`` interleaved runs (noise on a shared
+    machine only ever adds), children starting from bytecode as an installed persist does."""
+    best = dict.fromkeys(CLI_CASES, float("inf"))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    for _ in range(3):
-        t0 = time.perf_counter()
-        p = subprocess.Popen(
-            [sys.executable, "-m", "persist", "ls", "--limit", "20", "--store", str(root), *extra],
-            stdout=subprocess.PIPE,
-            env=env,
-        )
-        assert p.stdout is not None
-        p.stdout.readline()
-        best = min(best, time.perf_counter() - t0)
-        p.communicate()
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # set on the shared machine: compiles every run
+    env["PYTHONPYCACHEPREFIX"] = "/tmp/persist-bench-pyc"
+    for _ in range(reps):
+        for key, argv in CLI_CASES.items():
+            t0 = time.perf_counter()
+            p = subprocess.Popen(
+                [sys.executable, "-m", "persist", *(a.format(name=name) for a in argv)]
+                + ["--store", str(root)],
+                stdout=subprocess.PIPE,
+                env=env,
+            )
+            assert p.stdout is not None
+            p.stdout.readline()
+            best[key] = min(best[key], time.perf_counter() - t0)
+            p.communicate()
+            if p.returncode != 0:
+                raise SystemExit(f"persist {' '.join(argv)} exited {p.returncode}")
     return best
 
 
@@ -215,8 +287,10 @@ def measure(store: persist.Store, corpus: Corpus, saves: list[float]) -> dict[st
     with persist.Store(store.root) as again:  # the listing itself, without a fresh process
         next(listing.stream(again.index, limit=20))
     r["ls first row in process s"] = time.perf_counter() - t0
-    r["ls first row s"] = ls_first_row(store.root)
-    r["ls --sort used first row s"] = ls_first_row(store.root, "--sort", "used")
+    r.update(first_rows(store.root, min(corpus.chats)))
+    t0 = time.perf_counter()
+    store.stats()
+    r["stats s"] = time.perf_counter() - t0
     store.index.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     size = sum(
         (store.root / f).stat().st_size
@@ -260,10 +334,19 @@ def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
             "the listing alone (open + first row, s)",
             [f"{r['ls first row in process s']:.4f}" for r in results],
         ),
-        (
-            "`... --sort used`, first row (s)",
-            [f"{r['ls --sort used first row s']:.3f}" for r in results],
+        *(
+            (f"`... {opt}`, first row (s)", [f"{r.get(key, float('nan')):.3f}" for r in results])
+            for opt, key in (
+                ("--sort used", "ls --sort used first row s"),
+                ("--sort size", "ls --sort size first row s"),
+                ("--prefix chat99", "ls --prefix first row s"),
+            )
         ),
+        (
+            "`persist show NAME`, first row (s)",
+            [f"{r.get('show first row s', float('nan')):.3f}" for r in results],
+        ),
+        ("`Store.stats()` (s)", [f"{r.get('stats s', float('nan')):.4f}" for r in results]),
         ("gc of a tenth (s)", [f"{r['gc s']:.2f} ({r['gc evicted']:,} evicted)" for r in results]),
         ("check (s)", [f"{r['check s']:.1f}" for r in results]),
         ("index bytes per session", [f"{r['index bytes per session']:,.0f}" for r in results]),
@@ -287,27 +370,49 @@ def main() -> None:
     ap.add_argument("--sizes", default="1000,10000,100000")
     ap.add_argument("--label", default="full")
     ap.add_argument("--root", default=None, help="Where to build (default: a temporary folder).")
+    ap.add_argument("--keep", type=Path, default=None, help="Build in DIR, keep it, reuse it.")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    results = []
-    with tempfile.TemporaryDirectory(dir=args.root) as d:
-        corpus = Corpus()
-        with persist.Store(Path(d) / "s") as store:
-            for size in sizes:
-                t0 = time.perf_counter()
-                with no_fsync(store):
-                    grow(store, corpus, size - 50)
-                saves = grow(store, corpus, size)  # fsynced, as every save is
-                built = time.perf_counter() - t0
-                r = measure(store, corpus, saves)
-                r["build s"] = built
-                results.append(r)
-                print(r, flush=True)
+    with contextlib.ExitStack() as stack:
+        if args.keep is None:
+            d = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=args.root)))
+        else:
+            d = args.keep
+            d.mkdir(parents=True, exist_ok=True)
+        results = run(d, sizes)
     info = machine()
     write_results(
         f"scale-{args.label}", {"machine": info, "results": results}, markdown(results, info)
     )
     print(markdown(results, info))
+
+
+def run(d: Path, sizes: list[int]) -> list[dict[str, Any]]:
+    """Grow the store in ``d`` to each size and measure it there.  The corpus is written
+    beside the store after each step, so that a kept store is reused where it stands."""
+    kept = d / "corpus.pickle"
+    corpus = Corpus.load(kept.read_bytes()) if kept.exists() else Corpus()
+    results = []
+    with persist.Store(d / "s") as store:
+        for size in sizes:
+            have = len(corpus.chats) + len(corpus.prompts)
+            if have > size - 50:
+                print(f"skipped {size:,}: the kept store holds {have:,} sessions", flush=True)
+                continue
+            t0 = time.perf_counter()
+            try:
+                with no_fsync(store), serial_saves():
+                    grow(store, corpus, size - 50)
+                saves = grow(store, corpus, size)  # fsynced, as every save is
+            finally:
+                kept.write_bytes(corpus.dump())
+            built = time.perf_counter() - t0
+            r = measure(store, corpus, saves)
+            kept.write_bytes(corpus.dump())
+            r["build s"] = built
+            results.append(r)
+            print(r, flush=True)
+    return results
 
 
 if __name__ == "__main__":
