@@ -7,7 +7,6 @@ Exit codes: 0 success, 1 a PersistError (one clear line on stderr), 2 usage,
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import sys
@@ -85,6 +84,8 @@ def parse_size(text: str) -> int:
 def emit(as_json: bool, data: Any, render: Callable[[Any], None]) -> None:
     """Print ``data`` as JSON for scripts, or through ``render`` for people."""
     if as_json:
+        import json  # imported for --json only: a plain `persist ls` starts without it
+
         click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
     else:
         render(data)
@@ -219,17 +220,15 @@ def complete_sessions(
     from click.shell_completion import CompletionItem
 
     try:
-        from ..store.rows import store_root
+        from ..store.listing import stream
 
         given = ctx.params.get("store_dir")
-        root = store_root(given if given is not None else default_store())
-        if not (root / "index.sqlite").is_file():
-            return []
-        with open_store(root) as store:
-            names = [e.session for e in store.sessions(ctx.params.get("namespace"))]
-    except Exception:  # a half-typed command line: offer nothing rather than a traceback
+        with open_index(given) as index:  # the names that start so: a range of an index
+            rows = stream(index, ctx.params.get("namespace"), prefix=incomplete)
+            names = [r.name for r in rows]
+    except Exception:  # a half-typed command line, no store: offer nothing, no traceback
         return []
-    return [CompletionItem(n) for n in sorted({n for n in names if n}) if n.startswith(incomplete)]
+    return [CompletionItem(n) for n in sorted({n for n in names if n})]
 
 
 REPORT = "persist: this is a bug in persist; please report it with the traceback above"
@@ -311,6 +310,8 @@ def _fail(as_json: bool, message: str, kind: str, code: int, text: str | None = 
     """Say what failed, one line on stderr (or, under --json, a JSON object on stdout
     for the script that asked for JSON), and exit with ``code``."""
     if as_json:  # the exact message: JSON escapes controls itself
+        import json
+
         click.echo(json.dumps({"error": message, "type": kind, "exit": code}))
     else:
         line = text or f"persist: {'error: ' if code == 1 else ''}{plain(message)}"

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import json
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -106,6 +104,9 @@ def ls_cmd(
 
 def _json_array(entries: Iterator[EntryInfo]) -> None:
     """One JSON array (as ``emit`` writes it), each item written as it comes."""
+    import json  # here, not at the top: plain `persist ls` starts without them
+    import textwrap
+
     first = True
     for e in entries:
         item = json.dumps(e.to_dict(), indent=2, sort_keys=True, default=str)

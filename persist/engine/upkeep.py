@@ -106,12 +106,14 @@ class StoreUpkeep:
         return dataclasses.replace(report, quarantine_cleared=cleared)
 
     def stats(self, namespace: str | None = None) -> StoreStats:
-        rows = self.index.snapshots(namespace, named_only=False)
+        # Counted over an index, not read row by row (4.4 s at 100,000 sessions): an
+        # aggregate, not counts kept by triggers, so there is nothing to drift or repair.
+        entries, sessions, referenced = self.index.tally(namespace)
         return StoreStats(
-            entries=len(rows),
-            sessions=sum(1 for r in rows if r.name is not None),
+            entries=entries,
+            sessions=sessions,
             unique_bytes=self.index.unique_bytes(namespace=namespace),
-            referenced_bytes=sum(r.nbytes for r in rows),
+            referenced_bytes=referenced,
             counters=self.index.counters(namespace),
             rates=rates.all_rates(self.index),
             decisions=rates.decisions(self.index, namespace),

@@ -272,6 +272,20 @@ class Index:
         with self.read() as db:
             return [row_of(r) for r in db.execute(sql + " ORDER BY namespace, name, id", args)]
 
+    def tally(self, namespace: str | None = None) -> tuple[int, int, int]:
+        """(entries, named sessions, the bytes they reference), of the store or of one
+        namespace: counted over the covering index ``snapshots_tally``, no row read."""
+        sql = (
+            "SELECT COUNT(*), COUNT(name), COALESCE(SUM(bytes), 0) "
+            "FROM snapshots INDEXED BY snapshots_tally"
+        )
+        args: list[Any] = []
+        if namespace is not None:
+            sql, args = sql + " WHERE namespace = ?", [namespace]
+        with self.read() as db:
+            entries, sessions, nbytes = db.execute(sql, args).fetchone()
+        return int(entries), int(sessions), int(nbytes)
+
     def touch(self, snapshot_id: int) -> None:
         with self.write() as db:
             db.execute("UPDATE snapshots SET used = ? WHERE id = ?", [time.time(), snapshot_id])

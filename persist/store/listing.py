@@ -5,12 +5,15 @@ one page of one index walk, whatever the order asked for: by name
 (``snapshots_name``, then checkpoints and prefixes by ``snapshots_unnamed``),
 by last use or by size (``snapshots_used``, ``snapshots_bytes``), each page a
 short read transaction that resumes after the last row of the one before.
-A name prefix is a range of the name index per namespace.  Rows come without
-their token lists (a listing never needs them).
+A name prefix is a range of the name index per namespace, paged the same way;
+ordered by use or size it is ordered from ``snapshots_tally`` (index entries
+of the matches, then only the rows listed are read).  Rows come without their
+token lists (a listing never needs them).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -56,7 +59,7 @@ def stream(
         raise InvalidArgumentError(f"limit must be a count >= 0, got {limit!r}")
     page = PAGE if limit is None else max(1, min(PAGE, limit))  # --limit 5 reads 5 rows
     if prefix is not None:
-        rows = _prefixed(index, namespace, every, sort, prefix)
+        rows = _prefixed(index, namespace, every, sort, prefix, page, limit)
     elif sort == "name":
         rows = _by_name(index, namespace, every, page)
     else:
@@ -133,46 +136,85 @@ def _past(prefix: str) -> str | None:
 
 
 def _prefixed(
-    index: Index, namespace: str | None, every: bool, sort: str, prefix: str
+    index: Index,
+    namespace: str | None,
+    every: bool,
+    sort: str,
+    prefix: str,
+    page: int,
+    limit: int | None,
 ) -> Iterator[SnapshotRow]:
-    """Sessions whose name starts with ``prefix`` (and their checkpoints): a range of
-    the name (and owner) index per namespace, so the work is the matches'."""
+    """Sessions whose name starts with ``prefix`` (and their checkpoints): a range of the
+    name (and owner) index per namespace, paged, so the first rows come after one page
+    whatever the range holds.  By use or size the range's keys are ordered from the
+    covering index ``snapshots_tally`` (work in index entries of the matches, no row
+    read), then only the rows listed are read, a page at a time."""
     stop = _past(prefix)
-    bound = "" if stop is None else " AND {0} < ?"
-    tail = [] if stop is None else [stop]
     with index.read() as db:
         if namespace is not None:
             spaces = [namespace]
         else:
             spaces = [r[0] for r in db.execute("SELECT name FROM namespaces ORDER BY name")]
-    out: list[SnapshotRow] = []
-    for ns in spaces:
-        with index.read() as db:
-            found = [
-                row_of(r)
-                for r in db.execute(
-                    f"SELECT {COLS} FROM snapshots INDEXED BY snapshots_name WHERE namespace = ? "
-                    f"AND name IS NOT NULL AND name >= ?{bound.format('name')} ORDER BY name",
-                    [ns, prefix, *tail],
-                )
-            ]
+    if sort == "name":
+        for ns in spaces:
+            yield from _name_range(index, ns, "name", prefix, stop, page)
             if every:
-                found += [
-                    row_of(r)
-                    for r in db.execute(
-                        f"SELECT {COLS} FROM snapshots INDEXED BY snapshots_owner "
-                        f"WHERE namespace = ? AND owner >= ?{bound.format('owner')} "
-                        "AND name IS NULL ORDER BY owner, id",
-                        [ns, prefix, *tail],
-                    )
-                ]
-        if sort == "name":
-            yield from found
-        else:
-            out += found
-    key = {"used": lambda r: (r.used, r.id), "size": lambda r: (r.nbytes, r.id)}.get(sort)
-    if key is not None:
-        yield from sorted(out, key=key, reverse=True)
+                yield from _name_range(index, ns, "owner", prefix, stop, page)
+        return
+    key = "used" if sort == "used" else "bytes"
+    ordered = heapq.merge(
+        *(_range_keys(index, ns, every, key, prefix, stop, limit) for ns in spaces),
+        reverse=True,
+    )
+    while True:
+        ids = [i for _, i in itertools.islice(ordered, page)]
+        if not ids:
+            return
+        with index.read() as db:
+            sql = f"SELECT {COLS} FROM snapshots WHERE id IN ({', '.join('?' * len(ids))})"
+            got = {r.id: r for r in map(row_of, db.execute(sql, ids))}
+        yield from (got[i] for i in ids if i in got)  # one deleted since: left out
+
+
+def _name_range(
+    index: Index, ns: str, col: str, prefix: str, stop: str | None, page: int
+) -> Iterator[SnapshotRow]:
+    """The sessions (``col`` name) or the checkpoints (``col`` owner) of namespace ``ns``
+    whose name or owner starts with the prefix, in name (owner, id) order, paged."""
+    bound = "" if stop is None else f" AND {col} < ?"
+    args: list[Any] = [ns, prefix] if stop is None else [ns, prefix, stop]
+    if col == "name":
+        select = f"SELECT {COLS} FROM snapshots INDEXED BY snapshots_name"
+        filt = f" AND namespace = ? AND name IS NOT NULL AND name >= ?{bound}"
+        yield from _pages(index, select, filt, args, "name", ("name",), page)
+    else:
+        select = f"SELECT {COLS} FROM snapshots INDEXED BY snapshots_owner"
+        filt = f" AND namespace = ? AND owner >= ?{bound} AND name IS NULL"
+        yield from _pages(index, select, filt, args, "owner, id", ("owner", "id"), page)
+
+
+def _range_keys(
+    index: Index,
+    ns: str,
+    every: bool,
+    key: str,
+    prefix: str,
+    stop: str | None,
+    limit: int | None,
+) -> list[tuple[Any, int]]:
+    """(``key``, id) of the matches in namespace ``ns``, largest first, from the covering
+    index alone (SQLite keeps only the top ``limit`` when there is one)."""
+    parts, args = [], list[Any]()
+    for col, named in (("name", True), ("owner", False))[: 2 if every else 1]:
+        where = f"namespace = ? AND name IS {'NOT ' if named else ''}NULL AND {col} >= ?"
+        where += "" if stop is None else f" AND {col} < ?"
+        parts.append(f"SELECT {key}, id FROM snapshots INDEXED BY snapshots_tally WHERE {where}")
+        args += [ns, prefix] if stop is None else [ns, prefix, stop]
+    sql = " UNION ALL ".join(parts) + " ORDER BY 1 DESC, 2 DESC"
+    if limit is not None:
+        sql, args = sql + " LIMIT ?", [*args, limit]
+    with index.read() as db:
+        return [(r[0], int(r[1])) for r in db.execute(sql, args)]
 
 
 def unnamed_counts(index: Index, namespace: str | None = None) -> dict[str, int]:

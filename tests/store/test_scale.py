@@ -84,6 +84,9 @@ def work(store: persist.Store, n: int) -> dict[str, int]:
         "lookup, new chat": steps(store, lambda: find(store, SYSTEM + own(next(ids)))),
         "ls --limit 5": steps(store, lambda: list(listing.stream(store.index, limit=5))),
         "ls --sort used": steps(store, lambda: next(listing.stream(store.index, sort="used"))),
+        "ls --prefix, first row": steps(  # every chat matches: pages, not the range at once
+            store, lambda: next(listing.stream(store.index, prefix="chat", every=True))
+        ),
     }
     store.delete(f"chat{n}")
     for i in range(n // 10):  # the oldest tenth pinned: eviction must not walk past them
@@ -167,3 +170,46 @@ def test_ls_streams_pages_and_keeps_its_orders(store: Any, monkeypatch: pytest.M
     lines = res.output.splitlines()
     assert res.exit_code == 0 and [x.split()[1] for x in lines[:4]] == names[:4], res.output
     assert not lines[4:] or lines[4].startswith("also "), res.output  # what --all would add
+
+
+def test_ls_with_a_prefix_reads_only_the_rows_it_lists(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By name a prefix is a range it pages through; by use or size its matches are
+    ordered from a covering index, and only the rows shown are read."""
+    s, _ = store
+    read = [0]
+    real = listing.row_of
+    monkeypatch.setattr(listing, "row_of", lambda r: read.__setitem__(0, read[0] + 1) or real(r))
+    for sort in listing.SORTS:
+        read[0] = 0
+        got = list(listing.stream(s.index, sort=sort, prefix="chat", every=True, limit=5))
+        assert len(got) == 5 and read[0] <= listing.PAGE < BIG, (sort, read[0])
+    monkeypatch.undo()
+    every = [e for e in s.entries() if (e.session or e.owner or "").startswith("chat1")]
+    for sort, key in (("used", lambda e: (e.used, e.id)), ("size", lambda e: (e.bytes, e.id))):
+        want = [e.id for e in sorted(every, key=key, reverse=True)]
+        got_ids = [r.id for r in listing.stream(s.index, sort=sort, prefix="chat1", every=True)]
+        assert got_ids == want, sort
+
+
+def test_stats_reads_no_snapshot_row(store: Any) -> None:
+    """Store.stats() counts entries, sessions and bytes from a covering index: every
+    statement it runs on ``snapshots`` is planned without reading the table."""
+    s, _ = store
+    sql: list[str] = []
+    s.index.db.conn.set_trace_callback(sql.append)
+    try:
+        stats = s.stats()
+        one = s.stats("default")
+    finally:
+        s.index.db.conn.set_trace_callback(None)
+    every = s.entries()
+    named = sum(e.session is not None for e in every)
+    assert (stats.entries, stats.sessions) == (len(every), named)
+    assert stats.referenced_bytes == sum(e.bytes for e in every) == one.referenced_bytes
+    reads = [q for q in sql if "snapshots" in q and q.lstrip().upper().startswith("SELECT")]
+    assert reads
+    for q in reads:
+        plan = " | ".join(str(r[3]) for r in s.index.db.execute("EXPLAIN QUERY PLAN " + q))
+        assert "COVERING INDEX" in plan, (q, plan)
