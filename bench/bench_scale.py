@@ -316,6 +316,7 @@ def measure(store: persist.Store, corpus: Corpus, saves: list[float]) -> dict[st
 
 
 def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
+    nan = float("nan")
     cols = [f"{r['sessions']:,}" for r in results]
     rows = [
         ("save (ms, median of 50)", [f"{r['save ms']:.2f}" for r in results]),
@@ -352,7 +353,7 @@ def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         ("gc of a tenth (s)", [f"{r['gc s']:.2f} ({r['gc evicted']:,} evicted)" for r in results]),
         (
             "check (s; its first progress report at)",
-            [f"{r['check s']:.1f} ({r.get('check first progress s', float('nan')):.1f})" for r in results],
+            [f"{r['check s']:.1f} ({r.get('check first progress s', nan):.1f})" for r in results],
         ),
         ("index bytes per session", [f"{r['index bytes per session']:,.0f}" for r in results]),
     ]
