@@ -273,6 +273,7 @@ def first_rows(root: Path, name: str, reps: int = 5) -> dict[str, float]:
 
 def measure(store: persist.Store, corpus: Corpus, saves: list[float]) -> dict[str, Any]:
     r: dict[str, Any] = {"sessions": len(corpus.chats) + len(corpus.prompts)}
+    r["load average"] = os.getloadavg()[0]  # other work on the machine while measured
     r["save ms"] = statistics.median(saves[-50:]) * 1e3
     own = corpus.own()
     r["save VM steps"] = vm_steps(
@@ -356,6 +357,7 @@ def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
             [f"{r['check s']:.1f} ({r.get('check first progress s', nan):.1f})" for r in results],
         ),
         ("index bytes per session", [f"{r['index bytes per session']:,.0f}" for r in results]),
+        ("load average when measured", [f"{r.get('load average', nan):.1f}" for r in results]),
     ]
     head = f"| sessions | {' | '.join(cols)} |\n|---|{'---|' * len(cols)}\n"
     body = "".join(f"| {name} | {' | '.join(v)} |\n" for name, v in rows)

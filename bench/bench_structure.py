@@ -214,12 +214,14 @@ def main() -> None:
     args = ap.parse_args()
     tree = args.tree.resolve()
     store = Path(f"/tmp/persist-bench-structure-{args.label}")
+    load = os.getloadavg()[0]
     result = {
         "label": args.label,
         **shape(tree),
         "cross_module_calls": cross_module_calls(tree),
         **dict(zip(("startup_s", "startup_cpu_s"), startup(tree, store), strict=True)),
         "heavy_imports": heavy_imports(tree, store),
+        "load_average": [load, os.getloadavg()[0]],  # other work on the machine, before/after
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"structure-{args.label}.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -244,6 +246,9 @@ def render(r: dict[str, Any]) -> str:
     for name, s in r["startup_s"].items():
         c = f", CPU {cpu[name]:.3f} s" if name in cpu else ""
         lines.append(f"- {name}: {s:.3f} s{c} (minimum of {REPS} interleaved runs)")
+    if "load_average" in r:
+        before, after = r["load_average"]
+        lines.append(f"- load average (1 min) before / after: {before:.1f} / {after:.1f}")
     for name, mods in r.get("heavy_imports", {}).items():
         lines.append(f"- {name} imports of {', '.join(HEAVY)}: {', '.join(mods) or 'none'}")
     return "\n".join(lines) + "\n"
