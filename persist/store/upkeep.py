@@ -78,29 +78,62 @@ def budget(index: Index | None, root: Path) -> tuple[int | None, str]:
 def files_bytes(root: Path) -> dict[str, int]:
     """Bytes of every file of the store: the index (with its -wal and -shm), the blobs,
     and the rest (temporary and quarantined files); persist's other caches kept in
-    the same folder (the demo model, the identity memo) are not the store's."""
+    the same folder (the demo model, the identity memo) are not the store's.
+
+    One ``lstat`` a file through ``os.scandir`` (no path objects): 100,000 blobs
+    took 3.6 s through pathlib and os.walk, a few tenths of that this way."""
     out = {"index": 0, "blobs": 0, "other": 0}
-    for dirpath, dirnames, filenames in os.walk(root):
-        here = Path(dirpath)
-        if here == root:
-            dirnames[:] = [
-                d for d in dirnames if d not in OTHER_CACHES and not d.startswith("demo-")
-            ]
-        for name in filenames:
-            try:
-                size = (here / name).lstat().st_size
-            except OSError:  # removed while we looked
+    try:
+        top = list(os.scandir(root))
+    except OSError:
+        top = []
+    for entry in top:
+        kind = _is_folder(entry)
+        if kind is None:
+            continue
+        if kind:
+            if entry.name in OTHER_CACHES or entry.name.startswith("demo-"):
                 continue
-            part = (
-                "index"
-                if here == root and name.startswith("index.sqlite")
-                else "blobs"
-                if here.relative_to(root).parts[:1] == ("blobs",)
-                else "other"
-            )
-            out[part] += size
+            out["blobs" if entry.name == "blobs" else "other"] += _tree_bytes(entry.path)
+        else:
+            part = "index" if entry.name.startswith("index.sqlite") else "other"
+            out[part] += _size(entry)
     out["total"] = sum(out.values())
     return out
+
+
+def _is_folder(entry: os.DirEntry[str]) -> bool | None:
+    """True: a folder to count; None: a link to one (not followed, not counted, as
+    ``os.walk`` leaves it); False: a file (or a link to one: its own size)."""
+    try:
+        if not entry.is_dir():
+            return False
+        return None if entry.is_symlink() else True
+    except OSError:  # removed while we looked
+        return False
+
+
+def _size(entry: os.DirEntry[str]) -> int:
+    try:
+        return entry.stat(follow_symlinks=False).st_size
+    except OSError:  # removed while we looked
+        return 0
+
+
+def _tree_bytes(path: str) -> int:
+    total, todo = 0, [path]
+    while todo:
+        try:
+            entries = list(os.scandir(todo.pop()))
+        except OSError:  # removed, or not ours to read
+            continue
+        for entry in entries:
+            kind = _is_folder(entry)
+            if kind:
+                todo.append(entry.path)
+            elif kind is False:
+                total += _size(entry)
+    return total
 
 
 def vacuum(index: Index) -> None:
