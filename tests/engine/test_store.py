@@ -39,6 +39,8 @@ CASES = [
 ]
 
 
+# long: 11 s; test_roundtrip_models continues each family in a fresh process in the quick run
+@pytest.mark.long
 def test_sessions_continue_bit_exactly_in_another_process(
     tiny: Any, store: persist.Store, tmp_path: Path
 ) -> None:

@@ -64,6 +64,8 @@ def damage(root: Path, rng: random.Random) -> tuple[str, str | None]:
     return kind, victim.name.removesuffix(".safetensors")
 
 
+# long: 25 s; tests/reliability/test_fault_sweep.py damages every file in every way in the quick run
+@pytest.mark.long
 def test_random_damage(pristine: Any, tiny: Any, tmp_path: Path, tally: Any) -> None:
     src, sessions = pristine
     model, tok, _ = tiny("llama")

@@ -38,6 +38,8 @@ def compared(
     return len(calls)
 
 
+# long: 18 s; tests/store/test_scale.py counts the same lookups among 3,000 chats in the quick run
+@pytest.mark.long
 def test_lookup_work_does_not_grow_with_sessions_sharing_a_prefix(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

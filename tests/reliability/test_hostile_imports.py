@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import ROOT
 
 MAKE = """
@@ -44,6 +46,8 @@ def peak_rss(*args: str) -> tuple[int, str]:
     return int(kib) * 1024, rest
 
 
+# long: 17 s (it builds the hostile file); the import checks of tests/cli run quickly
+@pytest.mark.long
 def test_a_file_declaring_eleven_million_tokens(tmp_path: Path) -> None:
     hostile = tmp_path / "h.safetensors"
     subprocess.run([sys.executable, "-c", MAKE, str(hostile)], cwd=ROOT, check=True, timeout=300)

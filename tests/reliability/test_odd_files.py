@@ -82,6 +82,8 @@ def test_a_fifo_in_place_of_a_blob_is_reported_and_quarantined(tmp_path: Path) -
         assert any(p.kind == "session-cut" and "'keep'" in p.target for p in fixed), fixed
 
 
+# long: 18 s of CLI processes; test_fault_sweep replaces blobs by FIFOs in the quick run
+@pytest.mark.long
 def test_cli_commands_refuse_a_fifo_instead_of_waiting(tmp_path: Path) -> None:
     home = tmp_path / "store"
     saved(home)

@@ -124,6 +124,8 @@ def test_sampler_values_past_mlx_limits_are_400_and_never_stop_generation(
         srv.stop()
 
 
+# long: 11 s (a 3,000-token answer); sampler refusals without a batch run in the quick run
+@pytest.mark.long
 def test_a_bad_sampler_value_does_not_fail_the_other_requests_of_its_batch(
     model_dir: Any, tmp_path: Path
 ) -> None:

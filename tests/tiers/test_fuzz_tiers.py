@@ -92,6 +92,8 @@ def fleet(model: Any, tok: Any, root: Path, **tiers: Any) -> tuple[Any, Oracle]:
     return ident, Oracle(model, x, [*doc[:420], 7, 7])
 
 
+# long: 15 + 10 s; the deterministic hostile-tier tests (test_trust, test_attack_24) run quickly
+@pytest.mark.long
 @pytest.mark.parametrize("key", [None, KEY], ids=["no-key", "key"])
 def test_random_redis_mutations_never_give_a_wrong_cache(
     key: bytes | None, tiny: Any, redis_server: Any, tmp_path: Path, monkeypatch: Any
@@ -122,6 +124,7 @@ def test_random_redis_mutations_never_give_a_wrong_cache(
             r.restore(k, 0, dumps[k])
 
 
+@pytest.mark.long  # 7 s; test_s3_names and test_s3_cold check hostile S3 values quickly
 def test_random_s3_mutations_never_give_a_wrong_cache(
     tiny: Any, s3_server: Any, tmp_path: Path
 ) -> None:
