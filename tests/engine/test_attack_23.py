@@ -169,24 +169,37 @@ def test_a_quantized_file_is_refused_under_an_identity_without_those_kv_bits(
         assert_same_state(live_state(store.restore("q", identity=own).cache), live_state(q))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Store.save checks only the layer count against the identity, not that "
-    "quantized layers match its kv_bits (hand-built quantized caches are saved "
-    "under plain identities today; a save-time rule needs a design decision)",
-)
 def test_a_save_of_quantized_caches_under_a_plain_identity_is_refused(
     tiny: Any, tmp_path: Path
 ) -> None:
+    """Quantized layers (also inside a CacheList, also as a captured snapshot, also
+    by checkpoint) are saved only under an identity of their kv_bits and
+    kv_group_size; plain layers under a kv_bits identity stay allowed."""
+    from mlx_lm.models.cache import CacheList
+
+    from persist.codecs.snapshot import capture
     from tests.helpers import kv_quantized
 
     model, tok, _ = tiny("llama_hd64")
     ids = tokens_for(40, seed=7)
     q = kv_quantized(model, ids, 0, bits=4, group=32)
+    wrapped = [CacheList(c) for c in kv_quantized(model, ids, 0, bits=4, group=32)]
     with persist.Store(tmp_path / "s") as store:
-        plain = persist.ModelIdentity.of(model, tok)
-        with pytest.raises(persist.IdentityMismatchError):
-            store.save(q, ids, identity=plain, session="q")
+        for cfg in ({}, {"kv_bits": 8, "kv_group_size": 32}, {"kv_bits": 4}):  # 4: group 64
+            other = persist.ModelIdentity.of(model, tok, **cfg)
+            for cache in (q, wrapped, capture(q, ids)):
+                with pytest.raises(persist.IdentityMismatchError, match=r"layer 0.*kv_bits=4"):
+                    store.save(cache, ids, identity=other, session="q")
+            with pytest.raises(persist.IdentityMismatchError, match="kv_group_size=32"):
+                store.checkpoint(q, ids, identity=other, session="q")
+        assert store.sessions() == [] and store.stats().entries == 0
+        own = persist.ModelIdentity.of(model, tok, kv_bits=4, kv_group_size=32)
+        store.save(q, ids, identity=own, session="q")
+        store.save(wrapped, ids, identity=own, session="w")
+        assert_same_state(live_state(store.restore("q", identity=own).cache), live_state(q))
+        plain, _ = prefill(model, ids)  # not yet past quantized_kv_start: plain layers
+        later = persist.ModelIdentity.of(model, tok, kv_bits=4, quantized_kv_start=100)
+        store.save(plain, ids, identity=later, session="p")
 
 
 def test_a_turn_of_an_unverified_session_kept_under_name_2_stays_unverified(
