@@ -236,7 +236,7 @@ class ModelIdentity:
         every array it was loaded with, in modules unchanged: then the digest
         remembered for those files is used (``provenance``).  A model cast,
         quantized, fused with an adapter or updated after loading is hashed.
-        Not seen: a write into a weight array in place (``w[...] = x``), which
+        Not seen: a write into a weight array in place (``w[...] = x``, ``w += x``), which
         keeps the array object; code that edits weights so passes no ``path``.
         """
         model_type, config = config_digest(model)

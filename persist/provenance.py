@@ -56,12 +56,14 @@ def load_model(
     path: str | os.PathLike[str], adapter_path: str | os.PathLike[str] | None = None, **kw: Any
 ) -> Any:
     """``mlx_lm.load(path, adapter_path=..., **kw)``, its model stamped (``stamp``): what
-    it returns, so ``ModelIdentity.of(model, path=path)`` may use the memo."""
+    it returns, so ``ModelIdentity.of(model, path=path)`` may use the memo.  Not
+    stamped with a ``model_config``: overrides the memo's key does not hold."""
     from mlx_lm import load
 
     adapter = None if adapter_path is None else str(adapter_path)
     loaded = load(str(path), adapter_path=adapter, **kw)
-    stamp(loaded[0], path, adapter)
+    if not kw.get("model_config"):
+        stamp(loaded[0], path, adapter)
     return loaded
 
 
