@@ -40,7 +40,8 @@ import mlx.core as mx
 import numpy as np
 
 from .. import policy
-from ..codecs import encode_cache, facts_of, trim_record
+from ..codecs import capacity_of, encode_cache, facts_of, trim_record
+from ..codecs.base import dtype_name, with_capacity
 from ..codecs.snapshot import Snapshot, rebuild
 from ..errors import InvalidArgumentError
 from ..format.tensors import device_copy
@@ -114,6 +115,22 @@ def _copied(r: Record) -> Record:
         r,
         tensors={k: _own(v) for k, v in r.tensors.items()},
         children=tuple(_copied(c) for c in r.children),
+    )
+
+
+def _handed_out(r: Record) -> Record:
+    """``r`` in buffers of its own, each written once: a tensor the codec gives room
+    (``capacity_of``: a KV cache's step-rounded buffer) is grown into a new one, as
+    ``loading`` reads it into one, and its decode takes it as it is; the rest are
+    copied (a decode may keep a record's tensor as its cache's array)."""
+    caps = capacity_of(r.spec(dtype_name))
+    tensors = {}
+    for k, v in r.tensors.items():
+        cap = caps.get(k)
+        grow = cap is not None and isinstance(v, mx.array) and v.ndim > 2 and cap > v.shape[2]
+        tensors[k] = with_capacity(v, cap) if grow and cap is not None else _own(v)
+    return dataclasses.replace(
+        r, tensors=tensors, children=tuple(_handed_out(c) for c in r.children)
     )
 
 
@@ -259,10 +276,9 @@ class HostTier:
             if use < len(kept.tokens):
                 records = [trim_record(r, use) for r in records]
             # under the lock: an eviction cannot free the entry mid-copy
-            fresh = [_copied(r) for r in records]
-            cache = rebuild(fresh)  # evaluates: nothing lazy points back at the entry
+            cache = rebuild([_handed_out(r) for r in records])  # evaluated: nothing lazy
             seconds = self.clock() - t0
-        nbytes = int(sum(a.nbytes for a in _arrays(fresh)))
+        nbytes = int(sum(a.nbytes for a in _arrays(records)))  # what was copied
         return HostHit(cache, [int(t) for t in toks[:use]], nbytes, seconds, kept.info)
 
     def clear(self) -> None:

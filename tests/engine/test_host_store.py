@@ -48,6 +48,11 @@ def scribble(a: mx.array) -> None:
     np.asarray(memoryview(v))[...] = 0
 
 
+def rooms(cache: list[Any]) -> list[Any]:
+    """Each attention layer's buffer shape: its live positions and the room past them."""
+    return [getattr(c, "keys", None) is not None and tuple(c.keys.shape) for c in cache]
+
+
 def durable(root: Path, prompt: list[int], identity: persist.ModelIdentity) -> Any:
     with persist.Store(root) as s:  # no host tier: the files answer
         got = s.lookup(prompt, identity=identity)
@@ -74,6 +79,7 @@ def test_host_hit_equals_the_durable_one_and_continues_as_a_prefill(
             assert hit is not None and hit.source == "host"
             assert hit.tokens == want.tokens and hit.entry.session == "s"
             assert_same_state(live_state(hit.cache), live_state(want.cache))
+            assert rooms(hit.cache) == rooms(want.cache)  # the same room to grow into
         hit = store.lookup([*toks, *NEXT], identity=identity)
         assert hit is not None and hit.tokens == toks
         fresh, _ = prefill(model, toks)
@@ -148,6 +154,12 @@ def test_a_snapshot_and_a_checkpoint_are_kept(tiny: Any, tmp_path: Path) -> None
         assert hit is not None and hit.source == "host" and hit.entry.role == "checkpoint"
         hit = store.lookup([*toks, 9], identity=identity)
         assert hit is not None and hit.source == "host" and hit.tokens == toks
+        # the next turn stands in for this one (policy.covers), not for the checkpoint
+        turn, _ = prefill(model, NEXT, cache=whole)
+        store.save(turn, [*toks, *NEXT], identity=identity, session="doc")
+        assert len(store.host) == 2
+        hit = store.lookup([*toks, 9], identity=identity)
+        assert hit is not None and hit.source == "host" and hit.entry.tokens == 304
 
 
 def test_budget_evicts_the_least_recently_used(tiny: Any, tmp_path: Path) -> None:
