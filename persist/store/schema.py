@@ -1,6 +1,6 @@
 """The SQLite index: schema, migrations, connection settings.  No mlx here.
 
-Schema version 4.  Each migration is a list of statements applied in one
+Schema version 5.  Each migration is a list of statements applied in one
 transaction, then its Python step if it has one (a backfill);
 ``meta.schema_version`` records where a store is.
 """
@@ -27,7 +27,7 @@ else:
 
 __all__ = ["SCHEMA_VERSION", "connect", "Database"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 MIGRATIONS: dict[int, list[str]] = {
     1: [
@@ -202,6 +202,16 @@ MIGRATIONS: dict[int, list[str]] = {
         # persist ls --sort size streams; its line about hidden entries counts an index.
         """CREATE INDEX snapshots_bytes ON snapshots(bytes)""",
         """CREATE INDEX snapshots_unnamed ON snapshots(namespace, role) WHERE name IS NULL""",
+    ],
+    5: [
+        # The latest version (save time) of each named session this store saw on a
+        # tier or wrote there: an older record of it is a replay, refused.
+        """CREATE TABLE tier_seen (
+            namespace TEXT NOT NULL,
+            name TEXT NOT NULL,
+            created REAL NOT NULL,
+            PRIMARY KEY (namespace, name)
+        ) WITHOUT ROWID""",
     ],
 }
 

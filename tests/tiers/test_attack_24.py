@@ -41,9 +41,6 @@ def test_replayed_old_pointer_is_not_restored_as_current(
         assert got.tokens == new, "the stale version of x was restored as current"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a store that shared before the operator key was set never shares with it"
-)
 def test_adding_an_operator_key_to_an_existing_fleet_keeps_it_sharing(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -120,13 +117,6 @@ def test_every_name_check_name_accepts_saves_or_is_a_typed_refusal(
         assert b.restore("a\udcffb", identity=ident).tokens == t
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "after a Redis restart a new machine's save plants a new secret; the old machines "
-        "never share again"
-    ),
-)
 def test_a_redis_restart_never_splits_a_keyless_fleet(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -166,13 +156,6 @@ def test_sync_pull_with_the_tier_down_is_a_failure_not_a_miss(
     assert "not in any tier" not in out.stdout, out.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Redis pointer values are read whole (MGET): a 32 MB sess:/blk:/head: value is 32 MB "
-        "read each"
-    ),
-)
 def test_a_huge_pointer_value_is_not_read_whole(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -199,13 +182,6 @@ def test_a_huge_pointer_value_is_not_read_whole(
         assert sent() - before < 1 << 20, f"{sent() - before} bytes read for pointers"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "one malformed rec: value found first blocks recovery of an evicted secret: lookups "
-        "miss, the fleet splits"
-    ),
-)
 def test_one_malformed_record_never_blocks_secret_recovery(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -231,13 +207,6 @@ def test_one_malformed_record_never_blocks_secret_recovery(
         assert hit is not None and hit.tokens == doc[:280]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a secret key of another type (a list) breaks the whole keyless namespace: lookups "
-        "miss, every push fails"
-    ),
-)
 def test_a_secret_of_another_type_breaks_only_that_key(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:

@@ -227,7 +227,7 @@ def test_ctrl_c_during_a_pull_leaves_a_consistent_store(
     tiny: Any, redis_server: Any, tmp_path: Path, monkeypatch: Any
 ) -> None:
     """Interrupted after the blobs are written, before the commit: nothing stays."""
-    from persist.engine import tiers
+    from persist.engine import tier_pull
 
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
@@ -238,7 +238,7 @@ def test_ctrl_c_during_a_pull_leaves_a_consistent_store(
     def interrupted(*_: Any, **__: Any) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tiers, "_commit", interrupted)
+    monkeypatch.setattr(tier_pull, "_commit", interrupted)
     with persist.Store(tmp_path / "b", shared=redis_server.url) as b:
         with pytest.raises(KeyboardInterrupt):
             b.restore("s", identity=ident)
