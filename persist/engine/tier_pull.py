@@ -20,10 +20,9 @@ from ..store.redis_tier import namespace_tag
 from ..store.rows import BlockRef, NewBlob
 from .tier_records import ROW_FIELDS, TAG_BYTES, BadValue, Keys, block_of, chains_under
 
-__all__ = ["EvictedError", "pull", "PULL_AHEAD"]
+__all__ = ["EvictedError", "pull"]
 
 Tier = Any  # a RedisTier or S3Tier
-PULL_AHEAD = 4  # blobs fetched (in parallel) before they are written locally
 
 
 class EvictedError(CorruptBlobError):
@@ -41,27 +40,29 @@ def pull(
 ) -> int:
     """Commit a checked record's snapshot into the local store (as a session if
     ``named``, else an anonymous prefix); CorruptBlobError if a blob fails its checks.
-    Blobs this store holds are not fetched; the others a few at a time."""
+    Blobs this store holds are not fetched; the others a few at a time (the tier's
+    fetching threads: each holds one blob in memory, never the whole session)."""
     facts = body["blobs"]
     files = {k: held[0] for k in facts if (held := index.live_blob(k)) is not None}
-    keys_needed = sorted(k for k in facts if k not in files)
+    names = {keys.blob_name(k): k for k in facts if k not in files}  # on the tier
     salt = secrets.token_hex(6)
     index.begin_pending(salt)
     written: list[NewBlob] = []
     tag_bytes, where = TAG_BYTES if keys.key is not None else 0, namespace_tag(namespace).encode()
 
-    def check(k: str, data: bytes, tag: bytes) -> None:  # the tag, on the fetching thread
-        keys.check(b"blob", tag, where, k.encode(), data)
+    def then(name: str, data: bytes, tag: bytes) -> str:
+        # on the fetching thread: the tag's HMAC (hashlib lets go of the GIL), the
+        # checks and the local write of one blob beside the other fetches
+        key = names[name]
+        keys.check(b"blob", tag, where, key.encode(), data)
+        return _local(blobs, key, data, facts[key], salt, written)
 
     try:
-        # a few blobs in memory at a time: fresh memory for a whole session costs more
-        # than the network here, and a pull never holds more than PULL_AHEAD blobs
-        for at in range(0, len(keys_needed), PULL_AHEAD):
-            chunk = {k: int(facts[k][0]) for k in keys_needed[at : at + PULL_AHEAD]}
-            got = tier.get_blobs(namespace, chunk, tag_bytes, check)
-            for k, value in got.items():
-                files[k] = _local(blobs, k, value, facts[k], salt, written)
-            del got
+        sizes = {n: int(facts[k][0]) for n, k in sorted(names.items())}
+        for name, file in tier.get_blobs(namespace, sizes, tag_bytes, then).items():
+            if file is None:
+                raise EvictedError(f"shared blob {names[name]}", "the tier no longer holds it")
+            files[names[name]] = file
         return _commit(index, namespace, body, files, written, salt, named)
     except BaseException:
         for b in written:
@@ -71,19 +72,11 @@ def pull(
 
 
 def _local(
-    blobs: BlobStore,
-    key: str,
-    value: tuple[bytes, bytes] | None,
-    facts: list[Any],
-    salt: str,
-    written: list[NewBlob],
+    blobs: BlobStore, key: str, data: bytes, facts: list[Any], salt: str, written: list[NewBlob]
 ) -> str:
-    """The local file of blob ``key`` from the tier's bytes, checked (its tag, its size,
-    its header against the record, every tensor against its checksum)."""
+    """The local file of blob ``key`` from the tier's bytes (its tag checked), checked
+    (its size, its header against the record, every tensor against its checksum)."""
     where = f"shared blob {key}"
-    if value is None:
-        raise EvictedError(where, "the shared tier no longer holds it")
-    data = value[0]  # its tag was checked as it arrived (pull's check)
     size, digest = facts[0], bytes(facts[1])
     # every tensor checked in memory, before a byte is written or committed
     problem = verify_blob(io.BytesIO(data), where, size, digest, len(data))

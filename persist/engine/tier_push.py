@@ -149,13 +149,15 @@ def push(
         "secret": None if keys.key is not None else secret,  # a derived one is kept nowhere
     }
     rkey, record = seal_record(keys, namespace, body)
-    missing = tier.missing_blobs(namespace, sorted(by_key))
+    names = {keys.blob_name(k): k for k in by_key}
+    missing = tier.missing_blobs(namespace, sorted(names))
     had = not missing and tier.has_record(namespace, rkey)
 
-    def put(key: str) -> None:
+    def put(name: str) -> None:
+        key = names[name]
         with blobs.open(by_key[key]) as fh:
             data = fh.read()
-        tier.put_blob(namespace, key, data, bool(row.pinned), keys.blob_tag(namespace, key, data))
+        tier.put_blob(namespace, name, data, bool(row.pinned), keys.blob_tag(namespace, key, data))
 
     with ThreadPoolExecutor(4) as pool:  # the tier's client is thread-safe
         list(pool.map(put, missing))

@@ -131,6 +131,12 @@ class Keys:
         """HMAC(key, namespace): the same chain secret on every machine, kept nowhere."""
         return None if self.key is None else self.mac(b"namespace", namespace.encode())
 
+    def blob_name(self, key: str) -> str:
+        """A blob's name on a tier: its content key, and with an operator key ``.`` and 16
+        hex digits of that key's (a key id): a keyless writer's blob, or another key's,
+        never stands in for this key's (a rollout or a rotation pushes them again)."""
+        return key if self.key is None else f"{key}.{self.mac(b'blob name')[:8].hex()}"
+
     def blob_tag(self, namespace: str, key: str, data: bytes | memoryview) -> bytes | None:
         if self.key is None:
             return None

@@ -14,12 +14,13 @@ of another type reads as None, counted by the tier (``bad_values``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 from ..errors import CorruptBlobError
 
-__all__ = ["SCRIPT", "Reader", "wrong_type", "scan", "parse_parts", "checked_blob"]
+__all__ = ["SCRIPT", "Reader", "wrong_type", "scan", "parse_parts", "fetch_all"]
 
 # pcall: a key of another type is 0 (an integer), not an error that ends the script
 SCRIPT = """
@@ -119,10 +120,23 @@ def scan(client: Any, cluster: bool, match: str, count: int, rounds: int) -> lis
     return found
 
 
-def checked_blob(check: Any, key: str, data: bytes, tag: bytes) -> tuple[bytes, bytes]:
-    if check is not None:
-        check(key, data, tag)
-    return data, tag
+def fetch_all(workers: int, keys: Sequence[str], one: Callable[[str], Any]) -> dict[str, Any]:
+    """``one(key)`` for every key on ``workers`` threads (each holds one blob at a time:
+    memory is bounded by them, not by the session).  At the first None (a blob the
+    tier lacks: the pull cannot complete) or error, nothing more is started: the
+    result holds that None, or the error is raised once the running ones end."""
+    out: dict[str, Any] = {}
+    with ThreadPoolExecutor(workers) as pool:
+        futures = {pool.submit(one, k): k for k in keys}
+        try:
+            for f in as_completed(futures):
+                out[futures[f]] = v = f.result()
+                if v is None:
+                    break
+        finally:
+            for f in futures:
+                f.cancel()  # those not started; the pool waits for the running ones
+    return out
 
 
 def parse_parts(

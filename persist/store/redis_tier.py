@@ -28,12 +28,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import CorruptBlobError, InvalidArgumentError, PersistError
 from .redis_cluster import cluster_client
-from .redis_reads import Reader, checked_blob, parse_parts, scan
+from .redis_reads import Reader, fetch_all, parse_parts, scan
 
 __all__ = ["RedisTier", "PART_BYTES", "TierUnavailable", "cluster_client"]
 
@@ -261,15 +260,16 @@ class RedisTier:
         self._ok()
 
     def get_blobs(
-        self, namespace: str, sizes: dict[str, int], tag_bytes: int = 0, check: Any = None
-    ) -> dict[str, tuple[bytes, bytes] | None]:
-        """Each blob's (bytes, tag), None where the tier lacks it (evicted, never written).
-        ``sizes`` are the record's: every read is bounded by them (GETRANGE) and a part
-        count that disagrees is refused before the first part is asked for.  ``check(key,
-        bytes, tag)`` runs on the fetching thread (a tag's HMAC beside the next fetch)."""
+        self, namespace: str, sizes: dict[str, int], tag_bytes: int, then: Any
+    ) -> dict[str, Any]:
+        """``then(key, bytes, tag)`` of each blob, on the fetching thread (its tag's HMAC,
+        its checks and its local write beside the other fetches), None where the tier
+        lacks it (evicted, never written: nothing more is fetched).  ``sizes`` are the
+        record's: every read is bounded by them (GETRANGE) and a part count that
+        disagrees is refused before the first part is asked for."""
         p = self.prefix(namespace)
 
-        def one(k: str) -> tuple[bytes, bytes] | None:
+        def one(k: str) -> Any:
             size, where = sizes[k], f"shared blob {k}"
             if size <= PART_BYTES:  # the bytes, then the tag
                 v: Any = self._bad(
@@ -279,7 +279,8 @@ class RedisTier:
                     return None
                 if len(v) != size + tag_bytes:
                     raise CorruptBlobError(where, f"{len(v)} bytes where the record says {size}")
-                return checked_blob(check, k, bytes(v[:size]), bytes(v[size:]))
+                self._count("bytes_pulled", size)
+                return then(k, v[:size] if tag_bytes else v, v[size:])
             marker = self._bad(where, lambda: self._client.getrange(f"{p}blob:{k}", 0, 127))
             if not marker:
                 return None
@@ -296,14 +297,11 @@ class RedisTier:
                 if len(got) != want:
                     raise CorruptBlobError(where, f"part {i} is {len(got)} bytes, not {want}")
                 parts.append(got)
-            return checked_blob(check, k, b"".join(parts), tag)
+            self._count("bytes_pulled", size)
+            return then(k, b"".join(parts), tag)
 
-        def run() -> dict[str, tuple[bytes, bytes] | None]:
-            with ThreadPoolExecutor(FETCHERS) as pool:  # connections from redis-py's pool
-                return dict(zip(sizes, pool.map(one, sizes), strict=True))
-
-        got: dict[str, tuple[bytes, bytes] | None] = self._call("get blobs", run)
-        self._count("bytes_pulled", sum(len(v[0]) for v in got.values() if v))
+        # connections from redis-py's pool, one per fetching thread
+        got: dict[str, Any] = self._call("get blobs", lambda: fetch_all(FETCHERS, list(sizes), one))
         self._ok()
         return got
 

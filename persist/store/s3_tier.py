@@ -24,11 +24,11 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import quote
 
 from ..errors import InvalidArgumentError, PersistError
+from .redis_reads import fetch_all
 from .redis_tier import (
     MAX_VALUE,
     RECOVER_BATCH,
@@ -42,6 +42,7 @@ from .redis_tier import (
 __all__ = ["S3Tier"]
 
 log = logging.getLogger("persist")
+FETCHERS = 4  # objects fetched at once (each a request: latency, not the CPU, bounds them)
 
 
 class S3Tier:
@@ -197,25 +198,22 @@ class S3Tier:
         self._count("bytes_pushed", len(data))
 
     def get_blobs(
-        self, namespace: str, sizes: dict[str, int], tag_bytes: int = 0, check: Any = None
-    ) -> dict[str, tuple[bytes, bytes] | None]:
-        """Each blob's (bytes, tag), None where the tier lacks it; an object whose size is
-        not the record's is never read; ``check(key, bytes, tag)`` on the fetching thread."""
+        self, namespace: str, sizes: dict[str, int], tag_bytes: int, then: Any
+    ) -> dict[str, Any]:
+        """``then(key, bytes, tag)`` of each blob on the fetching thread, None where the
+        tier lacks it (nothing more is fetched); an object whose size is not the
+        record's is never read."""
 
-        def one(k: str) -> tuple[bytes, bytes] | None:
+        def one(k: str) -> Any:
             want = sizes[k] + tag_bytes
             v = self._get(self._path(namespace, "blob", k), size=want, most=want)
             if v is None:
                 return None
+            self._count("bytes_pulled", sizes[k])
             data, tag = (v[: sizes[k]], v[sizes[k] :]) if tag_bytes else (v, b"")
-            if check is not None:
-                check(k, data, tag)
-            return data, tag
+            return then(k, data, tag)
 
-        with ThreadPoolExecutor(4) as pool:
-            out = dict(zip(sizes, pool.map(one, sizes), strict=True))
-        self._count("bytes_pulled", sum(len(v[0]) for v in out.values() if v))
-        return out
+        return fetch_all(FETCHERS, list(sizes), one)
 
     def put_record(
         self,
