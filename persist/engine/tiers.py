@@ -53,7 +53,6 @@ class Shared:
         self.tier, self.name = tier, name  # name: the prefix of its counters in persist stats
         self.keys = keys if keys is not None else Keys()
         self.backup = backup  # the cold tier, where a secret the shared one lost is kept
-        self.clock = tier.clock  # the tier's (tests pass their own)
         self._held: dict[str, tuple[bytes, float]] = {}  # namespace -> (secret, ask again at)
         self._none_until: dict[str, float] = {}
         self.unreachable = 0  # operations the tier was down for (sync tells a miss from these)
@@ -75,7 +74,7 @@ class Shared:
         """The tier's chain secret for the namespace (None: none yet).  Without a key it
         is asked for again every ASK_AGAIN_S (one GET): a tier that lost it and got
         another from a new machine is followed, never split from."""
-        now, held = self.clock(), self._held.get(namespace)
+        now, held = self.tier.clock(), self._held.get(namespace)
         if held is not None and now < held[1]:
             return held[0]
         if held is None and not create and now < self._none_until.get(namespace, 0.0):
@@ -91,7 +90,7 @@ class Shared:
 
     def _hold(self, namespace: str, secret: bytes) -> None:
         again = float("inf") if self.keys.key is not None else ASK_AGAIN_S  # derived: fixed
-        self._held[namespace] = (secret, self.clock() + again)
+        self._held[namespace] = (secret, self.tier.clock() + again)
 
     def _run(self, op: Any) -> Any:
         try:

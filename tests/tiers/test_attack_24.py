@@ -70,6 +70,7 @@ def test_a_session_continued_on_a_machine_with_a_slow_clock_is_still_newer(
     with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
         assert a.restore("x", identity=ident).tokens == t2
 
+
 def test_adding_an_operator_key_to_an_existing_fleet_keeps_it_sharing(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:

@@ -20,6 +20,7 @@ from tests.helpers import (
     run_child,
     tokens_for,
 )
+from tests.tiers.conftest import Clock
 
 FAMILIES = {"llama": 300, "qwen3_next": 300, "gemma3": 100}
 
@@ -105,6 +106,7 @@ def test_a_tier_that_is_down_never_fails_local_work(
     cache, _ = prefill(model, toks)
     with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
         a.save(cache, toks, identity=ident, session="before")
+        clock = Clock(a)  # stopped: the breaker's window lasts as long as the test needs
         redis_server.stop()
         a.save(cache, toks, identity=ident, session="during")  # local save stands
         a.save(cache, toks, identity=ident, session="during-2")
@@ -113,7 +115,7 @@ def test_a_tier_that_is_down_never_fails_local_work(
         assert counters.get("errors", 0) == 1 and counters.get("skipped", 0) >= 1  # one timeout
         assert a.restore("during", identity=ident).tokens == toks
         redis_server.start()  # same port
-        a.shared.tier._down_until = 0.0  # the breaker's retry time, without waiting for it
+        clock.advance(a.shared.tier.retry_after_s)  # the breaker's retry time, not waited for
         a.save(cache, toks, identity=ident, session="after")
     assert redis_server.client().exists(f"{RedisTier.prefix('default')}sess:after")
 
