@@ -41,7 +41,7 @@ def pull(
     """Commit a checked record's snapshot into the local store (as a session if
     ``named``, else an anonymous prefix); CorruptBlobError if a blob fails its checks.
     Blobs this store holds are not fetched; the others a few at a time (the tier's
-    fetching threads: each holds one blob in memory, never the whole session)."""
+    threads hold a few blobs in memory, never the whole session)."""
     facts = body["blobs"]
     files = {k: held[0] for k in facts if (held := index.live_blob(k)) is not None}
     names = {keys.blob_name(k): k for k in facts if k not in files}  # on the tier
@@ -51,8 +51,8 @@ def pull(
     tag_bytes, where = TAG_BYTES if keys.key is not None else 0, namespace_tag(namespace).encode()
 
     def then(name: str, data: bytes, tag: bytes) -> str:
-        # on the fetching thread: the tag's HMAC (hashlib lets go of the GIL), the
-        # checks and the local write of one blob beside the other fetches
+        # on a checking thread (fetch_all): the tag's HMAC (hashlib lets go of the
+        # GIL), the checks and the local write of one blob while the next arrives
         key = names[name]
         keys.check(b"blob", tag, where, key.encode(), data)
         return _local(blobs, key, data, facts[key], salt, written)

@@ -14,8 +14,9 @@ of another type reads as None, counted by the tier (``bad_values``).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from typing import Any
 
 from ..errors import CorruptBlobError
@@ -120,22 +121,52 @@ def scan(client: Any, cluster: bool, match: str, count: int, rounds: int) -> lis
     return found
 
 
-def fetch_all(workers: int, keys: Sequence[str], one: Callable[[str], Any]) -> dict[str, Any]:
-    """``one(key)`` for every key on ``workers`` threads (each holds one blob at a time:
-    memory is bounded by them, not by the session).  At the first None (a blob the
-    tier lacks: the pull cannot complete) or error, nothing more is started: the
-    result holds that None, or the error is raised once the running ones end."""
+def fetch_all(
+    workers: int,
+    keys: Sequence[str],
+    fetch: Callable[[str], tuple[bytes, bytes] | None],
+    then: Callable[[str, bytes, bytes], Any],
+) -> dict[str, Any]:
+    """``then(key, bytes, tag)`` of every blob ``fetch(key)`` gets, None where it gets
+    none (the tier lacks it: nothing more is started).  ``workers`` threads fetch and
+    as many run ``then`` (a tag's HMAC, for which hashlib lets go of the GIL, the
+    checks, the local write), so one blob is checked while the next arrives; at most
+    2 x ``workers`` blobs are in memory at once, never the whole session.  The first
+    error is raised once the running ones end."""
     out: dict[str, Any] = {}
-    with ThreadPoolExecutor(workers) as pool:
-        futures = {pool.submit(one, k): k for k in keys}
+    room = threading.Semaphore(2 * workers)  # blobs fetched and not yet through ``then``
+
+    with ThreadPoolExecutor(workers) as checks, ThreadPoolExecutor(workers) as fetches:
+
+        def one(k: str) -> Future[Any] | None:
+            room.acquire()
+            try:
+                got = fetch(k)
+            except BaseException:
+                room.release()
+                raise
+            if got is None:
+                room.release()
+                return None
+
+            def check() -> Any:
+                try:
+                    return then(k, *got)
+                finally:
+                    room.release()
+
+            return checks.submit(check)
+
+        futures = {fetches.submit(one, k): k for k in keys}
         try:
             for f in as_completed(futures):
-                out[futures[f]] = v = f.result()
-                if v is None:
+                checked = f.result()
+                out[futures[f]] = None if checked is None else checked.result()
+                if checked is None:
                     break
         finally:
             for f in futures:
-                f.cancel()  # those not started; the pool waits for the running ones
+                f.cancel()  # those not started; the pools wait for the running ones
     return out
 
 

@@ -262,14 +262,14 @@ class RedisTier:
     def get_blobs(
         self, namespace: str, sizes: dict[str, int], tag_bytes: int, then: Any
     ) -> dict[str, Any]:
-        """``then(key, bytes, tag)`` of each blob, on the fetching thread (its tag's HMAC,
-        its checks and its local write beside the other fetches), None where the tier
-        lacks it (evicted, never written: nothing more is fetched).  ``sizes`` are the
+        """``then(key, bytes, tag)`` of each blob, on a thread of its own (its tag's HMAC,
+        its checks and its local write beside the next fetch: ``fetch_all``), None where
+        the tier lacks it (evicted, never written: nothing more is fetched).  ``sizes`` are the
         record's: every read is bounded by them (GETRANGE) and a part count that
         disagrees is refused before the first part is asked for."""
         p = self.prefix(namespace)
 
-        def one(k: str) -> Any:
+        def one(k: str) -> tuple[bytes, bytes] | None:
             size, where = sizes[k], f"shared blob {k}"
             if size <= PART_BYTES:  # the bytes, then the tag
                 v: Any = self._bad(
@@ -280,7 +280,7 @@ class RedisTier:
                 if len(v) != size + tag_bytes:
                     raise CorruptBlobError(where, f"{len(v)} bytes where the record says {size}")
                 self._count("bytes_pulled", size)
-                return then(k, v[:size] if tag_bytes else v, v[size:])
+                return (v[:size] if tag_bytes else v), v[size:]
             marker = self._bad(where, lambda: self._client.getrange(f"{p}blob:{k}", 0, 127))
             if not marker:
                 return None
@@ -298,10 +298,12 @@ class RedisTier:
                     raise CorruptBlobError(where, f"part {i} is {len(got)} bytes, not {want}")
                 parts.append(got)
             self._count("bytes_pulled", size)
-            return then(k, b"".join(parts), tag)
+            return b"".join(parts), tag
 
         # connections from redis-py's pool, one per fetching thread
-        got: dict[str, Any] = self._call("get blobs", lambda: fetch_all(FETCHERS, list(sizes), one))
+        got: dict[str, Any] = self._call(
+            "get blobs", lambda: fetch_all(FETCHERS, list(sizes), one, then)
+        )
         self._ok()
         return got
 

@@ -200,20 +200,19 @@ class S3Tier:
     def get_blobs(
         self, namespace: str, sizes: dict[str, int], tag_bytes: int, then: Any
     ) -> dict[str, Any]:
-        """``then(key, bytes, tag)`` of each blob on the fetching thread, None where the
-        tier lacks it (nothing more is fetched); an object whose size is not the
-        record's is never read."""
+        """``then(key, bytes, tag)`` of each blob beside the next fetch (``fetch_all``),
+        None where the tier lacks it (nothing more is fetched); an object whose size is
+        not the record's is never read."""
 
-        def one(k: str) -> Any:
+        def one(k: str) -> tuple[bytes, bytes] | None:
             want = sizes[k] + tag_bytes
             v = self._get(self._path(namespace, "blob", k), size=want, most=want)
             if v is None:
                 return None
             self._count("bytes_pulled", sizes[k])
-            data, tag = (v[: sizes[k]], v[sizes[k] :]) if tag_bytes else (v, b"")
-            return then(k, data, tag)
+            return (v[: sizes[k]], v[sizes[k] :]) if tag_bytes else (v, b"")
 
-        return fetch_all(FETCHERS, list(sizes), one)
+        return fetch_all(FETCHERS, list(sizes), one, then)
 
     def put_record(
         self,
