@@ -7,7 +7,8 @@ local store, checked against the record before anything is committed, then
 commits the row exactly as a local save would; from then on the local store
 serves it.  A tier that fails never fails the local operation: the caller
 counts it and goes on.  A value that is not what its key claims is a miss,
-counted by why (``<tier>_malformed``, ``_mismatched``, ``_unauthenticated``).
+counted by why (``<tier>_malformed``, ``_mismatched``, ``_unauthenticated``), and
+so is a session's version older than one this store saw (``_stale``: a replay).
 """
 
 from __future__ import annotations

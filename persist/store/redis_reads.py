@@ -23,8 +23,10 @@ from ..errors import CorruptBlobError
 
 __all__ = ["SCRIPT", "Reader", "wrong_type", "scan", "parse_parts", "fetch_all"]
 
-# pcall: a key of another type is 0 (an integer), not an error that ends the script
-SCRIPT = """
+# no-writes: allowed on a full server (maxmemory, noeviction) and on replicas (Redis 7,
+# Valkey; an older server refuses the flag, and the pipeline serves instead); pcall: a
+# key of another type is 0 (an integer), not an error that ends the script
+SCRIPT = """#!lua flags=no-writes
 local n = tonumber(ARGV[1])
 local out = {}
 for i, k in ipairs(KEYS) do
