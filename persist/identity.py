@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
+from . import provenance
 from .errors import (
     IdentityMismatchError,
     IdentityUnavailableError,
@@ -63,19 +62,6 @@ def _cache_config(cfg: dict[str, Any]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(out))
 
 
-def _weights_digest(model: Any) -> str:
-    from mlx.utils import tree_flatten
-
-    from .format.tensors import as_bytes  # mlx: only when weights are hashed
-
-    h = xxhash.xxh3_128()
-    params: Any = tree_flatten(model.parameters())
-    for name, arr in sorted(params, key=lambda kv: kv[0]):
-        h.update(f"{name}|{arr.dtype}|{tuple(arr.shape)}|".encode())
-        h.update(as_bytes(arr))
-    return h.hexdigest()
-
-
 def current_backend() -> str:
     """The MLX backend and device computing here: "cuda:NVIDIA H200", "metal:Apple M2
     Max", "cpu:..." (the part before the colon is what ``strict_backend`` compares)."""
@@ -99,59 +85,18 @@ def backend_kind(backend: str) -> str:
     return backend.split(":", 1)[0]
 
 
-ADAPTER_CLASSES = ("LoRA", "DoRA")  # mlx-lm's tuner layers: LoRALinear, DoRAEmbedding, ...
-MODULE_SETTINGS = ("group_size", "bits", "mode", "scale")  # what a layer computes with, not held
-
-
-def _structure(model: Any) -> tuple[str, bool]:
-    """What the model in memory is, without reading a weight: every parameter's
-    name, dtype and shape, every module's class and settings (quantization's
-    group size, bits and mode; a LoRA layer's scale); and whether it holds
-    adapter layers.  A cast (``set_dtype``), an in-memory ``nn.quantize`` or an
-    adapter applied in code changes it."""
-    from mlx.utils import tree_flatten
-
-    h = xxhash.xxh3_128()
-    params: Any = tree_flatten(model.parameters())
-    for name, arr in sorted(params, key=lambda kv: kv[0]):
-        h.update(f"{name}|{arr.dtype}|{tuple(arr.shape)}\n".encode())
-    adapters = False
-    modules = model.named_modules() if hasattr(model, "named_modules") else []
-    for where, mod in sorted(modules, key=lambda kv: kv[0]):
-        cls = type(mod)
-        adapters = adapters or any(a in cls.__name__ for a in ADAPTER_CLASSES)
-        settings = [
-            (k, v)
-            for k in MODULE_SETTINGS
-            if isinstance(v := getattr(mod, k, None), (int, float, str))
-        ]
-        h.update(f"{where}|{cls.__module__}.{cls.__qualname__}|{settings}\n".encode())
-    return h.hexdigest(), adapters
-
-
-def _remembered_weights(
+def _weights(
     model: Any, path: str | os.PathLike[str] | None, adapter: str | os.PathLike[str] | None
 ) -> str:
-    """The weights digest, remembered by the files ``path`` names and by what the
-    model in memory is (``_structure``): a model cast, quantized or given an
-    adapter after loading never gets the files' digest.  Adapter layers the
-    files do not name (no ``adapter``) are hashed every time: their values are
-    not in any file the key reads."""
-    if path is None:
-        return _weights_digest(model)
-    from . import weights_memo
-
-    structure, adapters = _structure(model)
-    if adapters and adapter is None:
-        return _weights_digest(model)
-    dirs = [Path(path), None if adapter is None else Path(adapter)]
-    key = weights_memo.files_key(dirs, _versions(), structure)
-    known = weights_memo.recall(key)
-    if known is not None:
-        return known
-    digest = _weights_digest(model)
-    weights_memo.remember(key, digest)
-    return digest
+    """The remembered digest when persist loaded ``model`` from ``path`` (and
+    ``adapter``) and it still holds what was loaded (``provenance``); else every
+    weight hashed, and nothing remembered: a model changed in memory never gets
+    the files' digest."""
+    if path is not None:
+        known = provenance.remembered(model, path, adapter)
+        if known is not None:
+            return known
+    return provenance.weights_digest(model)
 
 
 def _layer_count(model: Any) -> int:
@@ -239,18 +184,6 @@ def config_digest(model: Any) -> tuple[str, str]:
     return model_type, _sha(_canonical(cfg))
 
 
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("mlx", "mlx-lm", "mlx-persist"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "unknown"
-    return out
-
-
 @dataclass(frozen=True)
 class ModelIdentity:
     """What must match to resume.  Equal iff every digested field is equal."""
@@ -297,24 +230,26 @@ class ModelIdentity:
     ) -> ModelIdentity:
         """The identity of a loaded mlx-lm model (and its tokenizer).
 
-        With the ``path`` (and ``adapter_path``) the model was loaded from,
-        the weights digest is remembered by those files and by the model's
-        structure in memory (``weights_memo``, ``_structure``): computed once,
-        then looked up, the same digest either way.  Weights replaced in
-        memory by others of the same dtypes and shapes (``model.update``)
-        cannot be seen without hashing them: pass no ``path`` then.
+        Every weight is hashed (about 0.2 s per GiB) unless persist loaded the
+        model from ``path`` (and ``adapter_path``) itself (``from_path``, the
+        CLI, ``persist serve``, ``provenance.load_model``) and it still holds
+        every array it was loaded with, in modules unchanged: then the digest
+        remembered for those files is used (``provenance``).  A model cast,
+        quantized, fused with an adapter or updated after loading is hashed.
+        Not seen: a write into a weight array in place (``w[...] = x``, ``w += x``), which
+        keeps the array object; code that edits weights so passes no ``path``.
         """
         model_type, config = config_digest(model)
         tok, template = _tokenizer_digests(tokenizer)
         return cls(
             model_type=model_type,
             config=config,
-            weights=_remembered_weights(model, path, adapter_path),
+            weights=_weights(model, path, adapter_path),
             tokenizer=tok,
             chat_template=template,
             cache_config=_cache_config(cache_config),
             name=name or model_type,  # one display rule: the model_type unless named
-            versions=tuple(sorted(_versions().items())),
+            versions=tuple(sorted(provenance.versions().items())),
             backend=current_backend(),
             layers=_layer_count(model),
         )
@@ -332,11 +267,9 @@ class ModelIdentity:
         Loads the model lazily with mlx-lm, so it equals ``of()`` of the same
         model as mlx-lm loads it (sanitized weights, adapter weights included).
         """
-        from mlx_lm import load
-
         path = Path(model_dir)
         adapter = None if adapter_path is None else str(adapter_path)
-        model, tokenizer = load(str(path), adapter_path=adapter, lazy=True)[:2]
+        model, tokenizer = provenance.load_model(path, adapter, lazy=True)[:2]
         return cls.of(model, tokenizer, path=path, adapter_path=adapter, **cache_config)
 
     def diff(self, other: ModelIdentity) -> list[str]:

@@ -2,15 +2,15 @@
 
 Hashing every weight costs about 0.2 s per GiB, in every process.  The digest
 is of the weights as mlx-lm loads them (sanitized, adapters applied), so it
-can only be remembered, not read from the files: the first ``from_path`` (or
-``of(model, path=...)``) computes it and writes it here; later ones look it up
-by a key of every weight file (name, size, mtime, inode and device; or the
-sha256 that a Hugging Face cache path names, ``blobs/<sha256>``), the adapter
-files, the config, the mlx / mlx-lm versions, and the structure of the model
-in memory (every parameter's dtype and shape, every layer's class and
-quantization settings: a model cast or quantized after loading is another
-key; one with adapter layers the files do not name is never remembered).
-Anything that changes a file changes the key.  No mlx.
+can only be remembered, not read from the files: the first load by persist
+(``provenance.stamp``: ``from_path``, the CLI, ``persist serve``) computes it
+and writes it here; later ones look it up by a key of every weight file
+(name, size, mtime, inode and device; or the sha256 that a Hugging Face cache
+path names, ``blobs/<sha256>``), the adapter files, the config, the mlx /
+mlx-lm versions, and the structure of the model as loaded (every parameter's
+dtype and shape, every layer's class and quantization settings).  Anything
+that changes a file changes the key.  Whether a model in memory still is what
+was loaded is ``provenance``'s to say, not this key's.  No mlx.
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ def _file_facts(path: Path) -> list[object]:
 
 def files_key(dirs: Iterable[Path | None], versions: dict[str, str], structure: str = "") -> str:
     """The key of every file a load reads from ``dirs`` (weights, configs, adapters),
-    and of the model's structure in memory (``identity._structure``): the same
-    files cast, quantized or adapted after loading are another key."""
+    and of the model's structure as loaded (``provenance.structure``)."""
     facts: list[object] = [sorted(versions.items()), structure]
     for d in dirs:
         if d is None:

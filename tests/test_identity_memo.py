@@ -1,5 +1,6 @@
 """The weights digest is remembered by the files a model was loaded from: the same
-digest, computed once; any change to a file computes it again."""
+digest, computed once; any change to a file computes it again.  It stands for a
+model only while that model holds what persist loaded (``persist.provenance``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 import persist
-import persist.identity as identity_mod
+import persist.provenance as provenance
 
 
 @pytest.fixture
@@ -23,27 +24,31 @@ def memo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
-    real = identity_mod._weights_digest
+    real = provenance.weights_digest
 
     def spy(model: Any) -> str:
         calls.append(1)
         return real(model)
 
-    monkeypatch.setattr(identity_mod, "_weights_digest", spy)
+    monkeypatch.setattr(provenance, "weights_digest", spy)
     return calls
 
 
 def test_from_path_hashes_once_and_agrees_with_of(
     tiny: Any, model_dir: Any, memo: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, tok, d = tiny("llama")
+    model, tok, d = tiny("llama")  # mlx_lm.load: no provenance
     want = persist.ModelIdentity.of(model, tok)  # no path: hashed, never remembered
     calls = counting(monkeypatch)
     first = persist.ModelIdentity.from_path(d)
     second = persist.ModelIdentity.from_path(d)
-    again = persist.ModelIdentity.of(model, tok, path=d)
-    assert first == second == again == want and first.digest == want.digest
-    assert len(calls) == 1 and len(list(memo.glob("*.json"))) == 1
+    assert len(calls) == 1
+    again = persist.ModelIdentity.of(model, tok, path=d)  # not loaded by persist: hashed
+    assert len(calls) == 2
+    loaded, ltok = provenance.load_model(d)[:2]
+    stamped = persist.ModelIdentity.of(loaded, ltok, path=d)  # loaded by persist: the memo
+    assert first == second == again == stamped == want and first.digest == want.digest
+    assert len(calls) == 2 and len(list(memo.glob("*.json"))) == 1
 
 
 def test_a_changed_weight_file_is_hashed_again(
@@ -86,9 +91,8 @@ def test_a_hugging_face_blob_name_is_the_key(
 
 
 def _fresh(d: Path) -> tuple[Any, Any]:
-    from mlx_lm import load
-
-    model, tok = load(str(d))[:2]
+    """As persist loads: stamped, so only a change in memory can make it hash."""
+    model, tok = provenance.load_model(d)[:2]
     return model, tok
 
 
@@ -101,10 +105,15 @@ def test_a_cast_or_quantized_model_is_not_the_files(
     d = model_dir("llama")
     files = persist.ModelIdentity.from_path(d)  # remembered for the files as loaded
     model, tok = _fresh(d)
+    assert persist.ModelIdentity.of(model, tok, path=d) == files
     model.set_dtype(mx.float16)
+    calls = counting(monkeypatch)
     cast = persist.ModelIdentity.of(model, tok, path=d)
     assert cast != files and cast == persist.ModelIdentity.of(model, tok)  # as if hashed
-    assert persist.ModelIdentity.of(model, tok, path=d) == cast  # now remembered too
+    assert persist.ModelIdentity.of(model, tok, path=d) == cast and len(calls) == 3
+    assert len(list(memo.glob("*.json"))) == 1  # never remembered under the files' key
+    monkeypatch.undo()
+    monkeypatch.setenv("PERSIST_IDENTITY_CACHE", str(memo))
 
     for bits in (4, 8):
         model, tok = _fresh(d)
@@ -163,3 +172,72 @@ def test_a_session_of_the_files_is_not_served_to_the_cast_model(
         assert store.lookup(toks, identity=cast) is None
         with pytest.raises(persist.IdentityMismatchError):
             store.restore("bf", identity=cast)
+
+
+def test_a_replaced_or_added_array_or_another_folder_is_hashed(
+    model_dir: Any, tmp_path: Path, memo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Load provenance holds only while every parameter is the very array loaded."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    d = model_dir("llama")
+    other = tmp_path / "copy"
+    shutil.copytree(d, other)
+    model, tok = _fresh(d)
+    files = persist.ModelIdentity.of(model, tok, path=d)
+    calls = counting(monkeypatch)
+    assert persist.ModelIdentity.of(model, tok, path=d) == files and not calls
+    assert persist.ModelIdentity.of(model, tok, path=other) == files and len(calls) == 1
+    name, arr = tree_flatten(model.parameters())[0]
+    model.update(tree_unflatten([(name, arr * 1)]))  # the same values, another array
+    assert persist.ModelIdentity.of(model, tok, path=d) == files and len(calls) == 2
+    model, tok = _fresh(d)
+    model.model.extra = mx.zeros((2,))  # a parameter added
+    assert persist.ModelIdentity.of(model, tok, path=d) != files and len(calls) == 3
+
+
+def test_an_in_place_write_into_a_weight_is_the_one_change_not_seen(
+    model_dir: Any, memo: Path
+) -> None:
+    """As documented (persist/provenance.py, README): ``w[...] = x`` keeps the array
+    object, so the files' digest stays; passing no path hashes what is there."""
+    d = model_dir("llama")
+    model, tok = _fresh(d)
+    files = persist.ModelIdentity.of(model, tok, path=d)
+    model.model.embed_tokens.weight[0] = 0.5
+    assert persist.ModelIdentity.of(model, tok, path=d) == files  # not seen
+    assert persist.ModelIdentity.of(model, tok) != files
+
+
+def test_the_server_stamps_what_its_provider_loads(
+    model_dir: Any, memo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """persist serve's wrapped loader: the identity of a freshly loaded local model
+    is the files' (remembered), and what changes it later is hashed."""
+    import types
+
+    from mlx_lm import load
+
+    from persist.apps.server_identity import track_identities
+
+    d = model_dir("llama")
+    files = persist.ModelIdentity.from_path(d)
+
+    class Provider:
+        cli_args = types.SimpleNamespace(kv_bits=None)
+        draft_model = None
+
+        def _load(self, path: Any, adapter: Any = None, draft: Any = None) -> None:
+            self.model, self.tokenizer = load(path)[:2]
+            self.model_key = (path, adapter, draft)
+
+    server = types.SimpleNamespace(ModelProvider=Provider)
+    identities = track_identities(server)
+    provider = Provider()
+    calls = counting(monkeypatch)
+    provider._load(str(d))
+    assert identities[(str(d), None, None)] == files and not calls
+    assert provenance.remembered(provider.model, d, None) == files.weights
+    provider.model.set_dtype(__import__("mlx.core").core.float16)
+    assert provenance.remembered(provider.model, d, None) is None

@@ -27,13 +27,26 @@ ALLOWED: dict[str, set[str]] = {
     "policy": BASE,
     "kinds": BASE,
     "weights_memo": set(),
-    "identity": BASE | {"format", "weights_memo"},  # weights hashed as the format stores them
+    # weights hashed as the format stores them; the memo only for models persist loaded
+    "provenance": BASE | {"format", "weights_memo"},
+    "identity": BASE | {"provenance"},
     "caches": BASE,
     "format": BASE,
     "codecs": BASE | {"format", "policy", "kinds", "caches"},
     "store": BASE | {"format", "policy"},
     "engine": BASE | {"format", "policy", "kinds", "identity", "codecs", "store"},
-    "apps": BASE | {"format", "policy", "kinds", "identity", "codecs", "store", "engine", "caches"},
+    "apps": BASE
+    | {
+        "format",
+        "policy",
+        "kinds",
+        "identity",
+        "provenance",
+        "codecs",
+        "store",
+        "engine",
+        "caches",
+    },
     "cli": BASE | {"identity", "store", "engine", "apps"},
     "__main__": {"cli"},
     # re-exports by name (PEP 562); its TYPE_CHECKING block names every layer

@@ -107,15 +107,14 @@ def load_model(
     built-in demo model when ``model`` is None.  ``cache_config`` (kv_bits,
     kv_group_size, quantized_kv_start, max_kv_size) changes what the caches hold,
     so it is part of the identity, and ``generate`` builds its caches from it."""
-    from mlx_lm import load
-
+    from ..provenance import load_model as load
     from .hub import resolve_model
 
     path = resolve_model(model)
     adapter = None if adapter_path is None else str(adapter_path)
-    loaded = load(
-        str(path),
-        adapter_path=adapter,
+    loaded = load(  # stamped: its identity may use the remembered digest
+        path,
+        adapter,
         tokenizer_config={"trust_remote_code": trust_remote_code},
         trust_remote_code=trust_remote_code,
     )

@@ -18,13 +18,13 @@ import queue
 import threading
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..codecs.snapshot import Snapshot, capture
-from ..engine.host_tier import HOST, EvictionWatch, HostTier, default_budget
+from ..engine.host_store import served
+from ..engine.host_tier import EvictionWatch, HostTier, default_budget
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
 from ..format.tensors import on_cuda
@@ -143,10 +143,7 @@ class PersistentPromptCache(LRUPromptCache):
         if self.host is None:
             return None
         try:
-            near = self.host.fetch(identity.digest, tokens, longer_than=have)
-            if near is not None:
-                self.store.costs.restored(identity, HOST, near.nbytes, near.seconds)
-            return near
+            return served(self.host, self.store.costs, identity, identity.digest, tokens, have)
         except Exception as e:  # the tier must never take the server down
             log.warning("persist: host cache lookup failed: %s", e)
             return None
@@ -236,51 +233,6 @@ class PersistentPromptCache(LRUPromptCache):
                 self.metrics.store_failed(e, counter=True)
 
 
-def cache_config_of(cli_args: Any) -> dict[str, int]:
-    """The server options that change the caches it computes (kv_bits and its settings)."""
-    if getattr(cli_args, "kv_bits", None) is None:
-        return {}
-    return {
-        "kv_bits": int(cli_args.kv_bits),
-        "kv_group_size": int(cli_args.kv_group_size),
-        "quantized_kv_start": int(cli_args.quantized_kv_start),
-    }
-
-
-def track_identities(
-    server: Any, by_model: dict[int, ModelIdentity] | None = None
-) -> dict[Any, ModelIdentity]:
-    """Patch mlx-lm's ModelProvider so each model it loads gets its identity.
-
-    Keyed by the server's own model key (model path, adapter path, draft
-    path); the identity digests the weights as loaded (adapter included),
-    the draft model whose caches ride in the same list, and the kv-bits
-    options.  Host, port, logging and sampling options change no cache.
-    """
-    identities: dict[Any, ModelIdentity] = {}
-    real_load = server.ModelProvider._load
-
-    def _load(self: Any, model_path: Any, adapter_path: Any = None, draft: Any = None) -> None:
-        real_load(self, model_path, adapter_path, draft)
-        config: dict[str, Any] = cache_config_of(self.cli_args)
-        # a local directory lets the weights digest be remembered across restarts
-        local = [
-            p if p is not None and Path(str(p)).is_dir() else None
-            for p in (model_path, adapter_path)
-        ]
-        ident = ModelIdentity.of(
-            self.model, self.tokenizer, path=local[0], adapter_path=local[1], **config
-        )
-        if self.draft_model is not None:
-            ident = ident.with_draft(ModelIdentity.of(self.draft_model))
-        identities[self.model_key] = ident
-        if by_model is not None:  # what the server's generators see: the model object
-            by_model[id(self.model)] = ident
-
-    server.ModelProvider._load = _load
-    return identities
-
-
 def serve(
     model_dir: str,
     store_root: Any,
@@ -321,6 +273,7 @@ def serve(
     from .server_generation import GuardedGenerator
     from .server_handler import PersistHandler, models_without_hf_cache
     from .server_http import serve_until_signal
+    from .server_identity import track_identities
     from .server_logs import start_line, stop_line, use_log_format
     from .server_prefill import measure_prefills
 

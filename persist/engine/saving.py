@@ -25,7 +25,6 @@ from .. import policy
 from ..codecs.base import dtype_name
 from ..codecs.snapshot import Snapshot, capture
 from ..errors import (
-    IdentityMismatchError,
     NotResumableError,
     SessionConflictError,
     StoreBusyError,
@@ -40,6 +39,7 @@ from ..store import retention, writes
 from ..store.blobs import BlobStore
 from ..store.index import BlockRef, Index, NewBlob, SnapshotRow
 from .blocks import Parts, Piece, Plan, chain_root, chains, content_key, head_key, materialize, plan
+from .layer_checks import check_layers, check_quantized
 from .unverified import UNVERIFIED_KEY, inherits_unverified
 
 __all__ = ["Target", "save_snapshot"]
@@ -86,8 +86,9 @@ def save_snapshot(
     in place (``c.keys[..., 5, :] = x``) keep the Python object and its buffer,
     so no identity or fingerprint can prove a block unchanged (docs/FORMAT.md)."""
     identity, namespace = target.identity, target.namespace
-    _check_layers(cache, identity)
+    check_layers(cache, identity)
     snap = cache if isinstance(cache, Snapshot) else capture(cache, tokens)
+    check_quantized(snap.records, identity)  # before anything is written
     if isinstance(cache, Snapshot) and snap.tokens != check_tokens(tokens):
         raise NotResumableError("a captured snapshot is saved with the tokens it was captured with")
     toks = snap.tokens or []
@@ -131,22 +132,6 @@ def save_snapshot(
             blobs.delete(b.file)
         index.end_pending(salt)
     raise StoreBusyError("the store kept collecting blobs this save meant to reuse")
-
-
-def _check_layers(cache: Sequence[Any] | Snapshot, identity: ModelIdentity) -> None:
-    """A cache list of another length than the identity's model makes was computed
-    by another model: refused before anything is written (a draft's caches ride
-    in the same list, so identities with a draft are not checked)."""
-    if not isinstance(cache, (Snapshot, list, tuple)):
-        return  # not a cache list at all: capture refuses it (UnsupportedCacheError)
-    n = len(cache.records) if isinstance(cache, Snapshot) else len(cache)
-    if identity.layers and not identity.draft and n != identity.layers:
-        raise IdentityMismatchError(
-            "this cache",
-            ["layers"],
-            f"{n} layers",
-            f"{identity.display()}, whose caches have {identity.layers} layers",
-        )
 
 
 def _committed(index: Index, salt: str) -> bool:

@@ -32,6 +32,7 @@ from ..format.manifest import is_mlx_lm_metadata
 from ..format.opening import open_regular
 from ..identity import ModelIdentity
 from .files import load_file, save_file
+from .layer_checks import refuse_quantized
 from .unverified import UNVERIFIED_KEY
 
 __all__ = [
@@ -213,19 +214,11 @@ def check_fits(cache: list[Any], model: Any, where: str, max_kv_size: int | None
 
 def check_quantized(cache: list[Any], identity: ModelIdentity, where: str) -> None:
     """Quantized layers (generate --kv-bits) only under an identity of the same
-    kv_bits and kv_group_size: a plain lookup must never get them."""
-    cfg = dict(identity.cache_config)
-    layers = [x for c in cache for x in getattr(c, "caches", [c])]
-    for q in (c for c in layers if type(c).__name__ == "QuantizedKVCache"):
-        got = (q.bits, q.group_size)
-        if got != (cfg.get("kv_bits"), cfg.get("kv_group_size", 64)):  # mlx-lm default
-            raise IdentityMismatchError(
-                where,
-                ["kv_bits", "kv_group_size"],
-                f"quantized caches of kv_bits={got[0]}, kv_group_size={got[1]}",
-                f"{identity.display()} with kv_bits={cfg.get('kv_bits')}, "
-                f"kv_group_size={cfg.get('kv_group_size')}",
-            )
+    kv_bits and kv_group_size (``layer_checks``, which ``Store.save`` applies
+    too): checked here before ``check_fits`` runs the model."""
+    for i, c in enumerate(cache):
+        for q in (x for x in getattr(c, "caches", [c]) if type(x).__name__ == "QuantizedKVCache"):
+            refuse_quantized(f"layer {i}", q.bits, q.group_size, identity, where)
 
 
 def _show(layout: tuple[Any, ...]) -> str:

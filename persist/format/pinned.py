@@ -43,8 +43,8 @@ __all__ = [
 
 CUDA_PINNED = "cuda-pinned"
 HOST = "host"
-SLOT_BYTES = 4 << 20  # one staged read: large for the disk, small enough to overlap copies
-SLOTS = 16  # the ring: 64 MiB of page-locked memory, allocated once per process
+SLOT_BYTES = 8 << 20  # one staged read: few copy launches, and the bytes still overlap
+SLOTS = 16  # the ring: 128 MiB of page-locked memory, allocated once per process
 _PORTABLE, _DEVICEMAP = 0x01, 0x02  # CU_MEMHOSTALLOC_*
 _GRID = 132 * 2048  # threads of the copy kernel (an H200 has 132 SMs): a grid-stride loop
 

@@ -3,6 +3,7 @@ lack, export one mlx-lm loads, and a typed refusal where a persist file was expe
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -125,8 +126,9 @@ def test_a_session_mlx_lm_cannot_load_is_not_exported_for_it(tmp_path: Path) -> 
 
     c = DelayedQuantizedKVCache(start=64)
     c.update_and_fetch(mx.zeros((1, 1, 3, 32)), mx.zeros((1, 1, 3, 32)))
+    kv_bits = dataclasses.replace(IDENTITY, cache_config=(("kv_bits", 4), ("kv_group_size", 64)))
     with persist.Store(tmp_path / "s") as store:
-        store.save([c], [1, 2, 3], identity=IDENTITY, session="d")
+        store.save([c], [1, 2, 3], identity=kv_bits, session="d")  # its own settings
         with pytest.raises(persist.UnsupportedFormatError, match="DelayedQuantizedKVCache"):
             store.export("d", tmp_path / "d.safetensors", format="mlx-lm")
     assert not list(tmp_path.glob("*d.safetensors*"))

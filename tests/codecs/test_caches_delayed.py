@@ -47,7 +47,7 @@ def test_resumes_bit_exactly_on_both_sides(n: int, more: int, tiny: Any, tmp_pat
 
 def test_floor_is_the_conversion_offset(tiny: Any, tmp_path: Path) -> None:
     model, tok, _ = tiny("llama_hd64")
-    identity = persist.ModelIdentity.of(model, tok)
+    identity = persist.ModelIdentity.of(model, tok, kv_bits=4, kv_group_size=32)  # delayed's
     toks = tokens_for(500, 3)
     cache = persist.prefill(model, toks, cache=delayed(model), step=128)
     with persist.Store(tmp_path / "s") as store:

@@ -36,20 +36,15 @@ def test_an_unverified_session_exported_and_imported_elsewhere_stays_unverified(
 
 
 def _fresh(model_dir: Any, variant: str) -> tuple[Any, Any, Path]:
-    from mlx_lm import load
+    """Loaded as persist loads (stamped with its load provenance): the files'
+    remembered digest is its identity until something changes it in memory."""
+    from persist.provenance import load_model
 
     d = model_dir(variant)
-    model, tok = load(str(d))[:2]
+    model, tok = load_model(d)[:2]
     return model, tok, d
 
 
-MEMO_BLIND = (
-    "the weights memo keys on files and structure only: weights changed in memory "
-    "with the same dtypes and shapes get the files' digest (no sound cheap check yet)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=MEMO_BLIND)
 def test_a_lora_adapter_fused_in_code_is_not_the_files_model(
     model_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -74,7 +69,6 @@ def test_a_lora_adapter_fused_in_code_is_not_the_files_model(
     assert persist.ModelIdentity.of(model, tok, path=d).digest == hashed.digest
 
 
-@pytest.mark.xfail(strict=True, reason=MEMO_BLIND)
 def test_a_cast_and_back_is_not_the_files_model(
     model_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -169,24 +163,37 @@ def test_a_quantized_file_is_refused_under_an_identity_without_those_kv_bits(
         assert_same_state(live_state(store.restore("q", identity=own).cache), live_state(q))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Store.save checks only the layer count against the identity, not that "
-    "quantized layers match its kv_bits (hand-built quantized caches are saved "
-    "under plain identities today; a save-time rule needs a design decision)",
-)
 def test_a_save_of_quantized_caches_under_a_plain_identity_is_refused(
     tiny: Any, tmp_path: Path
 ) -> None:
+    """Quantized layers (also inside a CacheList, also as a captured snapshot, also
+    by checkpoint) are saved only under an identity of their kv_bits and
+    kv_group_size; plain layers under a kv_bits identity stay allowed."""
+    from mlx_lm.models.cache import CacheList
+
+    from persist.codecs.snapshot import capture
     from tests.helpers import kv_quantized
 
     model, tok, _ = tiny("llama_hd64")
     ids = tokens_for(40, seed=7)
     q = kv_quantized(model, ids, 0, bits=4, group=32)
+    wrapped = [CacheList(c) for c in kv_quantized(model, ids, 0, bits=4, group=32)]
     with persist.Store(tmp_path / "s") as store:
-        plain = persist.ModelIdentity.of(model, tok)
-        with pytest.raises(persist.IdentityMismatchError):
-            store.save(q, ids, identity=plain, session="q")
+        for cfg in ({}, {"kv_bits": 8, "kv_group_size": 32}, {"kv_bits": 4}):  # 4: group 64
+            other = persist.ModelIdentity.of(model, tok, **cfg)
+            for cache in (q, wrapped, capture(q, ids)):
+                with pytest.raises(persist.IdentityMismatchError, match=r"layer 0.*kv_bits=4"):
+                    store.save(cache, ids, identity=other, session="q")
+            with pytest.raises(persist.IdentityMismatchError, match="kv_group_size=32"):
+                store.checkpoint(q, ids, identity=other, session="q")
+        assert store.sessions() == [] and store.stats().entries == 0
+        own = persist.ModelIdentity.of(model, tok, kv_bits=4, kv_group_size=32)
+        store.save(q, ids, identity=own, session="q")
+        store.save(wrapped, ids, identity=own, session="w")
+        assert_same_state(live_state(store.restore("q", identity=own).cache), live_state(q))
+        plain, _ = prefill(model, ids)  # not yet past quantized_kv_start: plain layers
+        later = persist.ModelIdentity.of(model, tok, kv_bits=4, quantized_kv_start=100)
+        store.save(plain, ids, identity=later, session="p")
 
 
 def test_a_turn_of_an_unverified_session_kept_under_name_2_stays_unverified(

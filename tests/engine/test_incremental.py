@@ -128,10 +128,11 @@ def test_other_objects_sessions_or_kinds(
         store.save(cache, toks, identity=ident, session="other")  # another session
         assert len(seen) == 0
         q = [c.to_quantized(group_size=32, bits=8) for c in twin]  # another kind: all new
+        q_ident = persist.ModelIdentity.of(model, tok, kv_bits=8, kv_group_size=32)
         seen.clear()
-        store.save(q, toks, identity=ident, session="chat")
+        store.save(q, toks, identity=q_ident, session="q")
         assert len(seen) == 4
-        assert_same_state(live_state(store.restore("chat", identity=ident).cache), live_state(q))
+        assert_same_state(live_state(store.restore("q", identity=q_ident).cache), live_state(q))
 
 
 def test_a_restored_session_saves_its_next_turn_incrementally(

@@ -24,6 +24,10 @@ from tests.helpers import assert_same_state, live_state, prefill, tokens_for
 
 BLOCK = 16
 IDENT = persist.ModelIdentity("sound", "c", "w", "t", "h", name="sound")
+# the quantized family's caches are saved only under their own kv_bits (layer_checks)
+Q_IDENT = persist.ModelIdentity(
+    "sound", "c", "w", "t", "h", (("kv_bits", 8), ("kv_group_size", 32)), name="sound"
+)
 
 
 def test_in_place_writes_reach_the_next_save(tiny: Any, tmp_path: Path) -> None:
@@ -150,12 +154,13 @@ def test_no_stale_block_after_random_edits(
 ) -> None:
     cache = _family(family, n, seed)
     toks = tokens_for(n, seed=seed)
+    ident = Q_IDENT if family == "quantized" else IDENT
     trimmable = family != "hybrid"
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "s"
         store = persist.Store(root, block_tokens=BLOCK)
         try:
-            store.save(cache, toks, identity=IDENT, session="x")
+            store.save(cache, toks, identity=ident, session="x")
             for j, step in enumerate(plan):
                 if step[0] == "edit":
                     _edit(cache, step[1], step[2], step[3], seed + j)
@@ -173,9 +178,9 @@ def test_no_stale_block_after_random_edits(
                 if not same_store:  # the README's idiom: a Store per turn
                     store.close()
                     store = persist.Store(root, block_tokens=BLOCK)
-                store.save(cache, toks, identity=IDENT, session="x")
+                store.save(cache, toks, identity=ident, session="x")
                 with persist.Store(root, block_tokens=BLOCK) as fresh:
-                    got = fresh.restore("x", identity=IDENT)
+                    got = fresh.restore("x", identity=ident)
                     assert got.tokens == toks
                     assert_same_state(live_state(got.cache), live_state(cache))
         finally:

@@ -78,7 +78,8 @@ def test_a_partial_hit_is_a_full_restore_trimmed(
 ) -> None:
     variant, build, n, k = FAMILIES[family]
     model, tok, _ = tiny(variant)
-    ident = persist.ModelIdentity.of(model, tok)
+    kv_bits = {"kv_bits": 4, "kv_group_size": 32} if family == "quantized" else {}
+    ident = persist.ModelIdentity.of(model, tok, **kv_bits)  # kv_quantized's defaults
     stored = tokens_for(n, seed=3)
     with persist.Store(tmp_path / "s", block_tokens=BLOCK) as store:
         info = store.save(build(model, stored), stored, identity=ident, session="s")

@@ -1,0 +1,84 @@
+"""What a save checks of a cache against its identity before anything is written.
+
+The identity says which model computed the cache and how its caches are
+configured; two facts of the cache itself can contradict it cheaply:
+
+- the layer count (``identity.layers``, the model's own ``make_prompt_cache``);
+- quantized layers.  A ``quantized-kv`` layer (mlx-lm's QuantizedKVCache,
+  anywhere inside a wrapper or a CacheList) or a ``delayed-quantized``
+  wrapper (which becomes one) is saved only under an identity whose
+  ``kv_bits`` and ``kv_group_size`` are that layer's bits and group size: a
+  plain lookup must never get quantized caches.  Plain KV layers under a
+  kv_bits identity are fine: mlx-lm quantizes only from
+  ``quantized_kv_start`` on.
+
+Checked on the captured records (``Snapshot.records``), so a snapshot handed
+to ``Store.save`` is checked as a live cache list is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..errors import IdentityMismatchError
+from ..identity import ModelIdentity
+from ..kinds import parse_kind
+from ..records import Record
+
+__all__ = ["check_layers", "check_quantized", "refuse_quantized", "QUANTIZING_KINDS"]
+
+QUANTIZING_KINDS = ("quantized-kv", "delayed-quantized")
+MLX_LM_GROUP_SIZE = 64  # kv_group_size when an identity with kv_bits names none
+
+
+def check_layers(cache: Any, identity: ModelIdentity) -> None:
+    """A cache list of another length than the identity's model makes was computed
+    by another model: refused before anything is written (a draft's caches ride
+    in the same list, so identities with a draft are not checked)."""
+    from ..codecs.snapshot import Snapshot
+
+    if not isinstance(cache, (Snapshot, list, tuple)):
+        return  # not a cache list at all: capture refuses it (UnsupportedCacheError)
+    n = len(cache.records) if isinstance(cache, Snapshot) else len(cache)
+    if identity.layers and not identity.draft and n != identity.layers:
+        raise IdentityMismatchError(
+            "this cache",
+            ["layers"],
+            f"{n} layers",
+            f"{identity.display()}, whose caches have {identity.layers} layers",
+        )
+
+
+def check_quantized(records: Sequence[Record], identity: ModelIdentity) -> None:
+    """Refuse any quantized layer whose bits and group size are not the identity's."""
+    for i, record in enumerate(records):
+        for kind, bits, group in _quantized(record):
+            refuse_quantized(f"layer {i} ({kind})", bits, group, identity, "this cache")
+
+
+def refuse_quantized(
+    layer: str, bits: Any, group: Any, identity: ModelIdentity, where: str
+) -> None:
+    """IdentityMismatchError unless (bits, group) are the identity's kv_bits and
+    kv_group_size (mlx-lm's default group size when it names none)."""
+    cfg = dict(identity.cache_config)
+    bits_of = cfg.get("kv_bits")
+    want = (bits_of, cfg.get("kv_group_size", MLX_LM_GROUP_SIZE)) if bits_of is not None else None
+    if (bits, group) == want:
+        return
+    raise IdentityMismatchError(
+        where,
+        ["kv_bits", "kv_group_size"],
+        f"{layer} quantized with kv_bits={bits}, kv_group_size={group}",
+        f"{identity.display()} with kv_bits={bits_of}, kv_group_size={cfg.get('kv_group_size')}",
+    )
+
+
+def _quantized(record: Record) -> Iterator[tuple[str, Any, Any]]:
+    """(kind, bits, group size) of every quantizing record in ``record``'s tree."""
+    name = parse_kind(record.kind).name
+    if name in QUANTIZING_KINDS:
+        yield name, record.meta.get("bits"), record.meta.get("group_size")
+    for child in record.children:
+        yield from _quantized(child)
