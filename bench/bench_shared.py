@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from bench.common import RESULTS, machine, raw_read, warm
 from tests.tiers.conftest import RedisServer, S3Server
 
 REPS = 3
+KEY_REPS = 10  # restores with and without a key: the machine is shared, minimum of many
 GB = 1e9
 SMALL = "--small" in sys.argv
 SESSION, LONG = (2048, 8192) if SMALL else (8192, 32768)
@@ -145,15 +147,28 @@ def keyed(key: bytes | None) -> dict[str, Any]:
     return {"tier_key": key} if key is not None else {}
 
 
+def cpu_s(redis: Any) -> float:
+    """CPU seconds so far of this process and of the redis-server (user + system)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    info = redis.info("cpu")
+    return float(me.ru_utime + me.ru_stime + info["used_cpu_user"] + info["used_cpu_sys"])
+
+
 def run_keys(tmp: Path, url: str) -> dict[str, Any]:
-    """Each operation on the shared tier with and without an operator key, interleaved:
-    a save new to the tier, a restore on an empty machine, and a lookup of a
-    LONG-token prompt in the tier (the full pull_prefix path on a machine that already
-    holds the snapshot: pointers, records, their checks; nothing is pulled)."""
+    """Each operation on the shared tier with and without an operator key, interleaved
+    (the order alternates: a restore right after another pays for fresh memory): a
+    save new to the tier, a restore on an empty machine (its wall time, and the CPU
+    seconds of this process and the redis-server: on a shared machine the CPU is
+    what a key adds), and a lookup of a LONG-token prompt in the tier (the full
+    pull_prefix path on a machine that already holds the snapshot: pointers,
+    records, their checks; nothing is pulled)."""
+    import redis
+
     cache, toks = llama(SESSION), list(range(SESSION))
     long = [*range(LONG), 1]
     best: dict[str, float] = {}
     variants = [("no key", None), *([("key", KEY)] if KEYED else [])]
+    client = redis.Redis.from_url(url)
 
     def keep(name: str, s: float) -> None:
         best[name] = min(best.get(name, float("inf")), s)
@@ -170,12 +185,14 @@ def run_keys(tmp: Path, url: str) -> dict[str, Any]:
         )
         a.save(llama(LONG), long[:-1], identity=IDENTITY, namespace=ns)
         stores[label] = (a, ns)
-    for i in range(REPS + 2):
-        for label, key in variants:
+    for i in range(KEY_REPS):
+        for label, key in variants if i % 2 == 0 else variants[::-1]:
             a, ns = stores[label]
             with persist.Store(tmp / f"kb-{label}-{i}", shared=url, **keyed(key)) as b:
+                c = cpu_s(client)
                 s = timed(lambda b=b, ns=ns: ev(b.restore("s", identity=IDENTITY, namespace=ns)))
                 keep(f"restore from Redis ({label})", s)
+                keep(f"restore from Redis, CPU seconds ({label})", cpu_s(client) - c)
             assert a.shared is not None
             for _ in range(20):
                 t = time.perf_counter()
@@ -206,6 +223,19 @@ def run_s3(tmp: Path, url: str) -> dict[str, float]:
     return best
 
 
+def ratios(k: dict[str, float]) -> list[str]:
+    """With a key against without, for the restore (wall and CPU) and the lookup."""
+    out = []
+    for what in (
+        "restore from Redis",
+        "restore from Redis, CPU seconds",
+        f"lookup of {LONG} tokens in the tier",
+    ):
+        if f"{what} (key)" in k:
+            out.append(f"{what}: {k[f'{what} (key)'] / k[f'{what} (no key)']:.3f}x with a key")
+    return [*(f"- {line}" for line in out), ""] if out else []
+
+
 def ev(r: Any) -> None:
     mx.eval([c.state for c in r.cache])
 
@@ -223,6 +253,7 @@ def markdown(r: dict[str, Any]) -> str:
         "|---|---|",
         *(f"| {name} | {v:.4f} |" for name, v in k.items()),
         "",
+        *ratios(k),
     ]
     if SMALL:
         return "\n".join(["# The shared tier over loopback (small run)", "", *auth])

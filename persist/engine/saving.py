@@ -263,6 +263,8 @@ def _commit(
         writes.add_blobs(db, namespace, written)
         writes.finish_pending(db, salt)
         now = time.time()
+        if t.name is not None:
+            now = writes.version_after(db, namespace, t.name, now)
         n_blocks = len(refs)
         sizes = writes.blob_sizes(db, [tail, *(r.blob for r in refs if r.blob)])
         row = {

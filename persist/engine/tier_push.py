@@ -1,14 +1,17 @@
 """The writing side of a tier: the namespace secret every machine must agree on, and
 the push of one committed snapshot (its missing blobs, its sealed record, its pointers).
 
-The chain secret decides every chain and content key, so two machines share a
-namespace only if they hold the same one.  With an operator key it is derived,
-HMAC(key, namespace): nothing on a tier, nothing an LRU can evict.  Without one
-it lives on the tier as before, but where eviction cannot lose it for good: the
-cold tier keeps a copy (S3 evicts nothing), every save writes it again (SET NX,
-in the record's round trip), every record carries it (a new machine restoring a
-session adopts it from the record), and a lookup on a machine that has none
-finds a record by a bounded SCAN and recovers it from there.
+The chain secret decides every chain, so the records on a tier are chained under
+one secret, the tier's (the fleet's); a store keeps its own for its local rows
+and rechains a record at the tier's edge when the two differ (a store that
+shared before an operator key was set, or before the tier lost everything).
+With an operator key the tier's secret is derived, HMAC(key, namespace):
+nothing on a tier, nothing an LRU can evict.  Without one it lives on the tier,
+where eviction cannot lose it for good: every save writes it again and reads
+it back (SET NX, in the record's round trip: a machine that finds another one
+there uses that one from then on), every record carries it (a new machine
+restoring a session adopts it from the record), a machine that finds none
+recovers it from a record found by a bounded SCAN, else from the cold tier.
 """
 
 from __future__ import annotations
@@ -26,7 +29,15 @@ from ..store.blobs import BlobStore
 from ..store.chains import boundary_heads
 from ..store.index import Index
 from ..store.redis_tier import TierUnavailable
-from .tier_records import ROW_FIELDS, BadValue, Expect, Keys, open_record, seal_record
+from .tier_records import (
+    ROW_FIELDS,
+    BadValue,
+    Expect,
+    Keys,
+    chains_under,
+    open_record,
+    seal_record,
+)
 
 
 class Shared(Protocol):
@@ -48,122 +59,126 @@ Tier = Any  # a RedisTier or S3Tier (their common methods)
 __all__ = ["namespace_secret", "push", "sync"]
 
 log = logging.getLogger("persist")
-_told: set[tuple[str, str]] = set()
 
 
 def namespace_secret(
-    shared: Shared, index: Index, namespace: str, create: bool
-) -> tuple[bytes, bool] | None:
-    """(the namespace's secret, whether the fleet's is known to be it), or None: not
-    shared (this store chained it with another one), or no secret anywhere yet and
-    ``create`` false.  A store with no secret of its own adopts the fleet's."""
-    local = index.secret(namespace)
-    derived = shared.keys.namespace_secret(namespace)
-    if derived is not None:
-        fleet: bytes | None = derived
-    else:
+    shared: Shared, index: Index, namespace: str, create: bool, last: bytes | None = None
+) -> bytes | None:
+    """The fleet's secret for this namespace on this tier, or None: none anywhere and
+    not ``create`` (a read never creates a namespace).  With a key it is derived.
+    Without one the tier's is the fleet's: one it lost is recovered (from its records,
+    else the cold tier) or planted again (SET NX, then read back, so machines that
+    race agree on one) from ``last`` (the one this process used), the store's own, or
+    a new one.  A store without a secret of its own for the namespace adopts it; a
+    store with another one keeps its own and rechains at the tier's edge (``push``,
+    ``tiers.pull``), so no secret that changed on a tier splits the fleet."""
+    fleet = shared.keys.namespace_secret(namespace)
+    if fleet is None:
         fleet = shared.tier.get_secret(namespace)
-        if fleet is None and local is None:  # a machine with one keeps using its own
-            fleet = _recovered(shared, index, namespace)
-            if fleet is not None:  # put back where the next machine looks first
-                shared.tier.secret(namespace, fleet)
-        if fleet is None and local is not None:
-            if not create:
-                return local, False  # a read never creates the namespace on the tier
-            fleet = shared.tier.secret(namespace, local)
         if fleet is None:
-            if not create:
+            found = _recovered(shared, index, namespace)
+            if found is None and not create:
                 return None
-            fleet = shared.tier.secret(namespace, os.urandom(32))
-    assert fleet is not None
-    if local is None:
-        local = index.set_secret(namespace, fleet)
-    if local != fleet:
-        if (shared.tier.url, namespace) not in _told:
-            _told.add((shared.tier.url, namespace))
-            log.warning(
-                "persist: namespace %r has another secret on %s: not shared",
-                namespace,
-                shared.tier.url,
-            )
-        return None
-    return local, True
+            mine = found or last or index.secret(namespace) or os.urandom(32)
+            fleet = shared.tier.secret(namespace, mine)
+    if index.secret(namespace) is None:
+        index.set_secret(namespace, fleet)
+    return fleet
 
 
 def _recovered(shared: Shared, index: Index, namespace: str) -> bytes | None:
-    """A secret the tier lost, from the cold tier, or from one of the tier's records."""
+    """A secret the tier lost, from one of its records (the first that opens: a bad one
+    is a counted miss, and the search is bounded, ``recovery_records``), else from the
+    cold tier (S3 evicts nothing)."""
+    for value in shared.tier.recovery_records(namespace):
+        try:
+            body = open_record(shared.keys, value, Expect(namespace))
+            secret = body.get("secret")
+            if secret is None:
+                continue  # a record written with an operator key carries none
+            open_record(shared.keys, value, Expect(namespace, secret=secret))  # its chains agree
+        except BadValue as e:
+            index.count(namespace, **{f"{shared.name}_{e.why}": 1})
+            continue
+        index.count(namespace, **{f"{shared.name}_secret_recovered": 1})
+        return bytes(secret)
     if shared.backup is not None:
         try:
-            held = shared.backup.get_secret(namespace)
+            held: bytes | None = shared.backup.get_secret(namespace)
         except TierUnavailable:
-            held = None
-        if held is not None:
-            return held
-    value = shared.tier.any_record(namespace)
-    if value is None:
-        return None
-    try:
-        body = open_record(shared.keys, value, Expect(namespace))
-        secret = body.get("secret")
-        if secret is None:
             return None
-        open_record(shared.keys, value, Expect(namespace, secret=secret))  # its chains agree
-    except BadValue:
-        return None
-    index.count(namespace, **{f"{shared.name}_secret_recovered": 1})
-    return bytes(secret)
+        return held
+    return None
 
 
 def push(
     index: Index, blobs: BlobStore, tier: Tier, keys: Keys, namespace: str, sid: int, secret: bytes
-) -> str:
+) -> tuple[str, bytes | None]:
     """Write a committed snapshot's missing blobs and its record to the tier: ``pushed``,
     ``present`` (nothing was missing), ``skipped`` (gone meanwhile, or a snapshot
-    this tier does not keep)."""
+    this tier does not keep); and the tier's secret after the write (without a key).
+    The record's chains are under ``secret``, the tier's, whatever the store's own."""
     with index.read() as db:
-        (row,) = Index.rows_where(db, "id = ?", [sid])
+        rows = Index.rows_where(db, "id = ?", [sid])
         refs = Index.blocks_in(db, sid)
+    if not rows:
+        return "skipped", None  # evicted meanwhile
+    row = rows[0]
     name = row.name if row.role == "session" else None
+    if name is not None:  # this version or a later one: an older record is a replay
+        index.saw(namespace, name, row.created)
     if name is None and getattr(tier, "named_only", False):
-        return "skipped"
+        return "skipped", None
     files = [row.tail, *(r.blob for r in refs if r.blob)]
     facts = index.blob_facts(files)
     if len(facts) != len(set(files)):
-        return "skipped"  # evicted or replaced meanwhile: nothing to share
+        return "skipped", None  # evicted or replaced meanwhile: nothing to share
     by_key = {facts[f][0]: f for f in set(files)}
     fields: dict[str, Any] = {k: getattr(row, k) for k in ROW_FIELDS}
+    chs = [r.chain for r in refs]
+    if secret != index.secret(namespace):  # this store chains the namespace otherwise
+        under, fields["last_chain"] = chains_under(secret, fields, len(refs))
+        fields["root"], chs = under[0], under[1:]
     body: dict[str, Any] = {
         "row": {**fields, "trimmable": bool(row.trimmable)},
-        "blocks": [[r.idx, r.chain, facts[r.blob][0] if r.blob else None] for r in refs],
+        "blocks": [
+            [r.idx, c, facts[r.blob][0] if r.blob else None] for r, c in zip(refs, chs, strict=True)
+        ],
         "tail": facts[row.tail][0],
         "blobs": {facts[f][0]: [facts[f][1], facts[f][2]] for f in sorted(set(files))},
         "secret": None if keys.key is not None else secret,  # a derived one is kept nowhere
     }
     rkey, record = seal_record(keys, namespace, body)
-    missing = tier.missing_blobs(namespace, sorted(by_key))
+    names = {keys.blob_name(k): k for k in by_key}
+    missing = tier.missing_blobs(namespace, sorted(names))
     had = not missing and tier.has_record(namespace, rkey)
 
-    def put(key: str) -> None:
+    def put(name: str) -> None:
+        key = names[name]
         with blobs.open(by_key[key]) as fh:
             data = fh.read()
-        tier.put_blob(namespace, key, data, bool(row.pinned), keys.blob_tag(namespace, key, data))
+        tier.put_blob(namespace, name, data, bool(row.pinned), keys.blob_tag(namespace, key, data))
 
     with ThreadPoolExecutor(4) as pool:  # the tier's client is thread-safe
         list(pool.map(put, missing))
-    tier.put_record(
-        namespace, rkey, record, _pointers(keys, namespace, row, refs, name, rkey),
+    after = tier.put_record(
+        namespace, rkey, record, _pointers(keys, namespace, fields, chs, name, rkey),
         bool(row.trimmable), None if keys.key is not None else secret,
     )  # fmt: skip
-    return "present" if had else "pushed"
+    return "present" if had else "pushed", after
 
 
 def _pointers(
-    keys: Keys, namespace: str, row: Any, refs: Any, name: str | None, rkey: str
+    keys: Keys,
+    namespace: str,
+    row: dict[str, Any],
+    chs: list[bytes],
+    name: str | None,
+    rkey: str,
 ) -> list[tuple[str, bytes, bytes]]:
     """(kind, key, value) of every pointer to the record: by name, chain, head key."""
-    chs = [r.chain for r in refs]
-    block = int(msgpack.unpackb(row.manifest, raw=False)["block"])
-    heads = boundary_heads([row.root, *chs], unpack_tokens(row.tokens), block)
+    block = int(msgpack.unpackb(row["manifest"], raw=False)["block"])
+    heads = boundary_heads([row["root"], *chs], unpack_tokens(row["tokens"]), block)
     items = [("blk", c) for c in chs] + [("head", h) for h in heads]
     if name is not None:
         items.insert(0, ("sess", name.encode()))

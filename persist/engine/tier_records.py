@@ -39,6 +39,7 @@ __all__ = [
     "open_record",
     "tier_key_from_env",
     "best_record",
+    "chains_under",
 ]
 
 log = logging.getLogger("persist")
@@ -129,6 +130,12 @@ class Keys:
     def namespace_secret(self, namespace: str) -> bytes | None:
         """HMAC(key, namespace): the same chain secret on every machine, kept nowhere."""
         return None if self.key is None else self.mac(b"namespace", namespace.encode())
+
+    def blob_name(self, key: str) -> str:
+        """A blob's name on a tier: its content key, and with an operator key ``.`` and 16
+        hex digits of that key's (a key id): a keyless writer's blob, or another key's,
+        never stands in for this key's (a rollout or a rotation pushes them again)."""
+        return key if self.key is None else f"{key}.{self.mac(b'blob name')[:8].hex()}"
 
     def blob_tag(self, namespace: str, key: str, data: bytes | memoryview) -> bytes | None:
         if self.key is None:
@@ -270,10 +277,9 @@ def _bind(body: dict[str, Any], want: Expect) -> None:
         return
     packed, step = row["tokens"], 4 * block  # the tokens as chains() packs them
     got = [bytes(row["root"]), *(b[1] for b in body["blocks"])]
-    root = chain_root(want.secret, row["identity"])
-    if got != packed_chains(root, packed, block, len(got) - 1):
+    want_chains, last = chains_under(want.secret, row, len(got) - 1)
+    if got != want_chains:
         raise BadValue("mismatched", "a record whose chains are not its tokens' chains")
-    last = got[-1] if len(got) > 1 else head_key(got[0], unpack_tokens(packed[:64]))
     if row["last_chain"] != last:
         raise BadValue("mismatched", "a record whose last chain is not its last block's")
     if want.via is not None:
@@ -290,6 +296,16 @@ def _bind(body: dict[str, Any], want: Expect) -> None:
             ]
         if key not in held:
             raise BadValue("mismatched", f"a {kind} pointer to a record that lacks it")
+
+
+def chains_under(secret: bytes, row: dict[str, Any], n: int) -> tuple[list[bytes], bytes]:
+    """([h_-1, h_0, .., h_{n-1}], last_chain) of a row's tokens under ``secret``: what a
+    store whose namespace secret is ``secret`` keeps for it (the tier's chains are
+    under the tier's secret, a store's under its own; a push or pull rechains)."""
+    block = int(msgpack.unpackb(row["manifest"], raw=False)["block"])
+    packed = row["tokens"]
+    got = packed_chains(chain_root(secret, row["identity"]), packed, block, n)
+    return got, got[-1] if n else head_key(got[0], unpack_tokens(packed[:64]))
 
 
 def packed_chains(root: bytes, packed: bytes, block: int, n: int) -> list[bytes]:

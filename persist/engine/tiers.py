@@ -7,38 +7,30 @@ local store, checked against the record before anything is committed, then
 commits the row exactly as a local save would; from then on the local store
 serves it.  A tier that fails never fails the local operation: the caller
 counts it and goes on.  A value that is not what its key claims is a miss,
-counted by why (``<tier>_malformed``, ``_mismatched``, ``_unauthenticated``).
+counted by why (``<tier>_malformed``, ``_mismatched``, ``_unauthenticated``), and
+so is a session's version older than one this store saw (``_stale``: a replay).
 """
 
 from __future__ import annotations
 
-import io
 import logging
-import secrets
-import sqlite3
 import time
 from typing import Any
 
 from ..errors import CorruptBlobError
-from ..format.tokens import unpack_tokens
-from ..store import writes
 from ..store.blobs import BlobStore
 from ..store.chains import boundary_heads, chain_root, chains
-from ..store.check import verify_blob
 from ..store.index import Index
-from ..store.redis_tier import RedisTier, TierUnavailable, namespace_tag
-from ..store.rows import BlockRef, NewBlob
+from ..store.redis_tier import RedisTier, TierUnavailable
 from ..store.s3_tier import S3Tier
 from .costs import LOCAL, CostModel
+from .tier_pull import EvictedError, pull
 from .tier_push import namespace_secret, push, sync
 from .tier_records import (
-    ROW_FIELDS,
-    TAG_BYTES,
     BadValue,
     Expect,
     Keys,
     best_record,
-    block_of,
     check_key,
     open_record,
     tier_key_from_env,
@@ -47,14 +39,9 @@ from .tier_records import (
 __all__ = ["Shared", "push", "pull", "sync", "EvictedError", "open_tiers"]
 
 
-class EvictedError(CorruptBlobError):
-    """A value the tier dropped (an LRU may drop anything): a miss, not damage."""
-
-
 log = logging.getLogger("persist")
 Tier = RedisTier | S3Tier
-PULL_AHEAD = 4  # blobs fetched (in parallel) before they are written locally
-ASK_AGAIN_S = 10.0  # a namespace no tier had a secret for is looked for again after this
+ASK_AGAIN_S = 10.0  # a keyless secret (or its absence) is asked for again after this
 
 
 class Shared:
@@ -67,7 +54,7 @@ class Shared:
         self.tier, self.name = tier, name  # name: the prefix of its counters in persist stats
         self.keys = keys if keys is not None else Keys()
         self.backup = backup  # the cold tier, where a secret the shared one lost is kept
-        self._agreed: dict[str, bytes] = {}
+        self._held: dict[str, tuple[bytes, float]] = {}  # namespace -> (secret, ask again at)
         self._none_until: dict[str, float] = {}
         self.unreachable = 0  # operations the tier was down for (sync tells a miss from these)
 
@@ -79,22 +66,32 @@ class Shared:
         log.info("persist: %s tier value refused: %s", self.name, e.detail)
 
     def agree(self, index: Index, namespace: str, create: bool = False) -> bool:
-        """Does this namespace's secret agree with the fleet's?  Only a save (``create``)
-        puts a secret on the tier: a read never creates a namespace anywhere."""
+        """Is this namespace's secret on the tier known (a store without one of its own
+        adopts it before its first save)?  Only a save (``create``) puts a secret on the
+        tier: a read never creates a namespace anywhere."""
         return self.secret(index, namespace, create) is not None
 
     def secret(self, index: Index, namespace: str, create: bool = False) -> bytes | None:
-        """The namespace's chain secret, the fleet's (None: not shared, or none yet)."""
-        if namespace not in self._agreed:
-            if not create and time.monotonic() < self._none_until.get(namespace, 0.0):
-                return None  # nothing anywhere a moment ago: no scan on every lookup
-            got = self._run(lambda: namespace_secret(self, index, namespace, create))
-            if got is None or not got[1]:
-                if got is None:
-                    self._none_until[namespace] = time.monotonic() + ASK_AGAIN_S
-                return None if got is None else got[0]  # asked again next time
-            self._agreed[namespace] = got[0]
-        return self._agreed[namespace]
+        """The tier's chain secret for the namespace (None: none yet).  Without a key it
+        is asked for again every ASK_AGAIN_S (one GET): a tier that lost it and got
+        another from a new machine is followed, never split from."""
+        now, held = self.tier.clock(), self._held.get(namespace)
+        if held is not None and now < held[1]:
+            return held[0]
+        if held is None and not create and now < self._none_until.get(namespace, 0.0):
+            return None  # nothing anywhere a moment ago: no scan on every lookup
+        last = held[0] if held else None
+        got = self._run(lambda: namespace_secret(self, index, namespace, create, last))
+        if got is None:
+            if last is None:
+                self._none_until[namespace] = now + ASK_AGAIN_S
+            return last  # the tier is down: what it was a moment ago
+        self._hold(namespace, got)
+        return got
+
+    def _hold(self, namespace: str, secret: bytes) -> None:
+        again = float("inf") if self.keys.key is not None else ASK_AGAIN_S  # derived: fixed
+        self._held[namespace] = (secret, self.tier.clock() + again)
 
     def _run(self, op: Any) -> Any:
         try:
@@ -118,7 +115,17 @@ class Shared:
             self._count(index, namespace, "errors")
             return "failed"
         before = dict(self.tier.counters)
-        done = self._run(lambda: push(index, blobs, self.tier, self.keys, namespace, sid, secret))
+        for _ in range(2):
+            got = self._run(
+                lambda s=secret: push(index, blobs, self.tier, self.keys, namespace, sid, s)
+            )
+            done, after = got if got is not None else (None, None)
+            if after is None or after == secret:
+                break
+            # the tier holds another secret (it lost ours, and another machine planted
+            # its own first): the fleet's from now on, and this record again under it
+            self._hold(namespace, after)
+            secret = after
         if done in ("pushed", None):
             self._count(index, namespace, "pushes" if done else "errors")
         self._bytes(index, namespace, before)
@@ -139,6 +146,7 @@ class Shared:
                 index.set_secret(namespace, secret)  # recovered from the record itself
             if self._run(lambda: pull(index, blobs, self.tier, self.keys, namespace, body, True)):
                 self._count(index, namespace, "hits")
+                index.saw(namespace, name, float(body["row"]["created"]))
                 return True
             return False
         except EvictedError:  # the LRU took part of it: the session is not there
@@ -153,7 +161,8 @@ class Shared:
     def _named(
         self, index: Index, namespace: str, name: str, secret: bytes | None
     ) -> tuple[dict[str, Any], bytes | None] | None:
-        """The checked record of session ``name`` and the secret its chains are under."""
+        """The checked record of session ``name`` and the secret its chains are under;
+        None for a version older than one this store saw (a replay: counted ``stale``)."""
         ptr = self.tier.pointers(namespace, [("sess", name.encode())])[0]
         if ptr is None:
             return None
@@ -162,11 +171,16 @@ class Shared:
             value = self.tier.records(namespace, [rkey])[0]
             if value is None:
                 return None
-            if secret is None and index.secret(namespace) is None:  # a new machine
+            if secret is None:  # the tier holds no secret (keyless): the record's own
                 bare = open_record(self.keys, value, Expect(namespace, rkey, name=name))
                 secret = bare.get("secret")
-            want = Expect(namespace, rkey, name=name, secret=secret or index.secret(namespace))
-            return open_record(self.keys, value, want), secret
+                if secret is None:
+                    raise BadValue("mismatched", "a record without the secret of its chains")
+            body = open_record(self.keys, value, Expect(namespace, rkey, name=name, secret=secret))
+            seen = index.seen(namespace, name)
+            if seen is not None and float(body["row"]["created"]) < seen:
+                raise BadValue("stale", "a version older than one this store saw (a replay)")
+            return body, secret
         except BadValue as e:
             self._bad(index, namespace, e)
             return None
@@ -287,108 +301,3 @@ def open_tiers(
     c = Shared(S3Tier(cold), "cold", keys) if cold else None
     s = Shared(RedisTier(shared), "shared", keys, c.tier if c else None) if shared else None
     return s, c
-
-
-def pull(
-    index: Index,
-    blobs: BlobStore,
-    tier: Tier,
-    keys: Keys,
-    namespace: str,
-    body: dict[str, Any],
-    named: bool,
-) -> int:
-    """Commit a checked record's snapshot into the local store (as a session if
-    ``named``, else an anonymous prefix); CorruptBlobError if a blob fails its checks.
-    Blobs this store holds are not fetched; the others a few at a time."""
-    facts = body["blobs"]
-    files = {k: held[0] for k in facts if (held := index.live_blob(k)) is not None}
-    keys_needed = sorted(k for k in facts if k not in files)
-    salt = secrets.token_hex(6)
-    index.begin_pending(salt)
-    written: list[NewBlob] = []
-    tag_bytes, where = TAG_BYTES if keys.key is not None else 0, namespace_tag(namespace).encode()
-
-    def check(k: str, data: bytes, tag: bytes) -> None:  # the tag, on the fetching thread
-        keys.check(b"blob", tag, where, k.encode(), data)
-
-    try:
-        # a few blobs in memory at a time: fresh memory for a whole session costs more
-        # than the network here, and a pull never holds more than PULL_AHEAD blobs
-        for at in range(0, len(keys_needed), PULL_AHEAD):
-            chunk = {k: int(facts[k][0]) for k in keys_needed[at : at + PULL_AHEAD]}
-            got = tier.get_blobs(namespace, chunk, tag_bytes, check)
-            for k, value in got.items():
-                files[k] = _local(blobs, k, value, facts[k], salt, written)
-            del got
-        return _commit(index, namespace, body, files, written, salt, named)
-    except BaseException:
-        for b in written:
-            blobs.delete(b.file)
-        index.end_pending(salt)
-        raise
-
-
-def _local(
-    blobs: BlobStore,
-    key: str,
-    value: tuple[bytes, bytes] | None,
-    facts: list[Any],
-    salt: str,
-    written: list[NewBlob],
-) -> str:
-    """The local file of blob ``key`` from the tier's bytes, checked (its tag, its size,
-    its header against the record, every tensor against its checksum)."""
-    where = f"shared blob {key}"
-    if value is None:
-        raise EvictedError(where, "the shared tier no longer holds it")
-    data = value[0]  # its tag was checked as it arrived (pull's check)
-    size, digest = facts[0], bytes(facts[1])
-    # every tensor checked in memory, before a byte is written or committed
-    problem = verify_blob(io.BytesIO(data), where, size, digest, len(data))
-    if problem is not None:
-        raise CorruptBlobError(where, problem)
-
-    def write(sink: Any) -> bytes:
-        sink.write(data)
-        sink.finish()
-        return digest
-
-    file, n, h = blobs.put(key, write, len(data), salt)
-    written.append(NewBlob(file, key, n, h))
-    return file
-
-
-def _commit(
-    index: Index,
-    namespace: str,
-    body: dict[str, Any],
-    files: dict[str, str],
-    written: list[NewBlob],
-    salt: str,
-    named: bool,
-) -> int:
-    r = {k: body["row"][k] for k in ROW_FIELDS}
-    refs = [BlockRef(i, bytes(c), files[k] if k else None) for i, c, k in body["blocks"]]
-    row = {
-        **r,
-        "namespace": namespace,
-        "name": r["name"] if named else None,
-        "owner": r["owner"] if named else None,
-        "role": r["role"] if named else "prefix",
-        "trimmable": int(bool(r["trimmable"])),
-        "tail": files[body["tail"]],
-        "bytes": sum(f[0] for f in body["blobs"].values()),
-        "pinned": 0,
-        "used": time.time(),
-    }
-    try:
-        with index.write() as db:
-            writes.add_blobs(db, namespace, written)
-            writes.finish_pending(db, salt)
-            sid = writes.insert(db, row, refs)
-            chs = [bytes(r["root"]), *(ref.chain for ref in refs)]
-            writes.add_heads(db, sid, chs, unpack_tokens(r["tokens"]), block_of(body))
-    except sqlite3.IntegrityError:  # the name was taken meanwhile (another pull, a save)
-        raise BadValue("conflict", "the local store took that name meanwhile") from None
-    return sid

@@ -290,6 +290,22 @@ class Index:
         with self.write() as db:
             db.execute("UPDATE snapshots SET used = ? WHERE id = ?", [time.time(), snapshot_id])
 
+    def seen(self, namespace: str, name: str) -> float | None:
+        """The latest version (save time) of a named session this store saw on a tier."""
+        with self.read() as db:
+            row = db.execute(
+                "SELECT created FROM tier_seen WHERE namespace = ? AND name = ?", [namespace, name]
+            ).fetchone()
+        return float(row[0]) if row else None
+
+    def saw(self, namespace: str, name: str, created: float) -> None:
+        with self.write() as db:
+            db.execute(
+                "INSERT INTO tier_seen(namespace, name, created) VALUES (?, ?, ?) ON CONFLICT"
+                "(namespace, name) DO UPDATE SET created = MAX(created, excluded.created)",
+                [namespace, name, created],
+            )
+
     def count(self, namespace: str, **deltas: int) -> None:
         with self.write() as db:
             for name, d in deltas.items():

@@ -13,8 +13,9 @@ a tenant.  Under it:
 - ``sess:<name>``, ``blk:<chain hex>``, ``head:<head key hex>``: pointers to records.
 
 Nothing read here is trusted: the engine checks every value against what it
-asked for (``engine/tier_records.py``), and every read is bounded (GETRANGE) by
-what the record says; a key of another type reads as nothing.  A server that
+asked for (``engine/tier_records.py``), and every read is bounded (GETRANGE,
+``redis_reads.py``): pointers and the secret by their size, blobs by what the
+record says; a key of another type reads as nothing.  A server that
 is down costs one connect timeout, then a breaker skips it for
 ``retry_after`` seconds; an answer about one key (another type, out of memory,
 an ACL) fails that operation only.
@@ -26,19 +27,23 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import CorruptBlobError, InvalidArgumentError, PersistError
 from .redis_cluster import cluster_client
+from .redis_reads import Reader, fetch_all, parse_parts, scan
 
 __all__ = ["RedisTier", "PART_BYTES", "TierUnavailable", "cluster_client"]
 
 log = logging.getLogger("persist")
 PART_BYTES = 8 << 20  # values of at most 8 MiB
 MAX_VALUE = 64 << 20  # a record is read at most this far (GETRANGE)
+POINTER_BYTES = 128  # a pointer is 65 bytes; a longer value is not read
+SECRET_BYTES = 32
 SCAN_COUNT, SCAN_ROUNDS = 1000, 8  # the bounded search for a record to recover a secret from
+SCAN = (SCAN_COUNT, SCAN_ROUNDS)
+RECOVER_RECORDS, RECOVER_BATCH = 256, 32  # records tried for a lost secret, read per round trip
 FETCHERS = 2  # blobs fetched at once (more only competes with the server for cores)
 SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://")
 CLUSTER_SCHEMES = tuple(s.replace("://", "+cluster://") for s in SCHEMES)
@@ -61,6 +66,7 @@ class RedisTier:
         ttl_s: int | None = 7 * 24 * 3600,
         connect_timeout_s: float = 1.0,
         retry_after_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not url.startswith(SCHEMES + CLUSTER_SCHEMES):
             raise InvalidArgumentError(
@@ -85,15 +91,16 @@ class RedisTier:
             self._connect = lambda: cluster_client(self.url, timeouts)
         else:
             self._client_ = redis.Redis.from_url(self.url, **timeouts)
-        self.ttl_s, self.retry_after_s = ttl_s, retry_after_s
+        self.ttl_s, self.retry_after_s, self.clock = ttl_s, retry_after_s, clock
         self._down_until = 0.0
         self.counters: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._reads = Reader(redis, lambda: self._client, self.cluster, self._count)
 
     # -- the breaker -------------------------------------------------------
 
     def _call(self, what: str, fn: Any) -> Any:
-        if time.monotonic() < self._down_until:
+        if self.clock() < self._down_until:
             self._count("skipped")
             raise TierUnavailable(f"shared tier {self.url} is down (skipping it for a while)")
         try:
@@ -116,7 +123,7 @@ class RedisTier:
         """The server is down or unreachable: skipped for ``retry_after_s``."""
         if self._down_until == 0.0:  # once per outage
             log.warning("persist: shared tier %s failed (%s): %s", self.url, what, e)
-        self._down_until = time.monotonic() + self.retry_after_s
+        self._down_until = self.clock() + self.retry_after_s
         self._count("errors")
         return TierUnavailable(f"shared tier {self.url}: {what}: {e}")
 
@@ -131,12 +138,6 @@ class RedisTier:
                     self._client_ = self._connect()
         return self._client_
 
-    def _mget(self, keys: list[Any]) -> list[Any]:
-        """MGET; on a cluster, one pipelined MGET per node (keys of many slots)."""
-        if self.cluster:
-            return list(self._client.mget_nonatomic(keys))
-        return list(self._client.mget(keys))
-
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:  # blobs move on several threads
             self.counters[name] = self.counters.get(name, 0) + n
@@ -148,73 +149,77 @@ class RedisTier:
     # -- the namespace secret ------------------------------------------------
 
     def secret(self, namespace: str, mine: bytes) -> bytes:
-        """The namespace's secret on the tier: ``mine`` if the tier had none."""
+        """The namespace's secret on the tier, ``mine`` if it had none (SET NX, then read
+        back: the tier's is the fleet's).  A value there that is no secret (another type,
+        another length) is persist's own key gone bad: replaced by ``mine``."""
         key = self.prefix(namespace) + "secret"
 
         def run() -> bytes:
-            self._client.set(key, mine, nx=True)
-            got: Any = self._client.get(key)
-            return bytes(got) if isinstance(got, bytes) else mine
+            for replace in (False, True):
+                pipe = self._client.pipeline(transaction=False)
+                if replace:
+                    pipe.delete(key)
+                pipe.set(key, mine, nx=True)
+                pipe.getrange(key, 0, SECRET_BYTES)
+                got = secret_value(self._reads.checked(pipe.execute(raise_on_error=False)[-1]))
+                if got is not None:
+                    return got
+                self._count("bad_values")
+            return mine
 
         out: bytes = self._call("secret", run)
         self._ok()
         return out
 
     def get_secret(self, namespace: str) -> bytes | None:
-        """The namespace's secret if the tier has one (a read: nothing is created)."""
+        """The namespace's secret if the tier has one (a read: nothing is created); a
+        value that is no secret reads as none (counted)."""
         key = self.prefix(namespace) + "secret"
-        got: Any = self._call("secret", lambda: self._bad_is_none(lambda: self._client.get(key)))
+        got = self._call("secret", lambda: self._reads.values([key], SECRET_BYTES + 1)[0])
         self._ok()
-        return bytes(got) if isinstance(got, bytes) else None
-
-    def any_record(self, namespace: str) -> bytes | None:
-        """Some record of the namespace, found by a bounded SCAN (``SCAN_ROUNDS`` calls per
-        node): where an evicted secret is recovered from (records carry it)."""
-        match = f"{self.prefix(namespace)}rec:*"
-
-        def run() -> bytes | None:
-            for key in self._scan(match):
-                got = self._bad_is_none(lambda k=key: self._client.getrange(k, 0, MAX_VALUE))
-                if isinstance(got, bytes):
-                    return got
-            return None
-
-        out: bytes | None = self._call("scan", run)
-        self._ok()
-        return out
-
-    def _scan(self, match: str) -> list[Any]:
-        found: list[Any] = []
-        if self.cluster:  # every primary at once, then each node's cursor on
-            cursors, keys = self._client.scan(0, match=match, count=SCAN_COUNT)
-            found += keys
-            for _ in range(SCAN_ROUNDS - 1):
-                cursors = {n: c for n, c in cursors.items() if c}
-                if found or not cursors:
-                    break
-                for name, cur in list(cursors.items()):
-                    node = self._client.get_node(node_name=name)
-                    got, keys = self._client.scan(
-                        cur, match=match, count=SCAN_COUNT, target_nodes=node
-                    )
-                    cursors[name], found = got[name], found + keys
-            return found
-        cursor = 0
-        for _ in range(SCAN_ROUNDS):
-            cursor, keys = self._client.scan(cursor, match=match, count=SCAN_COUNT)
-            found += keys
-            if found or not cursor:
-                break
-        return found
-
-    def _bad_is_none(self, fn: Any) -> Any:  # a key of another type: no value of persist's
-        try:
-            return fn()
-        except self._redis.ResponseError as e:
-            if "WRONGTYPE" not in str(e):
-                raise
+        if got is not None and secret_value(got) is None:
             self._count("bad_values")
-            return None
+        return secret_value(got)
+
+    def recovery_records(self, namespace: str) -> Iterator[bytes]:
+        """Records of the namespace, found by a bounded SCAN (``SCAN_ROUNDS`` calls per
+        node), where a lost secret is recovered from (records carry it): at most
+        ``RECOVER_RECORDS`` of them, read a batch at a time, each at most MAX_VALUE
+        bytes and no batch more (STRLEN first), so junk under ``rec:`` keys costs a
+        bounded search, never a failed one while a good record is within reach."""
+        match = f"{self.prefix(namespace)}rec:*"
+        found = self._call("scan", lambda: scan(self._client, self.cluster, match, *SCAN))
+        self._ok()
+        for at in range(0, min(len(found), RECOVER_RECORDS), RECOVER_BATCH):
+            keys = found[at : at + RECOVER_BATCH]
+            sizes = self._call("strlen", lambda keys=keys: self._strlen(keys))
+            batch: list[tuple[Any, int]] = []
+            total = 0
+            for k, n in zip(keys, sizes, strict=True):
+                if isinstance(n, int) and 0 < n <= MAX_VALUE:
+                    if total + n > MAX_VALUE and batch:
+                        yield from self._read_records(batch)
+                        batch, total = [], 0
+                    batch.append((k, n))
+                    total += n
+            yield from self._read_records(batch)
+
+    def _strlen(self, keys: Sequence[Any]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for k in keys:
+            pipe.strlen(k)
+        return [self._reads.checked(v) for v in pipe.execute(raise_on_error=False)]
+
+    def _read_records(self, batch: list[tuple[Any, int]]) -> list[bytes]:
+        def run() -> list[bytes]:
+            pipe = self._client.pipeline(transaction=False)
+            for k, n in batch:
+                pipe.getrange(k, 0, n - 1)
+            got = [self._reads.checked(v) for v in pipe.execute(raise_on_error=False)]
+            return [bytes(v) for v in got if isinstance(v, bytes) and v]
+
+        out: list[bytes] = self._call("records", run) if batch else []
+        return out
 
     # -- blobs ----------------------------------------------------------------
 
@@ -255,12 +260,13 @@ class RedisTier:
         self._ok()
 
     def get_blobs(
-        self, namespace: str, sizes: dict[str, int], tag_bytes: int = 0, check: Any = None
-    ) -> dict[str, tuple[bytes, bytes] | None]:
-        """Each blob's (bytes, tag), None where the tier lacks it (evicted, never written).
-        ``sizes`` are the record's: every read is bounded by them (GETRANGE) and a part
-        count that disagrees is refused before the first part is asked for.  ``check(key,
-        bytes, tag)`` runs on the fetching thread (a tag's HMAC beside the next fetch)."""
+        self, namespace: str, sizes: dict[str, int], tag_bytes: int, then: Any
+    ) -> dict[str, Any]:
+        """``then(key, bytes, tag)`` of each blob, on a thread of its own (its tag's HMAC,
+        its checks and its local write beside the next fetch: ``fetch_all``), None where
+        the tier lacks it (evicted, never written: nothing more is fetched).  ``sizes`` are the
+        record's: every read is bounded by them (GETRANGE) and a part count that
+        disagrees is refused before the first part is asked for."""
         p = self.prefix(namespace)
 
         def one(k: str) -> tuple[bytes, bytes] | None:
@@ -273,11 +279,12 @@ class RedisTier:
                     return None
                 if len(v) != size + tag_bytes:
                     raise CorruptBlobError(where, f"{len(v)} bytes where the record says {size}")
-                return _checked(check, k, bytes(v[:size]), bytes(v[size:]))
+                self._count("bytes_pulled", size)
+                return (v[:size] if tag_bytes else v), v[size:]
             marker = self._bad(where, lambda: self._client.getrange(f"{p}blob:{k}", 0, 127))
             if not marker:
                 return None
-            n, tag = parse_parts(marker, size, tag_bytes, where)
+            n, tag = parse_parts(marker, size, tag_bytes, where, PART_BYTES)
             # one GET per part: redis-py parses large single replies faster than MGETs
             parts: Any = []
             for i in range(n):
@@ -290,14 +297,13 @@ class RedisTier:
                 if len(got) != want:
                     raise CorruptBlobError(where, f"part {i} is {len(got)} bytes, not {want}")
                 parts.append(got)
-            return _checked(check, k, b"".join(parts), tag)
+            self._count("bytes_pulled", size)
+            return b"".join(parts), tag
 
-        def run() -> dict[str, tuple[bytes, bytes] | None]:
-            with ThreadPoolExecutor(FETCHERS) as pool:  # connections from redis-py's pool
-                return dict(zip(sizes, pool.map(one, sizes), strict=True))
-
-        got: dict[str, tuple[bytes, bytes] | None] = self._call("get blobs", run)
-        self._count("bytes_pulled", sum(len(v[0]) for v in got.values() if v))
+        # connections from redis-py's pool, one per fetching thread
+        got: dict[str, Any] = self._call(
+            "get blobs", lambda: fetch_all(FETCHERS, list(sizes), one, then)
+        )
         self._ok()
         return got
 
@@ -319,38 +325,47 @@ class RedisTier:
         pointers: Sequence[tuple[str, bytes, bytes]],
         trimmable: bool = True,
         secret: bytes | None = None,
-    ) -> None:
+    ) -> bytes | None:
         """The record, its pointers (kind ``sess``/``blk``/``head``, key, value) and,
         without an operator key, the namespace secret again (SET NX: an LRU that evicted
-        it gets it back from the next save).  A trimmable snapshot serves any prefix of
-        its own: its pointers replace older ones.  An untrimmable one (recurrent
-        state) serves only prompts that hold all its tokens, so the pointers stay
-        with the first, shortest snapshot that reached them (a prime saves its
-        checkpoints in order), and a longer one never hides it (SET NX)."""
+        it gets it back from the next save), read back in the same round trip: the
+        tier's secret after the write (None with a key, or if it is no secret).  A
+        trimmable snapshot serves any prefix of its own: its pointers replace older
+        ones.  An untrimmable one (recurrent state) serves only prompts that hold all
+        its tokens, so the pointers stay with the first, shortest snapshot that
+        reached them (a prime saves its checkpoints in order), and a longer one never
+        hides it (SET NX)."""
         p, nx = self.prefix(namespace), not trimmable
         named = any(kind == "sess" for kind, _, _ in pointers)
 
-        def run() -> None:
+        def run() -> bytes | None:
             pipe = self._client.pipeline(transaction=False)
-            if secret is not None:
-                pipe.set(f"{p}secret", secret, nx=True)
             pipe.set(f"{p}rec:{rkey}", record, ex=None if named else self.ttl_s)
             for kind, key, value in pointers:
                 if kind == "sess":
                     pipe.set(_pointer_key(p, kind, key), value)
                 else:
                     pipe.set(_pointer_key(p, kind, key), value, ex=self.ttl_s, nx=nx)
-            pipe.execute()
+            if secret is not None:
+                pipe.set(f"{p}secret", secret, nx=True)
+                pipe.getrange(f"{p}secret", 0, SECRET_BYTES)
+            got = pipe.execute(raise_on_error=False)
+            for v in got[:-1] if secret is not None else got:
+                if isinstance(v, self._redis.ResponseError):
+                    raise v
+            return secret_value(self._reads.checked(got[-1])) if secret is not None else None
 
-        self._call("put record", run)
+        out: bytes | None = self._call("put record", run)
         self._ok()
+        return out
 
     def pointers(self, namespace: str, items: Sequence[tuple[str, bytes]]) -> list[Any]:
         """The values of pointers (``sess``: by name; ``blk``, ``head``: by hash), in one
-        MGET (a key of another type reads as None)."""
+        command, each read at most POINTER_BYTES far (a longer value, or a key of another
+        type, reads as None)."""
         p = self.prefix(namespace)
         names = [_pointer_key(p, kind, k) for kind, k in items]
-        out: list[Any] = self._call("pointers", lambda: self._mget(names) if names else [])
+        out: list[Any] = self._call("pointers", lambda: self._reads.values(names, POINTER_BYTES))
         self._ok()
         return out
 
@@ -366,7 +381,7 @@ class RedisTier:
             pipe = self._client.pipeline(transaction=False)
             for r in rkeys:
                 pipe.getrange(f"{p}rec:{r}", 0, MAX_VALUE)
-            got = pipe.execute(raise_on_error=False)
+            got = [self._reads.checked(v) for v in pipe.execute(raise_on_error=False)]
             return [bytes(v) if isinstance(v, bytes) and v else None for v in got]
 
         out: list[bytes | None] = self._call("records", run)
@@ -374,26 +389,11 @@ class RedisTier:
         return out
 
 
-def _checked(check: Any, key: str, data: bytes, tag: bytes) -> tuple[bytes, bytes]:
-    if check is not None:
-        check(key, data, tag)
-    return data, tag
-
-
 def _pointer_key(prefix: str, kind: str, key: bytes) -> bytes | str:
     """``sess:<name>`` (the name's UTF-8 bytes: Redis keys are binary), ``blk:<hex>``."""
     return f"{prefix}sess:".encode() + key if kind == "sess" else f"{prefix}{kind}:{key.hex()}"
 
 
-def parse_parts(marker: Any, size: int, tag_bytes: int, where: str) -> tuple[int, bytes]:
-    """(part count, tag) of a ``parts:<n>[:<tag hex>]`` marker, checked against the
-    record's size before any part is asked for."""
-    try:
-        fields = bytes(marker).decode("ascii").split(":")
-        n, tag = int(fields[1]), bytes.fromhex(fields[2]) if len(fields) > 2 else b""
-        ok = fields[0] == "parts" and len(fields) <= 3
-    except (ValueError, IndexError, UnicodeDecodeError):
-        ok = False
-    if not ok or n != -(-size // PART_BYTES) or len(tag) != tag_bytes:
-        raise CorruptBlobError(where, "a parts marker that disagrees with the record's size")
-    return n, tag
+def secret_value(v: Any) -> bytes | None:
+    """A namespace secret read from a tier, or None (absent, another type, another length)."""
+    return bytes(v) if isinstance(v, bytes) and len(v) == SECRET_BYTES else None

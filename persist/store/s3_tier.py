@@ -23,24 +23,38 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import quote
 
 from ..errors import InvalidArgumentError, PersistError
-from .redis_tier import MAX_VALUE, TierUnavailable, namespace_tag
+from .redis_reads import fetch_all
+from .redis_tier import (
+    MAX_VALUE,
+    RECOVER_BATCH,
+    RECOVER_RECORDS,
+    SECRET_BYTES,
+    TierUnavailable,
+    namespace_tag,
+    secret_value,
+)
 
 __all__ = ["S3Tier"]
 
 log = logging.getLogger("persist")
+FETCHERS = 4  # objects fetched at once (each a request: latency, not the CPU, bounds them)
 
 
 class S3Tier:
     named_only = True  # named sessions only: prefix lookups are the shared tier's job
 
     def __init__(
-        self, url: str, *, connect_timeout_s: float = 1.0, retry_after_s: float = 10.0
+        self,
+        url: str,
+        *,
+        connect_timeout_s: float = 1.0,
+        retry_after_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not url.startswith("s3://") or len(url) <= len("s3://"):
             raise InvalidArgumentError(f"a cold tier URL is s3://bucket[/prefix]: {url!r}")
@@ -63,7 +77,7 @@ class S3Tier:
         retry: Any = {"max_retries": 1, "retry_timeout": datetime.timedelta(seconds=2)}
         self._store = S3Store(bucket, client_options=options, retry_config=retry)
         self._root = "/".join(p for p in (prefix.strip("/"), "persist") if p)
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.clock = retry_after_s, clock
         self._down_until = 0.0
         self.counters: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -72,7 +86,7 @@ class S3Tier:
         return "/".join([self._root, namespace_tag(namespace), *parts])
 
     def _call(self, what: str, fn: Any) -> Any:
-        if time.monotonic() < self._down_until:
+        if self.clock() < self._down_until:
             self._count("skipped")
             raise TierUnavailable(f"cold tier {self.url} is down (skipping it for a while)")
         ex = self._obstore.exceptions
@@ -89,7 +103,7 @@ class S3Tier:
                 raise TierUnavailable(f"cold tier {self.url} refused {what}: {e}") from None
             if self._down_until == 0.0:  # network, timeouts, a 5xx: an outage
                 log.warning("persist: cold tier %s failed (%s): %s", self.url, what, e)
-            self._down_until = time.monotonic() + self.retry_after_s
+            self._down_until = self.clock() + self.retry_after_s
             self._count("errors")
             raise TierUnavailable(f"cold tier {self.url}: {what}: {e}") from None
         self._down_until = 0.0
@@ -127,25 +141,45 @@ class S3Tier:
     # -- the interface the engine uses (the shared tier's) -------------------
 
     def get_secret(self, namespace: str) -> bytes | None:
-        return self._get(self._path(namespace, "secret"), most=64)
+        """The namespace's secret, or None (absent, or an object that is no secret)."""
+        got = self._get(self._path(namespace, "secret"), most=SECRET_BYTES)
+        if got is not None and secret_value(got) is None:
+            self._count("bad_values")
+        return secret_value(got)
 
     def secret(self, namespace: str, mine: bytes) -> bytes:
-        self._create(self._path(namespace, "secret"), mine)
-        return self.get_secret(namespace) or mine
+        """The namespace's secret, ``mine`` if there was none (created write-once, then
+        read back: the first writer's is the fleet's).  An object there that is no
+        secret is persist's own gone bad: replaced by ``mine``."""
+        path = self._path(namespace, "secret")
+        held = self.get_secret(namespace)
+        if held is not None:
+            return held
+        self._create(path, mine)
+        held = self.get_secret(namespace)
+        if held is None:  # something that is no secret is there
+            self._call("put", lambda: self._obstore.put(self._store, path, mine))
+            held = self.get_secret(namespace)
+        return held or mine
 
-    def any_record(self, namespace: str) -> bytes | None:
-        """Some record of the namespace (the first of a listing): recovers a secret."""
+    def recovery_records(self, namespace: str) -> Iterator[bytes]:
+        """Records of the namespace (the first RECOVER_RECORDS of a listing, each read only
+        if it is at most MAX_VALUE bytes): where a lost secret is recovered from."""
 
-        def first() -> str | None:
+        def listed() -> list[str]:
+            out: list[str] = []
             for batch in self._obstore.list(
-                self._store, self._path(namespace, "rec") + "/", chunk_size=1
+                self._store, self._path(namespace, "rec") + "/", chunk_size=RECOVER_BATCH
             ):
-                for meta in batch:
-                    return str(meta["path"])
-            return None
+                out += [str(meta["path"]) for meta in batch]
+                if len(out) >= RECOVER_RECORDS:
+                    break
+            return out[:RECOVER_RECORDS]
 
-        path = self._call("list", first)
-        return None if path is None else self._get(path)
+        for path in self._call("list", listed) or []:
+            value = self._get(path)
+            if value:
+                yield value
 
     def missing_blobs(self, namespace: str, keys: Sequence[str]) -> list[str]:
         def exists(k: str) -> bool:
@@ -164,25 +198,21 @@ class S3Tier:
         self._count("bytes_pushed", len(data))
 
     def get_blobs(
-        self, namespace: str, sizes: dict[str, int], tag_bytes: int = 0, check: Any = None
-    ) -> dict[str, tuple[bytes, bytes] | None]:
-        """Each blob's (bytes, tag), None where the tier lacks it; an object whose size is
-        not the record's is never read; ``check(key, bytes, tag)`` on the fetching thread."""
+        self, namespace: str, sizes: dict[str, int], tag_bytes: int, then: Any
+    ) -> dict[str, Any]:
+        """``then(key, bytes, tag)`` of each blob beside the next fetch (``fetch_all``),
+        None where the tier lacks it (nothing more is fetched); an object whose size is
+        not the record's is never read."""
 
         def one(k: str) -> tuple[bytes, bytes] | None:
             want = sizes[k] + tag_bytes
             v = self._get(self._path(namespace, "blob", k), size=want, most=want)
             if v is None:
                 return None
-            data, tag = (v[: sizes[k]], v[sizes[k] :]) if tag_bytes else (v, b"")
-            if check is not None:
-                check(k, data, tag)
-            return data, tag
+            self._count("bytes_pulled", sizes[k])
+            return (v[: sizes[k]], v[sizes[k] :]) if tag_bytes else (v, b"")
 
-        with ThreadPoolExecutor(4) as pool:
-            out = dict(zip(sizes, pool.map(one, sizes), strict=True))
-        self._count("bytes_pulled", sum(len(v[0]) for v in out.values() if v))
-        return out
+        return fetch_all(FETCHERS, list(sizes), one, then)
 
     def put_record(
         self,
@@ -192,18 +222,18 @@ class S3Tier:
         pointers: Sequence[tuple[str, bytes, bytes]],
         trimmable: bool = True,
         secret: bytes | None = None,
-    ) -> None:
+    ) -> bytes | None:
         """A named session's record and its ``sess/`` pointer (the cold tier keeps named
-        sessions only), and the namespace secret if it has none."""
+        sessions only), then, without an operator key, the namespace secret if it has
+        none; the tier's secret after (None with a key)."""
         named = [(key, value) for kind, key, value in pointers if kind == "sess"]
         if not named:
-            return
-        if secret is not None:
-            self._create(self._path(namespace, "secret"), secret)
+            return None
         self._create(self._path(namespace, "rec", rkey), record)
         for key, value in named:
             path = self._path(namespace, "sess", object_name(key.decode()))
             self._call("put", lambda p=path, v=value: self._obstore.put(self._store, p, v))
+        return None if secret is None else self.secret(namespace, secret)
 
     def pointers(self, namespace: str, items: Sequence[tuple[str, bytes]]) -> list[Any]:
         """``sess`` pointers by name; the cold tier keeps no ``blk`` or ``head`` ones."""

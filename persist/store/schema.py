@@ -209,6 +209,14 @@ MIGRATIONS: dict[int, list[str]] = {
         # are counted over it, and ls --prefix --sort used|size orders a name (or, for
         # checkpoints, owner) range by it, reading only the rows it lists.
         """CREATE INDEX snapshots_tally ON snapshots(namespace, name, owner, used, bytes)""",
+        # The latest version (save time) of each named session this store saw on a
+        # tier or wrote there: an older record of it is a replay, refused.
+        """CREATE TABLE tier_seen (
+            namespace TEXT NOT NULL,
+            name TEXT NOT NULL,
+            created REAL NOT NULL,
+            PRIMARY KEY (namespace, name)
+        ) WITHOUT ROWID""",
     ],
 }
 

@@ -31,6 +31,7 @@ __all__ = [
     "blob_sizes",
     "finish_pending",
     "session_rows",
+    "version_after",
 ]
 
 
@@ -169,3 +170,15 @@ def session_rows(db: sqlite_utils.Database, namespace: str, name: str) -> list[S
     named = Index.rows_where(db, "namespace = ? AND name = ?", [namespace, name])
     owned = _owned_ids(db, namespace, name)
     return named + [r for sid in owned for r in Index.rows_where(db, "id = ?", [sid])]
+
+
+def version_after(db: sqlite_utils.Database, namespace: str, name: str, now: float) -> float:
+    """A session's new save time (its version on the tiers): ``now``, or just after the
+    latest one of it this store knows (its saved row, the latest a tier showed) if that
+    is later, so a session's versions stay ordered however the fleet's clocks disagree."""
+    (latest,) = db.execute(
+        "SELECT MAX(created) FROM (SELECT created FROM snapshots WHERE namespace = ? AND "
+        "name = ? UNION ALL SELECT created FROM tier_seen WHERE namespace = ? AND name = ?)",
+        [namespace, name, namespace, name],
+    ).fetchone()
+    return now if latest is None or latest < now else float(latest) + 1e-3

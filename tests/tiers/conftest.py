@@ -172,3 +172,19 @@ def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterServers]:
         yield cluster
     finally:
         cluster.stop()
+
+
+class Clock:
+    """A tier's clock, stopped: the breaker's and the secret's time windows move only when
+    a test says so (``advance``), however long the test takes."""
+
+    def __init__(self, store: Any) -> None:
+        self.now = time.monotonic()
+        for tier in store.tiers:
+            tier.tier.clock = self
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

