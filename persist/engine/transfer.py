@@ -92,6 +92,7 @@ def read_importable(
             "the model; give both (persist import FILE --model DIR --prompt TEXT)"
         )
     cache, metadata = read_mlx_lm(path)
+    _one_row(cache, str(path))
     check_quantized(cache, identity, str(path))
     if model is not None:
         window = dict(identity.cache_config).get("max_kv_size")
@@ -118,6 +119,15 @@ def read_importable(
             f"{path}: the cache covers {offset} positions but {len(ids)} tokens were given{hint}"
         )
     return Importable(cache, ids, identity, metadata, unverified=offset is None)
+
+
+def _one_row(cache: list[Any], where: str) -> None:
+    """A file of a batch (a row axis other than 1) is no one prompt's cache: refused
+    before ``check_fits``, which sets the batch axis aside."""
+    from ..codecs import encode_cache, kind_of
+    from ..codecs.snapshot import require_one_row
+
+    require_one_row([kind_of(c) for c in cache], [encode_cache(c) for c in cache], where)
 
 
 def _is_mlx_lm(path: str | os.PathLike[str]) -> bool:

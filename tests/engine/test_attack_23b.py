@@ -26,11 +26,6 @@ def _two_rows(cache: list[Any], n: int) -> list[Any]:
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="check_fits sets the batch axis aside: a batch-2 mlx-lm file is stored and "
-    "every later generate/lookup of its tokens crashes (issue 23.4 through the batch axis)",
-)
 def test_an_import_of_a_two_row_file_is_refused(tiny: Any, tmp_path: Path) -> None:
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
@@ -41,7 +36,9 @@ def test_an_import_of_a_two_row_file_is_refused(tiny: Any, tmp_path: Path) -> No
     with persist.Store(tmp_path / "s") as store:
         try:
             store.import_file(path, identity=ident, tokens=toks, model=model, session="x")
-        except persist.PersistError:
+        except persist.PersistError as e:
+            assert isinstance(e, persist.NotResumableError), e
+            assert "layer 0 (kv) holds a batch of 2 rows" in str(e) and str(path) in str(e)
             assert store.sessions() == []
             return
         hit = store.lookup([*toks, 7], identity=ident)  # another prompt sharing the tokens
@@ -52,11 +49,61 @@ def test_an_import_of_a_two_row_file_is_refused(tiny: Any, tmp_path: Path) -> No
         model(mx.array([[7]]), cache=store.restore("x", identity=ident).cache)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a KV layer whose keys hold 40 positions and values 30 is imported (and saved) "
-    "as is; its restore is then CorruptBlobError while check() finds nothing",
-)
+def test_a_save_of_a_batch_of_two_is_refused_for_every_serial_kind(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """Store.save (and save_file with tokens) of two rows: plain KV, quantized KV,
+    a CacheList around them, recurrent state (also with unverified tokens, and as
+    an mlx-lm import with --unverified-tokens); a one-row batch cache still saves."""
+    from mlx_lm.models.cache import BatchKVCache, CacheList
+
+    model, tok, _ = tiny("llama_hd64")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(40, seed=3)
+    two = _two_rows(prefill(model, toks)[0], 40)
+    q = [c.to_quantized(group_size=32, bits=4) for c in _two_rows(prefill(model, toks)[0], 40)]
+    q_ident = persist.ModelIdentity.of(model, tok, kv_bits=4, kv_group_size=32)
+    m_model, m_tok, _ = tiny("mamba2")
+    m_ident = persist.ModelIdentity.of(m_model, m_tok)
+    rec, _ = prefill(m_model, toks)
+    for c in rec:
+        c.cache = [mx.concatenate([a, a]) for a in c.cache]
+    with persist.Store(tmp_path / "s") as store:
+        for cache, who, kw in (
+            (two, ident, {}),
+            ([CacheList(c) for c in two], ident, {}),
+            (q, q_ident, {}),
+            (rec, m_ident, {}),
+            (rec, m_ident, {"unverified_tokens": True}),
+        ):
+            with pytest.raises(persist.NotResumableError, match="holds a batch of 2 rows"):
+                store.save(cache, toks, identity=who, session="b", **kw)
+            with pytest.raises(persist.NotResumableError, match="holds a batch of 2 rows"):
+                persist.save_file(tmp_path / "b.safetensors", cache, toks)
+        path = tmp_path / "m2.safetensors"
+        save_prompt_cache(str(path), rec)
+        with pytest.raises(persist.NotResumableError, match=r"layer 0 \(arrays\) holds a batch"):
+            store.import_file(path, identity=m_ident, tokens=toks, model=m_model,
+                              session="m", unverified_tokens=True)  # fmt: skip
+        assert store.sessions() == [] and store.stats().entries == 0
+        one = []
+        for c in prefill(model, toks)[0]:
+            b = BatchKVCache(left_padding=[0])
+            b.update_and_fetch(c.keys[..., :40, :], c.values[..., :40, :])
+            one.append(b)
+        store.save(one, toks, identity=ident, session="one")  # a batch of one: one sequence
+        assert [e.session for e in store.sessions()] == ["one"]
+
+
+def _disagreeing(cache: list[Any], keys: int, values: int, offset: int) -> list[Any]:
+    bad = []
+    for c in cache:
+        k = KVCache()
+        k.keys, k.values, k.offset = c.keys[..., :keys, :], c.values[..., :values, :], offset
+        bad.append(k)
+    return bad
+
+
 def test_a_layer_whose_keys_and_values_disagree_is_refused_at_save(
     tiny: Any, tmp_path: Path
 ) -> None:
@@ -64,11 +111,7 @@ def test_a_layer_whose_keys_and_values_disagree_is_refused_at_save(
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(40, seed=3)
     cache, _ = prefill(model, toks)
-    bad = []
-    for c in cache:
-        k = KVCache()
-        k.keys, k.values, k.offset = c.keys[..., :40, :], c.values[..., :30, :], 40
-        bad.append(k)
+    bad = _disagreeing(cache, 40, 30, 40)
     path = tmp_path / "kv.safetensors"
     save_prompt_cache(str(path), bad)
     with persist.Store(tmp_path / "s") as store:
@@ -80,9 +123,57 @@ def test_a_layer_whose_keys_and_values_disagree_is_refused_at_save(
                 save()
             except persist.PersistError as e:
                 assert not isinstance(e, persist.CorruptBlobError)
+                assert isinstance(e, persist.NotResumableError) and "layer 0 (kv)" in str(e)
         for e in store.sessions():  # whatever was accepted must restore
             store.restore(e.session or "", identity=ident)
         assert store.sessions() == []
+
+
+def test_every_inconsistent_attention_layer_is_refused_before_anything_is_written(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """Keys and values both shorter than the offset; other heads or batch in values;
+    a rotating ring whose values are shorter than its keys; a quantized layer whose
+    values hold fewer positions: each is refused at save, at save_file and at
+    import, and the store holds nothing."""
+    from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
+
+    model, tok, _ = tiny("llama_hd64")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(40, seed=3)
+    cache, _ = prefill(model, toks)
+    short = _disagreeing(cache, 30, 30, 40)  # at least offset positions
+    heads = _disagreeing(cache, 40, 40, 40)
+    for c in heads:
+        c.values = c.values[:, :1]
+    ring = []
+    for c in cache:
+        r = RotatingKVCache(max_size=64)
+        r.update_and_fetch(c.keys[..., :40, :], c.values[..., :40, :])
+        r.values = r.values[..., :30, :]
+        ring.append(r)
+    quant = []
+    for c in prefill(model, toks)[0]:
+        qc = c.to_quantized(group_size=32, bits=4)
+        assert isinstance(qc, QuantizedKVCache)
+        qc.values = tuple(a[..., :30, :] for a in qc.values)
+        quant.append(qc)
+    q_ident = persist.ModelIdentity.of(model, tok, kv_bits=4, kv_group_size=32)
+    with persist.Store(tmp_path / "s") as store:
+        for bad, who, kind in ((short, ident, "kv"), (heads, ident, "kv"),
+                               (ring, ident, "rotating-kv"), (quant, q_ident, "quantized-kv")):  # fmt: skip
+            match = rf"layer 0 \({kind}\) is not a consistent cache"
+            with pytest.raises(persist.NotResumableError, match=match):
+                store.save(bad, toks, identity=who, session="x")
+            with pytest.raises(persist.NotResumableError, match=match):
+                persist.save_file(tmp_path / "x.safetensors", bad, toks)
+            path = tmp_path / f"{kind}.safetensors"
+            save_prompt_cache(str(path), bad)
+            with pytest.raises(persist.PersistError) as got:
+                store.import_file(path, identity=who, tokens=toks, model=model, session="y")
+            assert not isinstance(got.value, persist.CorruptBlobError), got.value
+        assert store.sessions() == [] and store.stats().entries == 0
+        assert not (tmp_path / "x.safetensors").exists()
 
 
 @pytest.mark.xfail(
