@@ -176,11 +176,6 @@ def test_every_inconsistent_attention_layer_is_refused_before_anything_is_writte
         assert not (tmp_path / "x.safetensors").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the weights memo keys files by name, size, mtime, inode: a weight file "
-    "rewritten in place with its mtime as before keeps the old digest (no ctime)",
-)
 def test_a_weight_file_rewritten_in_place_is_not_the_remembered_model(
     model_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
