@@ -204,11 +204,6 @@ def test_a_weight_file_rewritten_in_place_is_not_the_remembered_model(
     assert persist.ModelIdentity.from_path(d).digest == hashed.digest
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the identity digests parameters and config objects only: a model whose RoPE "
-    "was replaced in memory (other base; also self_attn.scale changed) keeps its identity",
-)
 def test_a_rope_changed_in_memory_is_another_identity(
     model_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
