@@ -22,6 +22,7 @@ from typing import Any
 from ..errors import (
     CorruptBlobError,
     IdentityMismatchError,
+    ModelNotFoundError,
     NotResumableError,
     PersistError,
     UnknownKindError,
@@ -347,8 +348,11 @@ def export_row(
     path: str | os.PathLike[str],
     format: str,
     model: str | None = None,
+    model_dir: str | os.PathLike[str] | None = None,
 ) -> None:
-    """``Store.export``: a stored snapshot, restored, written as one file."""
+    """``Store.export``: a stored snapshot, restored, written as one file.  An mlx-lm
+    file claims ``model`` (mlx-lm loads it when not told another): the session is
+    checked against the files of ``model_dir``, or of ``model`` when it is a folder."""
     from ..format.tokens import unpack_tokens
     from ..store.rows import entry_info
     from .loading import load_snapshot
@@ -358,8 +362,15 @@ def export_row(
     meta = entry_info(row).metadata
     identity = saved_identity(row)
     if format == "mlx-lm":
-        if model is not None and Path(model).is_dir():  # the file will claim this model
-            _same_model(identity, ModelIdentity.from_path(model), model)
+        if model is not None:  # the file will claim this model: it must be the session's
+            folder = model_dir if model_dir is not None else model
+            if not Path(folder).is_dir():
+                raise ModelNotFoundError(
+                    f"model {model}: not a folder, so the session cannot be checked against "
+                    "it; give the folder that holds it (model_dir=, or persist export "
+                    "--model, which finds a repo id in the Hugging Face cache)"
+                )
+            _same_model(identity, ModelIdentity.from_path(folder), model)
         meta = mlx_lm_metadata(meta, model or identity.name)
     write_file(path, cache, unpack_tokens(row.tokens), identity, meta, format)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, save_prompt_cache
+from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 import persist
 from tests.helpers import persist_cli, prefill, tokens_for
@@ -240,11 +240,6 @@ def _fake_hf_repo(hub: Path, repo: str, src: Path) -> None:
     (root / "refs" / "main").write_text("a" * 40)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="export --format mlx-lm checks --model only when it is a folder: a cached "
-    "repo id of another model is written unchecked into the file's `model`",
-)
 def test_an_mlx_lm_export_for_a_repo_id_of_another_model_is_refused(
     tiny: Any, tmp_path: Path
 ) -> None:
@@ -265,6 +260,29 @@ def test_an_mlx_lm_export_for_a_repo_id_of_another_model_is_refused(
     got = persist_cli(home, "export", "s", str(out), "--format", "mlx-lm",
                       "--model", "someone/other-llama", check=False, env=env)  # fmt: skip
     assert got.returncode == 1 and not out.exists(), got.stdout + got.stderr
+    assert "another model" in got.stderr
+    _fake_hf_repo(hub, "someone/this-llama", d)  # the session's own model, by repo id
+    ok = persist_cli(home, "export", "s", str(out), "--format", "mlx-lm",
+                     "--model", "someone/this-llama", env=env)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    _, meta = load_prompt_cache(str(out), return_metadata=True)
+    assert meta["model"] == "someone/this-llama"
+    out.unlink()
+    for model, says in (
+        (str(tmp_path / "nowhere"), "no such folder"),  # a path that does not exist
+        ("someone/not-cached", "not in the Hugging Face cache"),  # never downloaded
+        (str(d / "config.json"), "not a folder"),
+    ):
+        got = persist_cli(home, "export", "s", str(out), "--format", "mlx-lm",
+                          "--model", model, check=False, env=env)  # fmt: skip
+        assert got.returncode == 1 and says in got.stderr, got.stderr
+        assert not out.exists()
+    with persist.Store(home) as store:  # the API cannot resolve a repo id: it must be told
+        with pytest.raises(persist.ModelNotFoundError, match="not a folder"):
+            store.export("s", out, format="mlx-lm", model="someone/this-llama")
+        snap = hub / "models--someone--this-llama" / "snapshots" / ("a" * 40)
+        store.export("s", out, format="mlx-lm", model="someone/this-llama", model_dir=snap)
+        assert out.exists()
 
 
 @pytest.mark.xfail(
