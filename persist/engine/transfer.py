@@ -33,7 +33,7 @@ from ..format.manifest import is_mlx_lm_metadata
 from ..format.opening import open_regular
 from ..identity import ModelIdentity
 from .files import load_file, save_file
-from .layer_checks import refuse_quantized
+from .layer_checks import refuse_early, refuse_quantized
 from .unverified import UNVERIFIED_KEY
 
 __all__ = [
@@ -225,11 +225,15 @@ def check_fits(cache: list[Any], model: Any, where: str, max_kv_size: int | None
 
 def check_quantized(cache: list[Any], identity: ModelIdentity, where: str) -> None:
     """Quantized layers (generate --kv-bits) only under an identity of the same
-    kv_bits and kv_group_size (``layer_checks``, which ``Store.save`` applies
-    too): checked here before ``check_fits`` runs the model."""
+    kv_bits and kv_group_size, and quantized from at least its quantized_kv_start
+    positions (a file records no conversion point: its offset stands for it;
+    ``layer_checks``, which ``Store.save`` applies too): checked here before
+    ``check_fits`` runs the model."""
     for i, c in enumerate(cache):
         for q in (x for x in getattr(c, "caches", [c]) if type(x).__name__ == "QuantizedKVCache"):
             refuse_quantized(f"layer {i}", q.bits, q.group_size, identity, where)
+            floor = getattr(q, "min_resume_offset", None)
+            refuse_early(f"layer {i}", int(q.offset) if floor is None else floor, identity, where)
 
 
 def _show(layout: tuple[Any, ...]) -> str:

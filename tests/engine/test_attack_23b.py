@@ -285,11 +285,6 @@ def test_an_mlx_lm_export_for_a_repo_id_of_another_model_is_refused(
         assert out.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="check_quantized compares kv_bits and group size only: a cache quantized at "
-    "offset 0 is saved (and imported) under quantized_kv_start=500 and served to it",
-)
 def test_a_cache_quantized_before_the_identitys_start_is_not_served(
     tiny: Any, tmp_path: Path
 ) -> None:
@@ -311,3 +306,57 @@ def test_a_cache_quantized_before_the_identitys_start_is_not_served(
         fresh = kv_quantized(model, toks, 500, bits=4, group=32)  # plain KV at 100 tokens
         assert [persist.kind_of(c) for c in hit.cache] == [persist.kind_of(c) for c in fresh]
         assert live_state(hit.cache) == live_state(fresh)
+
+
+def test_quantized_caches_and_the_identitys_start_at_every_door(tiny: Any, tmp_path: Path) -> None:
+    """The early cache is refused at save (naming quantized_kv_start), as a captured
+    snapshot, by checkpoint and as an mlx-lm import; mlx-lm itself quantizes a cache
+    of exactly S positions (offset >= S): saved, restored by name, serving no prefix
+    of S tokens, and its next turn (verified, not marked unverified) serves S + 1."""
+    from persist.codecs.snapshot import capture
+    from tests.helpers import assert_same_state, kv_quantized, live_state
+
+    model, tok, _ = tiny("llama_hd64")
+    toks = tokens_for(100, seed=2)
+    early = kv_quantized(model, toks, 0, bits=4, group=32)
+    q4 = {"kv_bits": 4, "kv_group_size": 32}
+    late = persist.ModelIdentity.of(model, tok, **q4, quantized_kv_start=500)
+    path = tmp_path / "early.safetensors"
+    save_prompt_cache(str(path), early)
+    with persist.Store(tmp_path / "s") as store:
+        for save in (
+            lambda: store.save(capture(early, toks), toks, identity=late, session="q"),
+            lambda: store.checkpoint(early, toks, identity=late, session="q"),
+            lambda: store.import_file(path, identity=late, tokens=toks, model=model, session="q"),
+        ):
+            with pytest.raises(persist.IdentityMismatchError, match="quantized_kv_start"):
+                save()
+        assert store.sessions() == [] and store.stats().entries == 0
+        s = 64  # a file records no conversion point: quantized from 0 looks as from 64
+        late = persist.ModelIdentity.of(model, tok, **q4, quantized_kv_start=s)
+        at_start = kv_quantized(model, toks[:s], s, bits=4, group=32)
+        assert {persist.kind_of(c) for c in at_start} == {"quantized-kv"}  # offset >= S
+        entry = store.save(at_start, toks[:s], identity=late, session="q")
+        assert entry.min_resume_offset == s + 1
+        assert store.lookup([*toks[:s], 7], identity=late) is None
+        got = store.restore("q", identity=late)
+        assert_same_state(live_state(got.cache), live_state(at_start))
+        more = toks[s : s + 8]
+        model(mx.array([more]), cache=got.cache)
+        turn = store.save(got.cache, toks[: s + 8], identity=late, session="q")
+        assert "persist.unverified_tokens" not in turn.metadata
+        hit = store.lookup([*toks[: s + 1], 7], identity=late)
+        assert hit is not None and len(hit.tokens) == s + 1
+        from persist.caches import DelayedQuantizedKVCache
+
+        for start, ok in ((32, False), (s, True)):  # a delayed wrapper's conversion point
+            wrapped = [DelayedQuantizedKVCache(start, bits=4, group_size=32) for _ in at_start]
+            wrapped = persist.prefill(model, toks, cache=wrapped, step=128)
+            assert all(c.converted_at == start for c in wrapped)
+            if ok:
+                store.save(wrapped, toks, identity=late, session=f"d{start}")
+            else:
+                with pytest.raises(persist.IdentityMismatchError, match="from 32 positions"):
+                    store.save(wrapped, toks, identity=late, session=f"d{start}")
+        loose = persist.ModelIdentity.of(model, tok, **q4)
+        store.save(early, toks, identity=loose, session="e")  # names no start: no claim
