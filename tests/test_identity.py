@@ -72,7 +72,7 @@ def test_load_file_refuses_another_model(tiny: Any, tmp_path: Path) -> None:
     assert e.value.fields == ["cache_config.kv_bits"]
 
 
-def test_two_loads_of_every_family_digest_their_modules_alike(tiny: Any) -> None:
+def test_two_loads_of_every_family_digest_their_modules_alike(tiny: Any, tmp_path: Path) -> None:
     """The modules component holds no object id, address or varying repr: a second
     load (eager, lazy through from_path, and in another process) gives the same."""
     import subprocess
@@ -106,7 +106,7 @@ def test_two_loads_of_every_family_digest_their_modules_alike(tiny: Any) -> None
         layer.__class__ = recording
     d = tiny("llama")[2]
     code = f"import persist; print(persist.ModelIdentity.from_path({str(d)!r}).modules)"
-    env = {"PYTHONPATH": pythonpath(), "PATH": "/usr/bin:/bin", "HOME": str(d)}
+    env = {"PYTHONPATH": pythonpath(), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == ModelIdentity.of(*tiny("llama")[:2]).modules, out.stderr
 
