@@ -281,7 +281,7 @@ class CostDecision:
 
     tokens: int
     nbytes: int
-    tier: str  # where the bytes are: "local", "shared", "cold"
+    tier: str  # where the bytes are: "host" (RAM), "local", "shared", "cold"
     restore_s: float | None  # predicted; None: never measured here
     prefill_s: float | None
     restore: bool

@@ -23,7 +23,8 @@ from typing import Any
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..codecs.snapshot import Snapshot, capture
-from ..engine.host_tier import HOST, EvictionWatch, HostTier, default_budget
+from ..engine.host_store import served
+from ..engine.host_tier import EvictionWatch, HostTier, default_budget
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
 from ..format.tensors import on_cuda
@@ -142,10 +143,7 @@ class PersistentPromptCache(LRUPromptCache):
         if self.host is None:
             return None
         try:
-            near = self.host.fetch(identity.digest, tokens, longer_than=have)
-            if near is not None:
-                self.store.costs.restored(identity, HOST, near.nbytes, near.seconds)
-            return near
+            return served(self.host, self.store.costs, identity, identity.digest, tokens, have)
         except Exception as e:  # the tier must never take the server down
             log.warning("persist: host cache lookup failed: %s", e)
             return None

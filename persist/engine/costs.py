@@ -1,8 +1,9 @@
 """Restore or recompute: measured rates in, a decision out (``policy.decide_cost``).
 
 Restores are timed where they happen (``reading``: the local store; ``tiers``:
-a pull from Redis or S3) and prefills where they happen (``persist.prefill``,
-``persist generate``, ``persist serve``); the rates live in the index
+a pull from Redis or S3; ``host_store.served``: a copy out of the host tier)
+and prefills where they happen (``persist.prefill``, ``persist generate``,
+``persist serve``); the rates live in the index
 (``persist.store.rates``), per machine, so every process on this machine
 learns from the others.  No measurement yet: restore, as persist always did.
 """

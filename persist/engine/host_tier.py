@@ -1,23 +1,33 @@
-"""A host-RAM tier: caches a server's in-memory prompt cache evicted, kept in RAM.
+"""A host-RAM tier: caches kept in RAM, by (owner, tokens), asked before the store.
 
-mlx-lm's ``LRUPromptCache`` drops a conversation once ``--prompt-cache-size``
-(or its byte limit) is reached; asking the durable store for it again costs
-a file read and a checksum pass.  ``HostTier`` keeps what was evicted, up
-to a byte budget, least recently used first out, and hands it back before
-the store is asked.  Every cache handed out is a fresh deep copy: mlx-lm
-updates a live cache in place (slice assignment into a buffer it owns
-alone), so an alias of the kept entry would corrupt the next hit.
+Two keepers use it.  ``persist serve`` keeps what mlx-lm's ``LRUPromptCache``
+evicts (``--prompt-cache-size`` or its byte limit reached): asking the
+durable store for it again costs a file read and a checksum pass.
+``persist.Store(root, host_cache=N)`` keeps a copy of every save that may
+serve lookups (``engine.host_store``).  Up to a byte budget, least recently
+used first out.
+
+Entries are kept as codec records (``persist.codecs``) and served by the
+resume policy the durable index uses (``policy.choose``: the longest usable
+prefix, at least one token left over, never below a snapshot's floor, an
+untrimmable one only at its own length, then an exact length, then the most
+recent), cut by the codecs' ``trim_record`` as a durable partial hit is.
+Every hit is rebuilt from a copy in buffers of its own: mlx-lm updates a
+live cache in place and a caller may write one through a memoryview, so
+nothing handed out shares memory with what is kept (``copy.deepcopy`` of an
+``mx.array`` shares its buffer, which is why it is not used).
 
 On the CPU (and Metal's unified memory) the kept cache is host memory
 already.  On CUDA it belongs in pinned memory (``format.pinned``'s ring);
-that copy is not built: this tier keeps the evicted cache objects as they
-are, device memory there, so ``persist serve`` turns it off on CUDA unless
+that copy is not built: entries live where MLX puts them, device memory
+there, so ``persist serve`` turns the tier off on CUDA unless
 ``--host-cache`` asks for it.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
+import itertools
 import os
 import threading
 import time
@@ -28,13 +38,18 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
+from .. import policy
+from ..codecs import capacity_of, encode_cache, facts_of, trim_record
+from ..codecs.base import dtype_name, with_capacity
+from ..codecs.snapshot import Snapshot, rebuild
 from ..errors import InvalidArgumentError
+from ..format.tensors import device_copy
+from ..records import Record
 
 __all__ = ["HostTier", "HostHit", "default_budget", "HOST"]
 
-HOST = "host"  # the tier name in rates, metrics and lookups
+HOST = "host"  # the tier name in rates, metrics, lookups and Restored.source
 DEFAULT_CAP = 8 << 30  # bytes: the default budget's ceiling
 DEFAULT_SHARE = 0.10  # of MemAvailable
 
@@ -58,71 +73,141 @@ def default_budget(meminfo: str = "/proc/meminfo") -> int:
 
 @dataclass(frozen=True)
 class HostHit:
-    cache: list[Any]  # a fresh copy, evaluated: the caller owns it
+    cache: list[Any]  # rebuilt from a copy, evaluated: the caller owns it
     tokens: list[int]  # the prefix of the asked tokens it covers
-    nbytes: int
+    nbytes: int  # bytes copied
     seconds: float  # the copy, as timed by the tier's clock
+    info: Any = None  # what the keeper attached (the Store: the save's EntryInfo)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Kept:
-    cache: list[Any]
+    id: int
+    records: list[Record]
     nbytes: int
     tokens: Any  # numpy int64: compared with a prompt in one pass
     trimmable: bool
+    min_resume: int
+    sticky: bool  # a checkpoint: kept even when a longer entry covers it
+    info: Any
+    used: int = 0
 
 
-def _usable(kept: _Kept, toks: Any) -> int:
-    """Tokens of ``toks`` the kept cache can serve, at least one left over."""
-    n = min(len(kept.tokens), len(toks))
-    differ = np.flatnonzero(kept.tokens[:n] != toks[:n])
-    common = int(differ[0]) if differ.size else n
-    if common == len(kept.tokens) and common < len(toks):
-        return common  # it covers a prefix as it is
-    return min(common, len(toks) - 1) if kept.trimmable else 0
-
-
-def _nbytes(cache: Sequence[Any]) -> int:
-    return int(sum(c.nbytes for c in cache))
-
-
-def _fresh(cache: Sequence[Any]) -> list[Any]:
-    """A deep copy with every array evaluated: no lazy graph points back at the kept one."""
-    out = copy.deepcopy(list(cache))
-    mx.eval([a for c in out for a in c.state if isinstance(a, mx.array)])
+def _arrays(records: Sequence[Record]) -> list[Any]:
+    out: list[Any] = []
+    for r in records:
+        out += [t for t in r.tensors.values() if isinstance(t, mx.array)]
+        out += _arrays(r.children)
     return out
 
 
-class HostTier:
-    """Evicted caches by (model digest, tokens), LRU by bytes under ``max_bytes``.
+def _own(a: Any) -> Any:
+    """``a`` in a buffer of its own (bit-exact); an empty array has no buffer to share."""
+    if not isinstance(a, mx.array) or a.size == 0:
+        return a
+    if a.dtype == mx.bool_:
+        return mx.logical_or(a, mx.array(False))
+    return device_copy(a)
 
-    Thread-safe: mlx-lm's generation thread keeps and fetches; /metrics reads.
+
+def _copied(r: Record) -> Record:
+    return dataclasses.replace(
+        r,
+        tensors={k: _own(v) for k, v in r.tensors.items()},
+        children=tuple(_copied(c) for c in r.children),
+    )
+
+
+def _handed_out(r: Record) -> Record:
+    """``r`` in buffers of its own, each written once: a tensor the codec gives room
+    (``capacity_of``: a KV cache's step-rounded buffer) is grown into a new one, as
+    ``loading`` reads it into one, and its decode takes it as it is; the rest are
+    copied (a decode may keep a record's tensor as its cache's array)."""
+    caps = capacity_of(r.spec(dtype_name))
+    tensors = {}
+    for k, v in r.tensors.items():
+        cap = caps.get(k)
+        grow = cap is not None and isinstance(v, mx.array) and v.ndim > 2 and cap > v.shape[2]
+        tensors[k] = with_capacity(v, cap) if grow and cap is not None else _own(v)
+    return dataclasses.replace(
+        r, tensors=tensors, children=tuple(_handed_out(c) for c in r.children)
+    )
+
+
+def _common(kept: Any, toks: Any) -> int:
+    n = min(len(kept), len(toks))
+    differ = np.flatnonzero(kept[:n] != toks[:n])
+    return int(differ[0]) if differ.size else n
+
+
+class HostTier:
+    """Kept caches by (owner, tokens), LRU by bytes under ``max_bytes``.
+
+    ``owner`` is whatever keys a keeper's lookups apart: the model's digest
+    for ``persist serve``; namespace, digest and backend for a Store.
+    Thread-safe: a server's generation thread keeps and fetches, /metrics
+    reads; a Store's savers and lookups may run in several threads.
     """
 
     def __init__(self, max_bytes: int) -> None:
-        if not isinstance(max_bytes, int) or max_bytes < 0:
+        if type(max_bytes) is not int or max_bytes < 0:
             raise InvalidArgumentError(f"the host cache's size is bytes, at least 0: {max_bytes!r}")
         self.max_bytes = max_bytes
         self.nbytes = 0
         self._entries: OrderedDict[tuple[str, tuple[int, ...]], _Kept] = OrderedDict()
         self._lock = threading.Lock()
+        self._ids = itertools.count(1)
         self.hits = self.misses = self.kept = self.evicted = 0
         self.clock = time.perf_counter  # tests inject one: no timing verdicts
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def keep(self, digest: str, tokens: Sequence[int], cache: Sequence[Any]) -> bool:
-        """Keep an evicted cache (the caller gives it up); False if it cannot fit."""
-        n = _nbytes(cache)
-        if n > self.max_bytes or not tokens:
+    def keep(
+        self,
+        owner: str,
+        tokens: Sequence[int],
+        cache: Sequence[Any] | Snapshot,
+        *,
+        copy: bool = False,
+        trimmable: bool | None = None,
+        min_resume: int | None = None,
+        sticky: bool = False,
+        info: Any = None,
+    ) -> bool:
+        """Keep ``cache`` (covering exactly ``tokens``); False if it cannot fit.
+
+        ``copy=False``: the caller gives the cache up (an eviction) and it is
+        kept as it is, counted by its buffers' bytes.  ``copy=True``: the
+        caller goes on using it; a copy of its live positions is kept.
+        ``trimmable`` and ``min_resume`` default to the codecs' facts.  Older
+        entries of ``owner`` the new one covers (``policy.covers``) are
+        dropped, unless ``sticky`` (checkpoints, as the durable store keeps)."""
+        if not tokens:
             return False
-        key = (digest, tuple(int(t) for t in tokens))
+        if isinstance(cache, Snapshot):
+            records, facts = list(cache.records), cache.facts
+        else:
+            records = [encode_cache(c) for c in cache]  # after: facts may depend on it
+            facts = [facts_of(c) for c in cache]
+        if trimmable is None:
+            trimmable = policy.combine_trimmable(f.trimmable for f in facts)
+        if min_resume is None:
+            min_resume = policy.combine_floor(f.min_resume_offset for f in facts)
+        if copy:
+            records = [_copied(r) for r in records]
+        mx.eval(_arrays(records))
+        n = int(sum(a.nbytes for a in _arrays(records)))  # a copy holds its live positions
+        if not copy and not isinstance(cache, Snapshot):  # views: whole buffers stay alive
+            n = int(sum(getattr(c, "nbytes", 0) for c in cache)) or n
+        if n > self.max_bytes:
+            return False
+        key = (owner, tuple(int(t) for t in tokens))
+        toks = np.asarray(key[1], dtype=np.int64)
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self.nbytes -= old.nbytes
-            kept = _Kept(list(cache), n, np.asarray(key[1]), can_trim_prompt_cache(list(cache)))
+            i = next(self._ids)
+            kept = _Kept(i, records, n, toks, trimmable, min_resume, sticky, info, used=i)
+            self._drop_covered(owner, kept)
             self._entries[key] = kept
             self.nbytes += n
             self.kept += 1
@@ -132,34 +217,75 @@ class HostTier:
                 self.evicted += 1
         return True
 
-    def fetch(self, digest: str, tokens: Sequence[int], longer_than: int = 0) -> HostHit | None:
-        """The longest usable kept prefix of ``tokens`` (one token at least left over),
-        longer than ``longer_than``, as a fresh copy; its entry becomes most recent.
+    def _drop_covered(self, owner: str, new: _Kept) -> None:
+        """Under the lock: what ``new`` stands in for goes (the same tokens at least)."""
+        for key, old in list(self._entries.items()):
+            if key[0] != owner or (old.sticky and len(old.tokens) != len(new.tokens)):
+                continue
+            is_prefix = _common(old.tokens, new.tokens) == len(old.tokens)
+            n, trim, floor = len(new.tokens), new.trimmable, new.min_resume
+            if policy.covers(n, trim, floor, len(old.tokens), is_prefix):
+                del self._entries[key]
+                self.nbytes -= old.nbytes
+
+    def _choose(self, owner: str, toks: Any) -> tuple[tuple[str, tuple[int, ...]], int] | None:
+        """Under the lock: (key, usable prefix) the resume policy picks, or None."""
+        keys, cands = {}, []
+        for key, kept in self._entries.items():
+            if key[0] == owner:
+                keys[kept.id] = key
+                c = policy.Candidate(
+                    kept.id, len(kept.tokens), kept.trimmable, kept.min_resume, kept.used
+                )
+                cands.append((c, _common(kept.tokens, toks)))
+        picked = policy.choose(cands, len(toks))
+        return None if picked is None else (keys[picked.candidate.id], picked.prefix)
+
+    def peek(self, owner: str, tokens: Sequence[int]) -> tuple[int, int]:
+        """(tokens, about the bytes) a fetch would serve now, (0, 0) if none; copies
+        nothing.  A cut copies its share of the positions."""
+        toks = np.asarray([int(t) for t in tokens], dtype=np.int64)
+        with self._lock:
+            found = self._choose(owner, toks)
+            if found is None:
+                return 0, 0
+            key, use = found
+            kept = self._entries[key]
+            return use, kept.nbytes * use // len(kept.tokens)
+
+    def fetch(self, owner: str, tokens: Sequence[int], longer_than: int = 0) -> HostHit | None:
+        """The best usable kept prefix of ``tokens`` if longer than ``longer_than``, as
+        a fresh copy cut to it; its entry becomes most recent.
 
         Usable: a kept cache whose tokens begin ``tokens``, or, if it can be
         trimmed, the part it shares with them (a conversation's next turn
-        differs where the client's text of the last answer begins), as
-        mlx-lm's own cache does."""
+        differs where the client's text of the last answer begins)."""
         toks = np.asarray([int(t) for t in tokens], dtype=np.int64)
         with self._lock:
-            best, use = None, longer_than
-            for key, kept in self._entries.items():
-                if key[0] == digest:
-                    n = _usable(kept, toks)
-                    if n > use:
-                        best, use = key, n
-            if best is None:
+            found = self._choose(owner, toks)
+            if found is None or found[1] <= longer_than:
                 self.misses += 1
                 return None
-            self._entries.move_to_end(best)
-            kept = self._entries[best]
+            key, use = found
+            self._entries.move_to_end(key)
+            kept = self._entries[key]
+            kept.used = next(self._ids)
             self.hits += 1
             t0 = self.clock()
-            fresh = _fresh(kept.cache)  # under the lock: an eviction cannot free it mid-copy
-            if use < len(best[1]):
-                trim_prompt_cache(fresh, len(best[1]) - use)
+            records = kept.records
+            if use < len(kept.tokens):
+                records = [trim_record(r, use) for r in records]
+            # under the lock: an eviction cannot free the entry mid-copy
+            cache = rebuild([_handed_out(r) for r in records])  # evaluated: nothing lazy
             seconds = self.clock() - t0
-        return HostHit(fresh, [int(t) for t in toks[:use]], kept.nbytes, seconds)
+        nbytes = int(sum(a.nbytes for a in _arrays(records)))  # what was copied
+        return HostHit(cache, [int(t) for t in toks[:use]], nbytes, seconds, kept.info)
+
+    def clear(self) -> None:
+        """Drop every entry (a Store's ``close``)."""
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -122,11 +122,13 @@ def lookup_prefix(
     strict_backend: bool = False,
     costs: CostModel | None = None,
     max_cost: float | None = None,
+    count_miss: bool = True,
 ) -> tuple[list[Any], SnapshotRow, int] | None:
     """(caches cut to the prefix, row, prefix) of the best usable hit, or None.
 
     A damaged snapshot is skipped (and counted) and the next best is tried.
-    A hit of at most ``longer_than`` tokens is not read and not counted.
+    A hit of at most ``longer_than`` tokens is not read and not counted, nor is
+    a miss without ``count_miss`` (the host tier serves that lookup).
     With ``costs``, a hit predicted to restore slower than a prefill of its
     tokens (or than ``max_cost`` seconds) is declined: None, as a miss.
     """
@@ -154,5 +156,6 @@ def lookup_prefix(
         best_effort(index.touch, row.id)
         best_effort(index.count, namespace, hits=1, restored_tokens=prefix)
         return cache, row, prefix
-    best_effort(index.count, namespace, misses=1)
+    if count_miss:
+        best_effort(index.count, namespace, misses=1)
     return None

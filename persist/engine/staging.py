@@ -114,7 +114,10 @@ class _Copier:
     def settle(self, keep: int) -> None:
         while len(self.inflight) > keep:
             slot, arr = self.inflight.popleft()
-            mx.eval(arr)  # its copy is done: the slot may be refilled
+            mx.eval(arr)
+            # the copy kernel reads the slot by address, unseen by MLX's graph: only
+            # a finished stream proves it read every byte before a reader refills it
+            mx.synchronize()
             self.ring.release(slot)
 
     def run(self) -> dict[int, list[tuple[Want, mx.array]]]:

@@ -32,6 +32,7 @@ from ..store.index import Index, SnapshotRow
 from ..store.rows import check_name, listed_info, store_root
 from ..store.schema import connect
 from ..store.types import EntryInfo, Restored
+from ..store.upkeep import remembered_budget
 from .costs import CostModel
 from .upkeep import StoreUpkeep
 
@@ -51,7 +52,9 @@ class Store(StoreUpkeep):
 
     ``namespace_max_bytes`` (bytes for every namespace, or a map of namespace to
     bytes) gives tenants budgets of their own: a save evicts only in its own
-    namespace, and one that cannot fit there is StoreFullError.  ``tier_key``: tiers.py."""
+    namespace, and one that cannot fit there is StoreFullError.  ``tier_key``: tiers.py.
+    ``host_cache`` (bytes; None or 0: none) keeps a copy of every save in RAM that
+    lookups ask first (``engine.host_store``)."""
 
     def __init__(
         self,
@@ -64,8 +67,14 @@ class Store(StoreUpkeep):
         cold: str | None = None,
         tier_key: bytes | None = None,
         strict_backend: bool = False,
+        host_cache: int | None = None,
     ) -> None:
         self.root = store_root(root)
+        self.host = None  # saves kept in RAM (engine.host_store)
+        if host_cache is not None and host_cache != 0:  # mlx loads only when asked for
+            from .host_tier import HostTier
+
+            self.host = HostTier(host_cache)  # checks the size
         if block_tokens is not None and not 1 <= block_tokens <= 1 << 20:
             raise InvalidArgumentError("block_tokens must be between 1 and 1048576")
         self.budgets = retention.Budgets(max_bytes, namespace_max_bytes)
@@ -92,6 +101,8 @@ class Store(StoreUpkeep):
         except OSError as e:  # permissions, a missing folder, a file where a folder goes
             raise StorageError(f"cannot open the store at {self.root}", e) from e
         self._index: Index | None = Index(db)
+        if max_bytes is None:  # a budget remembered for this store binds every opener
+            self.budgets = retention.Budgets(remembered_budget(self._index), namespace_max_bytes)
         self.costs = CostModel(self._index)  # restore or recompute, from measured rates
         self.shared: Shared | None = None  # a Redis-protocol server every machine shares
         self.cold: Shared | None = None  # S3, for named sessions
@@ -189,7 +200,13 @@ class Store(StoreUpkeep):
         full.ensure_reserve(self.root)  # before the disk fills: what rm and gc delete with
         for tier in self.tiers:
             tier.push(self.index, self.blobs, row.namespace, row.id)
-        return self._info(row)
+        info = self._info(row)
+        if self.host is not None:
+            from .host_store import keep_saved, owner
+
+            who = owner(target.namespace, target.identity, self.strict_backend)
+            keep_saved(self.host, cache, row, info, who)
+        return info
 
     def count(self, namespace: str = "default", **counters: int) -> None:
         """Add to ``namespace``'s counters (``persist stats`` shows them)."""
@@ -239,7 +256,9 @@ class Store(StoreUpkeep):
         is not read at all and returns None, uncounted.  A hit predicted to
         restore slower than prefilling its tokens here (rates measured on
         this machine; ``max_cost`` seconds instead, if given) is declined:
-        None.  ``self.costs.last`` is the decision.
+        None.  ``self.costs.last`` is the decision.  With ``host_cache`` the
+        RAM copy serves unless the store holds a strictly longer hit
+        (``Restored.source`` says which).
         """
         from .reading import lookup_prefix
 
@@ -247,15 +266,28 @@ class Store(StoreUpkeep):
         check_name(namespace, "namespace")
         i, b, strict, costs = self.index, self.block_tokens, self.strict_backend, self.costs
         costs.begin(max_cost)  # checks max_cost; forgets the previous decision
-        for tier in self.tiers:  # the fleet's deepest snapshot, if it beats this store's
-            tier.pull_prefix(i, self.blobs, toks, identity, namespace, b, costs, max_cost)
-        found = lookup_prefix(
-            i, self.blobs, toks, identity, namespace, b, longer_than, strict, costs, max_cost
-        )
-        if found is None:
+        who, ram = "", 0
+        if self.host is not None:
+            from .host_store import held, owner
+
+            who = owner(namespace, identity, strict)
+            ram = held(self.host, costs, identity, namespace, who, toks, longer_than, max_cost)
+        have = max(ram, longer_than)  # what a pull or a read must beat
+        if ram < len(toks) - 1:  # nothing beats a hit of every token but the last
+            for tier in self.tiers:  # the fleet's deepest snapshot, if it beats what is here
+                tier.pull_prefix(i, self.blobs, toks, identity, namespace, b, costs, max_cost, have)
+            found = lookup_prefix(
+                i, self.blobs, toks, identity, namespace, b, have, strict, costs, max_cost,
+                count_miss=not ram,
+            )  # fmt: skip
+            if found is not None:
+                cache, row, prefix = found
+                return Restored(cache, toks[:prefix], self._info(row))
+        if not ram:
             return None
-        cache, row, prefix = found
-        return Restored(cache, toks[:prefix], self._info(row))
+        from .host_store import from_host
+
+        return from_host(self, toks, identity, namespace, who, longer_than, max_cost)
 
     def record_prefill(self, identity: ModelIdentity, start: int, end: int, seconds: float) -> None:
         """Tell the cost model a prefill of positions [start, end) took ``seconds`` here

@@ -181,9 +181,11 @@ class Shared:
         block: int,
         costs: CostModel | None = None,
         max_cost: float | None = None,
+        longer_than: int = 0,
     ) -> None:
         """Pull the tier's deepest snapshot of this prompt if it beats the local one
-        (and, with ``costs``, if pulling and restoring it beats a prefill)."""
+        and ``longer_than`` (what the host tier holds), and, with ``costs``, if
+        pulling and restoring it beats a prefill."""
         from .reading import choose
 
         secret = self.secret(index, namespace)  # adopts the fleet's secret on a new machine
@@ -195,7 +197,7 @@ class Shared:
         want = Expect(namespace, secret=secret, block=block, identity=identity.digest)
         bodies = self._run(lambda: self._deepest(index, namespace, every[1:], heads, want)) or []
         found = best_record(bodies, toks)
-        if found is None or found[0] <= (local[1] if local else 0):
+        if found is None or found[0] <= max(local[1] if local else 0, longer_than):
             self._count(index, namespace, "misses")
             return
         usable, body = found

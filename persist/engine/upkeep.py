@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from ..store.blobs import FileBlobs
     from ..store.index import Index
+    from .host_tier import HostTier
     from .tiers import Shared
 
 __all__ = ["StoreUpkeep"]
@@ -38,6 +39,7 @@ class StoreUpkeep:
     block_tokens: int
     tiers: list[Shared]
     _index: Index | None
+    host: HostTier | None = None  # Store(host_cache=...): engine.host_store
 
     # -- context manager --------------------------------------------------
 
@@ -48,7 +50,11 @@ class StoreUpkeep:
         self.close()
 
     def close(self) -> None:
-        """Close the index; any later call on this Store is InvalidStateError."""
+        """Close the index and drop the host tier's copies; any later call on this
+        Store is InvalidStateError."""
+        if self.host is not None:
+            self.host.clear()
+            self.host = None
         if self._index is not None:
             self._index.db.conn.close()
             self._index = None
@@ -116,6 +122,7 @@ class StoreUpkeep:
             rates=rates.all_rates(self.index),
             decisions=rates.decisions(self.index, namespace),
             data_paths=rates.paths(self.index),
+            host_cache=self.host.stats() if self.host is not None else None,
         )
 
     def check(self, fix: bool = False, *, progress: Progress | None = None) -> list[Problem]:

@@ -45,17 +45,22 @@ class EntryInfo:
 
 @dataclass(frozen=True)
 class Restored:
-    """A restored cache (fresh objects), the tokens it covers, and its entry."""
+    """A restored cache (fresh objects), the tokens it covers, and its entry.
+
+    ``source``: where the bytes came from: ``"local"``, the store's files (a
+    pull from a shared tier lands there first), or ``"host"``, the RAM copy
+    of ``Store(host_cache=...)``, whose ``entry`` is the save's as it was then."""
 
     cache: list[Any]
     tokens: list[int]
     entry: EntryInfo
     notice: str | None = None  # said once: what a repair (check --fix) cut from this session
+    source: str = "local"
 
     def __repr__(self) -> str:  # never hundreds of token ids
         return (
             f"Restored({len(self.tokens)} tokens {_ids(self.tokens)}, "
-            f"{len(self.cache)} layers, entry={self.entry!r})"
+            f"{len(self.cache)} layers, from {self.source}, entry={self.entry!r})"
         )
 
 
@@ -95,6 +100,8 @@ class StoreStats:
     rates: list[dict[str, Any]] = field(default_factory=list)  # measured here and elsewhere
     decisions: list[dict[str, Any]] = field(default_factory=list)  # restore or recompute
     data_paths: dict[str, str] = field(default_factory=dict)  # machine -> restore path taken
+    # this process's host tier (Store(host_cache=...)): HostTier.stats(); None without one
+    host_cache: dict[str, int] | None = None
 
     @property
     def dedup_ratio(self) -> float:

@@ -98,3 +98,34 @@ def test_default_budget(tmp_path: Path) -> None:
     assert default_budget(str(info)) == (1 << 30) // 10
     info.write_text("MemAvailable: 1048576000 kB\n")
     assert default_budget(str(info)) == 8 << 30
+
+
+def recurrent(cache: list[Any]) -> list[Any]:
+    """The recurrent layers' arrays, as views of their buffers (bfloat16 as uint16)."""
+    out = []
+    for c in cache:
+        for a in getattr(c, "cache", None) or []:
+            if a is not None:
+                v = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+                mx.eval(v)
+                out.append(np.asarray(memoryview(v)))
+    return out
+
+
+def test_a_hit_shares_no_memory_with_the_entry(tiny: Any) -> None:
+    """``copy.deepcopy`` of an ``mx.array`` shares its buffer: a hit written through a
+    memoryview (or by a kernel that writes in place) must not reach the kept entry."""
+    model, _, _ = tiny("qwen3_next")  # recurrent layers: their state is decoded as it is
+    kept = prefilled(model, PROMPT[:20])
+    want = [a.copy() for a in recurrent(kept)]
+    assert want
+    tier = HostTier(1 << 30)
+    assert tier.keep("m", PROMPT[:20], kept)
+    hit = tier.fetch("m", PROMPT)
+    assert hit is not None
+    for a in recurrent(hit.cache):
+        a[...] = 0
+    again = tier.fetch("m", PROMPT)
+    assert again is not None
+    got = recurrent(again.cache)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
