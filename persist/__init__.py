@@ -21,6 +21,7 @@ from .errors import (
     InvalidNameError,
     InvalidStateError,
     InvalidTokensError,
+    ModelNotFoundError,
     NotResumableError,
     PersistError,
     SessionConflictError,
@@ -144,4 +145,5 @@ __all__ = [
     "SessionConflictError",
     "StorageError",
     "AlreadyExistsError",
+    "ModelNotFoundError",
 ]

@@ -1,9 +1,11 @@
 """ModelIdentity: everything that must match for a cached state to mean the same.
 
 A cache is only valid for the exact model that computed it: config (RoPE
-settings included), weights, tokenizer, chat template and the cache
-configuration (kv_bits, group size, quantized_kv_start, max_kv_size).
-Library versions are recorded but are not part of the digest.
+settings included), weights, what every module computes with beside its
+weights (``modules``: classes, plain settings, arrays that are not
+parameters), tokenizer, chat template and the cache configuration (kv_bits,
+group size, quantized_kv_start, max_kv_size).  Library versions are recorded
+but are not part of the digest.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ __all__ = ["ModelIdentity", "CACHE_CONFIG_KEYS", "CONFIG_ATTRS", "config_digest"
 
 CACHE_CONFIG_KEYS = ("kv_bits", "kv_group_size", "quantized_kv_start", "max_kv_size")
 DIGEST_FIELDS = ("model_type", "config", "weights", "tokenizer", "chat_template", "cache_config")
-# Digested only when set, so identities written before they existed keep their digest.
-OPTIONAL_FIELDS = ("draft",)
+# Digested only when set, so identities written before they existed keep their digest
+# (and, since ``of`` always sets ``modules``, never equal one made now: a miss).
+OPTIONAL_FIELDS = ("draft", "modules")
 
 
 def _canonical(obj: Any) -> str:
@@ -199,6 +202,10 @@ class ModelIdentity:
     # The digest of a speculative draft model whose caches ride in the same
     # cache list (mlx-lm's server appends them): another draft, another cache.
     draft: str = ""
+    # every module's class and non-parameter state (``provenance.modules_digest``):
+    # a RoPE or an attention scale replaced in code is another model.  Empty only in
+    # identities of persist before it existed (their caches are misses now)
+    modules: str = ""
     # where the cache was computed ("cpu", "metal", "cuda"): not digested, since the
     # state is valid anywhere; Store(strict_backend=True) refuses another backend's
     backend: str = field(default="", compare=False)
@@ -245,6 +252,7 @@ class ModelIdentity:
             model_type=model_type,
             config=config,
             weights=_weights(model, path, adapter_path),
+            modules=provenance.modules_digest(model),  # never remembered: cheap, and in memory
             tokenizer=tok,
             chat_template=template,
             cache_config=_cache_config(cache_config),
@@ -320,9 +328,9 @@ class ModelIdentity:
             if not isinstance(v, str) or len(v) > 4096:
                 raise InvalidArgumentError(f"identity field {k} must be a string")
             strs[k] = v
-        draft, backend = d.get("draft", ""), d.get("backend", "")
-        if not all(isinstance(v, str) and len(v) <= 4096 for v in (draft, backend)):
-            raise InvalidArgumentError("identity fields draft and backend must be strings")
+        draft, backend, modules = d.get("draft", ""), d.get("backend", ""), d.get("modules", "")
+        if not all(isinstance(v, str) and len(v) <= 4096 for v in (draft, backend, modules)):
+            raise InvalidArgumentError("identity fields draft, modules and backend must be strings")
         layers = d.get("layers", 0)
         if type(layers) is not int or not 0 <= layers <= 1 << 20:
             raise InvalidArgumentError("identity field layers must be a small int")
@@ -339,6 +347,7 @@ class ModelIdentity:
             name=strs["name"] or "",
             versions=tuple(sorted((str(k), str(v)) for k, v in ver.items())),
             draft=draft,
+            modules=modules,
             backend=backend,
             layers=layers,
         )

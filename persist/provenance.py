@@ -17,10 +17,18 @@ added or removed, and every module's class and settings unchanged
 Not seen: a write into a weight array in place (``w[...] = x``, ``w += x``),
 which keeps the Python object.  Code that edits weights so should pass no
 ``path`` to ``ModelIdentity.of`` (every weight hashed).
+
+What a module computes with is more than its parameters: RoPE's base and
+frequencies, an attention scale, a layer's window are plain attributes or
+arrays under private names, which ``parameters()`` leaves out.  Replaced in
+code after loading (context extension, another RoPE), they change every
+logit and no parameter.  ``modules_digest`` covers them, always computed
+(cheap, never remembered): the identity's ``modules`` field.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import weakref
 from pathlib import Path
@@ -30,7 +38,15 @@ import xxhash
 
 from . import weights_memo
 
-__all__ = ["load_model", "stamp", "remembered", "weights_digest", "structure", "versions"]
+__all__ = [
+    "load_model",
+    "stamp",
+    "remembered",
+    "weights_digest",
+    "structure",
+    "modules_digest",
+    "versions",
+]
 
 ATTR = "_persist_provenance"  # a plain object: nn.Module keeps dicts/lists/arrays as parameters
 MODULE_SETTINGS = ("group_size", "bits", "mode", "scale")  # what a layer computes with, not held
@@ -138,14 +154,81 @@ def structure(model: Any) -> str:
         h.update(f"{name}|{arr.dtype}|{tuple(arr.shape)}\n".encode())
     modules = model.named_modules() if hasattr(model, "named_modules") else []
     for where, mod in sorted(modules, key=lambda kv: kv[0]):
-        cls = type(mod)
         settings = [
             (k, v)
             for k in MODULE_SETTINGS
             if isinstance(v := getattr(mod, k, None), (int, float, str))
         ]
-        h.update(f"{where}|{cls.__module__}.{cls.__qualname__}|{settings}\n".encode())
+        h.update(f"{where}|{class_name(mod)}|{settings}\n".encode())
     return h.hexdigest()
+
+
+PLAIN = (bool, int, float, str, type(None))
+# A class attribute naming the class a module computes as: persist's own subclasses that
+# only observe (caches/gated_delta's recording layers) are digested as their base.
+SAME_AS = "_persist_same_as"
+
+
+def class_name(module: Any) -> str:
+    cls = type(module)
+    same = vars(cls).get(SAME_AS)  # the class's own: a subclass of it computes as itself
+    cls = same if isinstance(same, type) and issubclass(cls, same) else cls
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+SKIP = object()  # a value that is no module state (a function, an object) or a parameter
+
+
+def modules_digest(model: Any) -> str:
+    """Every module (sorted by path): its class and its state that is not a parameter:
+    plain scalars (int, float, bool, str, None) and lists/tuples of them, in its
+    attributes and its dict, and every array it holds that ``parameters()`` leaves
+    out (private names such as RoPE's ``_freqs``, tuples): dtype, shape and bytes.
+    Child modules are visited at their own paths; parameters are the weights
+    digest's.  No object ids, addresses or reprs: two loads digest alike."""
+    params = {id(a) for _, a in _params(model)}  # membership only, never hashed
+    h = xxhash.xxh3_128()
+    modules = model.named_modules() if hasattr(model, "named_modules") else [("", model)]
+    for where, mod in sorted(modules, key=lambda kv: kv[0]):
+        found: list[Any] = [where, class_name(mod)]
+        own = vars(mod) if hasattr(mod, "__dict__") else {}
+        items = dict(mod) if isinstance(mod, dict) else {}
+        for source, entries in (("attr", own), ("item", items)):
+            for key in sorted(entries, key=str):
+                state = _state(entries[key], params)
+                if state is not SKIP:
+                    found.append([source, str(key), state])
+        h.update(json.dumps(found, separators=(",", ":")).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _state(value: Any, params: set[int]) -> Any:
+    """A JSON-able, deterministic encoding of one value's module state, or SKIP."""
+    import mlx.core as mx
+
+    if type(value) in PLAIN:
+        return ["float", value.hex()] if type(value) is float else value
+    if isinstance(value, mx.Dtype):
+        return ["dtype", str(value)]
+    if isinstance(value, mx.array):
+        if id(value) in params:
+            return SKIP
+        from .format.tensors import as_bytes
+
+        digest = xxhash.xxh3_128(as_bytes(value)).hexdigest()
+        return ["array", str(value.dtype), list(value.shape), digest]
+    if hasattr(value, "named_modules"):
+        return SKIP  # a child module: visited at its own path
+    if isinstance(value, (list, tuple)):
+        inner = [_state(v, params) for v in value]
+        if all(v is SKIP for v in inner):
+            return SKIP
+        return [type(value).__name__, [None if v is SKIP else v for v in inner]]
+    if isinstance(value, dict):
+        kept = {str(k): _state(v, params) for k, v in value.items()}
+        kept = {k: v for k, v in sorted(kept.items()) if v is not SKIP}
+        return ["dict", kept] if kept else SKIP
+    return SKIP
 
 
 def versions() -> dict[str, str]:

@@ -5,7 +5,7 @@ is of the weights as mlx-lm loads them (sanitized, adapters applied), so it
 can only be remembered, not read from the files: the first load by persist
 (``provenance.stamp``: ``from_path``, the CLI, ``persist serve``) computes it
 and writes it here; later ones look it up by a key of every weight file
-(name, size, mtime, inode and device; or the sha256 that a Hugging Face cache
+(name, size, mtime, ctime, inode and device; or the sha256 that a Hugging Face cache
 path names, ``blobs/<sha256>``), the adapter files, the config, the mlx /
 mlx-lm versions, and the structure of the model as loaded (every parameter's
 dtype and shape, every layer's class and quantization settings).  Anything
@@ -47,7 +47,9 @@ def _file_facts(path: Path) -> list[object]:
     if real.parent.name == "blobs" and HF_BLOB.fullmatch(real.name):
         return [path.name, "sha256", real.name]  # the content hash the HF cache names
     st = real.stat()
-    return [path.name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+    # ctime too: a file rewritten in place with its mtime set back (rsync --inplace -t,
+    # os.utime) keeps size, mtime and inode, but no user can set its ctime back
+    return [path.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
 def files_key(dirs: Iterable[Path | None], versions: dict[str, str], structure: str = "") -> str:

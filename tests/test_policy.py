@@ -89,3 +89,28 @@ def test_eviction_is_lru_and_respects_pins(
     assert total <= budget or not evictable_left
     used = [by_id[i].used for i in out]
     assert used == sorted(used)  # least recently used first
+
+
+@given(
+    st.integers(0, 300),
+    st.booleans(),
+    st.one_of(st.none(), st.integers(0, 300)),
+    st.integers(1, 300),
+    st.integers(0, 300),
+    st.integers(1, 400),
+    st.booleans(),
+)
+def test_a_quantized_snapshot_never_serves_the_plain_positions(
+    floor: int, quantized: bool, start: int | None, stored: int, lcp: int, prompt: int, trim: bool
+) -> None:
+    """Under an identity that quantizes from ``start``, no prefix of ``start`` tokens
+    or fewer is taken from a quantized snapshot; everything else is as before."""
+    got = policy.quantized_floor(floor, quantized, start)
+    assert got >= floor
+    if not quantized or start is None:
+        assert got == floor
+    p = policy.usable_prefix(stored, lcp, prompt, trim, got)
+    if quantized and start is not None:
+        assert p == 0 or p > start
+    c = policy.Candidate(1, stored, trim, got)
+    assert policy.could_serve(c, 0, prompt) or p == 0

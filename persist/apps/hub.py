@@ -27,9 +27,10 @@ def looks_like_repo(text: str) -> bool:
     return REPO_ID.fullmatch(text) is not None and ".." not in text and not text.endswith(".")
 
 
-def resolve_model(model: str | os.PathLike[str] | None) -> Path:
+def resolve_model(model: str | os.PathLike[str] | None, *, download: bool = True) -> Path:
     """The folder mlx-lm loads for ``model``: the demo model when None, a folder as
-    given, a repo id from the Hugging Face cache (downloaded if missing and allowed)."""
+    given, a repo id from the Hugging Face cache (downloaded if missing, allowed and
+    ``download``; else ModelNotFoundError)."""
     if model is None:
         from .demo import demo_model_dir
 
@@ -42,10 +43,10 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
         raise ModelNotFoundError(f"--model {text}: not a folder (give the model's folder)")
     if not looks_like_repo(text):
         raise ModelNotFoundError(f"--model {text}: no such folder, and not a Hugging Face repo id")
-    return _snapshot(text)
+    return _snapshot(text, download)
 
 
-def _snapshot(repo: str) -> Path:
+def _snapshot(repo: str, download: bool = True) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import EntryNotFoundError, RevisionResolutionError
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
@@ -59,6 +60,11 @@ def _snapshot(repo: str) -> Path:
     except misses:
         pass
     where = constants.HF_HUB_CACHE
+    if not download:
+        raise ModelNotFoundError(
+            f"--model {repo}: not a folder, and not in the Hugging Face cache ({where}); "
+            "get it first (persist generate --model it, or huggingface-cli download)"
+        )
     if constants.is_offline_mode():
         raise ModelNotFoundError(
             f"--model {repo}: not a folder, and not in the Hugging Face cache ({where}); "

@@ -134,7 +134,9 @@ def _recording_class(cls: type) -> type:
                 cache.record(self, inputs, mask)
             return cls.__call__(self, inputs, mask=mask, cache=cache)
 
-        _recording[cls] = type(f"Recording{cls.__name__}", (cls,), {"__call__": __call__})
+        # the identity digests it as ``cls`` (``provenance.SAME_AS``): its arithmetic is cls's
+        body = {"__call__": __call__, "_persist_same_as": cls}
+        _recording[cls] = type(f"Recording{cls.__name__}", (cls,), body)
     return _recording[cls]
 
 

@@ -30,8 +30,9 @@ _force = click.option("--force", is_flag=True, help="Replace what is already the
     "--model",
     "model_dir",
     default=None,
-    help="For --format mlx-lm: the model (folder or repo id), as you will give it to "
-    "mlx_lm generate (recorded in the file; a folder is checked against the session's).",
+    help="For --format mlx-lm: the model (folder, or repo id in the Hugging Face cache), "
+    "as you will give it to mlx_lm generate: recorded in the file, and its files are "
+    "checked against the session's model.",
 )
 @_namespace
 @_force
@@ -60,9 +61,15 @@ def export_cmd(
         raise AlreadyExistsError(f"{file} exists; pass --force to replace it")
     if model_dir is not None and fmt != "mlx-lm":
         raise click.UsageError("--model is for --format mlx-lm (a persist file names its model)")
+    folder = None
+    if model_dir is not None:  # the files the session is checked against: never downloaded
+        from ..apps.hub import resolve_model
+
+        folder = resolve_model(model_dir, download=False)
     with open_store(store_dir) as store:  # reads only: no store is made
-        model = None if model_dir is None else str(model_dir)
-        e = store.export(name, file, namespace=namespace, format=fmt, model=model)
+        e = store.export(
+            name, file, namespace=namespace, format=fmt, model=model_dir, model_dir=folder
+        )
     emit(
         as_json,
         {"session": name, "file": str(file), "tokens": e.tokens},

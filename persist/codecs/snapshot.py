@@ -1,7 +1,15 @@
 """A whole model's cache list plus the tokens it covers <-> encoded records.
 
-The one rule enforced here: a snapshot's tokens must be exactly what every
-layer covers.  A cache keyed to other tokens would corrupt every later hit.
+The rules enforced here, before anything is written:
+
+- a snapshot's tokens must be exactly what every layer covers: a cache keyed
+  to other tokens would corrupt every later hit;
+- with tokens, every layer holds one row (the batch axis, the first axis of
+  every record's tensors, is 1): the tokens are one sequence, and a batch of
+  two restored into a serial model crashes or answers for two;
+- every record passes its codec's ``check``, the very check a restore runs,
+  so nothing is stored that cannot be restored (a KV layer whose keys and
+  values hold other lengths than its offset, or other batch/heads).
 """
 
 from __future__ import annotations
@@ -14,15 +22,25 @@ import mlx.core as mx
 import numpy as np
 
 from .. import policy
-from ..errors import NotResumableError, UnsupportedCacheError
+from ..errors import CorruptBlobError, NotResumableError, UnsupportedCacheError
 from ..format.manifest import tensor_keys
 from ..format.tensors import device_copy, on_cuda
 from ..format.tokens import check_tokens
 from ..kinds import is_batched, kind_of
 from ..records import Record, ResumeFacts
-from . import decode_record, encode_cache, facts_of
+from . import check_spec, decode_record, encode_cache, facts_of
+from .base import dtype_name
 
-__all__ = ["Snapshot", "capture", "rebuild", "extract_row", "snapshot_facts", "require_covers"]
+__all__ = [
+    "Snapshot",
+    "capture",
+    "rebuild",
+    "extract_row",
+    "snapshot_facts",
+    "require_covers",
+    "require_one_row",
+    "check_records",
+]
 
 
 @dataclass(frozen=True)
@@ -67,6 +85,9 @@ def capture(cache: Any, tokens: Sequence[int] | None = None) -> Snapshot:
     else:
         common_offset(facts)
     records = [encode_cache(c) for c in layers]
+    check_records(kinds, records)
+    if toks is not None:
+        require_one_row(kinds, records)
     # Evaluated here, in the caller's thread and stream; what follows (cutting
     # blocks, checksums, writes) reads host bytes and runs no MLX op: an MLX op
     # on an array another thread computed waits for everything queued on that
@@ -112,6 +133,40 @@ def _require_covers(kinds: list[str], facts: list[ResumeFacts], tokens: Sequence
         raise NotResumableError(
             f"the cache covers {offset} positions but {len(tokens)} tokens were given"
         )
+
+
+def check_records(kinds: Sequence[str], records: Sequence[Record]) -> None:
+    """Every record through its codec's ``check`` (what a restore checks first): a
+    live cache that fails it is refused now, not found unreadable later."""
+    for i, (kind, rec) in enumerate(zip(kinds, records, strict=True)):
+        try:
+            check_spec(rec.spec(dtype_name))
+        except CorruptBlobError as e:
+            raise NotResumableError(
+                f"layer {i} ({kind}) is not a consistent cache, so it cannot be saved: {e.detail}"
+            ) from None
+
+
+def record_rows(record: Record) -> set[int]:
+    """The batch sizes a record's tensors (and its inner records') hold: the first
+    axis of every tensor, for every built-in kind (a registered kind's too)."""
+    rows = {int(t.shape[0]) for t in record.tensors.values() if getattr(t, "ndim", 0) >= 1}
+    for child in record.children:
+        rows |= record_rows(child)
+    return rows
+
+
+def require_one_row(kinds: Sequence[str], records: Sequence[Record], where: str = "") -> None:
+    """Refuse any layer whose batch axis is not 1: a snapshot covers one token list."""
+    for i, (kind, rec) in enumerate(zip(kinds, records, strict=True)):
+        rows = record_rows(rec) - {1}
+        if rows:
+            head = f"{where}: " if where else ""
+            raise NotResumableError(
+                f"{head}layer {i} ({kind}) holds a batch of {max(rows)} rows: a snapshot covers "
+                "one token sequence, so each row is saved as its own cache "
+                "(persist.extract_row for mlx-lm's batch caches)"
+            )
 
 
 def snapshot_facts(cache: Any) -> list[ResumeFacts]:

@@ -10,7 +10,14 @@ configured; two facts of the cache itself can contradict it cheaply:
   ``kv_bits`` and ``kv_group_size`` are that layer's bits and group size: a
   plain lookup must never get quantized caches.  Plain KV layers under a
   kv_bits identity are fine: mlx-lm quantizes only from
-  ``quantized_kv_start`` on.
+  ``quantized_kv_start`` on;
+- where quantization began.  mlx-lm converts a cache once a forward leaves
+  it holding ``quantized_kv_start`` (S) positions or more
+  (``maybe_quantize_kv_cache``: ``offset >= S``), so under an identity that
+  names S, a layer quantized from fewer positions (a ``quantized-kv``
+  record's floor, ``min_resume_offset``; a ``delayed-quantized`` wrapper's
+  ``converted_at``) is a state no fresh run has: refused.  Its snapshots
+  serve no prefix of S tokens or fewer (``policy.quantized_floor``).
 
 Checked on the captured records (``Snapshot.records``), so a snapshot handed
 to ``Store.save`` is checked as a live cache list is.
@@ -26,7 +33,15 @@ from ..identity import ModelIdentity
 from ..kinds import parse_kind
 from ..records import Record
 
-__all__ = ["check_layers", "check_quantized", "refuse_quantized", "QUANTIZING_KINDS"]
+__all__ = [
+    "check_layers",
+    "check_quantized",
+    "refuse_quantized",
+    "refuse_early",
+    "quantized_start",
+    "holds_quantized",
+    "QUANTIZING_KINDS",
+]
 
 QUANTIZING_KINDS = ("quantized-kv", "delayed-quantized")
 MLX_LM_GROUP_SIZE = 64  # kv_group_size when an identity with kv_bits names none
@@ -51,10 +66,39 @@ def check_layers(cache: Any, identity: ModelIdentity) -> None:
 
 
 def check_quantized(records: Sequence[Record], identity: ModelIdentity) -> None:
-    """Refuse any quantized layer whose bits and group size are not the identity's."""
+    """Refuse any quantized layer whose bits and group size are not the identity's,
+    or that was quantized before the identity's ``quantized_kv_start``."""
     for i, record in enumerate(records):
-        for kind, bits, group in _quantized(record):
+        for kind, bits, group, floor in _quantized(record):
             refuse_quantized(f"layer {i} ({kind})", bits, group, identity, "this cache")
+            refuse_early(f"layer {i} ({kind})", floor, identity, "this cache")
+
+
+def quantized_start(identity: ModelIdentity) -> int | None:
+    """The identity's quantized_kv_start, when it quantizes (kv_bits) and names one.
+    An identity naming none makes no claim on where quantization began."""
+    cfg = dict(identity.cache_config)
+    return cfg.get("quantized_kv_start") if cfg.get("kv_bits") is not None else None
+
+
+def holds_quantized(records: Sequence[Record]) -> bool:
+    """Any quantized layer (a converted delayed wrapper holds one) anywhere in ``records``."""
+    return any(kind == "quantized-kv" for r in records for kind, *_ in _quantized(r))
+
+
+def refuse_early(layer: str, floor: int | None, identity: ModelIdentity, where: str) -> None:
+    """IdentityMismatchError when ``layer`` was quantized from ``floor`` positions,
+    fewer than the identity's quantized_kv_start (``floor`` None: not quantized yet)."""
+    start = quantized_start(identity)
+    if start is None or floor is None or floor >= start:
+        return
+    raise IdentityMismatchError(
+        where,
+        ["quantized_kv_start"],
+        f"{layer} quantized from {floor} positions",
+        f"{identity.display()} with quantized_kv_start={start}, below which mlx-lm "
+        "keeps caches plain",
+    )
 
 
 def refuse_quantized(
@@ -75,10 +119,13 @@ def refuse_quantized(
     )
 
 
-def _quantized(record: Record) -> Iterator[tuple[str, Any, Any]]:
-    """(kind, bits, group size) of every quantizing record in ``record``'s tree."""
+def _quantized(record: Record) -> Iterator[tuple[str, Any, Any, int | None]]:
+    """(kind, bits, group size, offset quantized from) of every quantizing record in
+    ``record``'s tree: a quantized-kv's floor, a delayed wrapper's conversion point."""
     name = parse_kind(record.kind).name
     if name in QUANTIZING_KINDS:
-        yield name, record.meta.get("bits"), record.meta.get("group_size")
+        key = "min_resume_offset" if name == "quantized-kv" else "converted_at"
+        floor = record.meta.get(key)
+        yield name, record.meta.get("bits"), record.meta.get("group_size"), floor
     for child in record.children:
         yield from _quantized(child)

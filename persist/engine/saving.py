@@ -39,7 +39,7 @@ from ..store import retention, writes
 from ..store.blobs import BlobStore
 from ..store.index import BlockRef, Index, NewBlob, SnapshotRow
 from .blocks import Parts, Piece, Plan, chain_root, chains, content_key, head_key, materialize, plan
-from .layer_checks import check_layers, check_quantized
+from .layer_checks import check_layers, check_quantized, holds_quantized, quantized_start
 from .unverified import UNVERIFIED_KEY, inherits_unverified
 
 __all__ = ["Target", "save_snapshot"]
@@ -255,6 +255,10 @@ def _commit(
     budgets: retention.Budgets,
 ) -> SnapshotRow | None:
     t, namespace, toks = target, target.namespace, snap.tokens or []
+    # a quantized snapshot serves no prefix of quantized_kv_start tokens or fewer
+    floor = policy.quantized_floor(
+        snap.min_resume_offset, holds_quantized(snap.records), quantized_start(t.identity)
+    )
     new_files = {b.file for b in written}
     used = [f for f in [tail, *(r.blob for r in refs if r.blob)] if f not in new_files]
     with index.write() as db:
@@ -280,7 +284,7 @@ def _commit(
             "n_tokens": len(toks),
             "tokens": pack_tokens(toks),
             "trimmable": int(snap.trimmable),
-            "min_resume": snap.min_resume_offset,
+            "min_resume": floor,
             "manifest": p.manifest(),
             "tail": tail,
             "bytes": sum(sizes.values()),
@@ -298,9 +302,11 @@ def _commit(
                 {**t.metadata, UNVERIFIED_KEY: "true"}, use_bin_type=True
             )
         if t.name is not None:
-            _retire(db, namespace, t.name, t.identity.digest, snap, toks)
+            _retire(db, namespace, t.name, t.identity.digest, snap.trimmable, floor, toks)
         elif t.role == "prefix":
-            _replace_covered(db, namespace, t.identity.digest, snap, toks, chs, p.block)
+            _replace_covered(
+                db, namespace, t.identity.digest, snap.trimmable, floor, toks, chs, p.block
+            )
         elif t.owner is not None:  # a checkpoint saved again (a resumed prime): one row
             _replace_same_checkpoint(db, namespace, t.owner, t.identity.digest, toks)
         sid = writes.insert(db, row, refs)
@@ -311,15 +317,17 @@ def _commit(
     return committed
 
 
-def _retire(db: Any, namespace: str, name: str, digest: str, snap: Any, toks: list[int]) -> None:
+def _retire(
+    db: Any, namespace: str, name: str, digest: str, trimmable: bool, floor: int, toks: list[int]
+) -> None:
     """Replace the session's previous snapshot: supersede it, or keep it as a checkpoint."""
     for old in writes.session_rows(db, namespace, name):
         old_toks = unpack_tokens(old.tokens)
         is_prefix = old.identity == digest and toks[: len(old_toks)] == old_toks
         action = policy.retire(
             len(toks),
-            snap.trimmable,
-            snap.min_resume_offset,
+            trimmable,
+            floor,
             old.n_tokens,
             is_prefix,
             old.name is None,
@@ -348,16 +356,21 @@ def _replace_same_checkpoint(
 
 
 def _replace_covered(
-    db: Any, namespace: str, digest: str, snap: Any, toks: list[int], chs: list[bytes], block: int
+    db: Any,
+    namespace: str,
+    digest: str,
+    trimmable: bool,
+    floor: int,
+    toks: list[int],
+    chs: list[bytes],
+    block: int,
 ) -> None:
     """Anonymous entries the new one covers (``policy.covers``) go: rows stay
     bounded by distinct prefixes."""
     for old in retention.anonymous_prefixes_of(db, namespace, digest, chs, toks, block):
         old_toks = unpack_tokens(old.tokens)
         is_prefix = toks[: len(old_toks)] == old_toks
-        if policy.covers(
-            len(toks), snap.trimmable, snap.min_resume_offset, len(old_toks), is_prefix
-        ):
+        if policy.covers(len(toks), trimmable, floor, len(old_toks), is_prefix):
             writes.remove(db, old.id)
 
 

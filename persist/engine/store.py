@@ -328,19 +328,22 @@ class Store(StoreUpkeep):
         namespace: str = "default",
         format: str = "persist",
         model: str | None = None,
+        model_dir: str | os.PathLike[str] | None = None,
     ) -> EntryInfo:
         """Write a session to one file: a persist file (``load_file`` reads it, with
         tokens and identity) or, with ``format="mlx-lm"``, one mlx-lm's
         ``load_prompt_cache`` and ``mlx_lm generate --prompt-cache-file`` read
         (caches and metadata: ``model``, the path or repo id as mlx-lm will be
-        given it, default the identity's name, and ``tokenizer_config``).  A
-        ``model`` directory must hold the session's model."""
+        given it, default the identity's name, and ``tokenizer_config``).  The
+        file claims ``model``, so its files must hold the session's model:
+        ``model`` itself when it is a folder, else ``model_dir`` (the folder a
+        repo id resolves to); neither is ModelNotFoundError, nothing written."""
         from .transfer import export_row
 
         row = self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
         if row is None:
             raise SessionNotFoundError(session, namespace)
-        export_row(self.index, self.blobs, row, path, format, model)
+        export_row(self.index, self.blobs, row, path, format, model, model_dir)
         return self._info(row)
 
     def import_file(

@@ -22,6 +22,7 @@ from typing import Any
 from ..errors import (
     CorruptBlobError,
     IdentityMismatchError,
+    ModelNotFoundError,
     NotResumableError,
     PersistError,
     UnknownKindError,
@@ -32,7 +33,7 @@ from ..format.manifest import is_mlx_lm_metadata
 from ..format.opening import open_regular
 from ..identity import ModelIdentity
 from .files import load_file, save_file
-from .layer_checks import refuse_quantized
+from .layer_checks import refuse_early, refuse_quantized
 from .unverified import UNVERIFIED_KEY
 
 __all__ = [
@@ -92,6 +93,7 @@ def read_importable(
             "the model; give both (persist import FILE --model DIR --prompt TEXT)"
         )
     cache, metadata = read_mlx_lm(path)
+    _one_row(cache, str(path))
     check_quantized(cache, identity, str(path))
     if model is not None:
         window = dict(identity.cache_config).get("max_kv_size")
@@ -118,6 +120,15 @@ def read_importable(
             f"{path}: the cache covers {offset} positions but {len(ids)} tokens were given{hint}"
         )
     return Importable(cache, ids, identity, metadata, unverified=offset is None)
+
+
+def _one_row(cache: list[Any], where: str) -> None:
+    """A file of a batch (a row axis other than 1) is no one prompt's cache: refused
+    before ``check_fits``, which sets the batch axis aside."""
+    from ..codecs import encode_cache, kind_of
+    from ..codecs.snapshot import require_one_row
+
+    require_one_row([kind_of(c) for c in cache], [encode_cache(c) for c in cache], where)
 
 
 def _is_mlx_lm(path: str | os.PathLike[str]) -> bool:
@@ -214,11 +225,15 @@ def check_fits(cache: list[Any], model: Any, where: str, max_kv_size: int | None
 
 def check_quantized(cache: list[Any], identity: ModelIdentity, where: str) -> None:
     """Quantized layers (generate --kv-bits) only under an identity of the same
-    kv_bits and kv_group_size (``layer_checks``, which ``Store.save`` applies
-    too): checked here before ``check_fits`` runs the model."""
+    kv_bits and kv_group_size, and quantized from at least its quantized_kv_start
+    positions (a file records no conversion point: its offset stands for it;
+    ``layer_checks``, which ``Store.save`` applies too): checked here before
+    ``check_fits`` runs the model."""
     for i, c in enumerate(cache):
         for q in (x for x in getattr(c, "caches", [c]) if type(x).__name__ == "QuantizedKVCache"):
             refuse_quantized(f"layer {i}", q.bits, q.group_size, identity, where)
+            floor = getattr(q, "min_resume_offset", None)
+            refuse_early(f"layer {i}", int(q.offset) if floor is None else floor, identity, where)
 
 
 def _show(layout: tuple[Any, ...]) -> str:
@@ -337,8 +352,11 @@ def export_row(
     path: str | os.PathLike[str],
     format: str,
     model: str | None = None,
+    model_dir: str | os.PathLike[str] | None = None,
 ) -> None:
-    """``Store.export``: a stored snapshot, restored, written as one file."""
+    """``Store.export``: a stored snapshot, restored, written as one file.  An mlx-lm
+    file claims ``model`` (mlx-lm loads it when not told another): the session is
+    checked against the files of ``model_dir``, or of ``model`` when it is a folder."""
     from ..format.tokens import unpack_tokens
     from ..store.rows import entry_info
     from .loading import load_snapshot
@@ -348,8 +366,15 @@ def export_row(
     meta = entry_info(row).metadata
     identity = saved_identity(row)
     if format == "mlx-lm":
-        if model is not None and Path(model).is_dir():  # the file will claim this model
-            _same_model(identity, ModelIdentity.from_path(model), model)
+        if model is not None:  # the file will claim this model: it must be the session's
+            folder = model_dir if model_dir is not None else model
+            if not Path(folder).is_dir():
+                raise ModelNotFoundError(
+                    f"model {model}: not a folder, so the session cannot be checked against "
+                    "it; give the folder that holds it (model_dir=, or persist export "
+                    "--model, which finds a repo id in the Hugging Face cache)"
+                )
+            _same_model(identity, ModelIdentity.from_path(folder), model)
         meta = mlx_lm_metadata(meta, model or identity.name)
     write_file(path, cache, unpack_tokens(row.tokens), identity, meta, format)
 

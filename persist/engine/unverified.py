@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
+
 from ..format.tokens import unpack_tokens
 from ..store import writes
 
@@ -17,13 +19,23 @@ def inherits_unverified(db: Any, namespace: str, name: str, toks: list[int]) -> 
     """A session continued from unverified tokens stays unverified, and so does a
     checkpoint it owns: their tokens still begin with what nothing checked.
 
-    Unverified is a floor above the snapshot's length (``min_resume`` =
-    n_tokens + 1): the resume policy then lets no lookup take any prefix of it,
-    here, in the shared tier's lookups and on every machine its record reaches,
-    while a restore by name never consults the floor."""
+    An unverified row has a floor above its length (``min_resume`` = n_tokens +
+    1): the resume policy then lets no lookup take any prefix of it, here, in
+    the shared tier's lookups and on every machine its record reaches, while a
+    restore by name never consults the floor.  The mark is its metadata, not
+    that floor: a quantized snapshot of ``quantized_kv_start`` tokens has a
+    floor above its length too (``policy.quantized_floor``) and is verified."""
     for old in writes.session_rows(db, namespace, name):
-        if old.name is not None and old.min_resume > old.n_tokens:
+        if old.name is not None and _marked(old.metadata):
             old_toks = unpack_tokens(old.tokens)
             if toks[: len(old_toks)] == old_toks:
                 return True
     return False
+
+
+def _marked(metadata: bytes) -> bool:
+    try:
+        meta = msgpack.unpackb(metadata, raw=False)
+    except Exception:  # an undecodable row (bit rot): check --fix's to repair
+        return False
+    return isinstance(meta, dict) and meta.get(UNVERIFIED_KEY) == "true"
