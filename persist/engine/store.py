@@ -32,6 +32,7 @@ from ..store.index import Index, SnapshotRow
 from ..store.rows import check_name, listed_info, store_root
 from ..store.schema import connect
 from ..store.types import EntryInfo, Restored
+from ..store.upkeep import remembered_budget
 from .costs import CostModel
 from .upkeep import StoreUpkeep
 
@@ -100,6 +101,8 @@ class Store(StoreUpkeep):
         except OSError as e:  # permissions, a missing folder, a file where a folder goes
             raise StorageError(f"cannot open the store at {self.root}", e) from e
         self._index: Index | None = Index(db)
+        if max_bytes is None:  # a budget remembered for this store binds every opener
+            self.budgets = retention.Budgets(remembered_budget(self._index), namespace_max_bytes)
         self.costs = CostModel(self._index)  # restore or recompute, from measured rates
         self.shared: Shared | None = None  # a Redis-protocol server every machine shares
         self.cold: Shared | None = None  # S3, for named sessions

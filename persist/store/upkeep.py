@@ -26,6 +26,7 @@ __all__ = [
     "set_setting",
     "default_budget",
     "budget",
+    "remembered_budget",
     "files_bytes",
     "vacuum",
 ]
@@ -65,6 +66,13 @@ def default_budget(root: Path) -> int:
     while not where.exists() and where != where.parent:
         where = where.parent
     return min(shutil.disk_usage(where).total // DISK_SHARE, DEFAULT_CAP)
+
+
+def remembered_budget(index: Index) -> int | None:
+    """The budget ``persist config set max-bytes`` remembered, None if none or "none"
+    (a library ``Store(root)`` then has no budget; the CLI's default is ``budget``)."""
+    value = get_setting(index, "max-bytes")
+    return None if value is None or value == NO_BUDGET else int(value)
 
 
 def budget(index: Index | None, root: Path) -> tuple[int | None, str]:

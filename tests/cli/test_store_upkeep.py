@@ -118,3 +118,24 @@ def test_persist_home_holds_the_demo_model_and_the_identity_memo(
     assert weights_memo.memo_dir() == tmp_path / "home" / "identity"
     made = demo.demo_model_dir()
     assert made.parent == tmp_path / "home" and (made / "config.json").exists()
+
+
+def test_a_library_store_keeps_the_remembered_budget(tmp_path: Path) -> None:
+    """`persist config set max-bytes` is the store's: a server opening it with
+    persist.Store(root) (no max_bytes) is held to it too; an explicit max_bytes wins,
+    and a store with nothing remembered has no budget in the library, as documented."""
+    root = tmp_path / "s"
+    store_with(root, "a")
+    with persist.Store(root) as s:
+        assert s.budgets.max_bytes is None  # nothing remembered: the library's default
+        one = s.stats().unique_bytes
+    run("config", "set", "max-bytes", str(one + one // 2), "--store", str(root))
+    store_with(root, "b", "c")  # a library store: each save evicts down to the budget
+    with persist.Store(root) as s:
+        assert s.budgets.max_bytes == one + one // 2
+        assert len(s.sessions()) == 1
+    with persist.Store(root, max_bytes=1 << 40) as s:
+        assert s.budgets.max_bytes == 1 << 40
+    run("config", "set", "max-bytes", "none", "--store", str(root))
+    with persist.Store(root) as s:
+        assert s.budgets.max_bytes is None
