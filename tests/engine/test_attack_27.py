@@ -1,0 +1,321 @@
+"""Attacks on the host-RAM tier (``Store(root, host_cache=N)``), issue 27 item 3."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import persist
+from tests.engine.test_host_store import durable, ident, scribble_all
+from tests.helpers import (
+    NEXT,
+    assert_same_state,
+    continue_run,
+    kv_quantized,
+    live_state,
+    prefill,
+    raw,
+    tokens_for,
+)
+
+GIB = 1 << 30
+
+
+def same_continuation(model: Any, got: list[Any], want: list[Any]) -> None:
+    a_logits, a = continue_run(model, got, NEXT, n_greedy=3)
+    b_logits, b = continue_run(model, want, NEXT, n_greedy=3)
+    assert a == b
+    assert all(raw(x) == raw(y) for x, y in zip(a_logits, b_logits, strict=True))
+
+
+# trimmable families: (variant, saved length, prefix asked); rings and chunks before they wrap
+TRIMMABLE = [("llama", 100, 60), ("gemma3", 30, 20), ("llama4", 30, 20)]
+
+
+@pytest.mark.parametrize(("variant", "n", "k"), TRIMMABLE)
+def test_a_trimmed_hit_continued_in_place_leaves_the_entry(
+    tiny: Any, tmp_path: Path, variant: str, n: int, k: int
+) -> None:
+    model, identity = ident(tiny, variant)
+    toks = tokens_for(n, seed=21)
+    cache, _ = prefill(model, toks)
+    saved = live_state(cache)
+    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
+        store.save(cache, toks, identity=identity)
+        short = store.lookup([*toks[:k], 250, 251], identity=identity)
+        assert short is not None and short.source == "host" and short.tokens == toks[:k]
+        fresh, _ = prefill(model, toks[:k])
+        assert_same_state(live_state(short.cache), live_state(fresh))
+        # continuing the short hit writes into its room past k: the kept n must not see it
+        same_continuation(model, short.cache, fresh)
+        full = store.lookup([*toks, 1], identity=identity)
+        assert full is not None and full.source == "host" and full.tokens == toks
+        assert_same_state(live_state(full.cache), saved)
+        whole, _ = prefill(model, toks)
+        same_continuation(model, full.cache, whole)
+
+
+UNTRIMMABLE = [
+    ("mamba2", 40),
+    ("qwen3_next", 40),
+    ("falcon_h1", 40),
+    ("gemma3", 50),
+    ("deepseek_v4_noindex", 40),
+]
+
+
+@pytest.mark.parametrize(("variant", "n"), UNTRIMMABLE)
+def test_untrimmable_serve_only_their_own_length(
+    tiny: Any, tmp_path: Path, variant: str, n: int
+) -> None:
+    model, identity = ident(tiny, variant)
+    toks = tokens_for(n, seed=22)
+    cache, _ = prefill(model, toks)
+    root = tmp_path / "s"
+    with persist.Store(root, host_cache=GIB) as store:
+        store.save(cache, toks, identity=identity)
+        assert store.lookup([*toks[: n - 5], 9], identity=identity) is None
+        assert store.lookup(toks[: n - 1], identity=identity) is None
+        hit = store.lookup([*toks, 9], identity=identity)
+        assert hit is not None and hit.source == "host"
+        want = durable(root, [*toks, 9], identity)
+        assert want is not None
+        assert_same_state(live_state(hit.cache), live_state(want.cache))
+        fresh, _ = prefill(model, toks)
+        same_continuation(model, hit.cache, fresh)
+
+
+@pytest.mark.parametrize("variant", ["mamba2", "falcon_h1", "gemma3", "llama4", "deepseek_v4"])
+def test_no_alias_for_every_family(tiny: Any, tmp_path: Path, variant: str) -> None:
+    model, identity = ident(tiny, variant)
+    toks = tokens_for(40, seed=23)
+    cache, _ = prefill(model, toks)
+    saved = live_state(cache)
+    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
+        store.save(cache, toks, identity=identity)
+        scribble_all(cache)
+        continue_run(model, cache, NEXT, n_greedy=1)
+        first = store.lookup([*toks, 3], identity=identity)
+        assert first is not None and first.source == "host"
+        assert_same_state(live_state(first.cache), saved)
+        scribble_all(first.cache)
+        second = store.lookup([*toks, 3], identity=identity)
+        assert second is not None and second.source == "host"
+        assert_same_state(live_state(second.cache), saved)
+        fresh, _ = prefill(model, toks)
+        same_continuation(model, second.cache, fresh)
+
+
+def test_quantized_cache_no_alias_and_trim(tiny: Any, tmp_path: Path) -> None:
+    cfg = {"kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 0}
+    model, identity = ident(tiny, "llama_hd64", **cfg)
+    toks = tokens_for(120, seed=24)
+    cache = kv_quantized(model, toks, 0)
+    saved = live_state(cache)
+    root = tmp_path / "s"
+    with persist.Store(root, host_cache=GIB) as store:
+        store.save(cache, toks, identity=identity)
+        scribble_all(cache)
+        hit = store.lookup([*toks, 3], identity=identity)
+        assert hit is not None and hit.source == "host"
+        assert_same_state(live_state(hit.cache), saved)
+        short = store.lookup([*toks[:70], 3], identity=identity)
+        want = durable(root, [*toks[:70], 3], identity)
+        assert (short is None) == (want is None)
+        if short is not None and want is not None:
+            assert short.source == "host" and short.tokens == want.tokens
+            assert_same_state(live_state(short.cache), live_state(want.cache))
+            continue_run(model, short.cache, NEXT, n_greedy=2)
+        again = store.lookup([*toks, 3], identity=identity)
+        assert again is not None
+        assert_same_state(live_state(again.cache), saved)
+        # another kv_bits option never gets it
+        _, plain = ident(tiny, "llama_hd64")
+        assert store.lookup([*toks, 3], identity=plain) is None
+
+
+def test_max_kv_size_is_an_identity_option(tiny: Any, tmp_path: Path) -> None:
+    model, tok, _ = tiny("llama")
+    ring = persist.ModelIdentity.of(model, tok, max_kv_size=64)
+    plain = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(40, seed=25)
+    cache, _ = prefill(model, toks, cache=make_prompt_cache(model, max_kv_size=64))
+    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
+        store.save(cache, toks, identity=ring)
+        assert store.lookup([*toks, 1], identity=plain) is None
+        hit = store.lookup([*toks[:30], 1], identity=ring)
+        assert hit is not None and hit.source == "host"
+        fresh, _ = prefill(model, toks[:30], cache=make_prompt_cache(model, max_kv_size=64))
+        assert_same_state(live_state(hit.cache), live_state(fresh))
+        same_continuation(model, hit.cache, fresh)
+
+
+def size_of(tiny: Any, tmp_path: Path) -> tuple[Any, Any, list[int], list[Any], int]:
+    model, identity = ident(tiny, "llama")
+    toks = tokens_for(50, seed=26)
+    cache, _ = prefill(model, toks)
+    with persist.Store(tmp_path / "probe", host_cache=GIB) as probe:
+        probe.save(cache, toks, identity=identity)
+        size = probe.stats().host_cache["bytes"]  # type: ignore[index]
+    return model, identity, toks, cache, size
+
+
+@pytest.mark.parametrize("delta", [0, -1, 1])
+def test_budget_edges(tiny: Any, tmp_path: Path, delta: int) -> None:
+    _, identity, toks, cache, size = size_of(tiny, tmp_path)
+    with persist.Store(tmp_path / "s", host_cache=size + delta) as store:
+        store.save(cache, toks, identity=identity)
+        host = store.stats().host_cache
+        assert host is not None and host["budget_bytes"] == size + delta
+        assert host["bytes"] <= host["budget_bytes"]
+        hit = store.lookup([*toks, 1], identity=identity)
+        assert hit is not None
+        assert hit.source == ("local" if delta < 0 else "host")
+        assert host["entries"] == (0 if delta < 0 else 1)
+
+
+def test_tiny_and_huge_budgets(tiny: Any, tmp_path: Path) -> None:
+    _, identity, toks, cache, _ = size_of(tiny, tmp_path)
+    for budget in (1, 1 << 62):
+        with persist.Store(tmp_path / f"s{budget}", host_cache=budget) as store:
+            store.save(cache, toks, identity=identity)
+            hit = store.lookup([*toks, 1], identity=identity)
+            assert hit is not None and hit.source == ("local" if budget == 1 else "host")
+            host = store.stats().host_cache
+            assert host is not None and host["bytes"] <= budget
+
+
+def test_close_then_use_is_typed(tiny: Any, tmp_path: Path) -> None:
+    _, identity, toks, cache, _ = size_of(tiny, tmp_path)
+    store = persist.Store(tmp_path / "s", host_cache=GIB)
+    store.save(cache, toks, identity=identity)
+    store.close()
+    with pytest.raises(persist.PersistError):
+        store.lookup([*toks, 1], identity=identity)
+    with pytest.raises(persist.PersistError):
+        store.save(cache, toks, identity=identity)
+
+
+def test_threads_save_and_look_up_in_one_store(tiny: Any, tmp_path: Path) -> None:
+    model, identity = ident(tiny, "llama")
+    prompts = [tokens_for(40 + 7 * i, seed=30 + i) for i in range(6)]
+    caches = [prefill(model, p)[0] for p in prompts]
+    states = [live_state(c) for c in caches]
+    errors: list[BaseException] = []
+    got: list[tuple[int, Any]] = []
+    lock = threading.Lock()
+    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
+
+        def work(i: int) -> None:
+            try:
+                for _ in range(3):
+                    store.save(caches[i], prompts[i], identity=identity)
+                    for j in range(len(prompts)):
+                        hit = store.lookup([*prompts[j], 1], identity=identity)
+                        if hit is not None:
+                            with lock:
+                                got.append((j, hit))
+            except BaseException as e:
+                errors.append(e)
+
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errors, errors
+        for j, hit in got:
+            assert hit.tokens == prompts[j]
+            assert_same_state(live_state(hit.cache), states[j])
+        host = store.stats().host_cache
+        assert host is not None and host["entries"] == len(prompts)
+        assert host["hits"] == sum(1 for _, h in got if h.source == "host")
+
+
+FAMILIES = [
+    ("llama", 90),
+    ("gemma3", 30),
+    ("gemma3", 45),
+    ("llama4", 30),
+    ("llama4", 45),
+    ("qwen3_next", 40),
+    ("mamba2", 40),
+    ("falcon_h1", 40),
+    ("deepseek_v4_noindex", 40),
+]
+
+
+@pytest.mark.parametrize(("variant", "n"), FAMILIES)
+def test_every_prefix_the_host_serves_is_the_durable_one(
+    tiny: Any, tmp_path: Path, variant: str, n: int
+) -> None:
+    model, identity = ident(tiny, variant)
+    toks = tokens_for(n, seed=27)
+    cache, _ = prefill(model, toks)
+    root = tmp_path / "s"
+    with persist.Store(root, host_cache=GIB) as store:
+        store.save(cache, toks, identity=identity)
+        for k in sorted({n, n - 1, n - 2, (3 * n) // 4, n // 2 + 1, n // 2, 5}):
+            prompt = [*toks[:k], 255, 254]
+            hit = store.lookup(prompt, identity=identity)
+            want = durable(root, prompt, identity)
+            assert (hit is None) == (want is None), k
+            if hit is None or want is None:
+                continue
+            assert hit.source == "host" and hit.tokens == want.tokens == toks[:k], k
+            assert_same_state(live_state(hit.cache), live_state(want.cache))
+            fresh, _ = prefill(model, toks[:k])
+            same_continuation(model, hit.cache, fresh)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Store.lookup asks the host tier through peek, which counts nothing: "
+    "stats().host_cache['misses'] stays 0 however many lookups the tier could not answer",
+)
+def test_host_misses_are_counted(tiny: Any, tmp_path: Path) -> None:
+    _, identity, toks, cache, _ = size_of(tiny, tmp_path)
+    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
+        store.save(cache, toks, identity=identity)
+        assert store.lookup(tokens_for(40, seed=99), identity=identity) is None
+        assert store.stats().counters["misses"] == 1  # the store counted it
+        host = store.stats().host_cache
+        assert host is not None and host["hits"] == 0
+        assert host["misses"] == 1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a host copy declined for max_cost is followed by a (slower) disk read of "
+    "the same entry, which the unmeasured local tier then serves",
+)
+def test_a_host_copy_declined_for_cost_is_not_read_from_disk(tiny: Any, tmp_path: Path) -> None:
+    _, identity, toks, cache, _ = size_of(tiny, tmp_path)
+    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
+        store.save(cache, toks, identity=identity)
+        assert store.lookup([*toks, 1], identity=identity) is not None  # host measured
+        declined = store.lookup([*toks, 1], identity=identity, max_cost=0.0)
+        assert declined is None, (declined.source, store.costs.last)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a continuation of an unverified (purely recurrent) session saved under "
+    "another session name is kept and served by lookup (host tier and store alike), "
+    "though the README says no later save that continues it serves a lookup",
+)
+def test_an_unverified_session_continued_elsewhere_never_serves(tiny: Any, tmp_path: Path) -> None:
+    model, identity = ident(tiny, "mamba2")
+    toks = tokens_for(40, seed=40)
+    cache, _ = prefill(model, toks)
+    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
+        store.save(cache, toks, identity=identity, session="u", unverified_tokens=True)
+        got = store.restore("u", identity=identity)
+        more, _ = prefill(model, NEXT, cache=got.cache)
+        store.save(more, [*toks, *NEXT], identity=identity, session="v")
+        hit = store.lookup([*toks, *NEXT, 1], identity=identity)
+        assert hit is None, hit.source
