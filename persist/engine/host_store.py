@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..format.tokens import unpack_tokens
 from ..identity import ModelIdentity, backend_kind
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from ..codecs.snapshot import Snapshot
     from ..store.index import SnapshotRow
     from ..store.types import EntryInfo
-    from .store import Store
 
 __all__ = ["owner", "keep_saved", "held", "served", "from_host", "HOST"]
 
@@ -114,8 +113,26 @@ def served(
     return hit
 
 
+class StoreView(Protocol):
+    """What ``from_host`` reads of a Store (a protocol: ``engine.store`` imports this
+    module, so this one names no Store)."""
+
+    @property
+    def host(self) -> HostTier | None: ...
+    @property
+    def index(self) -> Any: ...
+    @property
+    def costs(self) -> CostModel: ...
+    @property
+    def blobs(self) -> Any: ...
+    @property
+    def block_tokens(self) -> int: ...
+    @property
+    def strict_backend(self) -> bool: ...
+
+
 def from_host(
-    store: Store,
+    store: StoreView,
     toks: list[int],
     identity: ModelIdentity,
     namespace: str,
