@@ -143,8 +143,10 @@ def _common(kept: Any, toks: Any) -> int:
 class HostTier:
     """Kept caches by (owner, tokens), LRU by bytes under ``max_bytes``.
 
-    ``owner`` is whatever keys a keeper's lookups apart: the model's digest
-    for ``persist serve``; namespace, digest and backend for a Store.
+    ``owner`` is whatever keys a keeper's lookups apart: namespace, model
+    digest and (a strict store's) backend kind, for ``persist serve`` and a
+    Store alike (``host_store.owner``): one tier shared by tenants never
+    serves one's cache to another.
     Thread-safe: a server's generation thread keeps and fetches, /metrics
     reads; a Store's savers and lookups may run in several threads.
     """
