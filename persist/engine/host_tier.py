@@ -255,6 +255,11 @@ class HostTier:
             kept = self._entries[key]
             return use, kept.nbytes * use // len(kept.tokens)
 
+    def missed(self) -> None:
+        """Count a lookup this tier could not answer (a keeper that asked ``peek``)."""
+        with self._lock:
+            self.misses += 1
+
     def fetch(self, owner: str, tokens: Sequence[int], longer_than: int = 0) -> HostHit | None:
         """The best usable kept prefix of ``tokens`` if longer than ``longer_than``, as
         a fresh copy cut to it; its entry becomes most recent.
