@@ -45,6 +45,7 @@ from ..codecs.base import dtype_name, with_capacity
 from ..codecs.snapshot import Snapshot, rebuild
 from ..errors import InvalidArgumentError
 from ..format.tensors import device_copy
+from ..marks import carries_unverified
 from ..records import Record
 
 __all__ = ["HostTier", "HostHit", "default_budget", "HOST"]
@@ -187,6 +188,8 @@ class HostTier:
         dropped, unless ``sticky`` (checkpoints, as the durable store keeps)."""
         if not tokens:
             return False
+        if cache.unverified if isinstance(cache, Snapshot) else carries_unverified(cache):
+            return False  # continues unverified tokens (persist.marks): serves no lookup
         if isinstance(cache, Snapshot):
             records, facts = list(cache.records), cache.facts
         else:

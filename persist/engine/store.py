@@ -34,6 +34,7 @@ from ..store.schema import connect
 from ..store.types import EntryInfo, Restored
 from ..store.upkeep import remembered_budget
 from .costs import CostModel
+from .unverified import inherit_mark
 from .upkeep import StoreUpkeep
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
@@ -182,6 +183,7 @@ class Store(StoreUpkeep):
         from .saving import save_snapshot
 
         check_name(target.namespace, "namespace")
+        target = inherit_mark(cache, target)  # a continuation of unverified tokens
         for name in (target.name, target.owner):
             if name is not None:
                 check_name(name, "session")
@@ -271,7 +273,8 @@ class Store(StoreUpkeep):
             from .host_store import held, owner
 
             who = owner(namespace, identity, strict)
-            ram, kept = held(self.host, costs, identity, namespace, who, toks, longer_than, max_cost)
+            h = self.host
+            ram, kept = held(h, costs, identity, namespace, who, toks, longer_than, max_cost)
         have = max(kept, longer_than)  # what a pull or a read must beat (a declined copy too)
         if kept < len(toks) - 1:  # nothing beats a hit of every token but the last
             for tier in self.tiers:  # the fleet's deepest snapshot, if it beats what is here

@@ -292,12 +292,6 @@ def test_a_host_copy_declined_for_cost_is_not_read_from_disk(tiny: Any, tmp_path
         assert declined is None, (declined.source, store.costs.last)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a continuation of an unverified (purely recurrent) session saved under "
-    "another session name is kept and served by lookup (host tier and store alike), "
-    "though the README says no later save that continues it serves a lookup",
-)
 def test_an_unverified_session_continued_elsewhere_never_serves(tiny: Any, tmp_path: Path) -> None:
     model, identity = ident(tiny, "mamba2")
     toks = tokens_for(40, seed=40)
