@@ -26,15 +26,17 @@ ALLOWED: dict[str, set[str]] = {
     "records": {"errors"},
     "policy": BASE,
     "kinds": BASE,
+    # which cache objects came from an unverified session (no mlx): codecs and engine ask
+    "marks": set(),
     "weights_memo": set(),
     # weights hashed as the format stores them; the memo only for models persist loaded
     "provenance": BASE | {"format", "weights_memo"},
     "identity": BASE | {"provenance"},
     "caches": BASE,
     "format": BASE,
-    "codecs": BASE | {"format", "policy", "kinds", "caches"},
+    "codecs": BASE | {"format", "policy", "kinds", "caches", "marks"},
     "store": BASE | {"format", "policy"},
-    "engine": BASE | {"format", "policy", "kinds", "identity", "codecs", "store"},
+    "engine": BASE | {"format", "policy", "kinds", "identity", "codecs", "store", "marks"},
     "apps": BASE
     | {
         "format",
@@ -52,7 +54,15 @@ ALLOWED: dict[str, set[str]] = {
     # re-exports by name (PEP 562); its TYPE_CHECKING block names every layer
     "__init__": BASE | {"policy", "kinds", "identity", "codecs", "store", "engine", "apps"},
 }
-NEVER_MLX = {"errors", "records", "policy", "kinds", "store", "weights_memo"}  # numpy neither
+NEVER_MLX = {
+    "errors",
+    "records",
+    "policy",
+    "kinds",
+    "store",
+    "weights_memo",
+    "marks",
+}  # numpy neither
 
 
 def module_name(path: Path) -> str:

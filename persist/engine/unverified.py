@@ -4,7 +4,7 @@ purely recurrent cache records no offset), and everything continued from it."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar, cast
 
 import msgpack
 
@@ -12,9 +12,6 @@ from ..errors import InvalidArgumentError
 from ..format.tokens import unpack_tokens
 from ..marks import carries_unverified
 from ..store import writes
-
-if TYPE_CHECKING:
-    from .saving import Target
 
 __all__ = ["UNVERIFIED_KEY", "inherits_unverified", "inherit_mark", "marked"]
 
@@ -48,7 +45,21 @@ def marked(metadata: bytes) -> bool:
     return isinstance(meta, dict) and meta.get(UNVERIFIED_KEY) == "true"
 
 
-def inherit_mark(cache: Any, target: Target) -> Target:
+class _Target(Protocol):
+    """What ``inherit_mark`` reads of ``saving.Target`` (which imports this module)."""
+
+    @property
+    def unverified(self) -> bool: ...
+    @property
+    def name(self) -> str | None: ...
+    @property
+    def owner(self) -> str | None: ...
+
+
+T = TypeVar("T", bound=_Target)
+
+
+def inherit_mark(cache: Any, target: T) -> T:
     """``target``, unverified if ``cache`` continues a restored unverified session
     (``persist.marks``: ``Store.restore`` marks what it hands out) whatever name
     it is saved under; a save no session owns is refused, as an explicit one is."""
@@ -61,4 +72,4 @@ def inherit_mark(cache: Any, target: Target) -> Target:
         raise InvalidArgumentError(
             "this cache continues a session of unverified tokens: save it under a session name"
         )
-    return dataclasses.replace(target, unverified=True)
+    return cast(T, dataclasses.replace(cast(Any, target), unverified=True))
