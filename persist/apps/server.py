@@ -23,7 +23,7 @@ from typing import Any
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..codecs.snapshot import Snapshot, capture
-from ..engine.host_store import served
+from ..engine.host_store import owner, served
 from ..engine.host_tier import EvictionWatch, HostTier, default_budget
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
@@ -143,7 +143,8 @@ class PersistentPromptCache(LRUPromptCache):
         if self.host is None:
             return None
         try:
-            return served(self.host, self.store.costs, identity, identity.digest, tokens, have)
+            who = self._owner(identity)
+            return served(self.host, self.store.costs, identity, who, tokens, have)
         except Exception as e:  # the tier must never take the server down
             log.warning("persist: host cache lookup failed: %s", e)
             return None
@@ -151,7 +152,12 @@ class PersistentPromptCache(LRUPromptCache):
     def _evicted(self, model: Any, tokens: list[int], cache: list[Any]) -> None:
         identity = self.identity_for(model)
         if self.host is not None and identity is not None:
-            self.host.keep(identity.digest, tokens, cache)
+            self.host.keep(self._owner(identity), tokens, cache)
+
+    def _owner(self, identity: ModelIdentity) -> str:
+        """The host tier's key for this cache's entries, as a Store keys its own: a
+        HostTier shared by tenants (namespaces) or backends never crosses them."""
+        return owner(self.namespace, identity, self.store.strict_backend)
 
     def insert_cache(
         self,

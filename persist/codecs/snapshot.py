@@ -27,6 +27,7 @@ from ..format.manifest import tensor_keys
 from ..format.tensors import device_copy, on_cuda
 from ..format.tokens import check_tokens
 from ..kinds import is_batched, kind_of
+from ..marks import carries_unverified
 from ..records import Record, ResumeFacts
 from . import check_spec, decode_record, encode_cache, facts_of
 from .base import dtype_name
@@ -50,6 +51,8 @@ class Snapshot:
     tokens: list[int] | None
     # tensor key ("3/keys") -> its bytes as a zero-copy numpy view (host_bytes)
     host: dict[str, Any] = field(default_factory=dict)
+    # captured from a cache that continues unverified tokens (``persist.marks``)
+    unverified: bool = False
 
     @property
     def offset(self) -> int | None:
@@ -101,7 +104,8 @@ def capture(cache: Any, tokens: Sequence[int] | None = None) -> Snapshot:
         # H200): the host reads a device copy, freed after the save.
         twins = {k: device_copy(t) for k, t in twins.items()}
     mx.eval([*tensors.values(), *twins.values()])
-    return Snapshot(records, facts, toks, {k: host_bytes(t) for k, t in twins.items()})
+    host = {k: host_bytes(t) for k, t in twins.items()}
+    return Snapshot(records, facts, toks, host, carries_unverified(layers))
 
 
 def host_bytes(a: Any) -> Any:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..format.tokens import unpack_tokens
 from ..identity import ModelIdentity, backend_kind
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from ..codecs.snapshot import Snapshot
     from ..store.index import SnapshotRow
     from ..store.types import EntryInfo
-    from .store import Store
 
 __all__ = ["owner", "keep_saved", "held", "served", "from_host", "HOST"]
 
@@ -84,18 +83,23 @@ def held(
     toks: list[int],
     longer_than: int,
     max_cost: float | None,
-) -> int:
-    """Tokens the host tier would serve (0: none, or declined by the cost model).
+) -> tuple[int, int]:
+    """(tokens the host tier would serve, tokens it holds): (0, 0) for none; (0, n)
+    when the cost model declines its copy of n tokens.
 
     As the durable lookup: no hit shorter than HEAD_TOKENS, none of at most
-    ``longer_than`` tokens, none predicted slower than a prefill (or ``max_cost``)."""
+    ``longer_than`` tokens (a host miss, counted), none predicted slower than a
+    prefill (or ``max_cost``).  A declined copy still bounds the durable read:
+    the same entry from disk costs more than from RAM, so only a longer hit
+    may be read (each hit faces its own decision)."""
     if host is None:
-        return 0
+        return 0, 0
     n, nbytes = host.peek(who, toks)
     if n < HEAD_TOKENS or n <= longer_than:
-        return 0
+        host.missed()
+        return 0, 0
     d = costs.decide(identity, namespace, [(HOST, nbytes)], n, max_cost)
-    return n if d.restore else 0
+    return (n if d.restore else 0), n
 
 
 def served(
@@ -114,8 +118,26 @@ def served(
     return hit
 
 
+class StoreView(Protocol):
+    """What ``from_host`` reads of a Store (a protocol: ``engine.store`` imports this
+    module, so this one names no Store)."""
+
+    @property
+    def host(self) -> HostTier | None: ...
+    @property
+    def index(self) -> Any: ...
+    @property
+    def costs(self) -> CostModel: ...
+    @property
+    def blobs(self) -> Any: ...
+    @property
+    def block_tokens(self) -> int: ...
+    @property
+    def strict_backend(self) -> bool: ...
+
+
 def from_host(
-    store: Store,
+    store: StoreView,
     toks: list[int],
     identity: ModelIdentity,
     namespace: str,

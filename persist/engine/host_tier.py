@@ -45,6 +45,7 @@ from ..codecs.base import dtype_name, with_capacity
 from ..codecs.snapshot import Snapshot, rebuild
 from ..errors import InvalidArgumentError
 from ..format.tensors import device_copy
+from ..marks import carries_unverified
 from ..records import Record
 
 __all__ = ["HostTier", "HostHit", "default_budget", "HOST"]
@@ -143,8 +144,10 @@ def _common(kept: Any, toks: Any) -> int:
 class HostTier:
     """Kept caches by (owner, tokens), LRU by bytes under ``max_bytes``.
 
-    ``owner`` is whatever keys a keeper's lookups apart: the model's digest
-    for ``persist serve``; namespace, digest and backend for a Store.
+    ``owner`` is whatever keys a keeper's lookups apart: namespace, model
+    digest and (a strict store's) backend kind, for ``persist serve`` and a
+    Store alike (``host_store.owner``): one tier shared by tenants never
+    serves one's cache to another.
     Thread-safe: a server's generation thread keeps and fetches, /metrics
     reads; a Store's savers and lookups may run in several threads.
     """
@@ -185,6 +188,8 @@ class HostTier:
         dropped, unless ``sticky`` (checkpoints, as the durable store keeps)."""
         if not tokens:
             return False
+        if cache.unverified if isinstance(cache, Snapshot) else carries_unverified(cache):
+            return False  # continues unverified tokens (persist.marks): serves no lookup
         if isinstance(cache, Snapshot):
             records, facts = list(cache.records), cache.facts
         else:
@@ -252,6 +257,11 @@ class HostTier:
             key, use = found
             kept = self._entries[key]
             return use, kept.nbytes * use // len(kept.tokens)
+
+    def missed(self) -> None:
+        """Count a lookup this tier could not answer (a keeper that asked ``peek``)."""
+        with self._lock:
+            self.misses += 1
 
     def fetch(self, owner: str, tokens: Sequence[int], longer_than: int = 0) -> HostHit | None:
         """The best usable kept prefix of ``tokens`` if longer than ``longer_than``, as

@@ -15,12 +15,14 @@ import msgpack
 
 from ..errors import CorruptBlobError, IdentityMismatchError, SessionNotFoundError
 from ..identity import ModelIdentity, backend_kind
+from ..marks import mark_unverified
 from ..records import Progress
 from ..store import lookup as lookup_queries
 from ..store.chains import chain_root, chains
 from ..store.full import best_effort
 from .costs import LOCAL, CostModel, hit_bytes
 from .loading import load_snapshot
+from .unverified import marked
 
 if TYPE_CHECKING:
     from ..store.blobs import BlobStore
@@ -77,6 +79,8 @@ def restore_named(
             last_id = row.id
     else:
         raise CorruptBlobError(f"session {session!r}", "kept changing while it was read")
+    if marked(row.metadata):  # what continues it stays unverified, under any name
+        mark_unverified(cache)
     # statistics: a full disk drops them, never the restore (store.full)
     best_effort(index.touch, row.id)
     best_effort(index.count, namespace, restores=1, restored_tokens=row.n_tokens)

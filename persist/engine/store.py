@@ -34,6 +34,7 @@ from ..store.schema import connect
 from ..store.types import EntryInfo, Restored
 from ..store.upkeep import remembered_budget
 from .costs import CostModel
+from .unverified import inherit_mark
 from .upkeep import StoreUpkeep
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
@@ -182,6 +183,7 @@ class Store(StoreUpkeep):
         from .saving import save_snapshot
 
         check_name(target.namespace, "namespace")
+        target = inherit_mark(cache, target)  # a continuation of unverified tokens
         for name in (target.name, target.owner):
             if name is not None:
                 check_name(name, "session")
@@ -266,19 +268,20 @@ class Store(StoreUpkeep):
         check_name(namespace, "namespace")
         i, b, strict, costs = self.index, self.block_tokens, self.strict_backend, self.costs
         costs.begin(max_cost)  # checks max_cost; forgets the previous decision
-        who, ram = "", 0
+        who, ram, kept = "", 0, 0
         if self.host is not None:
             from .host_store import held, owner
 
             who = owner(namespace, identity, strict)
-            ram = held(self.host, costs, identity, namespace, who, toks, longer_than, max_cost)
-        have = max(ram, longer_than)  # what a pull or a read must beat
-        if ram < len(toks) - 1:  # nothing beats a hit of every token but the last
+            h = self.host
+            ram, kept = held(h, costs, identity, namespace, who, toks, longer_than, max_cost)
+        have = max(kept, longer_than)  # what a pull or a read must beat (a declined copy too)
+        if kept < len(toks) - 1:  # nothing beats a hit of every token but the last
             for tier in self.tiers:  # the fleet's deepest snapshot, if it beats what is here
                 tier.pull_prefix(i, self.blobs, toks, identity, namespace, b, costs, max_cost, have)
             found = lookup_prefix(
                 i, self.blobs, toks, identity, namespace, b, have, strict, costs, max_cost,
-                count_miss=not ram,
+                count_miss=not kept,  # a declined copy was counted as cost_recomputed
             )  # fmt: skip
             if found is not None:
                 cache, row, prefix = found

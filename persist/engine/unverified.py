@@ -3,14 +3,20 @@ purely recurrent cache records no offset), and everything continued from it."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from ..errors import InvalidArgumentError
 from ..format.tokens import unpack_tokens
+from ..marks import carries_unverified
 from ..store import writes
 
-__all__ = ["UNVERIFIED_KEY", "inherits_unverified"]
+if TYPE_CHECKING:
+    from .saving import Target
+
+__all__ = ["UNVERIFIED_KEY", "inherits_unverified", "inherit_mark", "marked"]
 
 UNVERIFIED_KEY = "persist.unverified_tokens"  # session metadata: the session is unverified
 
@@ -26,16 +32,33 @@ def inherits_unverified(db: Any, namespace: str, name: str, toks: list[int]) -> 
     that floor: a quantized snapshot of ``quantized_kv_start`` tokens has a
     floor above its length too (``policy.quantized_floor``) and is verified."""
     for old in writes.session_rows(db, namespace, name):
-        if old.name is not None and _marked(old.metadata):
+        if old.name is not None and marked(old.metadata):
             old_toks = unpack_tokens(old.tokens)
             if toks[: len(old_toks)] == old_toks:
                 return True
     return False
 
 
-def _marked(metadata: bytes) -> bool:
+def marked(metadata: bytes) -> bool:
+    """Whether a row's metadata marks it unverified."""
     try:
         meta = msgpack.unpackb(metadata, raw=False)
     except Exception:  # an undecodable row (bit rot): check --fix's to repair
         return False
     return isinstance(meta, dict) and meta.get(UNVERIFIED_KEY) == "true"
+
+
+def inherit_mark(cache: Any, target: Target) -> Target:
+    """``target``, unverified if ``cache`` continues a restored unverified session
+    (``persist.marks``: ``Store.restore`` marks what it hands out) whatever name
+    it is saved under; a save no session owns is refused, as an explicit one is."""
+    from ..codecs.snapshot import Snapshot
+
+    marked = cache.unverified if isinstance(cache, Snapshot) else carries_unverified(cache)
+    if not marked or target.unverified:
+        return target
+    if target.name is None and target.owner is None:
+        raise InvalidArgumentError(
+            "this cache continues a session of unverified tokens: save it under a session name"
+        )
+    return dataclasses.replace(target, unverified=True)

@@ -114,7 +114,9 @@ def test_a_purely_recurrent_file_needs_unverified_tokens_and_serves_only_its_nam
         store.save(got.cache, more, identity=ident, session="mamba2")
         assert store.lookup([*more, 5], identity=ident) is None
         assert store.restore("mamba2", identity=ident).tokens == more
-        store.save(got.cache, more, identity=ident, session="other")  # checked: verified
+        store.save(got.cache, more, identity=ident, session="other")  # marked: unverified
+        assert store.lookup([*more, 5], identity=ident) is None
+        store.save(prefill(model, more)[0], more, identity=ident, session="checked")
         assert store.lookup([*more, 5], identity=ident) is not None
 
 

@@ -31,7 +31,9 @@ def test_an_unverified_session_exported_and_imported_elsewhere_stays_unverified(
             assert b.lookup(prompt, identity=ident) is None
         got = b.restore("m", identity=ident)  # its own name still restores it
         assert_same_state(live_state(got.cache), live_state(cache))
-        b.save(got.cache, toks, identity=ident, session="checked")  # the test can fail
+        # the restored cache carries the mark (persist.marks): a caller's own cache
+        # of those tokens, saved elsewhere, is checked, so the test can fail
+        b.save(prefill(model, toks)[0], toks, identity=ident, session="checked")
         assert b.lookup([*toks, 1], identity=ident) is not None
 
 
@@ -133,7 +135,10 @@ def test_a_checkpoint_of_an_unverified_session_serves_no_lookup(tiny: Any, tmp_p
         more = [*toks, *NEXT, *greedy]
         store.checkpoint(got.cache, more, identity=ident, session="m")
         assert store.lookup([*more, 5], identity=ident) is None
-        store.checkpoint(got.cache, more, identity=ident, session="other")  # checked
+        store.checkpoint(got.cache, more, identity=ident, session="other")  # still marked
+        assert store.lookup([*more, 5], identity=ident) is None
+        fresh, _ = prefill(model, more)  # the caller's own cache of them: checked
+        store.checkpoint(fresh, more, identity=ident, session="other")
         assert store.lookup([*more, 5], identity=ident) is not None
 
 

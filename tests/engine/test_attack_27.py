@@ -272,11 +272,6 @@ def test_every_prefix_the_host_serves_is_the_durable_one(
             same_continuation(model, hit.cache, fresh)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Store.lookup asks the host tier through peek, which counts nothing: "
-    "stats().host_cache['misses'] stays 0 however many lookups the tier could not answer",
-)
 def test_host_misses_are_counted(tiny: Any, tmp_path: Path) -> None:
     _, identity, toks, cache, _ = size_of(tiny, tmp_path)
     with persist.Store(tmp_path / "s", host_cache=GIB) as store:
@@ -288,11 +283,6 @@ def test_host_misses_are_counted(tiny: Any, tmp_path: Path) -> None:
         assert host["misses"] == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a host copy declined for max_cost is followed by a (slower) disk read of "
-    "the same entry, which the unmeasured local tier then serves",
-)
 def test_a_host_copy_declined_for_cost_is_not_read_from_disk(tiny: Any, tmp_path: Path) -> None:
     _, identity, toks, cache, _ = size_of(tiny, tmp_path)
     with persist.Store(tmp_path / "s", host_cache=GIB) as store:
@@ -302,12 +292,6 @@ def test_a_host_copy_declined_for_cost_is_not_read_from_disk(tiny: Any, tmp_path
         assert declined is None, (declined.source, store.costs.last)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a continuation of an unverified (purely recurrent) session saved under "
-    "another session name is kept and served by lookup (host tier and store alike), "
-    "though the README says no later save that continues it serves a lookup",
-)
 def test_an_unverified_session_continued_elsewhere_never_serves(tiny: Any, tmp_path: Path) -> None:
     model, identity = ident(tiny, "mamba2")
     toks = tokens_for(40, seed=40)

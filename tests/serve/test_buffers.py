@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -41,12 +43,14 @@ def test_a_restored_cache_sized_buffer_is_kept_once_asked(mlx_default: int) -> N
     assert mx.set_cache_limit(32 << 20) == mx.get_memory_limit()
 
 
-def test_a_bad_size_is_a_usage_error() -> None:
+def test_a_bad_size_is_a_usage_error(tmp_path: Path) -> None:
+    env = {**os.environ, "PERSIST_HOME": str(tmp_path)}  # never the user's own store
     r = subprocess.run(
         [sys.executable, "-m", "persist", "serve", "--mlx-cache", "lots"],
         capture_output=True,
         text=True,
         timeout=120,
+        env=env,
     )
     assert r.returncode == 2, r.stderr
     assert "'lots' is not a size" in r.stderr

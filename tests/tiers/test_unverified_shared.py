@@ -28,5 +28,5 @@ def test_an_unverified_session_serves_no_lookup_on_another_machine(
         row = b.index.by_name("default", "m")
         assert row is not None and row.min_resume == len(toks) + 1  # the floor travelled
         assert b.lookup([*toks, 1], identity=ident) is None  # held locally now: still none
-        b.save(got.cache, toks, identity=ident, session="checked")  # the same state, checked
+        b.save(cache, toks, identity=ident, session="checked")  # the same state, checked
         assert b.lookup([*toks, 1], identity=ident) is not None  # so the test can fail
