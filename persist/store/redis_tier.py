@@ -9,7 +9,7 @@ a tenant.  Under it:
 - ``blob:<content key>``: a blob file's bytes (and its tag), or ``parts:<n>[:<tag>]``
   and the parts ``blob:<key>:<i>`` of at most 8 MiB; written with SET NX
   (content-addressed) and a TTL unless the snapshot is pinned; a taken key is read
-  once per process (``marks.py``), and a wrong value there is overwritten (plain SET);
+  once per process (``blob_marks.py``), and a wrong value there is overwritten (plain SET);
 - ``rec:<record key>``: a snapshot record (``engine/tier_records.py``);
 - ``sess:<name>``, ``blk:<chain hex>``, ``head:<head key hex>``: pointers to records.
 
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import CorruptBlobError, InvalidArgumentError, PersistError
-from .marks import BlobMarks
+from .blob_marks import BlobMarks
 from .redis_cluster import cluster_client
 from .redis_reads import Reader, blob_matches, fetch_all, read_blob, scan
 

@@ -3,7 +3,7 @@
 Named sessions' records and blobs go here, under ``<prefix>/persist/<tag>/`` with
 the same names as the shared tier's keys (``redis_tier.py``): ``secret``,
 ``blob/<content key>`` (created with If-None-Match; a taken one is read once per
-process and a wrong value there replaced: ``marks.py``), ``rec/<key>``,
+process and a wrong value there replaced: ``blob_marks.py``), ``rec/<key>``,
 ``sess/<name>`` (the name percent-encoded into one segment: ``object_name``).
 A machine with only this tier restores any named session; prefix lookups are
 the shared tier's job (one object per chain would cost a request each), so it
@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ..errors import InvalidArgumentError, PersistError
-from .marks import BlobMarks
+from .blob_marks import BlobMarks
 from .redis_reads import fetch_all
 from .redis_tier import (
     MAX_VALUE,
