@@ -54,7 +54,11 @@ def pull(
         # on a checking thread (fetch_all): the tag's HMAC (hashlib lets go of the
         # GIL), the checks and the local write of one blob while the next arrives
         key = names[name]
-        keys.check(b"blob", tag, where, key.encode(), data)
+        try:
+            keys.check(b"blob", tag, where, key.encode(), data)
+        except BadValue:
+            tier.marks.bad(namespace, name)  # the next push of it reads it and repairs it
+            raise
         return _local(blobs, key, data, facts[key], salt, written)
 
     try:

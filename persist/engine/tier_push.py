@@ -49,7 +49,9 @@ class Shared(Protocol):
     backup: Any
     unreachable: int  # operations the tier was down for
 
-    def push(self, index: Index, blobs: BlobStore, namespace: str, sid: int) -> str: ...
+    def push(
+        self, index: Index, blobs: BlobStore, namespace: str, sid: int, verify: bool = False
+    ) -> str: ...
 
     def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool: ...
 
@@ -112,12 +114,23 @@ def _recovered(shared: Shared, index: Index, namespace: str) -> bytes | None:
 
 
 def push(
-    index: Index, blobs: BlobStore, tier: Tier, keys: Keys, namespace: str, sid: int, secret: bytes
+    index: Index,
+    blobs: BlobStore,
+    tier: Tier,
+    keys: Keys,
+    namespace: str,
+    sid: int,
+    secret: bytes,
+    verify: bool = False,
 ) -> tuple[str, bytes | None]:
     """Write a committed snapshot's missing blobs and its record to the tier: ``pushed``,
-    ``present`` (nothing was missing), ``skipped`` (gone meanwhile, or a snapshot
-    this tier does not keep); and the tier's secret after the write (without a key).
-    The record's chains are under ``secret``, the tier's, whatever the store's own."""
+    ``present`` (nothing was missing or wrong), ``skipped`` (gone meanwhile, or a
+    snapshot this tier does not keep); and the tier's secret after the write (without
+    a key).  The record's chains are under ``secret``, the tier's, whatever the
+    store's own.  A blob the tier holds is read and compared with what would be
+    written, once per process (``tier.marks``), or every time with ``verify``
+    (``sync``), and so is the record with ``verify``: a wrong value (a hostile
+    writer's, planted ahead of the save or written over it) is overwritten."""
     with index.read() as db:
         rows = Index.rows_where(db, "id = ?", [sid])
         refs = Index.blocks_in(db, sid)
@@ -151,20 +164,41 @@ def push(
     rkey, record = seal_record(keys, namespace, body)
     names = {keys.blob_name(k): k for k in by_key}
     missing = tier.missing_blobs(namespace, sorted(names))
-    had = not missing and tier.has_record(namespace, rkey)
+    present = [n for n in sorted(names) if n not in set(missing)]
+    if not verify:  # those this process wrote or read as right are not read again
+        present = [n for n in present if not tier.marks.is_good(namespace, n)]
 
-    def put(name: str) -> None:
-        key = names[name]
-        with blobs.open(by_key[key]) as fh:
+    def value(name: str) -> tuple[bytes, bytes | None]:
+        with blobs.open(by_key[names[name]]) as fh:
             data = fh.read()
-        tier.put_blob(namespace, name, data, bool(row.pinned), keys.blob_tag(namespace, key, data))
+        return data, keys.blob_tag(namespace, names[name], data)
+
+    def right(name: str) -> bool:
+        if tier.blob_matches(namespace, name, *value(name)):
+            tier.marks.good(namespace, name)
+            return True
+        log.warning("persist: replacing a wrong value of blob %s on %s", name, tier.url)
+        return False
+
+    def put(name: str, replace: bool = False) -> None:
+        data, tag = value(name)
+        tier.put_blob(namespace, name, data, bool(row.pinned), tag, replace=replace)
 
     with ThreadPoolExecutor(4) as pool:  # the tier's client is thread-safe
+        wrong = [n for n, ok in zip(present, pool.map(right, present), strict=True) if not ok]
         list(pool.map(put, missing))
+        list(pool.map(lambda n: put(n, replace=True), wrong))
+    held = tier.records(namespace, [rkey])[0] if verify else None
+    if verify:
+        good_record = held == record
+    else:
+        good_record = not missing and not wrong and tier.has_record(namespace, rkey)
     after = tier.put_record(
         namespace, rkey, record, _pointers(keys, namespace, fields, chs, name, rkey),
         bool(row.trimmable), None if keys.key is not None else secret,
+        replace=verify and held is not None and not good_record,
     )  # fmt: skip
+    had = not missing and not wrong and good_record
     return "present" if had else "pushed", after
 
 
@@ -192,9 +226,10 @@ def sync(
     namespace: str | None,
     names: list[str],
 ) -> dict[str, Any]:
-    """Push every local snapshot (of ``namespace``) to the tiers (each push writes only
-    what a tier lacks), then pull the named sessions this store lacks.  The report says
-    what happened: per tier, snapshots pushed, already there, failed."""
+    """Push every local snapshot (of ``namespace``) to the tiers (each push reads what a
+    tier holds of it and writes what it lacks or holds wrong), then pull the named
+    sessions this store lacks.  The report says what happened: per tier, snapshots
+    pushed (a repaired one too), already there and right, failed."""
     rows = index.snapshots(namespace, named_only=False)
     per: dict[str, dict[str, int]] = {
         t.name: {"pushed": 0, "present": 0, "failed": 0} for t in shared
@@ -202,7 +237,7 @@ def sync(
     failed: set[int] = set()
     for row in rows:
         for tier in shared:
-            how = tier.push(index, blobs, row.namespace, row.id)
+            how = tier.push(index, blobs, row.namespace, row.id, verify=True)
             if how in per[tier.name]:
                 per[tier.name][how] += 1
             if how == "failed":

@@ -107,9 +107,12 @@ class Shared:
             if n:
                 index.count(namespace, **{f"{self.name}_{what}": n})
 
-    def push(self, index: Index, blobs: BlobStore, namespace: str, sid: int) -> str:
+    def push(
+        self, index: Index, blobs: BlobStore, namespace: str, sid: int, verify: bool = False
+    ) -> str:
         """Push one committed snapshot: ``pushed``, ``present`` (the tier had all of it),
-        ``skipped`` (not this tier's, or gone meanwhile) or ``failed``."""
+        ``skipped`` (not this tier's, or gone meanwhile) or ``failed``; ``verify``: read
+        every value the tier holds of it (``sync``), not once per process."""
         secret = self.secret(index, namespace, create=True)
         if secret is None:
             self._count(index, namespace, "errors")
@@ -117,7 +120,7 @@ class Shared:
         before = dict(self.tier.counters)
         for _ in range(2):
             got = self._run(
-                lambda s=secret: push(index, blobs, self.tier, self.keys, namespace, sid, s)
+                lambda s=secret: push(index, blobs, self.tier, self.keys, namespace, sid, s, verify)
             )
             done, after = got if got is not None else (None, None)
             if after is None or after == secret:

@@ -21,7 +21,10 @@ from typing import Any
 
 from ..errors import CorruptBlobError
 
-__all__ = ["SCRIPT", "Reader", "wrong_type", "scan", "parse_parts", "fetch_all"]
+__all__ = [
+    "SCRIPT", "Reader", "wrong_type", "scan", "parse_parts", "fetch_all", "blob_matches",
+    "read_blob",
+]  # fmt: skip
 
 # no-writes: allowed on a full server (maxmemory, noeviction) and on replicas (Redis 7,
 # Valkey; an older server refuses the flag, and the pipeline serves instead); pcall: a
@@ -186,3 +189,52 @@ def parse_parts(
     if not ok or n != -(-size // part_bytes) or len(tag) != tag_bytes:
         raise CorruptBlobError(where, "a parts marker that disagrees with the record's size")
     return n, tag
+
+
+def blob_matches(get: Any, key: str, data: bytes, tag: bytes | None, part_bytes: int) -> bool:
+    """Does ``blob:<key>`` hold exactly what a push writes for ``data`` (its bytes and
+    tag, or its parts marker and parts)?  ``get(k, n)`` reads at most n + 1 bytes."""
+    whole = data + (tag or b"")
+    if len(data) <= part_bytes:
+        return bool(get(f"blob:{key}", len(whole)) == whole)
+    n = -(-len(data) // part_bytes)
+    marker = (f"parts:{n}" + (f":{tag.hex()}" if tag else "")).encode()
+    if get(f"blob:{key}", len(marker)) != marker:
+        return False
+    for i in range(n):
+        want = data[i * part_bytes : (i + 1) * part_bytes]
+        if get(f"blob:{key}:{i}", len(want)) != want:
+            return False
+    return True
+
+
+def read_blob(
+    get: Any, k: str, size: int, tag_bytes: int, part_bytes: int
+) -> tuple[bytes, bytes] | None:
+    """(bytes, tag) of blob ``k`` of the record's ``size``, None where the tier lacks it
+    (or part of it); ``get(k, n)`` reads at most n bytes.  CorruptBlobError for a value
+    of another size or shape (a parts marker that disagrees is refused before the
+    first part is asked for)."""
+    where = f"shared blob {k}"
+    if size <= part_bytes:  # the bytes, then the tag
+        v = get(f"blob:{k}", size + tag_bytes)
+        if not v:
+            return None
+        if len(v) != size + tag_bytes:
+            raise CorruptBlobError(where, f"{len(v)} bytes where the record says {size}")
+        return (v[:size] if tag_bytes else v), v[size:]
+    marker = get(f"blob:{k}", 128)
+    if not marker:
+        return None
+    n, tag = parse_parts(marker, size, tag_bytes, where, part_bytes)
+    # one GET per part: redis-py parses large single replies faster than MGETs
+    parts: list[Any] = []
+    for i in range(n):
+        want = min(part_bytes, size - i * part_bytes)
+        got = get(f"blob:{k}:{i}", want)
+        if not got:
+            return None  # evicted
+        if len(got) != want:
+            raise CorruptBlobError(where, f"part {i} is {len(got)} bytes, not {want}")
+        parts.append(got)
+    return b"".join(parts), tag

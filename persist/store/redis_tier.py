@@ -8,17 +8,16 @@ a tenant.  Under it:
 - ``secret``: the namespace's chain secret, when there is no operator key;
 - ``blob:<content key>``: a blob file's bytes (and its tag), or ``parts:<n>[:<tag>]``
   and the parts ``blob:<key>:<i>`` of at most 8 MiB; written with SET NX
-  (content-addressed, write-once) and a TTL unless the snapshot is pinned;
+  (content-addressed) and a TTL unless the snapshot is pinned; a taken key is read
+  once per process (``blob_marks.py``), and a wrong value there is overwritten (plain SET);
 - ``rec:<record key>``: a snapshot record (``engine/tier_records.py``);
 - ``sess:<name>``, ``blk:<chain hex>``, ``head:<head key hex>``: pointers to records.
 
-Nothing read here is trusted: the engine checks every value against what it
-asked for (``engine/tier_records.py``), and every read is bounded (GETRANGE,
-``redis_reads.py``): pointers and the secret by their size, blobs by what the
-record says; a key of another type reads as nothing.  A server that
-is down costs one connect timeout, then a breaker skips it for
-``retry_after`` seconds; an answer about one key (another type, out of memory,
-an ACL) fails that operation only.
+Nothing read here is trusted: the engine checks every value against what it asked
+for (``engine/tier_records.py``), and every read is bounded (GETRANGE,
+``redis_reads.py``); a key of another type reads as nothing.  A server that is down
+costs one connect timeout, then a breaker skips it for ``retry_after`` seconds; an
+answer about one key (another type, out of memory, an ACL) fails that operation only.
 """
 
 from __future__ import annotations
@@ -31,15 +30,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import CorruptBlobError, InvalidArgumentError, PersistError
+from .blob_marks import BlobMarks
 from .redis_cluster import cluster_client
-from .redis_reads import Reader, fetch_all, parse_parts, scan
+from .redis_reads import Reader, blob_matches, fetch_all, read_blob, scan
 
 __all__ = ["RedisTier", "PART_BYTES", "TierUnavailable", "cluster_client"]
 
 log = logging.getLogger("persist")
 PART_BYTES = 8 << 20  # values of at most 8 MiB
-MAX_VALUE = 64 << 20  # a record is read at most this far (GETRANGE)
-POINTER_BYTES = 128  # a pointer is 65 bytes; a longer value is not read
+MAX_VALUE, POINTER_BYTES = 64 << 20, 128  # a record, a pointer (65 bytes) read at most
 SECRET_BYTES = 32
 SCAN_COUNT, SCAN_ROUNDS = 1000, 8  # the bounded search for a record to recover a secret from
 SCAN = (SCAN_COUNT, SCAN_ROUNDS)
@@ -96,6 +95,7 @@ class RedisTier:
         self.counters: dict[str, int] = {}
         self._lock = threading.Lock()
         self._reads = Reader(redis, lambda: self._client, self.cluster, self._count)
+        self.marks = BlobMarks()
 
     # -- the breaker -------------------------------------------------------
 
@@ -236,26 +236,48 @@ class RedisTier:
         self._ok()
         return out
 
+    def blob_matches(self, namespace: str, key: str, data: bytes, tag: bytes | None) -> bool:
+        """Does the tier hold exactly what ``put_blob`` would write for this blob?"""
+        p = self.prefix(namespace)
+
+        def get(k: str, n: int) -> Any:
+            try:
+                return self._bad(key, lambda: self._client.getrange(p + k, 0, n))
+            except CorruptBlobError:
+                return None  # a key of another type: not the blob
+
+        got: bool = self._call("verify blob", lambda: blob_matches(get, key, data, tag, PART_BYTES))
+        self._ok()
+        return got
+
     def put_blob(
-        self, namespace: str, key: str, data: bytes, pinned: bool, tag: bytes | None = None
+        self,
+        namespace: str,
+        key: str,
+        data: bytes,
+        pinned: bool,
+        tag: bytes | None = None,
+        replace: bool = False,
     ) -> None:
         """A blob's bytes (and the operator key's ``tag`` of them: after a small blob's
-        bytes, in a large one's ``parts:<n>:<tag hex>`` marker)."""
-        p, ttl = self.prefix(namespace), None if pinned else self.ttl_s
+        bytes, in a large one's ``parts:<n>:<tag hex>`` marker); SET NX unless
+        ``replace`` (a value there failed ``blob_matches``)."""
+        p, ttl, nx = self.prefix(namespace), None if pinned else self.ttl_s, not replace
 
         def run() -> None:
             pipe = self._client.pipeline(transaction=False)
             if len(data) <= PART_BYTES:
-                pipe.set(f"{p}blob:{key}", data + (tag or b""), nx=True, ex=ttl)
+                pipe.set(f"{p}blob:{key}", data + (tag or b""), nx=nx, ex=ttl)
             else:
                 parts = range(0, len(data), PART_BYTES)
                 for i, at in enumerate(parts):
                     pipe.set(f"{p}blob:{key}:{i}", data[at : at + PART_BYTES], ex=ttl)
                 marker = f"parts:{len(parts)}" + (f":{tag.hex()}" if tag else "")
-                pipe.set(f"{p}blob:{key}", marker.encode(), nx=True, ex=ttl)
-            pipe.execute()
+                pipe.set(f"{p}blob:{key}", marker.encode(), nx=nx, ex=ttl)
+            return pipe.execute()[-1]
 
-        self._call("put blob", run)
+        if self._call("put blob", run):  # written (an NX that found the key taken: not)
+            self.marks.good(namespace, key)
         self._count("bytes_pushed", len(data))
         self._ok()
 
@@ -264,41 +286,25 @@ class RedisTier:
     ) -> dict[str, Any]:
         """``then(key, bytes, tag)`` of each blob, on a thread of its own (its tag's HMAC,
         its checks and its local write beside the next fetch: ``fetch_all``), None where
-        the tier lacks it (evicted, never written: nothing more is fetched).  ``sizes`` are the
-        record's: every read is bounded by them (GETRANGE) and a part count that
-        disagrees is refused before the first part is asked for."""
+        the tier lacks it (evicted, never written: nothing more is fetched).  ``sizes``
+        are the record's: every read is bounded by them (``read_blob``)."""
         p = self.prefix(namespace)
 
         def one(k: str) -> tuple[bytes, bytes] | None:
-            size, where = sizes[k], f"shared blob {k}"
-            if size <= PART_BYTES:  # the bytes, then the tag
-                v: Any = self._bad(
-                    where, lambda: self._client.getrange(f"{p}blob:{k}", 0, size + tag_bytes - 1)
-                )
-                if not v:
-                    return None
-                if len(v) != size + tag_bytes:
-                    raise CorruptBlobError(where, f"{len(v)} bytes where the record says {size}")
-                self._count("bytes_pulled", size)
-                return (v[:size] if tag_bytes else v), v[size:]
-            marker = self._bad(where, lambda: self._client.getrange(f"{p}blob:{k}", 0, 127))
-            if not marker:
-                return None
-            n, tag = parse_parts(marker, size, tag_bytes, where, PART_BYTES)
-            # one GET per part: redis-py parses large single replies faster than MGETs
-            parts: Any = []
-            for i in range(n):
-                want = min(PART_BYTES, size - i * PART_BYTES)
-                got = self._bad(
-                    where, lambda i=i, w=want: self._client.getrange(f"{p}blob:{k}:{i}", 0, w - 1)
-                )
-                if not got:
-                    return None  # evicted
-                if len(got) != want:
-                    raise CorruptBlobError(where, f"part {i} is {len(got)} bytes, not {want}")
-                parts.append(got)
-            self._count("bytes_pulled", size)
-            return b"".join(parts), tag
+            def get(key: str, n: int) -> Any:  # at most n bytes
+                return self._bad(k, lambda: self._client.getrange(p + key, 0, n - 1))
+
+            try:
+                got = read_blob(get, k, sizes[k], tag_bytes, PART_BYTES)
+            except CorruptBlobError:
+                if not tag_bytes:
+                    raise
+                # with a key, a value of another size or shape carries no tag of it:
+                # unauthenticated (the checking thread finds no tag), not damage
+                return b"", b""
+            if got is not None:
+                self._count("bytes_pulled", sizes[k])
+            return got
 
         # connections from redis-py's pool, one per fetching thread
         got: dict[str, Any] = self._call(
@@ -307,13 +313,13 @@ class RedisTier:
         self._ok()
         return got
 
-    def _bad(self, where: str, fn: Any) -> Any:
+    def _bad(self, k: str, fn: Any) -> Any:
         try:
             return fn()
         except self._redis.ResponseError as e:
             if "WRONGTYPE" not in str(e):
                 raise
-            raise CorruptBlobError(where, "a key of another type") from None
+            raise CorruptBlobError(f"shared blob {k}", "a key of another type") from None
 
     # -- records and pointers --------------------------------------------------
 
@@ -325,16 +331,15 @@ class RedisTier:
         pointers: Sequence[tuple[str, bytes, bytes]],
         trimmable: bool = True,
         secret: bytes | None = None,
+        replace: bool = True,  # a plain SET always (the cold tier's is write-once)
     ) -> bytes | None:
-        """The record, its pointers (kind ``sess``/``blk``/``head``, key, value) and,
-        without an operator key, the namespace secret again (SET NX: an LRU that evicted
-        it gets it back from the next save), read back in the same round trip: the
-        tier's secret after the write (None with a key, or if it is no secret).  A
-        trimmable snapshot serves any prefix of its own: its pointers replace older
-        ones.  An untrimmable one (recurrent state) serves only prompts that hold all
-        its tokens, so the pointers stay with the first, shortest snapshot that
-        reached them (a prime saves its checkpoints in order), and a longer one never
-        hides it (SET NX)."""
+        """The record (a plain SET: a wrong value there is replaced), its pointers (kind
+        ``sess``/``blk``/``head``, key, value) and, without an operator key, the
+        namespace secret again (SET NX: an LRU that evicted it gets it back), read back
+        in the same round trip: the tier's secret after (None with a key, or if it is
+        no secret).  A trimmable snapshot's pointers replace older ones; an
+        untrimmable one's (recurrent state: it serves only prompts that hold all its
+        tokens) stay with the first, shortest snapshot that reached them (SET NX)."""
         p, nx = self.prefix(namespace), not trimmable
         named = any(kind == "sess" for kind, _, _ in pointers)
 

@@ -2,7 +2,8 @@
 
 Named sessions' records and blobs go here, under ``<prefix>/persist/<tag>/`` with
 the same names as the shared tier's keys (``redis_tier.py``): ``secret``,
-``blob/<content key>`` (created with If-None-Match: write-once), ``rec/<key>``,
+``blob/<content key>`` (created with If-None-Match; a taken one is read once per
+process and a wrong value there replaced: ``blob_marks.py``), ``rec/<key>``,
 ``sess/<name>`` (the name percent-encoded into one segment: ``object_name``).
 A machine with only this tier restores any named session; prefix lookups are
 the shared tier's job (one object per chain would cost a request each), so it
@@ -28,6 +29,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ..errors import InvalidArgumentError, PersistError
+from .blob_marks import BlobMarks
 from .redis_reads import fetch_all
 from .redis_tier import (
     MAX_VALUE,
@@ -81,6 +83,7 @@ class S3Tier:
         self._down_until = 0.0
         self.counters: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.marks = BlobMarks()
 
     def _path(self, namespace: str, *parts: str) -> str:
         return "/".join([self._root, namespace_tag(namespace), *parts])
@@ -128,15 +131,21 @@ class S3Tier:
         out: bytes | None = self._call("get", run)
         return out
 
-    def _create(self, path: str, data: bytes) -> None:
-        """Put ``data`` unless the object exists (If-None-Match: the first writer wins)."""
+    def _create(self, path: str, data: bytes, replace: bool = False) -> bool:
+        """Put ``data`` unless the object exists (If-None-Match: the first writer wins),
+        or unconditionally with ``replace`` (what is there failed its check); written?"""
 
-        def run() -> None:
+        def run() -> bool:
             ex = self._obstore.exceptions
+            if replace:
+                self._obstore.put(self._store, path, data)
+                return True
             with contextlib.suppress(ex.AlreadyExistsError, ex.PreconditionError):
                 self._obstore.put(self._store, path, data, mode="create")
+                return True
+            return False
 
-        self._call("put", run)
+        return bool(self._call("put", run))
 
     # -- the interface the engine uses (the shared tier's) -------------------
 
@@ -190,11 +199,24 @@ class S3Tier:
 
         return [k for k in keys if not exists(k)]
 
+    def blob_matches(self, namespace: str, key: str, data: bytes, tag: bytes | None) -> bool:
+        """Does the tier hold exactly what ``put_blob`` would write for this blob?"""
+        whole = data + tag if tag else data
+        return self._get(self._path(namespace, "blob", key), size=len(whole)) == whole
+
     def put_blob(
-        self, namespace: str, key: str, data: bytes, pinned: bool, tag: bytes | None = None
+        self,
+        namespace: str,
+        key: str,
+        data: bytes,
+        pinned: bool,
+        tag: bytes | None = None,
+        replace: bool = False,
     ) -> None:
-        """A blob's bytes, then the operator key's ``tag`` of them if there is a key."""
-        self._create(self._path(namespace, "blob", key), data + tag if tag else data)
+        """A blob's bytes, then the operator key's ``tag`` of them if there is a key;
+        write-once unless ``replace`` (a value there failed ``blob_matches``)."""
+        if self._create(self._path(namespace, "blob", key), data + tag if tag else data, replace):
+            self.marks.good(namespace, key)
         self._count("bytes_pushed", len(data))
 
     def get_blobs(
@@ -222,14 +244,16 @@ class S3Tier:
         pointers: Sequence[tuple[str, bytes, bytes]],
         trimmable: bool = True,
         secret: bytes | None = None,
+        replace: bool = False,
     ) -> bytes | None:
-        """A named session's record and its ``sess/`` pointer (the cold tier keeps named
-        sessions only), then, without an operator key, the namespace secret if it has
-        none; the tier's secret after (None with a key)."""
+        """A named session's record (write-once unless ``replace``: what is there is not
+        this record) and its ``sess/`` pointer (the cold tier keeps named sessions
+        only), then, without an operator key, the namespace secret if it has none; the
+        tier's secret after (None with a key)."""
         named = [(key, value) for kind, key, value in pointers if kind == "sess"]
         if not named:
             return None
-        self._create(self._path(namespace, "rec", rkey), record)
+        self._create(self._path(namespace, "rec", rkey), record, replace)
         for key, value in named:
             path = self._path(namespace, "sess", object_name(key.decode()))
             self._call("put", lambda p=path, v=value: self._obstore.put(self._store, p, v))

@@ -1,0 +1,124 @@
+"""Attacks on issue 24's fleet tiers, second round: values a hostile writer corrupts or
+plants ahead of time are never repaired (blobs are SET NX / If-None-Match, and a push
+asks only whether a key exists), so ``sync`` reports them as there and the fleet loses
+that cache for good."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import persist
+from persist.store.redis_tier import RedisTier
+from tests.helpers import prefill, tokens_for
+
+KEY = bytes(range(32))
+
+
+def _blob_keys(r: Any, p: str) -> list[bytes]:
+    return sorted(k for k in r.scan_iter(f"{p}blob:*") if b":" not in k[len(p) + 5 :])
+
+
+def test_sync_repairs_a_blob_a_hostile_writer_corrupted(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """A machine without the key overwrites a session's blobs on Redis (a keyed reader
+    rightly calls them unauthenticated).  The owner runs ``persist sync``: it must push
+    them again (or at least not report the session as present on the tier); today the
+    push only asks EXISTS, the blob stays broken and no other machine can restore."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    r, p = redis_server.client(), RedisTier.prefix("default")
+    toks = tokens_for(300, seed=3)
+    with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY) as a:
+        a.save(prefill(model, toks)[0], toks, identity=ident, session="s")
+        for k in _blob_keys(r, p):
+            r.set(k, b"\0" * len(r.get(k) or b""))  # the hostile write
+        report = a.sync()
+        assert report["tiers"]["shared"] == {"pushed": 1, "present": 0, "failed": 0}
+        assert a.sync()["tiers"]["shared"]["present"] == 1  # repaired: now it is there
+    with persist.Store(tmp_path / "b", shared=redis_server.url, tier_key=KEY) as b:
+        assert b.restore("s", identity=ident).tokens == toks
+
+
+def test_a_blob_planted_ahead_of_the_save_never_blocks_the_cache(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """Blob names are content keys (plus the key's id, readable from any blob on the tier),
+    so anyone who can run the same model on a known prompt (a shared system prompt)
+    knows them before the honest save.  Garbage planted there without a TTL makes every
+    honest push of that blob a no-op (SET NX): the cache is lost to the whole fleet for
+    good, and sync cannot repair it."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    r, p = redis_server.client(), RedisTier.prefix("default")
+    toks = tokens_for(300, seed=4)
+    cache = prefill(model, toks)[0]
+    with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY) as a:
+        a.save(cache, toks, identity=ident, session="probe")  # the attacker's rehearsal
+    names = _blob_keys(r, p)
+    r.flushall()  # the tier loses everything; the attacker then plants ahead of anyone
+    for k in names:
+        r.set(k, b"garbage")
+    with persist.Store(tmp_path / "h", shared=redis_server.url, tier_key=KEY) as h:
+        h.save(cache, toks, identity=ident, session="s")
+        h.sync()
+    with persist.Store(tmp_path / "b", shared=redis_server.url, tier_key=KEY) as b:
+        assert b.restore("s", identity=ident).tokens == toks
+
+
+def test_sync_repairs_a_corrupted_object_on_the_cold_tier(
+    tiny: Any, s3_server: Any, tmp_path: Path
+) -> None:
+    """rec/ and blob/ objects are written with If-None-Match: once a hostile writer has
+    replaced one with garbage, no push of the owner ever replaces it; ``sync`` counts the
+    session as present and a machine with only the cold tier never gets it back."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    s3 = s3_server.client()
+    toks = tokens_for(300, seed=5)
+    with persist.Store(tmp_path / "a", cold=s3_server.url, tier_key=KEY) as a:
+        a.save(prefill(model, toks)[0], toks, identity=ident, session="s")
+        objs = s3.list_objects_v2(Bucket="persist-test")["Contents"]
+        for o in objs:
+            if "/rec/" in o["Key"] or "/blob/" in o["Key"]:
+                s3.put_object(Bucket="persist-test", Key=o["Key"], Body=b"\0" * o["Size"])
+        assert a.sync()["tiers"]["cold"]["pushed"] == 1
+    with persist.Store(tmp_path / "b", cold=s3_server.url, tier_key=KEY) as b:
+        assert b.restore("s", identity=ident).tokens == toks
+
+
+def test_a_junk_blob_without_the_tag_is_a_miss_and_the_cold_tier_serves(
+    tiny: Any, redis_server: Any, s3_server: Any, tmp_path: Path
+) -> None:
+    """With a key, a value without the key's tag is a miss (README threat model) and the
+    next tier is asked.  A blob replaced by a few bytes (shorter than its size, so no tag
+    fits) is instead CorruptBlobError from the restore: a machine without the key
+    stops a session that S3 still holds intact."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    r, p = redis_server.client(), RedisTier.prefix("default")
+    toks = tokens_for(300, seed=6)
+    tiers = {"shared": redis_server.url, "cold": s3_server.url, "tier_key": KEY}
+    with persist.Store(tmp_path / "a", **tiers) as a:
+        a.save(prefill(model, toks)[0], toks, identity=ident, session="s")
+    for k in _blob_keys(r, p):
+        r.set(k, b"garbage")
+    with persist.Store(tmp_path / "b", **tiers) as b:
+        assert b.restore("s", identity=ident).tokens == toks
+        assert b.stats().counters["shared_unauthenticated"] >= 1
+
+
+def test_blob_marks_forget_the_oldest_and_a_bad_mark_wins() -> None:
+    """The set of blobs verified good is bounded (a long-lived server reads the oldest
+    again), and a blob a restore found wrong is never taken as good until rewritten."""
+    from persist.store.blob_marks import BlobMarks
+
+    m = BlobMarks(good=2, bad=2)
+    for n in ("a", "b", "c"):
+        m.good("ns", n)
+    assert not m.is_good("ns", "a") and m.is_good("ns", "b") and m.is_good("ns", "c")
+    m.bad("ns", "c")
+    assert not m.is_good("ns", "c")
+    m.good("ns", "c")  # rewritten (or read back right)
+    assert m.is_good("ns", "c")
