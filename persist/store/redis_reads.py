@@ -23,8 +23,10 @@ from ..errors import CorruptBlobError
 
 __all__ = [
     "SCRIPT", "Reader", "wrong_type", "scan", "parse_parts", "fetch_all", "blob_matches",
-    "read_blob",
+    "read_blob", "pointer_key", "secret_value", "SECRET_BYTES",
 ]  # fmt: skip
+
+SECRET_BYTES = 32  # a namespace secret
 
 # no-writes: allowed on a full server (maxmemory, noeviction) and on replicas (Redis 7,
 # Valkey; an older server refuses the flag, and the pipeline serves instead); pcall: a
@@ -238,3 +240,13 @@ def read_blob(
             raise CorruptBlobError(where, f"part {i} is {len(got)} bytes, not {want}")
         parts.append(got)
     return b"".join(parts), tag
+
+
+def pointer_key(prefix: str, kind: str, key: bytes) -> bytes | str:
+    """``sess:<name>`` (the name's UTF-8 bytes: Redis keys are binary), ``blk:<hex>``."""
+    return f"{prefix}sess:".encode() + key if kind == "sess" else f"{prefix}{kind}:{key.hex()}"
+
+
+def secret_value(v: Any) -> bytes | None:
+    """A namespace secret read from a tier, or None (absent, another type, another length)."""
+    return bytes(v) if isinstance(v, bytes) and len(v) == SECRET_BYTES else None

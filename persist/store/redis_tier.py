@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import CorruptBlobError, InvalidArgumentError, PersistError
+from . import redis_reads as reads
 from .blob_marks import BlobMarks
 from .redis_cluster import cluster_client
 from .redis_reads import Reader, blob_matches, fetch_all, read_blob, scan
@@ -39,7 +40,6 @@ __all__ = ["RedisTier", "PART_BYTES", "TierUnavailable", "cluster_client"]
 log = logging.getLogger("persist")
 PART_BYTES = 8 << 20  # values of at most 8 MiB
 MAX_VALUE, POINTER_BYTES = 64 << 20, 128  # a record, a pointer (65 bytes) read at most
-SECRET_BYTES = 32
 SCAN_COUNT, SCAN_ROUNDS = 1000, 8  # the bounded search for a record to recover a secret from
 SCAN = (SCAN_COUNT, SCAN_ROUNDS)
 RECOVER_RECORDS, RECOVER_BATCH = 256, 32  # records tried for a lost secret, read per round trip
@@ -160,8 +160,10 @@ class RedisTier:
                 if replace:
                     pipe.delete(key)
                 pipe.set(key, mine, nx=True)
-                pipe.getrange(key, 0, SECRET_BYTES)
-                got = secret_value(self._reads.checked(pipe.execute(raise_on_error=False)[-1]))
+                pipe.getrange(key, 0, reads.SECRET_BYTES)
+                got = reads.secret_value(
+                    self._reads.checked(pipe.execute(raise_on_error=False)[-1])
+                )
                 if got is not None:
                     return got
                 self._count("bad_values")
@@ -175,11 +177,11 @@ class RedisTier:
         """The namespace's secret if the tier has one (a read: nothing is created); a
         value that is no secret reads as none (counted)."""
         key = self.prefix(namespace) + "secret"
-        got = self._call("secret", lambda: self._reads.values([key], SECRET_BYTES + 1)[0])
+        got = self._call("secret", lambda: self._reads.values([key], reads.SECRET_BYTES + 1)[0])
         self._ok()
-        if got is not None and secret_value(got) is None:
+        if got is not None and reads.secret_value(got) is None:
             self._count("bad_values")
-        return secret_value(got)
+        return reads.secret_value(got)
 
     def recovery_records(self, namespace: str) -> Iterator[bytes]:
         """Records of the namespace, found by a bounded SCAN (``SCAN_ROUNDS`` calls per
@@ -348,17 +350,17 @@ class RedisTier:
             pipe.set(f"{p}rec:{rkey}", record, ex=None if named else self.ttl_s)
             for kind, key, value in pointers:
                 if kind == "sess":
-                    pipe.set(_pointer_key(p, kind, key), value)
+                    pipe.set(reads.pointer_key(p, kind, key), value)
                 else:
-                    pipe.set(_pointer_key(p, kind, key), value, ex=self.ttl_s, nx=nx)
+                    pipe.set(reads.pointer_key(p, kind, key), value, ex=self.ttl_s, nx=nx)
             if secret is not None:
                 pipe.set(f"{p}secret", secret, nx=True)
-                pipe.getrange(f"{p}secret", 0, SECRET_BYTES)
+                pipe.getrange(f"{p}secret", 0, reads.SECRET_BYTES)
             got = pipe.execute(raise_on_error=False)
             for v in got[:-1] if secret is not None else got:
                 if isinstance(v, self._redis.ResponseError):
                     raise v
-            return secret_value(self._reads.checked(got[-1])) if secret is not None else None
+            return reads.secret_value(self._reads.checked(got[-1])) if secret is not None else None
 
         out: bytes | None = self._call("put record", run)
         self._ok()
@@ -369,7 +371,7 @@ class RedisTier:
         command, each read at most POINTER_BYTES far (a longer value, or a key of another
         type, reads as None)."""
         p = self.prefix(namespace)
-        names = [_pointer_key(p, kind, k) for kind, k in items]
+        names = [reads.pointer_key(p, kind, k) for kind, k in items]
         out: list[Any] = self._call("pointers", lambda: self._reads.values(names, POINTER_BYTES))
         self._ok()
         return out
@@ -392,13 +394,3 @@ class RedisTier:
         out: list[bytes | None] = self._call("records", run)
         self._ok()
         return out
-
-
-def _pointer_key(prefix: str, kind: str, key: bytes) -> bytes | str:
-    """``sess:<name>`` (the name's UTF-8 bytes: Redis keys are binary), ``blk:<hex>``."""
-    return f"{prefix}sess:".encode() + key if kind == "sess" else f"{prefix}{kind}:{key.hex()}"
-
-
-def secret_value(v: Any) -> bytes | None:
-    """A namespace secret read from a tier, or None (absent, another type, another length)."""
-    return bytes(v) if isinstance(v, bytes) and len(v) == SECRET_BYTES else None

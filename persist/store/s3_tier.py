@@ -30,15 +30,13 @@ from urllib.parse import quote
 
 from ..errors import InvalidArgumentError, PersistError
 from .blob_marks import BlobMarks
-from .redis_reads import fetch_all
+from .redis_reads import SECRET_BYTES, fetch_all, secret_value
 from .redis_tier import (
     MAX_VALUE,
     RECOVER_BATCH,
     RECOVER_RECORDS,
-    SECRET_BYTES,
     TierUnavailable,
     namespace_tag,
-    secret_value,
 )
 
 __all__ = ["S3Tier"]
