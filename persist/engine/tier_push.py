@@ -193,13 +193,43 @@ def push(
         good_record = held == record
     else:
         good_record = not missing and not wrong and tier.has_record(namespace, rkey)
+    ptrs = _pointers(keys, namespace, fields, chs, name, rkey)
+    bad = _wrong_pointers(tier, keys, namespace, ptrs, bool(row.trimmable)) if verify else set()
     after = tier.put_record(
-        namespace, rkey, record, _pointers(keys, namespace, fields, chs, name, rkey),
+        namespace, rkey, record, ptrs,
         bool(row.trimmable), None if keys.key is not None else secret,
         replace=verify and held is not None and not good_record,
+        replace_pointers=bad,
     )  # fmt: skip
-    had = not missing and not wrong and good_record
+    had = not missing and not wrong and good_record and not bad
     return "present" if had else "pushed", after
+
+
+def _wrong_pointers(
+    tier: Tier,
+    keys: Keys,
+    namespace: str,
+    ptrs: list[tuple[str, bytes, bytes]],
+    trimmable: bool,
+) -> set[tuple[str, bytes]]:
+    """(kind, key) of the pointers a sync must write again: absent, not a pointer, not
+    authentic, or naming another record where this one's belongs.  An untrimmable
+    snapshot's chain pointers that name another authentic record stay: the first,
+    shortest snapshot to reach a chain keeps it."""
+    kept = [(kind, key, value) for kind, key, value in ptrs if kind in tier.pointer_kinds]
+    held = tier.pointers(namespace, [(kind, key) for kind, key, _ in kept])
+    out = set()
+    for (kind, key, value), got in zip(kept, held, strict=True):
+        if got is not None and bytes(got) == value:
+            continue
+        try:
+            if got is not None and kind != "sess" and not trimmable:
+                keys.open_pointer(namespace, kind, key, got)
+                continue  # another snapshot's own pointer
+        except BadValue:
+            pass
+        out.add((kind, key))
+    return out
 
 
 def _pointers(

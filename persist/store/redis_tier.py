@@ -26,7 +26,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 from ..errors import CorruptBlobError, InvalidArgumentError, PersistError
@@ -58,6 +58,8 @@ class TierUnavailable(PersistError, ConnectionError):
 
 
 class RedisTier:
+    pointer_kinds = ("sess", "blk", "head")  # what put_record writes
+
     def __init__(
         self,
         url: str,
@@ -334,6 +336,7 @@ class RedisTier:
         trimmable: bool = True,
         secret: bytes | None = None,
         replace: bool = True,  # a plain SET always (the cold tier's is write-once)
+        replace_pointers: Collection[tuple[str, bytes]] = (),  # SET, never NX (sync)
     ) -> bytes | None:
         """The record (a plain SET: a wrong value there is replaced), its pointers (kind
         ``sess``/``blk``/``head``, key, value) and, without an operator key, the
@@ -352,7 +355,8 @@ class RedisTier:
                 if kind == "sess":
                     pipe.set(reads.pointer_key(p, kind, key), value)
                 else:
-                    pipe.set(reads.pointer_key(p, kind, key), value, ex=self.ttl_s, nx=nx)
+                    once = nx and (kind, key) not in replace_pointers
+                    pipe.set(reads.pointer_key(p, kind, key), value, ex=self.ttl_s, nx=once)
             if secret is not None:
                 pipe.set(f"{p}secret", secret, nx=True)
                 pipe.getrange(f"{p}secret", 0, reads.SECRET_BYTES)

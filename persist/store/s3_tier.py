@@ -24,7 +24,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -46,6 +46,7 @@ FETCHERS = 4  # objects fetched at once (each a request: latency, not the CPU, b
 
 
 class S3Tier:
+    pointer_kinds = ("sess",)  # the cold tier keeps named sessions only
     named_only = True  # named sessions only: prefix lookups are the shared tier's job
 
     def __init__(
@@ -243,6 +244,7 @@ class S3Tier:
         trimmable: bool = True,
         secret: bytes | None = None,
         replace: bool = False,
+        replace_pointers: Collection[tuple[str, bytes]] = (),  # sess/ is always put
     ) -> bytes | None:
         """A named session's record (write-once unless ``replace``: what is there is not
         this record) and its ``sess/`` pointer (the cold tier keeps named sessions

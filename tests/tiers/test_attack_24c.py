@@ -7,8 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import persist
 from persist.store.redis_tier import RedisTier
 from tests.helpers import prefill, tokens_for
@@ -20,11 +18,6 @@ def _keys(r: Any, p: str, kind: str) -> list[bytes]:
     return sorted(r.scan_iter(f"{p}{kind}:*"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="untrimmable snapshots' blk/head pointers are SET NX: a planted value is never "
-    "repaired by sync, which reports the snapshot present",
-)
 def test_sync_repairs_pointers_of_an_untrimmable_snapshot(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
@@ -50,10 +43,6 @@ def test_sync_repairs_pointers_of_an_untrimmable_snapshot(
     assert b"junk" not in held, "sync left planted pointers in place"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sync rewrites a replaced sess pointer but counts the snapshot as present",
-)
 def test_sync_reports_a_repaired_session_pointer_as_pushed(
     tiny: Any, redis_server: Any, tmp_path: Path
 ) -> None:
