@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 __all__ = ["mark_unverified", "carries_unverified"]
@@ -53,7 +53,10 @@ def _remember(c: Any) -> None:
 
 
 def carries_unverified(layers: Iterable[Any]) -> bool:
-    """Whether any layer object carries the mark."""
+    """Whether any layer object carries the mark (False for what is no list of layers:
+    the save's own check refuses that with its typed error)."""
+    if not isinstance(layers, Sequence):
+        return False
     for c in layers:
         if getattr(c, _ATTR, False) is True:
             return True
