@@ -112,12 +112,15 @@ class _Copier:
         self.inflight: deque[tuple[int, mx.array]] = deque()
 
     def settle(self, keep: int) -> None:
-        while len(self.inflight) > keep:
-            slot, arr = self.inflight.popleft()
-            mx.eval(arr)
-            # the copy kernel reads the slot by address, unseen by MLX's graph: only
-            # a finished stream proves it read every byte before a reader refills it
-            mx.synchronize()
+        done = [self.inflight.popleft() for _ in range(len(self.inflight) - keep)]
+        if not done:
+            return
+        mx.eval([arr for _, arr in done])
+        # the copy kernel reads each slot by address, unseen by MLX's graph: only a
+        # finished stream proves it read every byte before a reader refills it (one
+        # wait for every slot settled here, not one per slot)
+        mx.synchronize()
+        for slot, _ in done:
             self.ring.release(slot)
 
     def run(self) -> dict[int, list[tuple[Want, mx.array]]]:
