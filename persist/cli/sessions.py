@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,8 @@ def ls_cmd(
     from ..store.listing import stream, unnamed_counts
 
     with open_index(store_dir) as index:
+        if limit is not None:
+            limit = min(limit, sys.maxsize)  # more rows than that is every row
         rows = stream(index, namespace, every=show_all, sort=sort, prefix=prefix, limit=limit)
         entries = (index.checked_info(r) for r in rows)  # a damaged row: marked
         if as_json:
