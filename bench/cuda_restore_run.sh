@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 run of the CUDA restore path (issue 27), after shared/gpu's install:
-#   bench/cuda_restore_run.sh probe throughput    # one call (probe --geometry: ring sizes)
-#   bench/cuda_restore_run.sh tests               # the next
+#   bench/cuda_restore_run.sh stagingtests throughput8k   # one call
+#   bench/cuda_restore_run.sh tests                       # the next
 #   bench/cuda_restore_run.sh throughput32k recompute
 # Everything it writes goes to $OUT (probe report, logs, bench results).
 set -u
@@ -13,9 +13,10 @@ TESTS="tests/engine/test_staging.py tests/engine/test_roundtrip_models.py
   tests/codecs/test_trim_exact.py tests/engine/test_store.py"
 for phase in "$@"; do
   case $phase in
-  probe)
-    timeout 200 python3 -m bench.cuda_restore_probe "$OUT" 2>&1 | tee "$OUT/probe.log"
-    [ "${PIPESTATUS[0]}" = 0 ] || exit 3 ;;
+  throughput8k)
+    timeout 300 python3 -m bench.bench_throughput --reps 3 \
+      --cases llama3-8b:8192 2>&1 | tee "$OUT/throughput8k.log"
+    cp bench/results/throughput-cuda-* "$OUT/" ;;
   throughput)
     timeout 380 python3 -m bench.bench_throughput --reps 3 \
       --cases llama3-8b:1024 llama3-8b:8192 qwen3-next:8192 2>&1 | tee "$OUT/throughput.log"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import weakref
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -25,15 +26,16 @@ from ..errors import CorruptBlobError
 from ..format import pinned
 from ..format.container import Header, read_header
 from ..format.manifest import blob_manifest, snapshot_specs
-from ..format.tensors import Piece as TensorPiece
 from ..format.tensors import (
+    NAME_TO_MX,
     allocate_many,
     device_copy,
     dtype_name,
     on_cuda,
     read_pieces,
 )
-from ..records import Progress, Record, RecordSpec, TensorSpec
+from ..format.tensors import Piece as TensorPiece
+from ..records import DTYPE_SIZES, Progress, Record, RecordSpec, TensorSpec
 from ..store import rates
 from . import partial as partial_room
 from . import staging
@@ -172,25 +174,41 @@ def _staged(
     room: partial_room.Room,
     progress: Progress | None,
 ) -> dict[str, Any]:
-    """CUDA: through the pinned ring into device memory (engine/staging)."""
+    """CUDA: every tensor's device buffer first, then the blobs through the pinned
+    lanes straight into them (engine/staging)."""
     keys, wanted = _wanted(specs, split, length, room)
     shapes = {
-        key: (_grown(spec, cap, axis), axis)
+        key: (_grown(spec, cap, axis), axis, spec.dtype)
         for key, (spec, cap, axis) in zip(keys, wanted, strict=True)
     }
+    sizes = [math.prod(shape) * DTYPE_SIZES[dtype] for shape, _, dtype in shapes.values()]
+    made = ring.buffers(sizes)
+    dests = {
+        key: staging.Dest(addr, shape, axis, room[key][0] if key in room else None, size)
+        for (key, (shape, axis, dtype)), (_, addr), size in zip(
+            shapes.items(), made, [DTYPE_SIZES[d] for _, _, d in shapes.values()], strict=True
+        )
+    }
     jobs = [
-        staging.Job(functools.partial(_open_staged, blobs, f, heads[f], at, which, shapes, split))
+        staging.Job(functools.partial(_open_staged, blobs, f, heads[f], at, which, dests, split))
         for f, at, which in pieces
     ]
-    parts: dict[str, list[tuple[int, Any]]] = {key: [] for key in keys}
-    for want, arr in staging.stage(ring, jobs, progress):
-        parts[want.key].append((want.at, arr))
-    out = {}
-    for key, (shape, axis) in shapes.items():
-        limit = room[key][0] if key in room else None
-        out[key] = staging.assemble(parts[key], shape, axis, limit)
-    mx.eval(list(out.values()))  # the chunks go: the caches hold only their own buffers
-    return out
+    total = sum(known[0] for f, _, _ in pieces if (known := heads[f]) is not None)
+    staging.stage(ring, jobs, dests, total, progress)
+    return {
+        key: _shaped(flat, shape, NAME_TO_MX[dtype], n)
+        for (key, (shape, _, dtype)), (flat, _), n in zip(shapes.items(), made, sizes, strict=True)
+    }
+
+
+def _shaped(flat: mx.array, shape: tuple[int, ...], dtype: Any, nbytes: int) -> mx.array:
+    """A device buffer's bytes as the tensor they hold (views: the buffer is its own)."""
+    if not nbytes:
+        return mx.zeros(shape, dtype=dtype)
+    out = flat.view(dtype).reshape(-1)
+    if out.size * dtype.size != nbytes:  # the buffer was rounded up to 16 bytes
+        out = out[: nbytes // dtype.size]
+    return out.reshape(shape)
 
 
 def _grown(spec: TensorSpec, cap: int | None, axis: int) -> tuple[int, ...]:
@@ -206,14 +224,14 @@ def _open_staged(
     known: tuple[int, bytes] | None,
     at: int,
     which: str,
-    shapes: dict[str, tuple[tuple[int, ...], int]],
+    dests: dict[str, staging.Dest],
     split: dict[str, int],
 ) -> tuple[int, list[staging.Want], Callable[[], None]]:
     """On a reader thread: open and check a blob, name the tensors it gives (as
     ``_read_blob`` does)."""
     blob = _open_known(blobs, file, known)
     wants = []
-    for key in shapes:
+    for key in dests:
         if key in split and which != "rest":
             wants.append(_want(blob, key, at))
         elif key not in split and which != "split":

@@ -1,14 +1,23 @@
-"""A restore on MLX's CUDA backend: blobs through the pinned ring into device memory.
+"""A restore on MLX's CUDA backend: blobs through pinned lanes into device buffers.
 
-Reader threads open and check each blob as the host path does, read its
-wanted tensors in slot-sized chunks into free slots of the ring
-(``format/pinned.Ring``) and hash every tensor on the host while its bytes
-sit in the slot; the caller's thread turns each filled slot into a device
-array (the copy kernel) while the readers fill the next ones, and hands the
-slot back once that copy is done.  Host memory above the cache: the ring.
-Then each tensor is cut from its chunks on the device and its pieces (the
-token blocks) joined into one capacity-sized buffer of its own.  MLX runs
-only on the caller's thread; the readers touch host memory only.
+The caller first makes every tensor's final, capacity-sized buffer in device
+memory (``Ring.buffers``: zeroed, address known); ``stage`` adds a staging
+buffer as large as the bytes it will read.  Reader threads open and check each
+blob as the host path does, read its wanted tensors in slot-sized chunks into
+their lane's page-locked slots, hash each tensor there and queue one copy of
+the whole slot into the next free region of the staging buffer.  A lane has
+two slots, so a reader reads one while the other's copy runs.  No MLX call
+runs while the readers run, and their steps (``preadv``, xxhash, one driver
+call a slot) release the GIL: the caller's thread only waits.  Then one
+kernel (``Ring.scatter``) moves every tensor's bytes to their places: a
+token block's rows land strided in the capacity-sized buffer, as the host
+path's scatter read places them (``placement``).
+
+Why not copy each tensor straight to its place: a copy per tensor is a
+driver call per 512 KiB, and on an H200 the threads' Python around those
+calls (the GIL handed back and forth) cost more than the reading.  Host
+memory above the cache: the lanes' slots; device memory: the staging buffer
+until the scatter is done.
 """
 
 from __future__ import annotations
@@ -16,22 +25,18 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import NamedTuple
 
-import mlx.core as mx
 import xxhash
 
 from ..errors import CorruptBlobError
-from ..format.pinned import Ring
-from ..format.tensors import NAME_TO_MX, device_copy
-from ..records import DTYPE_SIZES, Progress, TensorSpec
+from ..format.pinned import Copy, Lane, Ring
+from ..records import Progress, TensorSpec
 
-__all__ = ["Want", "Job", "stage", "assemble", "READERS"]
+__all__ = ["Want", "Job", "Dest", "Geometry", "stage", "geometry", "placement"]
 
-READERS = 8  # blobs read at once: 8 threads reach a warm page cache's speed on an H200
 GAP = 4096  # wanted tensors this close in a file are read as one run (the gap is skipped)
 
 
@@ -53,126 +58,176 @@ class Job(NamedTuple):
     open: Callable[[], tuple[int, list[Want], Callable[[], None]]]
 
 
-class _Filled(NamedTuple):
-    job: int
-    slot: int
-    pos: int  # file offset of the slot's first byte
-    n: int
+class Dest(NamedTuple):
+    """A tensor's device buffer: its address, (capacity) shape, token axis, the
+    position from which it stays zero (a partial hit's room), bytes per element."""
+
+    addr: int
+    shape: tuple[int, ...]
+    axis: int
+    limit: int | None
+    item: int
 
 
-Chunk = tuple[int, int, mx.array]  # file pos, bytes, device array
-IN_FLIGHT = 2  # copies launched and not yet waited for: the rest of the ring is the readers'
+class Geometry(NamedTuple):
+    """Where a stored piece's bytes go: row r of ``row`` bytes to ``dst + r * pitch``,
+    of which the first ``keep`` bytes are kept."""
+
+    dst: int
+    row: int
+    pitch: int
+    keep: int
+
+
+def geometry(stored: tuple[int, ...], at: int, dest: Dest) -> Geometry:
+    """The rows of a piece stored with shape ``stored`` that fills ``dest`` from ``at``."""
+    size = dest.item
+    for d in stored:
+        size *= d
+    axis = dest.axis
+    if len(stored) <= axis:  # no token axis: the tensor is its whole buffer
+        return Geometry(dest.addr, size, size, size)
+    inner = dest.item
+    for d in stored[axis + 1 :]:
+        inner *= d
+    row, pitch = stored[axis] * inner, dest.shape[axis] * inner
+    end = dest.shape[axis] if dest.limit is None else min(dest.limit, dest.shape[axis])
+    keep = max(0, min(stored[axis], end - at)) * inner
+    if row == pitch == keep:  # rows that follow each other: one row
+        return Geometry(dest.addr, size, size, size)
+    return Geometry(dest.addr + at * inner, row, pitch, keep)
+
+
+def placement(a: int, b: int, src: int, g: Geometry) -> list[Copy]:
+    """The copies that put bytes [a, b) of a piece, found at offset ``src`` of a
+    slot, in place: whole rows in one strided copy, partial rows each alone."""
+    out: list[Copy] = []
+    pos = a
+    while pos < b:
+        r, c = divmod(pos, g.row)
+        if c == 0 and b - pos >= g.row:
+            rows = (b - pos) // g.row
+            width = min(g.row, g.keep)
+            if width:
+                out.append(Copy(src + pos - a, g.dst + r * g.pitch, width, rows, g.row, g.pitch))
+            pos += rows * g.row
+            continue
+        end = min(b, (r + 1) * g.row)
+        hi = min(end - r * g.row, g.keep)
+        if c < hi:
+            out.append(Copy(src + pos - a, g.dst + r * g.pitch + c, hi - c, 1, hi - c, hi - c))
+        pos = end
+    return out
+
+
+CHUNK = 1 << 30  # bytes of one staging buffer (MLX's shapes are 32-bit)
+
+
+class _Staging:
+    """Device staging buffers, handed out to the readers a slot's worth at a time,
+    and the copies out of each."""
+
+    def __init__(self, ring: Ring, jobs: int, keys: int, total: int) -> None:
+        slot = ring.slot_bytes
+        # regions start 16-aligned (the scatter's wide path); a slot never straddles
+        need = total + 16 * (total // slot + jobs * max(1, keys) + 1)
+        if need <= CHUNK:
+            sizes = [need]
+        else:
+            n = -(-need // (CHUNK - slot))
+            sizes = [CHUNK] * (n - 1) + [need - (n - 1) * (CHUNK - slot) + slot]
+        self.bufs = ring.buffers(sizes)
+        self.sizes = sizes
+        self.copies: list[list[Copy]] = [[] for _ in sizes]
+        self.lock = threading.Lock()
+        self.chunk = self.used = 0
+
+    def region(self, n: int) -> tuple[int, int]:
+        """(chunk, offset) of ``n`` free bytes."""
+        with self.lock:
+            off = -(-self.used // 16) * 16
+            if off + n > self.sizes[self.chunk]:
+                self.chunk, off = self.chunk + 1, 0
+            self.used = off + n
+            return self.chunk, off
+
+    def add(self, chunk: int, copies: list[Copy]) -> None:
+        with self.lock:
+            self.copies[chunk] += copies
 
 
 def stage(
-    ring: Ring, jobs: list[Job], progress: Progress | None = None
-) -> list[tuple[Want, mx.array]]:
-    """Every wanted tensor of ``jobs`` and a device array of it in its stored shape, verified.
+    ring: Ring,
+    jobs: list[Job],
+    dests: dict[str, Dest],
+    total: int,
+    progress: Progress | None = None,
+) -> None:
+    """Read every wanted tensor of ``jobs`` (at most ``total`` bytes of them) into
+    its ``dests`` buffer, verified.
 
-    Returned in job order, each job's tensors in its order; the first error
-    stops the readers and is raised once they have stopped.
+    Returns once every byte is in place.  The first error stops the readers and
+    is raised once they have stopped and their copies are done (nothing reads a
+    slot or writes a buffer after it).
     """
     with ring.lock:
+        staged = _Staging(ring, len(jobs), len(dests), total)
         abort = threading.Event()
-        filled: queue.Queue[_Filled] = queue.Queue()
-        pool = ThreadPoolExecutor(min(READERS, max(1, len(jobs))), "persist-stage")
+        lanes: queue.Queue[Lane] = queue.Queue()
+        for lane in ring.lanes:
+            lanes.put(lane)
+        pool = ThreadPoolExecutor(min(len(ring.lanes), max(1, len(jobs))), "persist-stage")
+        futures = [pool.submit(_read_job, lanes, job, dests, staged, abort) for job in jobs]
         try:
-            futures = [
-                pool.submit(_read_job, ring, job, i, filled, abort) for i, job in enumerate(jobs)
-            ]
-            cut = _Copier(ring, futures, filled, abort, progress).run()
-            pool.shutdown(wait=True)
-            for f in futures:
-                f.result()  # the first reader's error, in job order
+            _wait(futures, progress)
         except BaseException:
             abort.set()
-            pool.shutdown(wait=True)
-            mx.synchronize()  # no copy reads a slot any more: all of them are free again
-            ring.reset()
             raise
-    return [pair for i in range(len(jobs)) for pair in cut[i]]
+        finally:
+            pool.shutdown(wait=True)
+            ring.drain()
+        for (buf, _), copies in zip(staged.bufs, staged.copies, strict=True):
+            if copies:
+                ring.scatter(buf, copies)
 
 
-class _Copier:
-    """The caller's thread: copy each filled slot to the device, free slots behind
-    it, and cut each finished blob's tensors from its chunks while the readers go on."""
-
-    def __init__(
-        self,
-        ring: Ring,
-        futures: list[Future[tuple[list[Want], int]]],
-        filled: queue.Queue[_Filled],
-        abort: threading.Event,
-        progress: Progress | None,
-    ) -> None:
-        self.ring, self.futures, self.filled, self.abort = ring, futures, filled, abort
-        self.progress = progress
-        self.chunks: dict[int, list[Chunk]] = {i: [] for i in range(len(futures))}
-        self.done: dict[int, list[Want]] = {}  # blobs read whole: their wanted tensors
-        self.inflight: deque[tuple[int, mx.array]] = deque()
-
-    def settle(self, keep: int) -> None:
-        done = [self.inflight.popleft() for _ in range(len(self.inflight) - keep)]
-        if not done:
-            return
-        mx.eval([arr for _, arr in done])
-        # the copy kernel reads each slot by address, unseen by MLX's graph: only a
-        # finished stream proves it read every byte before a reader refills it (one
-        # wait for every slot settled here, not one per slot)
-        mx.synchronize()
-        for slot, _ in done:
-            self.ring.release(slot)
-
-    def run(self) -> dict[int, list[tuple[Want, mx.array]]]:
-        # While the readers run this thread only launches copies and frees slots:
-        # any more Python here holds the GIL the readers need between their reads
-        # and hashes (a busy thread beside 8 readers made them 25x slower on an H200).
-        while len(self.done) < len(self.futures):
-            try:
-                f = self.filled.get(timeout=0.001 if self.inflight else 0.02)
-            except queue.Empty:
-                self.settle(0)  # the readers wait on slots or the disk: free every slot
-                self.finish()
-                continue
-            arr = self.ring.to_device(f.slot, f.n)
-            self.inflight.append((f.slot, arr))
-            self.chunks[f.job].append((f.pos, f.n, arr))
-            self.settle(IN_FLIGHT)
-            self.finish()
-        self.settle(0)
-        if self.abort.is_set():
-            return {i: [] for i in self.done}
-        return {i: [(w, _cut(w, self.chunks[i])) for w in wants] for i, wants in self.done.items()}
-
-    def finish(self) -> None:
-        """Note the blobs whose reader is done and whose chunks all arrived."""
-        for i, fut in enumerate(self.futures):
-            if i in self.done or not fut.done():
-                continue
-            if fut.exception() is not None:
-                self.abort.set()  # the other readers stop; stage raises this error
-            if self.abort.is_set():
-                self.done[i] = []
-                continue
-            wants, n = fut.result()
-            if len(self.chunks[i]) == n:
-                self.done[i] = wants
-                if self.progress is not None:
-                    self.progress(len(self.done), len(self.futures))
+def _wait(futures: list[Future[None]], progress: Progress | None) -> None:
+    """Block (the GIL released) until every reader is done; the first error in
+    job order among those that failed is raised."""
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, return_when=FIRST_COMPLETED)
+        for f in futures:
+            if f in done and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        if progress is not None:
+            progress(len(futures) - len(pending), len(futures))
 
 
 def _read_job(
-    ring: Ring, job: Job, i: int, filled: queue.Queue[_Filled], abort: threading.Event
-) -> tuple[list[Want], int]:
-    """A reader thread: one blob's wanted tensors into slots, each tensor hashed.
-    Returns them and how many chunks it handed on."""
+    lanes: queue.Queue[Lane],
+    job: Job,
+    dests: dict[str, Dest],
+    staged: _Staging,
+    abort: threading.Event,
+) -> None:
+    """A reader thread: one blob's wanted tensors through a lane, each tensor hashed."""
     if abort.is_set():
-        return [], 0
-    fd, wants, close = job.open()
+        return
+    lane = lanes.get()
     try:
-        return wants, sum(_read_run(ring, fd, run, i, filled, abort) for run in _runs(wants))
+        lane.enter()
+        fd, wants, close = job.open()
+        try:
+            for run in _runs(wants):
+                _read_run(lane, fd, run, dests, staged, abort)
+        finally:
+            close()
+    except BaseException:
+        abort.set()  # the other readers stop at their next slot
+        raise
     finally:
-        close()
+        lanes.put(lane)
 
 
 def _runs(wants: list[Want]) -> list[list[Want]]:
@@ -189,93 +244,39 @@ def _runs(wants: list[Want]) -> list[list[Want]]:
 
 
 def _read_run(
-    ring: Ring,
+    lane: Lane,
     fd: int,
     run: list[Want],
-    job: int,
-    filled: queue.Queue[_Filled],
+    dests: dict[str, Dest],
+    staged: _Staging,
     abort: threading.Event,
-) -> int:
-    """One run of adjacent tensors into slots, each slot read whole and each tensor's
-    share of it hashed there (python-xxhash lets the other readers run meanwhile)."""
+) -> None:
+    """One run of adjacent tensors through the lane's slots: each slot read whole,
+    each tensor's share of it hashed (python-xxhash lets the other readers run
+    meanwhile), the slot copied whole to the staging buffer."""
     pos, end = run[0].start, run[-1].end
-    chunks = first = 0
+    first = 0
     hashers = {w.key: xxhash.xxh3_128() for w in run}
-    while pos < end:
-        slot = ring.acquire(abort)
-        if slot is None:
-            return chunks
-        n = min(ring.slot_bytes, end - pos)
-        view = memoryview(ring.slots[slot]).cast("B")[:n]  # type: ignore[arg-type]
-        try:
-            if os.preadv(fd, [view], pos) != n:
-                raise CorruptBlobError(run[0].where, "file truncated inside a tensor")
-            while run[first].end <= pos:  # tensors wholly before this slot: done
-                first += 1
-            for w in run[first:]:  # only the tensors this slot holds (a run is sorted)
-                if w.start >= pos + n:
-                    break
-                a, b = max(w.start, pos), min(w.end, pos + n)
-                if a < b:
-                    hashers[w.key].update(view[a - pos : b - pos])
-                if w.end <= pos + n and hashers[w.key].digest() != w.want:
-                    raise CorruptBlobError(w.where, "checksum mismatch in tensor data")
-        except BaseException:
-            ring.release(slot)
-            raise
-        filled.put(_Filled(job, slot, pos, n))
-        chunks += 1
+    where = {w.key: geometry(w.stored.shape, w.at, dests[w.key]) for w in run}
+    while pos < end and not abort.is_set():
+        slot = lane.take()
+        n = min(int(lane.slots[slot].nbytes), end - pos)
+        view = memoryview(lane.slots[slot]).cast("B")[:n]  # type: ignore[arg-type]
+        if os.preadv(fd, [view], pos) != n:
+            raise CorruptBlobError(run[0].where, "file truncated inside a tensor")
+        chunk, off = staged.region(n)
+        while run[first].end <= pos:  # tensors wholly before this slot: done
+            first += 1
+        copies: list[Copy] = []
+        for w in run[first:]:  # only the tensors this slot holds (a run is sorted)
+            if w.start >= pos + n:
+                break
+            a, b = max(w.start, pos), min(w.end, pos + n)
+            if a < b:
+                hashers[w.key].update(view[a - pos : b - pos])
+                copies += placement(a - w.start, b - w.start, off + a - pos, where[w.key])
+            if w.end <= pos + n and hashers[w.key].digest() != w.want:
+                raise CorruptBlobError(w.where, "checksum mismatch in tensor data")
+        lane.put(slot, staged.bufs[chunk][1] + off, n)
+        staged.add(chunk, copies)
         pos += n
-    return chunks
-
-
-def _cut(w: Want, chunks: list[Chunk]) -> mx.array:
-    """Tensor ``w`` from its job's device chunks, in its stored dtype and shape."""
-    dtype = NAME_TO_MX[w.stored.dtype]
-    if w.end == w.start:
-        return mx.zeros(w.stored.shape, dtype=dtype)
-    parts = [
-        arr[max(w.start, pos) - pos : min(w.end, pos + n) - pos]
-        for pos, n, arr in sorted(chunks, key=lambda c: c[0])
-        if pos < w.end and w.start < pos + n
-    ]
-    first = next(pos for pos, n, _ in chunks if pos <= w.start < pos + n)
-    if len(parts) > 1:
-        flat = mx.concatenate(parts)
-    elif (w.start - first) % DTYPE_SIZES[w.stored.dtype]:
-        flat = device_copy(parts[0])  # an unaligned view: a buffer of its own first
-    else:
-        flat = parts[0]
-    return flat.view(dtype).reshape(w.stored.shape)
-
-
-def assemble(
-    parts: list[tuple[int, mx.array]], shape: tuple[int, ...], axis: int, limit: int | None
-) -> mx.array:
-    """One buffer of ``shape`` from pieces placed at positions along ``axis``;
-    positions no piece fills, and those from ``limit`` on, are zeros."""
-    if len(shape) <= axis:
-        return device_copy(parts[0][1])
-    dtype = parts[0][1].dtype
-    end = shape[axis] if limit is None else min(limit, shape[axis])
-    out: list[mx.array] = []
-    pos = 0
-
-    def zeros(n: int) -> mx.array:
-        return mx.zeros((*shape[:axis], n, *shape[axis + 1 :]), dtype=dtype)
-
-    for at, p in sorted(parts, key=lambda q: q[0]):
-        take = max(0, min(p.shape[axis], end - at))
-        if not take:
-            continue
-        if at > pos:
-            out.append(zeros(at - pos))
-        if take < p.shape[axis]:
-            p = p[(slice(None),) * axis + (slice(0, take),)]
-        out.append(p)
-        pos = at + take
-    if pos < shape[axis]:
-        out.append(zeros(shape[axis] - pos))
-    if len(out) == 1:
-        return device_copy(out[0])  # a buffer of its own, not a view of a chunk
-    return mx.concatenate(out, axis=axis)

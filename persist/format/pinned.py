@@ -4,13 +4,17 @@ MLX puts an array made from host memory in CUDA managed memory and never
 prefetches it: the first kernels that read a restored cache pull it across
 page by page (0.64 s per GiB on an H200), and a host read of a live cache
 moves it there for good.  Kernel outputs live in device memory.  So on CUDA
-a restore stages file bytes in a small ring of page-locked host buffers
-(``cuMemHostAlloc``, through ctypes on the driver library that is always
-present where MLX's CUDA backend runs) and a copy kernel reads each buffer
-over PCIe into its own output: device memory, at the bus's speed.
+a restore first makes every tensor's buffer and a staging buffer as kernel
+outputs (address known: ``format/cuda_kernels``); reader threads read file
+bytes into page-locked slots (``cuMemHostAlloc``, through ctypes on the driver
+library that is always present where MLX's CUDA backend runs), and the copy
+engine moves each slot whole into the staging buffer, on a stream per reader
+(``Lane``): one driver call per slot, at the bus's speed, and no MLX call
+while the readers run.  One kernel then moves every tensor's bytes to their
+places (``scatter``), at the device's speed.
 
 The choice is made once per process (``choose``): CUDA with the driver and
-a ring -> ``cuda-pinned``; anything else (CPU, Metal, no driver, a failed
+the lanes -> ``cuda-pinned``; anything else (CPU, Metal, no driver, a failed
 pinned allocation, ``PERSIST_DATA_PATH=host``) -> ``host``, today's path of
 reading into MLX buffers, with the reason kept for ``persist stats``.
 """
@@ -20,14 +24,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
+
+from .cuda_kernels import Copy, device_buffers, scatter
+from .cudadrv import Driver
 
 __all__ = [
     "Ring",
@@ -38,52 +44,60 @@ __all__ = [
     "CUDA_PINNED",
     "HOST",
     "SLOT_BYTES",
-    "SLOTS",
+    "LANES",
+    "Copy",
+    "Lane",
 ]
 
 CUDA_PINNED = "cuda-pinned"
 HOST = "host"
-SLOT_BYTES = 8 << 20  # one staged read: few copy launches, and the bytes still overlap
-SLOTS = 16  # the ring: 128 MiB of page-locked memory, allocated once per process
-_PORTABLE, _DEVICEMAP = 0x01, 0x02  # CU_MEMHOSTALLOC_*
-_GRID = 132 * 2048  # threads of the copy kernel (an H200 has 132 SMs): a grid-stride loop
+SLOT_BYTES = 8 << 20  # one staged read: few driver calls, and the bytes still overlap
+LANES = 8  # readers, each with two slots: 128 MiB of page-locked memory, once per process
+
+
+class Lane(Protocol):
+    """One reader's staging: two page-locked slots, and the copy out of each.
+
+    A reader reads into one slot while the other's copy runs: ``take`` gives
+    the next slot once its earlier copy is done, ``put`` queues the copy of a
+    slot's first ``n`` bytes to a device address and returns at once,
+    ``drain`` waits for every copy of the lane.
+    """
+
+    slots: list[np.ndarray]
+
+    def enter(self) -> None: ...
+
+    def take(self) -> int: ...
+
+    def put(self, slot: int, dst: int, n: int) -> None: ...
+
+    def drain(self) -> None: ...
+
+
+# sizes in bytes -> [(uint8 device array, its address)], zeroed, evaluated
+Buffers = Callable[[list[int]], list[tuple[mx.array, int]]]
+# a staging buffer, the copies out of it into the buffers (done on return)
+Scatter = Callable[[mx.array, list[Copy]], None]
 
 
 class Ring:
-    """``len(slots)`` staging buffers and how a filled one becomes a device array.
+    """The lanes of a process, lent to one restore at a time (``lock``), and how
+    that restore gets device buffers (``buffers``) and moves staged bytes from
+    one into the others (``scatter``)."""
 
-    ``to_device(i, n)`` returns a flat uint8 array with the first ``n`` bytes of
-    slot ``i`` (rounded up to 16), in a buffer of its own; the slot may be
-    refilled once that array is evaluated.  Slots are handed out by
-    ``acquire`` / ``release``; ``lock`` serializes the restores that use them.
-    """
-
-    def __init__(self, slots: list[np.ndarray], to_device: Callable[[int, int], mx.array]) -> None:
-        self.slots, self.to_device = slots, to_device
+    def __init__(self, lanes: list[Lane], buffers: Buffers, scatter: Scatter) -> None:
+        self.lanes, self.buffers, self.scatter = lanes, buffers, scatter
         self.lock = threading.Lock()
-        self.reset()
-
-    def reset(self) -> None:
-        """Every slot free again (after a failed restore, once no copy reads them)."""
-        self.free: queue.Queue[int] = queue.Queue()
-        for i in range(len(self.slots)):
-            self.free.put(i)
 
     @property
     def slot_bytes(self) -> int:
-        return int(self.slots[0].nbytes)
+        return int(self.lanes[0].slots[0].nbytes)
 
-    def acquire(self, abort: threading.Event) -> int | None:
-        """A free slot, or None once ``abort`` is set."""
-        while not abort.is_set():
-            try:
-                return self.free.get(timeout=0.05)
-            except queue.Empty:
-                continue
-        return None
-
-    def release(self, i: int) -> None:
-        self.free.put(i)
+    def drain(self) -> None:
+        """Every copy of every lane done: the buffers hold their bytes, the slots are free."""
+        for lane in self.lanes:
+            lane.drain()
 
 
 @dataclass(frozen=True)
@@ -130,13 +144,14 @@ def _select() -> Choice:
     if here != "cuda":
         return Choice(HOST, f"MLX runs on {here}: arrays are host memory already")
     try:
-        driver = _Driver()
-        ring = _cuda_ring(driver, SLOTS, SLOT_BYTES)
+        driver = Driver()
+        ring = _cuda_ring(driver, LANES, SLOT_BYTES)
     except OSError as e:  # no libcuda.so.1, or a driver call that failed
         return Choice(HOST, f"CUDA driver API unavailable ({e})")
     except MemoryError as e:
         return Choice(HOST, f"pinned host memory refused ({e})")
-    return Choice(CUDA_PINNED, f"{SLOTS} pinned staging buffers of {SLOT_BYTES >> 20} MiB", ring)
+    slots = f"{2 * LANES} pinned staging buffers of {SLOT_BYTES >> 20} MiB"
+    return Choice(CUDA_PINNED, f"{slots}, {LANES} copy streams", ring)
 
 
 def backend() -> str:
@@ -147,89 +162,42 @@ def backend() -> str:
     return "cuda" if cuda is not None and cuda.is_available() else "metal"
 
 
-class _Driver:
-    """The few CUDA driver calls the ring needs, on ``libcuda.so.1``."""
+class _CudaLane:
+    """A lane on the copy engine: two pinned slots, a stream of its own, an event per slot."""
 
-    def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self._call("cuInit", ctypes.c_uint(0))
-        ctx = ctypes.c_void_p()
-        self._call("cuCtxGetCurrent", ctypes.byref(ctx))
-        if not ctx.value:  # MLX's runtime works in the primary context: allocate in it
-            dev = ctypes.c_int()
-            self._call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(0))
-            self._call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
-            self._call("cuCtxSetCurrent", ctx)
+    def __init__(self, driver: Driver, size: int) -> None:
+        self.driver = driver
+        made = [driver.host_alloc(size) for _ in range(2)]
+        self.slots = [
+            np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(host)) for host, _ in made
+        ]
+        self.hosts = [host for host, _ in made]
+        self.stream = driver.stream()
+        self.events = [driver.event(), driver.event()]
+        self.pending = [False, False]
+        self.turn = 0
 
-    def _call(self, name: str, *args: Any) -> None:
-        rc = getattr(self.lib, name)(*args)
-        if rc:
-            raise OSError(f"{name} returned CUDA error {rc}")
+    def enter(self) -> None:
+        self.driver.make_current()
 
-    def host_alloc(self, n: int) -> tuple[int, int]:
-        """``n`` page-locked bytes mapped for the device: (host address, device address)."""
-        p, d = ctypes.c_void_p(), ctypes.c_uint64()
-        rc = self.lib.cuMemHostAlloc(
-            ctypes.byref(p), ctypes.c_size_t(n), ctypes.c_uint(_PORTABLE | _DEVICEMAP)
-        )
-        if rc or not p.value:
-            raise MemoryError(f"cuMemHostAlloc of {n} bytes returned CUDA error {rc}")
-        self._call("cuMemHostGetDevicePointer_v2", ctypes.byref(d), p, ctypes.c_uint(0))
-        return int(p.value), int(d.value)
+    def take(self) -> int:
+        i, self.turn = self.turn, self.turn ^ 1
+        if self.pending[i]:
+            self.driver.wait_event(self.events[i])
+            self.pending[i] = False
+        return i
 
+    def put(self, slot: int, dst: int, n: int) -> None:
+        self.driver.copy_in(self.hosts[slot], dst, n, 1, n, n, self.stream)
+        self.driver.record(self.events[slot], self.stream)  # the slot is busy until then
+        self.pending[slot] = True
 
-_COPY_IN = """
-    const unsigned long long n = src[1];
-    const uint4* from = reinterpret_cast<const uint4*>(src[0]);
-    uint4* to = reinterpret_cast<uint4*>(out);
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-         i < n; i += stride) {
-        to[i] = from[i];
-    }
-"""
-_kernel: Any = None
+    def drain(self) -> None:
+        self.driver.make_current()
+        self.driver.wait_stream(self.stream)
+        self.pending = [False, False]
 
 
-def copy_in(device_ptr: int, nbytes: int, src: mx.array | None = None) -> mx.array:
-    """A device array with ``nbytes`` (rounded up to 16) read from a mapped pinned buffer
-    (``src``: the kernel's argument for that pointer and size, made once by the caller)."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="persist_copy_in", input_names=["src"], output_names=["out"], source=_COPY_IN
-        )
-    words = -(-nbytes // 16)
-    if src is None:
-        src = mx.array([device_ptr, words], dtype=mx.uint64)
-    (out,) = _kernel(
-        inputs=[src],
-        grid=(min(_GRID, max(256, -(-words // 256) * 256)), 1, 1),
-        threadgroup=(256, 1, 1),
-        output_shapes=[(words * 16,)],
-        output_dtypes=[mx.uint8],
-    )
-    return out
-
-
-def _cuda_ring(driver: _Driver, n: int, size: int) -> Ring:
+def _cuda_ring(driver: Driver, lanes: int, size: int) -> Ring:
     mx.eval(mx.zeros(1))  # MLX's CUDA context exists before the driver allocates in it
-    slots, device = [], []
-    for _ in range(n):
-        host, dev = driver.host_alloc(size)
-        slots.append(np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(host)))
-        device.append(dev)
-
-    args: dict[tuple[int, int], mx.array] = {}  # (slot, bytes) -> the kernel's argument
-
-    def to_device(i: int, nbytes: int) -> mx.array:
-        key = (i, nbytes)
-        if key not in args:
-            if len(args) > 4096:  # sizes seen before recur (full slots); odd ones go
-                args.clear()
-            args[key] = mx.array([device[i], -(-nbytes // 16)], dtype=mx.uint64)
-        out = copy_in(device[i], nbytes, args[key])
-        mx.async_eval(out)
-        return out
-
-    return Ring(slots, to_device)
+    return Ring([_CudaLane(driver, size) for _ in range(lanes)], device_buffers, scatter)

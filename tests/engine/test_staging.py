@@ -1,15 +1,19 @@
-"""The staged restore (format/pinned + engine/staging): blobs through a ring of
-staging buffers into arrays of their own, against the host path, bit for bit.
+"""The staged restore (format/pinned + engine/staging): blobs through lanes of
+staging slots straight into the tensors' own buffers, against the host path,
+bit for bit.
 
-On CUDA the ring is the real one (page-locked memory, the copy kernel), plus a
-ring of tiny real slots so that tensors span slots; elsewhere a ring of plain
-host buffers whose copy is ``mx.array`` runs the same pipeline (threads,
-hashing, slot reuse, cutting, assembly).  The selection and its fallbacks are
-tested on the CPU.
+On CUDA the lanes are the real ones (page-locked slots, the copy engine on a
+stream per lane, device buffers from the zeroing kernel), plus lanes of tiny
+real slots so that tensors span slots; elsewhere lanes of plain host slots
+whose copies are ``memmove`` into MLX's host buffers run the same pipeline
+(threads, hashing, slot reuse, strided placement, partial rooms).  The
+selection and its fallbacks are tested on the CPU.
 """
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,11 +21,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import persist
+from persist.engine import staging
 from persist.errors import CorruptBlobError
 from persist.format import pinned
-from persist.format.pinned import CUDA_PINNED, HOST, Choice, Ring
+from persist.format.pinned import CUDA_PINNED, HOST, Choice, Copy, Ring
 from tests.engine.test_partial_reads import full_then_trim, whole_buffers
 from tests.helpers import (
     CUDA_RTOL,
@@ -39,15 +46,55 @@ BLOCK = 16
 FAMILIES = ["llama", "gemma3", "qwen3_next", "mamba2", "falcon_h1", "llama4"]
 
 
-def host_ring(slots: int, size: int) -> Ring:
-    bufs = [np.zeros(size, dtype=np.uint8) for _ in range(slots)]
-    return Ring(bufs, lambda i, n: mx.array(bufs[i][: -(-n // 16) * 16]))  # a copy
+class HostLane:
+    """A lane without a GPU: its copies are memmoves, done when ``put`` returns."""
+
+    def __init__(self, size: int) -> None:
+        self.slots = [np.zeros(size, dtype=np.uint8) for _ in range(2)]
+        self.turn = self.taken = self.copies = 0
+
+    def enter(self) -> None:
+        pass
+
+    def take(self) -> int:
+        self.turn ^= 1
+        self.taken += 1
+        return self.turn
+
+    def put(self, slot: int, dst: int, n: int) -> None:
+        ctypes.memmove(dst, self.slots[slot].ctypes.data, n)
+        self.copies += 1
+
+    def drain(self) -> None:
+        pass
+
+
+def host_buffers(sizes: list[int]) -> list[tuple[mx.array, int]]:
+    """MLX host buffers (zeroed) and their addresses, as the zeroing kernel gives on CUDA."""
+    outs = [mx.zeros((max(1, -(-n // 16)), 16), dtype=mx.uint8) for n in sizes]
+    mx.eval(outs)
+    return [(o, address(o)) for o in outs]
+
+
+def address(a: mx.array) -> int:
+    return int(np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data)
+
+
+def host_scatter(staged: mx.array, copies: list[Copy]) -> None:
+    base = address(staged)
+    for c in copies:
+        for r in range(c.height):
+            ctypes.memmove(c.dst + r * c.dpitch, base + c.src + r * c.spitch, c.width)
+
+
+def host_ring(lanes: int, size: int) -> Ring:
+    return Ring([HostLane(size) for _ in range(lanes)], host_buffers, host_scatter)
 
 
 def small_ring() -> Ring:
     """Slots far smaller than a tensor run: every tensor spans slots."""
     if ON_CUDA:
-        return pinned._cuda_ring(pinned._Driver(), 3, 1024)
+        return pinned._cuda_ring(pinned.Driver(), 3, 1024)
     return host_ring(3, 1024)
 
 
@@ -60,7 +107,7 @@ def rings() -> dict[str, Ring]:
         assert chosen.ring is not None
         out["default"] = chosen.ring
     else:
-        out["default"] = host_ring(pinned.SLOTS, 64 << 10)
+        out["default"] = host_ring(pinned.LANES, 64 << 10)
     return out
 
 
@@ -73,7 +120,11 @@ def host() -> Any:
 
 
 def all_free(ring: Ring) -> bool:
-    return ring.free.qsize() == len(ring.slots)
+    """No restore holds the ring (its lock is free)."""
+    if ring.lock.acquire(blocking=False):
+        ring.lock.release()
+        return True
+    return False
 
 
 @pytest.mark.parametrize("ring_name", ["default", "small"])
@@ -228,12 +279,18 @@ class FakeDriver:
         self.keep.append(buf)
         return buf.ctypes.data, buf.ctypes.data
 
+    def stream(self) -> int:
+        return len(self.keep)
+
+    def event(self) -> int:
+        return len(self.keep)
+
 
 def test_a_refused_pinned_allocation_falls_back(
     fresh_choice: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(pinned, "backend", lambda: "cuda")
-    monkeypatch.setattr(pinned, "_Driver", lambda: FakeDriver(refuse=True))
+    monkeypatch.setattr(pinned, "Driver", lambda: FakeDriver(refuse=True))
     got = pinned.choose()
     assert got.path == HOST
     assert got.reason.startswith("pinned host memory refused (cuMemHostAlloc of")
@@ -249,11 +306,70 @@ def test_with_driver_and_memory_the_ring_is_made_once(
         made.append(FakeDriver(refuse=False))
         return made[-1]
 
-    monkeypatch.setattr(pinned, "_Driver", driver)
+    monkeypatch.setattr(pinned, "Driver", driver)
     got = pinned.choose()
     assert got.path == CUDA_PINNED and got.ring is not None
-    assert len(got.ring.slots) == pinned.SLOTS
+    assert len(got.ring.lanes) == pinned.LANES
     assert got.ring.slot_bytes == pinned.SLOT_BYTES
-    got.ring.slots[3][:4] = 7  # the slots are the driver's memory
+    got.ring.lanes[1].slots[1][:4] = 7  # the slots are the driver's memory
     assert made[0].keep[3][:4].tolist() == [7, 7, 7, 7]
     assert pinned.choose() is got and len(made) == 1
+
+
+# -- placement: where a piece's bytes go, whatever slots cut it into ------------
+
+
+@st.composite
+def pieces(draw: st.DrawFn) -> tuple[Any, ...]:
+    lead = draw(st.lists(st.integers(1, 3), min_size=0, max_size=2))
+    t, d = draw(st.integers(0, 5)), draw(st.integers(1, 4))
+    item = draw(st.sampled_from([1, 2, 4]))
+    at = draw(st.integers(0, 4))
+    cap = at + t + draw(st.integers(0, 3))
+    limit = draw(st.one_of(st.none(), st.integers(0, cap + 1)))
+    stored = (*lead, t, d)
+    size = int(np.prod(stored)) * item
+    cuts = sorted(draw(st.lists(st.integers(0, size), max_size=6)))
+    return stored, len(lead), item, at, cap, limit, cuts
+
+
+@given(pieces())
+@settings(max_examples=300, deadline=None)
+def test_placement_puts_each_kept_byte_where_the_host_path_does(case: tuple[Any, ...]) -> None:
+    stored, axis, item, at, cap, limit, cuts = case
+    alloc = (*stored[:axis], cap, *stored[axis + 1 :])
+    src = np.random.default_rng(0).integers(1, 255, int(np.prod(stored)) * item, dtype=np.uint8)
+    out = np.zeros(int(np.prod(alloc)) * item, dtype=np.uint8)
+    g = staging.geometry(stored, at, staging.Dest(out.ctypes.data, alloc, axis, limit, item))
+    bounds = [0, *cuts, src.nbytes]
+    for a, b in itertools.pairwise(bounds):  # each cut: a slot of its own
+        slot = src[a:b].copy()
+        for c in staging.placement(a, b, 0, g):
+            assert c.width <= c.spitch and c.src + (c.height - 1) * c.spitch + c.width <= b - a
+            for r in range(c.height):
+                ctypes.memmove(
+                    c.dst + r * c.dpitch, slot.ctypes.data + c.src + r * c.spitch, c.width
+                )
+    want = np.zeros((*alloc[:axis], cap, stored[axis + 1] * item), dtype=np.uint8)
+    end = cap if limit is None else min(limit, cap)
+    keep = max(0, min(stored[axis], end - at))
+    lay = src.reshape(*stored[:axis], stored[axis], stored[axis + 1] * item)
+    want[..., at : at + keep, :] = lay[..., :keep, :]
+    assert out.tobytes() == want.tobytes()
+
+
+def test_a_staged_restore_goes_through_the_lanes(tiny: Any, tmp_path: Path) -> None:
+    """The ring's lanes did the copies: slots taken, strided copies made (a test
+    of the test: the staged restores above are not the host path's)."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    prompt = tokens_for(70, seed=5)
+    ring = host_ring(2, 1024) if not ON_CUDA else None
+    if ring is None:
+        pytest.skip("the host lanes' counters")
+    with persist.Store(tmp_path / "s", block_tokens=BLOCK) as store:
+        store.save(prefill(model, prompt)[0], prompt, identity=ident, session="s")
+        with staged(ring):
+            store.restore("s", identity=ident)
+    lanes = [lane for lane in ring.lanes if isinstance(lane, HostLane)]
+    assert sum(lane.taken for lane in lanes) > 2 and sum(lane.copies for lane in lanes) > 2

@@ -1,0 +1,177 @@
+"""Where a staged CUDA restore's time goes (H200 probe; writes a report to argv[1]).
+
+    python -m bench.cuda_stage_probe OUT_DIR [tokens]
+
+A Llama-3-8B-shaped cache is saved once; then, warm, minimum of interleaved
+repetitions: Store.restore + first step through lanes of several counts and
+slot sizes, and one instrumented restore per ring that sums, over the reader
+threads, the time in preadv, xxhash, queuing copies and waiting for a slot;
+beside them the floor: the store's blob files read and hashed per tensor on
+the same threads with no copies.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import time
+import types
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+
+import persist
+from bench.bench_throughput import IDENTITY, first_step, llama
+from bench.common import warm
+from persist.engine import loading, staging
+from persist.format import pinned
+from persist.format.cudadrv import Driver
+
+REPS = 5
+_sums: dict[str, float] = defaultdict(float)
+_lock = threading.Lock()
+
+
+def _add(name: str, dt: float) -> None:
+    with _lock:
+        _sums[name] += dt
+
+
+def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            _add(name, time.perf_counter() - t)
+
+    return run
+
+
+class _Hasher:
+    def __init__(self) -> None:
+        self.h = xxhash.xxh3_128()
+
+    def update(self, b: Any) -> None:
+        t = time.perf_counter()
+        self.h.update(b)
+        _add("xxhash", time.perf_counter() - t)
+
+    def digest(self) -> bytes:
+        return self.h.digest()
+
+
+def instrumented(ring: pinned.Ring, fn: Callable[[], None]) -> dict[str, float]:
+    _sums.clear()
+    saved = (staging.os, staging.xxhash, staging.stage, ring.scatter, ring.buffers)
+    staging.os = types.SimpleNamespace(preadv=_timed("preadv", os.preadv))  # type: ignore[assignment]
+    staging.xxhash = types.SimpleNamespace(xxh3_128=_Hasher)  # type: ignore[assignment]
+    lanes = [(lane, lane.put, lane.take) for lane in ring.lanes]
+    for lane, put, take in lanes:
+        lane.put = _timed("put", put)  # type: ignore[method-assign]
+        lane.take = _timed("take", take)  # type: ignore[method-assign]
+    ring.buffers = _timed("buffers", ring.buffers)  # type: ignore[method-assign]
+    ring.scatter = _timed("scatter", ring.scatter)  # type: ignore[method-assign]
+    loading.staging.stage = _timed("stage", staging.stage)  # type: ignore[attr-defined]
+    try:
+        t = time.perf_counter()
+        fn()
+        _sums["total"] = time.perf_counter() - t
+    finally:
+        staging.os, staging.xxhash, staging.stage = saved[0], saved[1], saved[2]  # type: ignore[assignment]
+        ring.buffers, ring.scatter = saved[4], saved[3]  # type: ignore[method-assign]
+        for lane, _, _ in lanes:
+            del lane.put, lane.take  # type: ignore[attr-defined]
+    return dict(_sums)
+
+
+def floor(files: list[Path], threads: int, slot: int) -> float:
+    """Read + hash per 512 KiB of every file into reused host slots, no copies."""
+    bufs = [np.empty(slot, dtype=np.uint8) for _ in range(threads)]
+    idx = iter(range(10**9))
+    lock = threading.Lock()
+
+    def one(p: Path) -> None:
+        with lock:
+            i = next(idx) % threads
+        view = memoryview(bufs[i]).cast("B")  # type: ignore[arg-type]
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            pos, size = 0, p.stat().st_size
+            while pos < size:
+                n = os.preadv(fd, [view[: min(slot, size - pos)]], pos)
+                for a in range(0, n, 512 << 10):
+                    xxhash.xxh3_128(view[a : min(n, a + (512 << 10))]).digest()
+                pos += n
+        finally:
+            os.close(fd)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, files))
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
+    lines: list[str] = []
+
+    def say(s: str) -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    tmp = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    store = persist.Store(tmp / "store")
+    cache = llama(tokens)
+    store.save(cache, list(range(tokens)), identity=IDENTITY, session="s")
+    del cache
+    files = sorted((tmp / "store" / "blobs").rglob("*.safetensors"))
+    say(f"{tokens} tokens, {len(files)} blobs, {sum(p.stat().st_size for p in files) >> 20} MiB")
+    driver = Driver()
+    rings = {
+        f"{n} lanes x {mib} MiB": pinned._cuda_ring(driver, n, mib << 20)
+        for n, mib in [(8, 8), (12, 8), (16, 8), (8, 16)]
+    }
+
+    def restore(ring: pinned.Ring) -> Callable[[], None]:
+        def go() -> None:
+            with pinned.use(pinned.Choice(pinned.CUDA_PINNED, "probe", ring)):
+                first_step(store.restore("s", identity=IDENTITY).cache)
+
+        return go
+
+    best: dict[str, float] = defaultdict(lambda: float("inf"))
+    for rep in range(REPS + 1):
+        for name, ring in rings.items():
+            for p in files:
+                warm(p)
+            t = time.perf_counter()
+            restore(ring)()
+            if rep:
+                best[name] = min(best[name], time.perf_counter() - t)
+        for threads in (8, 16):
+            if rep:
+                best[f"floor: read+hash, {threads} threads"] = min(
+                    best[f"floor: read+hash, {threads} threads"], floor(files, threads, 8 << 20)
+                )
+    for name, s in best.items():
+        say(f"{name}: {s * 1000:.1f} ms")
+    for name, ring in rings.items():
+        got = instrumented(ring, restore(ring))
+        parts = ", ".join(f"{k} {v * 1000:.1f}" for k, v in sorted(got.items()))
+        say(f"instrumented {name} (ms; reader sums over threads): {parts}")
+    mx.synchronize()
+    (out / f"stage-probe-{tokens}.txt").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

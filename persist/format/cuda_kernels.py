@@ -1,0 +1,173 @@
+"""The CUDA kernels persist runs through MLX (``mx.fast.cuda_kernel``).
+
+``device_buffers`` makes zeroed buffers in device memory (a kernel's outputs
+live there, MLX's ``cudaMallocAsync``) and reports their addresses, so the
+copy engine can fill them behind MLX's back; ``scatter`` moves bytes staged
+in such a buffer to their places in others, one thread block per copy, in
+one launch; ``copy_in`` reads a mapped pinned buffer over PCIe (the bench's
+limit row).  Nothing here runs off the caller's thread: MLX is not thread-safe.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ["Copy", "copy_in", "device_buffers", "scatter"]
+
+_GRID = 132 * 2048  # threads of a grid-stride loop (an H200 has 132 SMs)
+
+
+class Copy(NamedTuple):
+    """``height`` rows of ``width`` bytes from offset ``src`` of a staging buffer
+    (rows ``spitch`` apart) to address ``dst`` (rows ``dpitch`` apart)."""
+
+    src: int
+    dst: int
+    width: int
+    height: int
+    spitch: int
+    dpitch: int
+
+
+_COPY_IN = """
+    const unsigned long long n = src[1];
+    const uint4* from = reinterpret_cast<const uint4*>(src[0]);
+    uint4* to = reinterpret_cast<uint4*>(out);
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride) {
+        to[i] = from[i];
+    }
+"""
+_kernel: Any = None
+
+
+def copy_in(device_ptr: int, nbytes: int, src: mx.array | None = None) -> mx.array:
+    """A device array with ``nbytes`` (rounded up to 16) read from a mapped pinned buffer
+    (``src``: the kernel's argument for that pointer and size, made once by the caller)."""
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="persist_copy_in", input_names=["src"], output_names=["out"], source=_COPY_IN
+        )
+    words = -(-nbytes // 16)
+    if src is None:
+        src = mx.array([device_ptr, words], dtype=mx.uint64)
+    (out,) = _kernel(
+        inputs=[src],
+        grid=(min(_GRID, max(256, -(-words // 256) * 256)), 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(words * 16,)],
+        output_dtypes=[mx.uint8],
+    )
+    return out
+
+
+_ZEROED = """
+    const unsigned long long n = words[0];
+    uint4* to = reinterpret_cast<uint4*>(out);
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride) {
+        to[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        addr[0] = reinterpret_cast<unsigned long long>(out);
+    }
+"""
+_zeroed: Any = None
+
+
+def device_buffers(sizes: list[int]) -> list[tuple[mx.array, int]]:
+    """A zeroed device buffer of each size (rounded up to 16 bytes) and its address.
+
+    A kernel's output lives in device memory (MLX's ``cudaMallocAsync``); the
+    kernel zeroes it and writes its address, so the copy engine can fill it.
+    Returned once every kernel is done: no MLX work on the buffers is pending.
+    """
+    global _zeroed
+    if _zeroed is None:
+        _zeroed = mx.fast.cuda_kernel(
+            name="persist_zeroed",
+            input_names=["words"],
+            output_names=["out", "addr"],
+            source=_ZEROED,
+        )
+    outs: list[mx.array] = []
+    addrs: list[mx.array] = []
+    for n in sizes:
+        words = max(1, -(-n // 16))
+        out, addr = _zeroed(
+            inputs=[mx.array([words], dtype=mx.uint64)],
+            grid=(min(_GRID, -(-words // 256) * 256), 1, 1),
+            threadgroup=(256, 1, 1),
+            output_shapes=[(words, 16), (1,)],
+            output_dtypes=[mx.uint8, mx.uint64],
+        )
+        outs.append(out)
+        addrs.append(addr)
+    if not outs:
+        return []
+    mx.eval(outs, addrs)
+    got = np.array(mx.concatenate(addrs)).tolist()
+    mx.synchronize()  # the zero fills are done before any copy lands
+    return list(zip(outs, [int(a) for a in got], strict=True))
+
+
+_SCATTER = """
+    // one block per copy: src_off, dst, width, height, spitch, dpitch
+    const unsigned long long* t = table + 6 * blockIdx.x;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(staged) + t[0];
+    unsigned char* dst = reinterpret_cast<unsigned char*>(t[1]);
+    const unsigned long long width = t[2], height = t[3], spitch = t[4], dpitch = t[5];
+    const unsigned long long aligned = (reinterpret_cast<unsigned long long>(src) | t[1]
+                                        | width | spitch | dpitch) & 15;
+    if (aligned == 0) {
+        const unsigned long long words = width / 16, n = words * height;
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+            const unsigned long long r = i / words, c = i % words;
+            reinterpret_cast<uint4*>(dst + r * dpitch)[c] =
+                reinterpret_cast<const uint4*>(src + r * spitch)[c];
+        }
+    } else {
+        const unsigned long long n = width * height;
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+            const unsigned long long r = i / width, c = i % width;
+            dst[r * dpitch + c] = src[r * spitch + c];
+        }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        done[0] = 1;
+    }
+"""
+_scatter: Any = None
+_BLOCKS = 1 << 20  # copies per launch (a grid dimension's bound, with room)
+
+
+def scatter(staged: mx.array, copies: list[Copy]) -> None:
+    """Every copy from ``staged`` (device bytes; ``Copy.src`` an offset into it)
+    to its device address, done when this returns."""
+    global _scatter
+    if _scatter is None:
+        _scatter = mx.fast.cuda_kernel(
+            name="persist_scatter",
+            input_names=["staged", "table"],
+            output_names=["done"],
+            source=_SCATTER,
+        )
+    outs = []
+    for i in range(0, len(copies), _BLOCKS):
+        table = mx.array(np.asarray(copies[i : i + _BLOCKS], dtype=np.uint64).reshape(-1))
+        (done,) = _scatter(
+            inputs=[staged, table],
+            grid=(256 * min(_BLOCKS, len(copies) - i), 1, 1),
+            threadgroup=(256, 1, 1),
+            output_shapes=[(1,)],
+            output_dtypes=[mx.uint8],
+        )
+        outs.append(done)
+    mx.eval(outs)
+    mx.synchronize()  # the copies wrote memory MLX's graph does not know of
