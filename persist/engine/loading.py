@@ -16,7 +16,6 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-import mlx.core as mx
 import msgpack
 
 from .. import policy
@@ -25,6 +24,7 @@ from ..codecs.snapshot import rebuild
 from ..errors import CorruptBlobError
 from ..format import pinned
 from ..format.container import Header, read_header
+from ..format.cuda_kernels import as_tensor
 from ..format.manifest import blob_manifest, snapshot_specs
 from ..format.tensors import (
     NAME_TO_MX,
@@ -184,10 +184,8 @@ def _staged(
     sizes = [math.prod(shape) * DTYPE_SIZES[dtype] for shape, _, dtype in shapes.values()]
     made = ring.buffers(sizes)
     dests = {
-        key: staging.Dest(addr, shape, axis, room[key][0] if key in room else None, size)
-        for (key, (shape, axis, dtype)), (_, addr), size in zip(
-            shapes.items(), made, [DTYPE_SIZES[d] for _, _, d in shapes.values()], strict=True
-        )
+        key: staging.Dest(addr, shape, axis, room[key][0] if key in room else None, DTYPE_SIZES[d])
+        for (key, (shape, axis, d)), (_, addr) in zip(shapes.items(), made, strict=True)
     }
     jobs = [
         staging.Job(functools.partial(_open_staged, blobs, f, heads[f], at, which, dests, split))
@@ -196,19 +194,9 @@ def _staged(
     total = sum(known[0] for f, _, _ in pieces if (known := heads[f]) is not None)
     staging.stage(ring, jobs, dests, total, progress)
     return {
-        key: _shaped(flat, shape, NAME_TO_MX[dtype], n)
+        key: as_tensor(flat, shape, NAME_TO_MX[dtype], n)
         for (key, (shape, _, dtype)), (flat, _), n in zip(shapes.items(), made, sizes, strict=True)
     }
-
-
-def _shaped(flat: mx.array, shape: tuple[int, ...], dtype: Any, nbytes: int) -> mx.array:
-    """A device buffer's bytes as the tensor they hold (views: the buffer is its own)."""
-    if not nbytes:
-        return mx.zeros(shape, dtype=dtype)
-    out = flat.view(dtype).reshape(-1)
-    if out.size * dtype.size != nbytes:  # the buffer was rounded up to 16 bytes
-        out = out[: nbytes // dtype.size]
-    return out.reshape(shape)
 
 
 def _grown(spec: TensorSpec, cap: int | None, axis: int) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["Copy", "copy_in", "device_buffers", "scatter"]
+__all__ = ["Copy", "as_tensor", "copy_in", "device_buffers", "scatter"]
 
 _GRID = 132 * 2048  # threads of a grid-stride loop (an H200 has 132 SMs)
 
@@ -171,3 +171,13 @@ def scatter(staged: mx.array, copies: list[Copy]) -> None:
         outs.append(done)
     mx.eval(outs)
     mx.synchronize()  # the copies wrote memory MLX's graph does not know of
+
+
+def as_tensor(flat: mx.array, shape: tuple[int, ...], dtype: Any, nbytes: int) -> mx.array:
+    """A buffer's first ``nbytes`` as a tensor (views: the buffer stays its own)."""
+    if not nbytes:
+        return mx.zeros(shape, dtype=dtype)
+    out = flat.view(dtype).reshape(-1)
+    if out.size * dtype.size != nbytes:  # the buffer was rounded up to 16 bytes
+        out = out[: nbytes // dtype.size]
+    return out.reshape(shape)
