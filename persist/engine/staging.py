@@ -27,12 +27,12 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import xxhash
 
 from ..errors import CorruptBlobError
-from ..format.pinned import Copy, Lane, Ring
+from ..format.pinned import Copy, Lane, Placed, Ring
 from ..records import Progress, TensorSpec
 
 __all__ = ["Want", "Job", "Dest", "Geometry", "stage", "geometry", "placement"]
@@ -98,9 +98,12 @@ def geometry(stored: tuple[int, ...], at: int, dest: Dest) -> Geometry:
     return Geometry(dest.addr + at * inner, row, pitch, keep)
 
 
-def placement(a: int, b: int, src: int, g: Geometry) -> list[Copy]:
-    """The copies that put bytes [a, b) of a piece, found at offset ``src`` of a
-    slot, in place: whole rows in one strided copy, partial rows each alone."""
+def placement(p: Placed) -> list[Copy]:
+    """The copies that put a staged piece in place (what ``Ring.scatter`` does on
+    the device, as strided row copies): whole rows in one strided copy, partial
+    rows each alone."""
+    a, b, src = p.a, p.b, p.src
+    g = Geometry(p.dst, p.row, p.pitch, p.keep)
     out: list[Copy] = []
     pos = a
     while pos < b:
@@ -138,7 +141,7 @@ class _Staging:
             sizes = [CHUNK] * (n - 1) + [need - (n - 1) * (CHUNK - slot) + slot]
         self.bufs = ring.buffers(sizes)
         self.sizes = sizes
-        self.copies: list[list[Copy]] = [[] for _ in sizes]
+        self.placed: list[list[Placed]] = [[] for _ in sizes]
         self.lock = threading.Lock()
         self.chunk = self.used = 0
 
@@ -151,9 +154,9 @@ class _Staging:
             self.used = off + n
             return self.chunk, off
 
-    def add(self, chunk: int, copies: list[Copy]) -> None:
+    def add(self, chunk: int, placed: list[Placed]) -> None:
         with self.lock:
-            self.copies[chunk] += copies
+            self.placed[chunk] += placed
 
 
 def stage(
@@ -186,9 +189,9 @@ def stage(
         finally:
             pool.shutdown(wait=True)
             ring.drain()
-        for (buf, _), copies in zip(staged.bufs, staged.copies, strict=True):
-            if copies:
-                ring.scatter(buf, copies)
+        for (buf, _), placed in zip(staged.bufs, staged.placed, strict=True):
+            if placed:
+                ring.scatter(buf, placed)
 
 
 def _wait(futures: list[Future[None]], progress: Progress | None) -> None:
@@ -253,10 +256,11 @@ def _read_run(
 ) -> None:
     """One run of adjacent tensors through the lane's slots: each slot read whole,
     each tensor's share of it hashed (python-xxhash lets the other readers run
-    meanwhile), the slot copied whole to the staging buffer."""
+    meanwhile), the slot copied whole to the staging buffer.  The least Python
+    per tensor: every line here holds the GIL the other readers wait for."""
     pos, end = run[0].start, run[-1].end
     first = 0
-    hashers = {w.key: xxhash.xxh3_128() for w in run}
+    hashers: dict[str, Any] = {}  # tensors that span slots
     where = {w.key: geometry(w.stored.shape, w.at, dests[w.key]) for w in run}
     while pos < end and not abort.is_set():
         slot = lane.take()
@@ -267,16 +271,21 @@ def _read_run(
         chunk, off = staged.region(n)
         while run[first].end <= pos:  # tensors wholly before this slot: done
             first += 1
-        copies: list[Copy] = []
+        placed: list[Placed] = []
         for w in run[first:]:  # only the tensors this slot holds (a run is sorted)
             if w.start >= pos + n:
                 break
             a, b = max(w.start, pos), min(w.end, pos + n)
-            if a < b:
-                hashers[w.key].update(view[a - pos : b - pos])
-                copies += placement(a - w.start, b - w.start, off + a - pos, where[w.key])
-            if w.end <= pos + n and hashers[w.key].digest() != w.want:
-                raise CorruptBlobError(w.where, "checksum mismatch in tensor data")
+            if a == w.start and b == w.end:  # the whole tensor: one call
+                if xxhash.xxh3_128_digest(view[a - pos : b - pos]) != w.want:
+                    raise CorruptBlobError(w.where, "checksum mismatch in tensor data")
+            else:
+                h = hashers.setdefault(w.key, xxhash.xxh3_128())
+                h.update(view[a - pos : b - pos])
+                if b == w.end and h.digest() != w.want:
+                    raise CorruptBlobError(w.where, "checksum mismatch in tensor data")
+            g = where[w.key]
+            placed.append(Placed(off + a - pos, a - w.start, b - w.start, *g))
         lane.put(slot, staged.bufs[chunk][1] + off, n)
-        staged.add(chunk, copies)
+        staged.add(chunk, placed)
         pos += n

@@ -2,9 +2,10 @@
 
 ``device_buffers`` makes zeroed buffers in device memory (a kernel's outputs
 live there, MLX's ``cudaMallocAsync``) and reports their addresses, so the
-copy engine can fill them behind MLX's back; ``scatter`` moves bytes staged
-in such a buffer to their places in others, one thread block per copy, in
-one launch; ``copy_in`` reads a mapped pinned buffer over PCIe (the bench's
+copy engine can fill them behind MLX's back; ``scatter`` moves tensors staged
+in such a buffer to their places in others (``Placed``: the row geometry is
+worked out on the device, not by the reader threads), one thread block per
+piece, in one launch; ``copy_in`` reads a mapped pinned buffer over PCIe (the bench's
 limit row).  Nothing here runs off the caller's thread: MLX is not thread-safe.
 """
 
@@ -15,9 +16,24 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["Copy", "as_tensor", "copy_in", "device_buffers", "scatter"]
+__all__ = ["Copy", "Placed", "as_tensor", "copy_in", "device_buffers", "scatter"]
 
 _GRID = 132 * 2048  # threads of a grid-stride loop (an H200 has 132 SMs)
+
+
+class Placed(NamedTuple):
+    """Bytes [a, b) of a stored tensor, found at offset ``src`` of a staging buffer:
+    its byte o goes to ``dst + (o // row) * pitch + o % row`` if ``o % row < keep``
+    (rows of a token block into a capacity-sized buffer; past ``keep`` a partial
+    hit's positions stay zero)."""
+
+    src: int
+    a: int
+    b: int
+    dst: int
+    row: int
+    pitch: int
+    keep: int
 
 
 class Copy(NamedTuple):
@@ -118,25 +134,29 @@ def device_buffers(sizes: list[int]) -> list[tuple[mx.array, int]]:
 
 
 _SCATTER = """
-    // one block per copy: src_off, dst, width, height, spitch, dpitch
-    const unsigned long long* t = table + 6 * blockIdx.x;
+    // one block per piece: bytes [a, b) of a stored tensor, found at staged + src;
+    // its byte o goes to dst + (o / row) * pitch + o % row when o % row < keep
+    const unsigned long long* t = table + 7 * blockIdx.x;
     const unsigned char* src = reinterpret_cast<const unsigned char*>(staged) + t[0];
-    unsigned char* dst = reinterpret_cast<unsigned char*>(t[1]);
-    const unsigned long long width = t[2], height = t[3], spitch = t[4], dpitch = t[5];
-    const unsigned long long aligned = (reinterpret_cast<unsigned long long>(src) | t[1]
-                                        | width | spitch | dpitch) & 15;
-    if (aligned == 0) {
-        const unsigned long long words = width / 16, n = words * height;
+    const unsigned long long a = t[1], b = t[2], row = t[4], pitch = t[5], keep = t[6];
+    unsigned char* dst = reinterpret_cast<unsigned char*>(t[3]);
+    const unsigned long long odd = (reinterpret_cast<unsigned long long>(src) | a | b | t[3]
+                                    | row | pitch | keep) & 15;
+    if (odd == 0) {
+        const unsigned long long n = (b - a) / 16;
         for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
-            const unsigned long long r = i / words, c = i % words;
-            reinterpret_cast<uint4*>(dst + r * dpitch)[c] =
-                reinterpret_cast<const uint4*>(src + r * spitch)[c];
+            const unsigned long long o = a + 16 * i, c = o % row;
+            if (c < keep) {
+                *reinterpret_cast<uint4*>(dst + (o / row) * pitch + c) =
+                    reinterpret_cast<const uint4*>(src)[i];
+            }
         }
     } else {
-        const unsigned long long n = width * height;
-        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
-            const unsigned long long r = i / width, c = i % width;
-            dst[r * dpitch + c] = src[r * spitch + c];
+        for (unsigned long long i = threadIdx.x; i < b - a; i += blockDim.x) {
+            const unsigned long long o = a + i, c = o % row;
+            if (c < keep) {
+                dst[(o / row) * pitch + c] = src[i];
+            }
         }
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -144,12 +164,11 @@ _SCATTER = """
     }
 """
 _scatter: Any = None
-_BLOCKS = 1 << 20  # copies per launch (a grid dimension's bound, with room)
+_BLOCKS = 1 << 20  # pieces per launch (a grid dimension's bound, with room)
 
 
-def scatter(staged: mx.array, copies: list[Copy]) -> None:
-    """Every copy from ``staged`` (device bytes; ``Copy.src`` an offset into it)
-    to its device address, done when this returns."""
+def scatter(staged: mx.array, pieces: list[Placed]) -> None:
+    """Every piece from ``staged`` (device bytes) to its place, done when this returns."""
     global _scatter
     if _scatter is None:
         _scatter = mx.fast.cuda_kernel(
@@ -159,18 +178,18 @@ def scatter(staged: mx.array, copies: list[Copy]) -> None:
             source=_SCATTER,
         )
     outs = []
-    for i in range(0, len(copies), _BLOCKS):
-        table = mx.array(np.asarray(copies[i : i + _BLOCKS], dtype=np.uint64).reshape(-1))
+    for i in range(0, len(pieces), _BLOCKS):
+        table = mx.array(np.asarray(pieces[i : i + _BLOCKS], dtype=np.uint64).reshape(-1))
         (done,) = _scatter(
             inputs=[staged, table],
-            grid=(256 * min(_BLOCKS, len(copies) - i), 1, 1),
+            grid=(256 * min(_BLOCKS, len(pieces) - i), 1, 1),
             threadgroup=(256, 1, 1),
             output_shapes=[(1,)],
             output_dtypes=[mx.uint8],
         )
         outs.append(done)
     mx.eval(outs)
-    mx.synchronize()  # the copies wrote memory MLX's graph does not know of
+    mx.synchronize()  # the kernel wrote memory MLX's graph does not know of
 
 
 def as_tensor(flat: mx.array, shape: tuple[int, ...], dtype: Any, nbytes: int) -> mx.array:

@@ -32,7 +32,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from .cuda_kernels import Copy, device_buffers, scatter
+from .cuda_kernels import Copy, Placed, device_buffers, scatter
 from .cudadrv import Driver
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "SLOT_BYTES",
     "LANES",
     "Copy",
+    "Placed",
     "Lane",
 ]
 
@@ -77,8 +78,8 @@ class Lane(Protocol):
 
 # sizes in bytes -> [(uint8 device array, its address)], zeroed, evaluated
 Buffers = Callable[[list[int]], list[tuple[mx.array, int]]]
-# a staging buffer, the copies out of it into the buffers (done on return)
-Scatter = Callable[[mx.array, list[Copy]], None]
+# a staging buffer, the pieces in it to put in place (done on return)
+Scatter = Callable[[mx.array, list[Placed]], None]
 
 
 class Ring:

@@ -28,7 +28,7 @@ import persist
 from persist.engine import staging
 from persist.errors import CorruptBlobError
 from persist.format import pinned
-from persist.format.pinned import CUDA_PINNED, HOST, Choice, Copy, Ring
+from persist.format.pinned import CUDA_PINNED, HOST, Choice, Placed, Ring
 from tests.engine.test_partial_reads import full_then_trim, whole_buffers
 from tests.helpers import (
     CUDA_RTOL,
@@ -80,9 +80,9 @@ def address(a: mx.array) -> int:
     return int(np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data)
 
 
-def host_scatter(staged: mx.array, copies: list[Copy]) -> None:
+def host_scatter(staged: mx.array, placed: list[Placed]) -> None:
     base = address(staged)
-    for c in copies:
+    for c in (c for p in placed for c in staging.placement(p)):
         for r in range(c.height):
             ctypes.memmove(c.dst + r * c.dpitch, base + c.src + r * c.spitch, c.width)
 
@@ -344,7 +344,7 @@ def test_placement_puts_each_kept_byte_where_the_host_path_does(case: tuple[Any,
     bounds = [0, *cuts, src.nbytes]
     for a, b in itertools.pairwise(bounds):  # each cut: a slot of its own
         slot = src[a:b].copy()
-        for c in staging.placement(a, b, 0, g):
+        for c in staging.placement(Placed(0, a, b, *g)):
             assert c.width <= c.spitch and c.src + (c.height - 1) * c.spitch + c.width <= b - a
             for r in range(c.height):
                 ctypes.memmove(
