@@ -6,6 +6,8 @@
     python -m bench.bench_throughput --mlx-cache mlx # MLX's own CPU buffer cache (32 MiB)
 
 For every case: store save / save_file / mlx-lm save+fsync / raw write+fsync;
+the default path (bench/default_path: a Store per operation, MLX's default buffer
+cache, in a child process): its save and its cold restore + first step;
 restore + first decode step, warm and cold / load_file / mlx-lm load + the same
 step / raw read; a partial hit (1/8 of the tokens): bytes and time against a
 full restore; turn n+1 (256 new tokens): time and bytes against a full save (and
@@ -40,6 +42,7 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, save_prompt_cache
 
 import persist
+from bench import default_path
 from bench.common import RESULTS, direct_write, evict, raw_read, raw_write, warm
 from persist.apps.server import keep_freed_buffers
 
@@ -207,8 +210,11 @@ def case(
         os.close(fd)
 
     fresh_save()
+    child = default_path.DefaultPath(name, tokens, tmp / "default")
+    defaults = default_path.ops(child)
     ops: dict[str, Op] = {
         "store save": (drop, fresh_save),
+        default_path.SAVE: defaults[default_path.SAVE],
         "save_file": (None, lambda: persist.save_file(f, cache, toks)),
         "mlx-lm save + fsync": (None, mlx_save),
         "raw write+fsync": (None, lambda: raw_write(raw_path, memoryview(src), True)),
@@ -228,6 +234,7 @@ def case(
         ),
         "raw read (warm)": (lambda: warm(raw_path), lambda: raw_read(raw_path, dst)),
         "store restore + step (cold)": (lambda: [evict(p) for p in blobs()], restore_step),
+        default_path.RESTORE: defaults[default_path.RESTORE],
         "load_file + step (cold)": (
             lambda: evict(f),
             lambda: first_step(load_file(f)),
@@ -247,7 +254,10 @@ def case(
         from bench import cuda_limits
 
         ops |= cuda_limits.rows(blobs)
-    times = minimum(ops, reps)
+    try:
+        times = minimum(ops, reps)
+    finally:
+        child.close()
     if not store.has_session("s"):
         fresh_save()
     out = {
@@ -461,6 +471,33 @@ def _limit_table(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _default_table(r: dict[str, Any]) -> list[str]:
+    """The default path's rows (bench/default_path), against the same run's references."""
+    cases = [c for c in r["cases"] if default_path.SAVE in c["seconds"]]
+    if not cases:
+        return []
+    save, cold = default_path.SAVE, default_path.RESTORE
+    lines = [
+        "",
+        "Default path: a `persist.Store(root)` opened and closed per operation (the README's "
+        "library example), MLX's default buffer cache, in a child process that never changes "
+        "it (bench/default_path), timed in the same interleaved rounds:",
+        "",
+        "| case | save / mlx-lm save+fsync | save / raw write+fsync | "
+        "cold restore+step / raw cold read | cold restore+step / raw read into new memory |",
+        "|---|---|---|---|---|",
+    ]
+    for c in cases:
+        s = c["seconds"]
+        lines.append(
+            f"| {c['case']} {c['tokens']} ({c['cache_bytes'] / 2**30:.2f} GiB) "
+            f"| {_ratio(s, save, 'mlx-lm save + fsync')} | {_ratio(s, save, 'raw write+fsync')} "
+            f"| {_ratio(s, cold, 'raw read (cold)')} "
+            f"| {_ratio(s, cold, 'raw read into new memory (cold)')} |"
+        )
+    return lines
+
+
 def markdown(r: dict[str, Any]) -> str:
     m = r["machine"]
     lines = [
@@ -495,6 +532,7 @@ def markdown(r: dict[str, Any]) -> str:
             f"| {t.get('turn_new_store_s', float('nan')) / t['full_s']:.3f}x "
             f"| {t['grew_bytes'] / t['full_bytes']:.3f}x |"
         )
+    lines += _default_table(r)
     lines += _limit_table(r)
     lines += [
         "",

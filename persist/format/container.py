@@ -275,21 +275,26 @@ class Sink:
             self.fd = -1
 
 
-# One staging buffer per thread, reused by every file it writes: a save of many
-# blobs faults in 8 MiB once, not once per blob (fresh pages are slow on VMs).
-_stages = threading.local()
+# Staging buffers outlive the threads that filled them: a save's writer threads
+# are new every save, and fresh pages are slow on VMs (~1 s/GiB on a 2-core one),
+# so the next save reuses these instead of faulting in STAGE_BYTES per writer again.
+KEEP_STAGES = 2  # a save writes two blobs at once (engine/saving.WRITERS)
+_free_stages: list[mmap.mmap] = []
+_stages_lock = threading.Lock()
 
 
 def _take_stage() -> mmap.mmap:
-    stage = getattr(_stages, "free", None)
-    _stages.free = None
-    return stage if stage is not None else mmap.mmap(-1, STAGE_BYTES)
+    with _stages_lock:
+        if _free_stages:
+            return _free_stages.pop()
+    return mmap.mmap(-1, STAGE_BYTES)
 
 
 def _give_stage(stage: mmap.mmap) -> None:
-    if getattr(_stages, "free", None) is None:
-        _stages.free = stage
-        return
+    with _stages_lock:
+        if len(_free_stages) < KEEP_STAGES:
+            _free_stages.append(stage)
+            return
     # A failed write's traceback may still hold a view of the buffer;
     # then the garbage collector unmaps it later.
     with contextlib.suppress(BufferError):
