@@ -116,6 +116,25 @@ class FileBlobs:
             for at in range(0, os.fstat(fd).st_size, PREFETCH_BYTES):
                 os.posix_fadvise(fd, at, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
 
+    def cached(self, file: str) -> bool | None:
+        """Is ``file`` in the page cache (its first, middle and last pages)?  None
+        where the kernel cannot say (no RWF_NOWAIT, or the file is gone).  A
+        read with RWF_NOWAIT fails with EAGAIN instead of waiting for the disk."""
+        flag = getattr(os, "RWF_NOWAIT", None)
+        if flag is None:
+            return None
+        try:
+            with open_regular(self.path(file)) as f:
+                fd, one = f.fileno(), bytearray(1)
+                size = os.fstat(fd).st_size
+                for at in sorted({0, size // 2, max(0, size - 1)}):
+                    os.preadv(fd, [one], at, flag)
+        except BlockingIOError:
+            return False
+        except (OSError, ValueError):
+            return None
+        return True
+
     def exists(self, file: str) -> bool:
         try:
             return self.path(file).is_file()

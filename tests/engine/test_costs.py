@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -201,3 +203,61 @@ def test_persist_stats_shows_rates_and_decisions(tiny: Any, tmp_path: Path) -> N
         persist_cli(tmp_path, "stats", "--store", str(tmp_path / "s"), "--json").stdout
     )
     assert got["decisions"][0]["restore"] is False and got["counters"]["cost_recomputed"] == 1
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_hit_in_the_page_cache_and_one_on_the_disk_have_rates_of_their_own(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """Warm, the files restore fast (taken); evicted, the disk's rate says a prefill
+    wins (declined).  One rate for both predicted neither (H200: 0.13 s vs 0.64 s/GiB)."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(600, seed=72)
+    prompt = [*toks, 5, 6, 7]
+    with _primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
+        files = [store.blobs.path(f) for f in store.blobs.files()]
+        for p in files:
+            p.read_bytes()
+        if {store.blobs.cached(f) for f in store.blobs.files()} != {True}:
+            pytest.skip("this kernel or file system cannot say what is in the page cache")
+        here = rates.machine_name(ident.backend)
+        for bucket in range(40):  # 600 tokens prefill in 0.6 s; 1 GB/s warm, 1 kB/s cold
+            rates.record(store.index, here, "restore", "local", bucket, 1e9)
+            rates.record(store.index, here, "restore", "local-disk", bucket, 1e3)
+        warm = store.lookup(prompt, identity=ident)
+        assert warm is not None and store.costs.last is not None
+        assert store.costs.last.tier == "local" and store.costs.last.restore
+        for _ in range(20):  # a readahead still in flight may bring a page back: again
+            for p in files:
+                _evict(p)
+            if not any(store.blobs.cached(f) for f in store.blobs.files()):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.skip("the page cache kept the files (DONTNEED ignored here)")
+        assert store.lookup(prompt, identity=ident) is None
+        d = store.costs.last
+        assert d is not None and d.tier == "local-disk" and not d.restore
+        assert d.restore_s is not None and d.prefill_s is not None and d.restore_s > d.prefill_s
+
+
+def test_a_store_that_cannot_tell_keeps_one_local_rate(
+    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(300, seed=73)
+    with _primed(model, tok, tmp_path / "s", toks) as store:
+        monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
+        assert {store.blobs.cached(f) for f in store.blobs.files()} == {None}
+        assert store.lookup([*toks, 1, 2], identity=ident) is not None
+        assert store.costs.last is not None and store.costs.last.tier == "local"
