@@ -27,18 +27,8 @@ from ..records import DTYPE_SIZES, TensorSpec
 
 T = TypeVar("T")
 
-__all__ = [
-    "atomic_write",
-    "MAX_HEADER_BYTES",
-    "Entry",
-    "Header",
-    "read_header",
-    "write_tensors",
-    "Sink",
-    "checksum",
-    "fsync_dir",
-    "CHECKSUM_BYTES",
-]
+__all__ = ["atomic_write", "MAX_HEADER_BYTES", "Entry", "Header", "read_header"]
+__all__ += ["write_tensors", "Sink", "checksum", "fsync_dir", "CHECKSUM_BYTES"]
 
 MAX_HEADER_BYTES = 40 << 20  # the largest manifest (32 MiB as base64) and 65,536 tensor entries
 MAX_TENSORS = 1 << 16  # 4,096 layers of up to 16 tensors
@@ -275,9 +265,8 @@ class Sink:
             self.fd = -1
 
 
-# Staging buffers outlive the threads that filled them: a save's writer threads
-# are new every save, and fresh pages are slow on VMs (~1 s/GiB on a 2-core one),
-# so the next save reuses these instead of faulting in STAGE_BYTES per writer again.
+# Staging buffers outlive the writer threads (new every save): fresh pages are slow
+# on VMs (~1 s/GiB on a 2-core one), so the next save reuses these.
 KEEP_STAGES = 2  # a save writes two blobs at once (engine/saving.WRITERS)
 _free_stages: list[mmap.mmap] = []
 _stages_lock = threading.Lock()
@@ -285,9 +274,7 @@ _stages_lock = threading.Lock()
 
 def _take_stage() -> mmap.mmap:
     with _stages_lock:
-        if _free_stages:
-            return _free_stages.pop()
-    return mmap.mmap(-1, STAGE_BYTES)
+        return _free_stages.pop() if _free_stages else mmap.mmap(-1, STAGE_BYTES)
 
 
 def _give_stage(stage: mmap.mmap) -> None:
