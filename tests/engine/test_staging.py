@@ -373,3 +373,26 @@ def test_a_staged_restore_goes_through_the_lanes(tiny: Any, tmp_path: Path) -> N
             store.restore("s", identity=ident)
     lanes = [lane for lane in ring.lanes if isinstance(lane, HostLane)]
     assert sum(lane.taken for lane in lanes) > 2 and sum(lane.copies for lane in lanes) > 2
+
+
+def test_staging_buffers_of_many_chunks_hold_every_slot(
+    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore larger than one staging buffer (CHUNK) spreads its slots over
+    several; none straddles two, and the scatter of each puts every piece in place."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    prompt = tokens_for(90, seed=9)
+    cache = prefill(model, prompt)[0]
+    made: list[list[int]] = []  # each call's sizes: the tensors', then the staging chunks
+    ring = small_ring()
+    buffers = ring.buffers
+    ring.buffers = lambda sizes: made.append(sizes) or buffers(sizes)  # type: ignore[method-assign]
+    monkeypatch.setattr(staging, "CHUNK", 3 * ring.slot_bytes)
+    with persist.Store(tmp_path / "s", block_tokens=BLOCK) as store:
+        store.save(cache, prompt, identity=ident, session="s")
+        with staged(ring):
+            got = store.restore("s", identity=ident).cache
+    chunks = made[1]
+    assert len(chunks) > 2 and max(chunks) <= 3 * ring.slot_bytes
+    assert_same_state(live_state(got), live_state(cache))
