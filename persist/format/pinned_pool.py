@@ -238,7 +238,9 @@ class PagedHolder:
         return self.pool.pinned_pages * self.pool.page_bytes
 
 
-def cuda_holder(budget: int) -> PagedHolder:
+def cuda_holder(
+    budget: int, *, page_bytes: int = PAGE_BYTES, chunk_bytes: int = CHUNK_BYTES
+) -> PagedHolder:
     """Pinned, device-mapped pages and the pack/unpack kernels, in MLX's CUDA context."""
     from .cuda_kernels import pack, unpack
     from .cudadrv import Driver
@@ -256,5 +258,5 @@ def cuda_holder(budget: int) -> PagedHolder:
         specs = [(p.offset, p.nbytes, p.shape, p.dtype) for p in parts]
         return unpack(specs, [p.device for p in pages], b)
 
-    pool = PagePool(budget, alloc, driver.host_free)
+    pool = PagePool(budget, alloc, driver.host_free, page_bytes=page_bytes, chunk_bytes=chunk_bytes)
     return PagedHolder(pool, pack_pages, unpack_pages, "pinned host memory")
