@@ -215,7 +215,8 @@ def as_tensor(flat: mx.array, shape: tuple[int, ...], dtype: Any, nbytes: int) -
 
 # Byte o of an entry lies at table[o / page] + o % page (pages are mapped pinned host
 # memory, page a multiple of 16).  uint4 words when every address is 16-aligned,
-# bytes otherwise and for the tail past the last whole word.
+# bytes otherwise and for the tail past the last whole word.  MLX caches a custom
+# kernel by name: one build serves every dtype, as the source reads bytes only.
 _PAGED = """
     const unsigned long long n = info[0], base = info[1], page = info[2];
     const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;

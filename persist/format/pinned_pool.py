@@ -251,6 +251,10 @@ def cuda_holder(
         driver.make_current()  # the keeping thread may never have called the driver
         return driver.host_alloc(n)
 
+    def free(host: int) -> None:
+        driver.make_current()  # a Store's close may run on any thread
+        driver.host_free(host)
+
     def pack_pages(items: list[tuple[mx.array, int]], pages: Sequence[Page], b: int) -> None:
         pack(items, [p.device for p in pages], b)
 
@@ -258,5 +262,5 @@ def cuda_holder(
         specs = [(p.offset, p.nbytes, p.shape, p.dtype) for p in parts]
         return unpack(specs, [p.device for p in pages], b)
 
-    pool = PagePool(budget, alloc, driver.host_free, page_bytes=page_bytes, chunk_bytes=chunk_bytes)
+    pool = PagePool(budget, alloc, free, page_bytes=page_bytes, chunk_bytes=chunk_bytes)
     return PagedHolder(pool, pack_pages, unpack_pages, "pinned host memory")
