@@ -17,6 +17,7 @@ __all__ = [
     "NotResumableError",
     "SessionNotFoundError",
     "StoreFullError",
+    "HostCacheFullError",
     "InvalidNameError",
     "InvalidTokensError",
     "IdentityUnavailableError",
@@ -184,6 +185,11 @@ class StoreFullError(PersistError, OSError):
 
     def __str__(self) -> str:  # OSError formats multi-arg messages oddly
         return str(self.args[0])
+
+
+class HostCacheFullError(PersistError, MemoryError):
+    """The host tier's pages cannot hold an entry now: its budget is taken, or the
+    system refused more page-locked memory (the tier evicts and asks again)."""
 
 
 class StoreNotFoundError(PersistError, FileNotFoundError):

@@ -24,14 +24,13 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from ..codecs.snapshot import Snapshot, capture
 from ..engine.host_store import owner, served
-from ..engine.host_tier import EvictionWatch, HostTier, default_budget
+from ..engine.host_tier import DEVICE_MEMORY, EvictionWatch, HostTier, default_budget, placement
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
-from ..format.tensors import on_cuda
 from ..identity import ModelIdentity
 from .metrics import ServeMetrics
 
-__all__ = ["PersistentPromptCache", "keep_freed_buffers"]
+__all__ = ["PersistentPromptCache", "keep_freed_buffers", "host_budget"]
 
 log = logging.getLogger("persist")
 
@@ -269,7 +268,7 @@ def serve(
     InvalidStateError is raised (the CLI exits 1).  ``mlx_cache``: see
     ``keep_freed_buffers``; ``read_timeout``, ``max_request_bytes``, ``max_connections``:
     ``server_handler``, ``server_http``; ``host_cache``: bytes of evicted caches kept in
-    RAM (``engine.host_tier``; None: its default budget, none on CUDA; 0: none).
+    RAM (``engine.host_tier``; None: ``host_budget``; 0: none).
     """
     import functools
     import sys
@@ -289,9 +288,7 @@ def serve(
     store = Store(store_root, max_bytes=max_bytes, shared=shared, cold=cold, tier_key=tier_key)
     measure_prefills(server, store, lambda model: by_model.get(id(model)))
     metrics = ServeMetrics(store, namespace)
-    # auto on CUDA: none, since the tier would keep evicted caches in device memory
-    # there (no pinned copy yet), holding what mlx-lm's eviction meant to free
-    budget = (0 if on_cuda() else default_budget()) if host_cache is None else host_cache
+    budget = host_budget(host_cache)
     metrics.host = host = HostTier(budget) if budget > 0 else None
     caches: list[PersistentPromptCache] = []
 
@@ -314,7 +311,7 @@ def serve(
 
     def run(host: str, port: int, model_provider: Any, *args: Any, **kwargs: Any) -> None:
         use_log_format(log_format)  # mlx-lm's main has configured logging by now
-        log.info(start_line(store, namespace, shared, cold, queue_size, when_full))
+        log.info(start_line(store, namespace, shared, cold, queue_size, when_full, metrics.host))
         real_run(host, port, model_provider, *args, **kwargs)
 
     server.LRUPromptCache = make  # type: ignore[assignment,misc]
@@ -340,6 +337,15 @@ def serve(
             pc.close()
         log.info(stop_line(metrics.summary(), store))
         store.close()
+
+
+def host_budget(host_cache: int | None) -> int:
+    """The host tier's bytes: ``host_cache`` if given, else the default budget where
+    the tier keeps entries off the device (host or pinned host memory); none on CUDA
+    without pinned memory, where it would hold what mlx-lm's eviction meant to free."""
+    if host_cache is not None:
+        return host_cache
+    return 0 if placement() == DEVICE_MEMORY else default_budget()
 
 
 def keep_freed_buffers(limit: int | None) -> int | None:

@@ -70,17 +70,25 @@ def _size(n: float) -> str:
 
 
 def start_line(
-    store: Any, namespace: str, shared: str | None, cold: str | None, queue: int, when_full: str
+    store: Any,
+    namespace: str,
+    shared: str | None,
+    cold: str | None,
+    queue: int,
+    when_full: str,
+    host: Any = None,
 ) -> str:
-    """'persistence on: store /path (12 entries, 3.4 MiB of 20.0 GiB), namespace ..., ...'."""
+    """'persistence on: store /path (12 entries, 3.4 MiB of 20.0 GiB), namespace ..., ...,
+    host cache 8.0 GiB in pinned host memory' (``host``: the HostTier, or None: off)."""
     st = store.stats()
     budget = store.budgets.max_bytes
     of = f" of {_size(budget)}" if budget is not None else ", no budget"
+    ram = f"{_size(host.max_bytes)} in {host.where}" if host is not None else "off"
     return (
         f"persist serve: persistence on: store {store.root} ({st.entries} entries, "
         f"{_size(st.unique_bytes)}{of}), namespace {namespace!r}, "
         f"shared tier {redact(shared)}, cold tier {redact(cold)}, "
-        f"write-behind queue {queue} ({when_full} when full)"
+        f"write-behind queue {queue} ({when_full} when full), host cache {ram}"
     )
 
 

@@ -95,7 +95,8 @@ from .app import cli, default_store, open_store, parse_size, plain, store_option
     default="auto",
     show_default=True,
     help="RAM for caches mlx-lm's prompt cache evicts, asked before the store, e.g. 4G; "
-    "'auto': min(10% of available memory, 8G); 0: none.",
+    "'auto': min(10% of available memory, 8G); 0: none.  On CUDA they are kept in "
+    "pinned host memory and restored over PCIe ('auto' there: none if pinning fails).",
 )
 @store_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)

@@ -12,21 +12,22 @@ resume policy the durable index uses (``policy.choose``: the longest usable
 prefix, at least one token left over, never below a snapshot's floor, an
 untrimmable one only at its own length, then an exact length, then the most
 recent), cut by the codecs' ``trim_record`` as a durable partial hit is.
-Every hit is rebuilt from a copy in buffers of its own: mlx-lm updates a
-live cache in place and a caller may write one through a memoryview, so
-nothing handed out shares memory with what is kept (``copy.deepcopy`` of an
-``mx.array`` shares its buffer, which is why it is not used).
+Every hit is rebuilt from a copy in buffers of its own (``engine.host_records``):
+nothing handed out shares memory with what is kept.
 
 On the CPU (and Metal's unified memory) the kept cache is host memory
-already.  On CUDA it belongs in pinned memory (``format.pinned``'s ring);
-that copy is not built: entries live where MLX puts them, device memory
-there, so ``persist serve`` turns the tier off on CUDA unless
-``--host-cache`` asks for it.
+already, kept as it is.  On CUDA (the process's data path ``cuda-pinned``,
+``format.pinned.choose``) a tier keeps no device array: a ``Holder``
+(``format.pinned_pool``) packs every entry into pages of pinned host memory
+with a kernel and unpacks a hit over PCIe into fresh device arrays (kernel
+outputs: device memory, never managed memory), and eviction frees the pages.
+The tier's byte count is then the pages' bytes and stays the authority: it
+evicts down to its budget before it asks the pool for pages.  CUDA without
+pinned memory keeps device arrays (``placement``: "device memory").
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import threading
@@ -40,19 +41,21 @@ import mlx.core as mx
 import numpy as np
 
 from .. import policy
-from ..codecs import capacity_of, encode_cache, facts_of, trim_record
-from ..codecs.base import dtype_name, with_capacity
+from ..codecs import encode_cache, facts_of, trim_record
 from ..codecs.snapshot import Snapshot, rebuild
-from ..errors import InvalidArgumentError
-from ..format.tensors import device_copy
+from ..errors import HostCacheFullError, InvalidArgumentError
+from ..format import pinned
+from ..format.pinned_pool import Held, Holder, cuda_holder
 from ..marks import carries_unverified
 from ..records import Record
+from .host_records import arrays_of, copied, emptied, filled, handed_out
 
-__all__ = ["HostTier", "HostHit", "default_budget", "HOST"]
+__all__ = ["HostTier", "HostHit", "default_budget", "placement", "HOST"]
 
 HOST = "host"  # the tier name in rates, metrics, lookups and Restored.source
 DEFAULT_CAP = 8 << 30  # bytes: the default budget's ceiling
 DEFAULT_SHARE = 0.10  # of MemAvailable
+DEVICE_MEMORY = "device memory"  # CUDA without pinned pages: where serve leaves it off
 
 
 def default_budget(meminfo: str = "/proc/meminfo") -> int:
@@ -70,6 +73,21 @@ def default_budget(meminfo: str = "/proc/meminfo") -> int:
     except (OSError, ValueError, AttributeError):
         return 0
     return min(int(free * DEFAULT_SHARE), DEFAULT_CAP)
+
+
+def placement() -> str:
+    """Where a tier made now without a holder keeps its entries, in words."""
+    if pinned.choose().path == pinned.CUDA_PINNED:
+        return "pinned host memory"
+    here = pinned.backend()
+    return {"cuda": DEVICE_MEMORY, "metal": "unified memory"}.get(here, "host memory")
+
+
+def _default_holder(max_bytes: int) -> Holder | None:
+    """Pinned pages where this process stages restores through pinned memory (CUDA)."""
+    if max_bytes and pinned.choose().path == pinned.CUDA_PINNED:
+        return cuda_holder(max_bytes)
+    return None
 
 
 @dataclass(frozen=True)
@@ -92,47 +110,7 @@ class _Kept:
     sticky: bool  # a checkpoint: kept even when a longer entry covers it
     info: Any
     used: int = 0
-
-
-def _arrays(records: Sequence[Record]) -> list[Any]:
-    out: list[Any] = []
-    for r in records:
-        out += [t for t in r.tensors.values() if isinstance(t, mx.array)]
-        out += _arrays(r.children)
-    return out
-
-
-def _own(a: Any) -> Any:
-    """``a`` in a buffer of its own (bit-exact); an empty array has no buffer to share."""
-    if not isinstance(a, mx.array) or a.size == 0:
-        return a
-    if a.dtype == mx.bool_:
-        return mx.logical_or(a, mx.array(False))
-    return device_copy(a)
-
-
-def _copied(r: Record) -> Record:
-    return dataclasses.replace(
-        r,
-        tensors={k: _own(v) for k, v in r.tensors.items()},
-        children=tuple(_copied(c) for c in r.children),
-    )
-
-
-def _handed_out(r: Record) -> Record:
-    """``r`` in buffers of its own, each written once: a tensor the codec gives room
-    (``capacity_of``: a KV cache's step-rounded buffer) is grown into a new one, as
-    ``loading`` reads it into one, and its decode takes it as it is; the rest are
-    copied (a decode may keep a record's tensor as its cache's array)."""
-    caps = capacity_of(r.spec(dtype_name))
-    tensors = {}
-    for k, v in r.tensors.items():
-        cap = caps.get(k)
-        grow = cap is not None and isinstance(v, mx.array) and v.ndim > 2 and cap > v.shape[2]
-        tensors[k] = with_capacity(v, cap) if grow and cap is not None else _own(v)
-    return dataclasses.replace(
-        r, tensors=tensors, children=tuple(_handed_out(c) for c in r.children)
-    )
+    held: Held | None = None  # with a holder: the arrays' bytes (records hold SLOT)
 
 
 def _common(kept: Any, toks: Any) -> int:
@@ -150,12 +128,16 @@ class HostTier:
     serves one's cache to another.
     Thread-safe: a server's generation thread keeps and fetches, /metrics
     reads; a Store's savers and lookups may run in several threads.
+    ``holder``: where entries' arrays are kept (tests inject host pages); None:
+    pinned pages on CUDA (``cuda-pinned``), the arrays as they are elsewhere.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, holder: Holder | None = None) -> None:
         if type(max_bytes) is not int or max_bytes < 0:
             raise InvalidArgumentError(f"the host cache's size is bytes, at least 0: {max_bytes!r}")
         self.max_bytes = max_bytes
+        self.holder = holder if holder is not None else _default_holder(max_bytes)
+        self.where = self.holder.where if self.holder is not None else placement()
         self.nbytes = 0
         self._entries: OrderedDict[tuple[str, tuple[int, ...]], _Kept] = OrderedDict()
         self._lock = threading.Lock()
@@ -199,12 +181,11 @@ class HostTier:
             trimmable = policy.combine_trimmable(f.trimmable for f in facts)
         if min_resume is None:
             min_resume = policy.combine_floor(f.min_resume_offset for f in facts)
-        if copy:
-            records = [_copied(r) for r in records]
-        mx.eval(_arrays(records))
-        n = int(sum(a.nbytes for a in _arrays(records)))  # a copy holds its live positions
-        if not copy and not isinstance(cache, Snapshot):  # views: whole buffers stay alive
-            n = int(sum(getattr(c, "nbytes", 0) for c in cache)) or n
+        if copy and self.holder is None:  # pages are a copy already
+            records = [copied(r) for r in records]
+        arrays = arrays_of(records)
+        mx.eval(arrays)
+        n = self._size(arrays, cache, copy)
         if n > self.max_bytes:
             return False
         key = (owner, tuple(int(t) for t in tokens))
@@ -213,14 +194,55 @@ class HostTier:
             i = next(self._ids)
             kept = _Kept(i, records, n, toks, trimmable, min_resume, sticky, info, used=i)
             self._drop_covered(owner, kept)
+            if key in self._entries:  # never two entries' bytes under one key
+                self._remove(key)
+            if self.holder is not None:
+                kept.held = self._hold(arrays, n)
+                if kept.held is None:
+                    return False
+                kept.records = [emptied(r) for r in records]
             self._entries[key] = kept
             self.nbytes += n
             self.kept += 1
             while self.nbytes > self.max_bytes:
-                _, dropped = self._entries.popitem(last=False)
-                self.nbytes -= dropped.nbytes
-                self.evicted += 1
+                self._evict_oldest()
         return True
+
+    def _size(self, arrays: list[Any], cache: Any, copy: bool) -> int:
+        """The bytes an entry holds: its pages with a holder, else its arrays' bytes
+        (a copy holds its live positions; a cache given up, its whole buffers)."""
+        if self.holder is not None:
+            return self.holder.footprint([int(a.nbytes) for a in arrays])
+        n = int(sum(a.nbytes for a in arrays))
+        if not copy and not isinstance(cache, Snapshot):  # views: whole buffers stay alive
+            n = int(sum(getattr(c, "nbytes", 0) for c in cache)) or n
+        return n
+
+    def _hold(self, arrays: list[Any], n: int) -> Held | None:
+        """Under the lock: ``arrays`` in the holder's pages, least recently used entries
+        evicted first down to room for ``n`` bytes, then as long as the pool is full
+        (pinned memory refused); None when nothing is left to evict."""
+        assert self.holder is not None
+        while self._entries and self.nbytes + n > self.max_bytes:
+            self._evict_oldest()
+        while True:
+            try:
+                return self.holder.hold(arrays)
+            except HostCacheFullError:
+                if not self._entries:
+                    return None
+                self._evict_oldest()
+
+    def _remove(self, key: tuple[str, tuple[int, ...]]) -> None:
+        """Under the lock: drop an entry, its pages back to the pool."""
+        kept = self._entries.pop(key)
+        self.nbytes -= kept.nbytes
+        if kept.held is not None and self.holder is not None:
+            self.holder.release(kept.held)
+
+    def _evict_oldest(self) -> None:
+        self._remove(next(iter(self._entries)))
+        self.evicted += 1
 
     def _drop_covered(self, owner: str, new: _Kept) -> None:
         """Under the lock: what ``new`` stands in for goes (the same tokens at least)."""
@@ -230,8 +252,7 @@ class HostTier:
             is_prefix = _common(old.tokens, new.tokens) == len(old.tokens)
             n, trim, floor = len(new.tokens), new.trimmable, new.min_resume
             if policy.covers(n, trim, floor, len(old.tokens), is_prefix):
-                del self._entries[key]
-                self.nbytes -= old.nbytes
+                self._remove(key)
 
     def _choose(self, owner: str, toks: Any) -> tuple[tuple[str, tuple[int, ...]], int] | None:
         """Under the lock: (key, usable prefix) the resume policy picks, or None."""
@@ -282,24 +303,40 @@ class HostTier:
             kept.used = next(self._ids)
             self.hits += 1
             t0 = self.clock()
-            records = kept.records
+            records, fresh = self._given(kept)
             if use < len(kept.tokens):
                 records = [trim_record(r, use) for r in records]
             # under the lock: an eviction cannot free the entry mid-copy
-            cache = rebuild([_handed_out(r) for r in records])  # evaluated: nothing lazy
+            cache = rebuild([handed_out(r, fresh) for r in records])  # evaluated: nothing lazy
             seconds = self.clock() - t0
-        nbytes = int(sum(a.nbytes for a in _arrays(records)))  # what was copied
+        nbytes = int(sum(a.nbytes for a in arrays_of(records)))  # what was copied
         return HostHit(cache, [int(t) for t in toks[:use]], nbytes, seconds, kept.info)
 
-    def clear(self) -> None:
-        """Drop every entry (a Store's ``close``)."""
-        with self._lock:
-            self._entries.clear()
-            self.nbytes = 0
+    def _given(self, kept: _Kept) -> tuple[list[Record], frozenset[int]]:
+        """Under the lock: the entry's records, their arrays unpacked from its pages
+        if it has any (and those arrays' ids: nothing else holds them)."""
+        if kept.held is None or self.holder is None:
+            return kept.records, frozenset()
+        arrays = self.holder.give(kept.held)
+        it = iter(arrays)
+        return [filled(r, it) for r in kept.records], frozenset(id(a) for a in arrays)
 
-    def stats(self) -> dict[str, int]:
+    def clear(self) -> None:
+        """Drop every entry (a Store's ``close``); pinned pages go back to the system."""
         with self._lock:
+            for key in list(self._entries):
+                self._remove(key)
+            if self.holder is not None:
+                self.holder.trim()
+
+    def stats(self) -> dict[str, Any]:
+        """Counts and bytes, and where the entries are kept (``where``; with a holder,
+        ``pinned_bytes``: the memory its pool holds, in use or not)."""
+        with self._lock:
+            pool = {"pinned_bytes": self.holder.pinned_bytes()} if self.holder else {}
             return {
+                "where": self.where,
+                **pool,
                 "bytes": self.nbytes,
                 "budget_bytes": self.max_bytes,
                 "entries": len(self._entries),

@@ -6,7 +6,9 @@ copy engine can fill them behind MLX's back; ``scatter`` moves tensors staged
 in such a buffer to their places in others (``Placed``: the row geometry is
 worked out on the device, not by the reader threads), one thread block per
 piece, in one launch; ``copy_in`` reads a mapped pinned buffer over PCIe (the bench's
-limit row).  Nothing here runs off the caller's thread: MLX is not thread-safe.
+limit row); ``pack`` and ``unpack`` move arrays into and out of the host tier's
+pinned pages (``format/pinned_pool``) through a page table.  Nothing here runs
+off the caller's thread: MLX is not thread-safe.
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["Copy", "Placed", "as_tensor", "copy_in", "device_buffers", "scatter"]
+__all__ = [
+    "Copy",
+    "Placed",
+    "as_tensor",
+    "copy_in",
+    "device_buffers",
+    "scatter",
+    "pack",
+    "unpack",
+]
 
 _GRID = 132 * 2048  # threads of a grid-stride loop (an H200 has 132 SMs)
 
@@ -200,3 +211,104 @@ def as_tensor(flat: mx.array, shape: tuple[int, ...], dtype: Any, nbytes: int) -
     if out.size * dtype.size != nbytes:  # the buffer was rounded up to 16 bytes
         out = out[: nbytes // dtype.size]
     return out.reshape(shape)
+
+
+# Byte o of an entry lies at table[o / page] + o % page (pages are mapped pinned host
+# memory, page a multiple of 16).  uint4 words when every address is 16-aligned,
+# bytes otherwise and for the tail past the last whole word.  MLX caches a custom
+# kernel by name: one build serves every dtype, as the source reads bytes only.
+_PAGED = """
+    const unsigned long long n = info[0], base = info[1], page = info[2];
+    const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    {decl}
+    const bool aligned = ((reinterpret_cast<unsigned long long>(dev) | base | page) & 15) == 0;
+    const unsigned long long words = aligned ? n / 16 : 0;
+    for (unsigned long long i = tid; i < words; i += stride) {{
+        const unsigned long long o = base + 16 * i;
+        uint4* host = reinterpret_cast<uint4*>(table[o / page] + o % page);
+        {word}
+    }}
+    for (unsigned long long i = 16 * words + tid; i < n; i += stride) {{
+        const unsigned long long o = base + i;
+        unsigned char* host = reinterpret_cast<unsigned char*>(table[o / page] + o % page);
+        {byte}
+    }}
+    {done}
+"""
+_PACK = _PAGED.format(
+    decl="const unsigned char* dev = reinterpret_cast<const unsigned char*>(src);",
+    word="*host = reinterpret_cast<const uint4*>(dev)[i];",
+    byte="*host = dev[i];",
+    done="if (tid == 0) { done[0] = 1; }",
+)
+_UNPACK = _PAGED.format(
+    decl="unsigned char* dev = reinterpret_cast<unsigned char*>(out);",
+    word="reinterpret_cast<uint4*>(dev)[i] = *host;",
+    byte="dev[i] = *host;",
+    done="",
+)
+_pack: Any = None
+_unpack: Any = None
+
+
+def _grid(nbytes: int) -> tuple[int, int, int]:
+    return (min(_GRID, max(256, -(-nbytes // 16 // 256) * 256)), 1, 1)
+
+
+def pack(items: list[tuple[mx.array, int]], table: list[int], page: int) -> None:
+    """Each array's bytes at its byte offset of the pages whose device addresses are
+    ``table`` (``page`` bytes each); done when this returns.  An array is a kernel
+    input, so MLX hands the kernel a row-contiguous copy of a strided one."""
+    global _pack
+    if _pack is None:
+        _pack = mx.fast.cuda_kernel(
+            name="persist_pack",
+            input_names=["src", "table", "info"],
+            output_names=["done"],
+            source=_PACK,
+        )
+    pages = mx.array(table, dtype=mx.uint64)
+    outs = []
+    for a, offset in items:
+        info = mx.array([a.nbytes, offset, page], dtype=mx.uint64)
+        (done,) = _pack(
+            inputs=[a, pages, info],
+            grid=_grid(a.nbytes),
+            threadgroup=(256, 1, 1),
+            output_shapes=[(1,)],
+            output_dtypes=[mx.uint8],
+        )
+        outs.append(done)
+    mx.eval(outs)
+    mx.synchronize()  # the pages were written behind MLX's graph: done before reuse
+
+
+def unpack(
+    parts: list[tuple[int, int, tuple[int, ...], Any]], table: list[int], page: int
+) -> list[mx.array]:
+    """For each (offset, nbytes, shape, dtype): a new device array (a kernel output)
+    read from those bytes of the pages over PCIe; evaluated when this returns."""
+    global _unpack
+    if _unpack is None:
+        _unpack = mx.fast.cuda_kernel(
+            name="persist_unpack",
+            input_names=["table", "info"],
+            output_names=["out"],
+            source=_UNPACK,
+        )
+    pages = mx.array(table, dtype=mx.uint64)
+    outs = []
+    for offset, nbytes, shape, dtype in parts:
+        info = mx.array([nbytes, offset, page], dtype=mx.uint64)
+        (out,) = _unpack(
+            inputs=[pages, info],
+            grid=_grid(nbytes),
+            threadgroup=(256, 1, 1),
+            output_shapes=[shape],
+            output_dtypes=[dtype],
+        )
+        outs.append(out)
+    mx.eval(outs)
+    mx.synchronize()  # read behind MLX's graph: the pages may be freed after this
+    return outs

@@ -85,6 +85,10 @@ class Driver:
         self._call("cuMemHostGetDevicePointer_v2", ctypes.byref(d), p, ctypes.c_uint(0))
         return int(p.value), int(d.value)
 
+    def host_free(self, host: int) -> None:
+        """Give page-locked memory from ``host_alloc`` back to the system."""
+        self._call("cuMemFreeHost", ctypes.c_void_p(host))
+
     def stream(self) -> int:
         s = ctypes.c_void_p()
         self._call("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(_NON_BLOCKING))

@@ -100,8 +100,9 @@ class StoreStats:
     rates: list[dict[str, Any]] = field(default_factory=list)  # measured here and elsewhere
     decisions: list[dict[str, Any]] = field(default_factory=list)  # restore or recompute
     data_paths: dict[str, str] = field(default_factory=dict)  # machine -> restore path taken
-    # this process's host tier (Store(host_cache=...)): HostTier.stats(); None without one
-    host_cache: dict[str, int] | None = None
+    # this process's host tier (Store(host_cache=...)): HostTier.stats(), counts and bytes
+    # and "where" its entries are kept (pinned host memory on CUDA); None without one
+    host_cache: dict[str, Any] | None = None
 
     @property
     def dedup_ratio(self) -> float:

@@ -1,0 +1,167 @@
+"""The host tier on CUDA, for real: pinned pages, the pack/unpack kernels, device memory.
+
+Skipped off CUDA (and where the process's data path is not ``cuda-pinned``); the
+CPU tests run the same pool and tier through host pages (test_host_tier_pages.py,
+tests/format/test_pinned_pool.py).  On an NVIDIA GPU:
+
+    python -m pytest -q tests/engine/test_host_tier_cuda.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from bench.servers import Server
+from persist.engine.host_tier import HostTier
+from persist.format import pinned
+from persist.format.cudadrv import Driver
+from persist.format.pinned_pool import cuda_holder
+from tests.engine.test_host_tier_pages import holds_no_array, pages_in_use
+from tests.format.test_pinned_pool import DTYPES, sample
+from tests.helpers import NEXT, ON_CUDA, assert_same_state, live_state, prefill, tokens_for
+from tests.host_pages import raw_bytes
+from tests.serve.test_serve import TURN1, TURN2, cached, text
+from tests.serve.test_serve_host_cache import OTHER, lookups, metrics, scrape
+
+pytestmark = pytest.mark.skipif(
+    not ON_CUDA or pinned.choose().path != pinned.CUDA_PINNED,
+    reason="the CUDA host tier: pinned pages and kernels (an NVIDIA GPU)",
+)
+
+GIB = 1 << 30
+PINNED = "pinned host memory"
+_IS_MANAGED = 8  # CU_POINTER_ATTRIBUTE_IS_MANAGED
+_addr: Any = None
+
+
+def address(a: mx.array) -> int:
+    """The device address of a row-contiguous array's data, as a kernel sees it."""
+    global _addr
+    if _addr is None:
+        _addr = mx.fast.cuda_kernel(
+            name="persist_test_address",
+            input_names=["a"],
+            output_names=["addr"],
+            source="if (blockIdx.x == 0 && threadIdx.x == 0) { "
+            "addr[0] = reinterpret_cast<unsigned long long>(a); }",
+        )
+    (out,) = _addr(
+        inputs=[a],
+        grid=(1, 1, 1),
+        threadgroup=(1, 1, 1),
+        output_shapes=[(1,)],
+        output_dtypes=[mx.uint64],
+    )
+    mx.eval(out)
+    return int(np.array(out)[0])
+
+
+def managed(a: mx.array) -> bool:
+    driver = Driver()
+    flag = ctypes.c_uint(0)
+    rc = driver.lib.cuPointerGetAttribute(
+        ctypes.byref(flag), ctypes.c_int(_IS_MANAGED), ctypes.c_uint64(address(a))
+    )
+    assert rc == 0, f"cuPointerGetAttribute returned CUDA error {rc}"
+    return bool(flag.value)
+
+
+def buffers(cache: list[Any]) -> list[mx.array]:
+    """Each layer's own buffers (a KV cache's whole keys and values, not the live slice:
+    a strided kernel input would be a copy)."""
+    out = []
+    for c in cache:
+        if isinstance(getattr(c, "keys", None), mx.array):
+            out += [c.keys, c.values]
+        else:
+            out += [a for a in c.state if isinstance(a, mx.array) and a.size]
+    return out
+
+
+@pytest.mark.parametrize("page", [4096, 2 << 20])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_unpack_bit_exact_for_odd_sizes(dtype: Any, page: int) -> None:
+    holder = cuda_holder(64 << 20, page_bytes=page, chunk_bytes=16 * page)
+    n = page // dtype.size
+    sizes = [1, 15, 16, 17, 4097 // dtype.size + 1, n + 3, 2 * n + 5, 0]
+    arrays = [sample(k, dtype, seed) for seed, k in enumerate(sizes)]
+    arrays.append(sample(600, dtype, 9).reshape(20, 30)[:, 3:17])  # strided: made contiguous
+    arrays.append(sample(4099, dtype, 10)[1:])  # an offset: unaligned when dtype is a byte
+    mx.eval(arrays)
+    want = [raw_bytes(a).copy() for a in arrays]
+    held = holder.hold(arrays)
+    got = holder.give(held)
+    for a, b, w in zip(arrays, got, want, strict=True):
+        assert b.dtype == a.dtype and b.shape == a.shape
+        assert np.array_equal(raw_bytes(b), w)
+    holder.release(held)
+    holder.trim()
+    assert holder.pinned_bytes() == 0
+
+
+def test_unpacked_arrays_live_in_device_memory() -> None:
+    host = mx.array(np.zeros(4096, dtype=np.float32))
+    mx.eval(host)
+    assert managed(host)  # the control: MLX puts arrays made from host memory there
+    holder = cuda_holder(64 << 20)
+    arrays = [sample(1 << 20, mx.bfloat16, 1), sample(4097, mx.uint8, 2)]
+    held = holder.hold(arrays)
+    for a in holder.give(held):
+        assert not managed(a)  # a kernel output: device memory
+    holder.release(held)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3_next"])
+def test_the_tier_holds_no_device_array_and_hits_are_exact(tiny: Any, variant: str) -> None:
+    model, _, _ = tiny(variant)
+    toks = tokens_for(300, seed=51)
+    cache, _ = prefill(model, toks)
+    want = live_state(cache)
+    tier = HostTier(GIB)
+    assert tier.holder is not None and tier.where == PINNED
+    assert tier.keep("m", toks, cache)
+    del cache
+    assert holds_no_array(tier) and pages_in_use(tier) == tier.nbytes > 0
+    hit = tier.fetch("m", [*toks, *NEXT])
+    assert hit is not None and hit.tokens == toks
+    assert buffers(hit.cache) and not any(managed(a) for a in buffers(hit.cache))
+    assert_same_state(live_state(hit.cache), want)
+    tier.clear()
+    assert tier.holder.pinned_bytes() == 0
+
+
+@pytest.mark.long
+def test_serve_restores_an_evicted_conversation_from_pinned_memory(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    """On by default on CUDA; the answer equals the one restored from the store."""
+    model = model_dir("llama")
+    answers, health = [], {}
+    for name, extra in (("store", ["--host-cache", "0"]), ("host", [])):
+        args = ["persist", "serve", "--model", str(model), "--store", str(tmp_path / name)]
+        log = tmp_path / f"{name}.log"
+        srv = Server([*args, *extra, "--prompt-cache-size", "1"], log)
+        try:
+            one = srv.chat(TURN1)
+            srv.chat(OTHER)  # mlx-lm keeps one cache: TURN1's is evicted
+            before = metrics(srv)
+            answers.append(srv.chat(TURN2))
+            after = metrics(srv)
+            if name == "host":
+                health = json.loads(scrape(srv, "/health"))
+        finally:
+            srv.stop()
+        assert cached(answers[-1]) >= one["usage"]["prompt_tokens"] - 8
+        source = "host" if name == "host" else "local"
+        assert lookups(after, source) - lookups(before, source) == 1
+    assert "host cache off" in (tmp_path / "store.log").read_text()
+    assert f"in {PINNED}" in (tmp_path / "host.log").read_text()  # the start line
+    assert health["host_cache"]["where"] == PINNED and health["host_cache"]["pinned_bytes"] > 0
+    assert text(answers[1]) == text(answers[0])

@@ -1,0 +1,216 @@
+"""The host tier through a page holder (the CUDA tier's pool, layout and bookkeeping;
+host pages and memmoves stand in for pinned memory and the kernels: tests/host_pages.py).
+
+Every hit equals the one the plain tier gives, bit for bit, with the same room;
+the tier holds no array of its own; eviction and ``clear`` give pages back; a hit
+never shares memory with what is kept; and ``Store``/``persist serve`` take the
+pages wherever the process's data path is ``cuda-pinned``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+import persist
+from persist.apps.server import PersistentPromptCache, host_budget
+from persist.engine import host_tier
+from persist.engine.host_records import arrays_of
+from persist.engine.host_tier import DEVICE_MEMORY, HostTier, default_budget
+from persist.format import pinned
+from persist.format.pinned import CUDA_PINNED, Choice
+from tests.engine.test_host_store import scribble_all
+from tests.helpers import (
+    NEXT,
+    assert_same_state,
+    continue_run,
+    kv_quantized,
+    live_state,
+    prefill,
+    raw,
+    tokens_for,
+)
+from tests.host_pages import WHERE, HostChunks, host_holder
+
+GIB = 1 << 30
+FAMILIES = ["llama", "gemma3", "qwen3_next", "mamba2", "falcon_h1", "llama4"]
+
+
+def paged(budget: int = GIB, chunks: HostChunks | None = None) -> HostTier:
+    return HostTier(budget, holder=host_holder(budget, chunks=chunks))
+
+
+def holds_no_array(tier: HostTier) -> bool:
+    """Every entry's arrays are in pages: the tier keeps no buffer of MLX's."""
+    return all(not arrays_of(k.records) for k in tier._entries.values())
+
+
+def rooms(cache: list[Any]) -> list[Any]:
+    """Each layer's key buffers' shapes (a quantized layer's three): live and spare room."""
+    out = []
+    for c in cache:
+        keys = getattr(c, "keys", None)
+        parts = keys if isinstance(keys, (tuple, list)) else [keys]
+        out.append([tuple(k.shape) for k in parts if k is not None])
+    return out
+
+
+def pages_in_use(tier: HostTier) -> int:
+    assert tier.holder is not None
+    pool = tier.holder.pool  # type: ignore[attr-defined]
+    return int(pool.used_pages * pool.page_bytes)
+
+
+@pytest.mark.parametrize("variant", [*FAMILIES, "quantized"])
+def test_a_paged_hit_is_the_plain_one_bit_for_bit(tiny: Any, variant: str) -> None:
+    model, _, _ = tiny("llama_hd64" if variant == "quantized" else variant)
+    toks = tokens_for(150, seed=21)
+    make = (lambda: kv_quantized(model, toks, 100)) if variant == "quantized" else None
+    plain, pages = HostTier(GIB), paged()
+    assert plain.holder is None and pages.where == WHERE
+    plain.keep("m", toks, make() if make else prefill(model, toks)[0])
+    cache = make() if make else prefill(model, toks)[0]
+    want = live_state(cache)
+    assert pages.keep("m", toks, cache)  # given up, as mlx-lm's eviction does
+    del cache
+    assert holds_no_array(pages) and pages_in_use(pages) == pages.nbytes > 0
+    for prompt in ([*toks, *NEXT], toks, [*toks[:100], 7, 8, 9]):
+        a, b = plain.fetch("m", prompt), pages.fetch("m", prompt)
+        assert (a is None) == (b is None), prompt
+        if a is None or b is None:
+            continue
+        assert a.tokens == b.tokens and a.nbytes == b.nbytes
+        assert_same_state(live_state(b.cache), live_state(a.cache))
+        assert rooms(b.cache) == rooms(a.cache)  # the same room to grow into
+        if b.tokens == toks:
+            assert_same_state(live_state(b.cache), want)
+    hit = pages.fetch("m", [*toks, *NEXT])
+    assert hit is not None
+    fresh = make() if make else prefill(model, toks)[0]
+    got_logits, got = continue_run(model, hit.cache, NEXT, n_greedy=2)
+    want_logits, want_greedy = continue_run(model, fresh, NEXT, n_greedy=2)
+    assert got == want_greedy
+    assert all(raw(x) == raw(y) for x, y in zip(got_logits, want_logits, strict=True))
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3_next"])
+def test_a_kept_copy_and_a_hit_share_no_memory(tiny: Any, variant: str) -> None:
+    model, _, _ = tiny(variant)
+    toks = tokens_for(256, seed=22)
+    cache, _ = prefill(model, toks)
+    saved = live_state(cache)
+    tier = paged()
+    assert tier.keep("m", toks, cache, copy=True)  # a Store's save: the caller goes on
+    scribble_all(cache)
+    continue_run(model, cache, NEXT, n_greedy=2)
+    first = tier.fetch("m", [*toks, 1, 2])
+    assert first is not None
+    assert_same_state(live_state(first.cache), saved)
+    scribble_all(first.cache)  # written through a memoryview: the pages are not
+    second = tier.fetch("m", [*toks, 1, 2])
+    assert second is not None
+    assert_same_state(live_state(second.cache), saved)
+
+
+def test_eviction_and_clear_give_pages_back(tiny: Any) -> None:
+    model, _, _ = tiny("llama")
+    prompts = [tokens_for(100, seed=s) for s in (30, 31, 32)]
+    probe = paged()
+    probe.keep("m", prompts[0], prefill(model, prompts[0])[0])
+    size = probe.nbytes  # whole pages
+    chunks = HostChunks()
+    tier = paged(2 * size, chunks)
+    for p in prompts[:2]:
+        assert tier.keep("m", p, prefill(model, p)[0])
+    assert tier.fetch("m", [*prompts[0], 1]) is not None  # 0 is now the most recent
+    made = chunks.made
+    assert tier.keep("m", prompts[2], prefill(model, prompts[2])[0])  # 1 goes first
+    assert tier.stats()["evicted"] == 1 and len(tier) == 2
+    assert tier.nbytes == pages_in_use(tier) == 2 * size <= tier.max_bytes
+    assert chunks.made == made  # the evicted entry's pages were reused
+    assert tier.fetch("m", [*prompts[1], 1]) is None
+    assert tier.fetch("m", [*prompts[2], 1]) is not None
+    stats = tier.stats()
+    assert stats["where"] == WHERE and stats["pinned_bytes"] == chunks.nbytes > 0
+    tier.clear()
+    assert pages_in_use(tier) == 0 and not chunks.chunks and chunks.freed == chunks.made
+    assert tier.keep("m", prompts[0], prefill(model, prompts[0])[0])  # pinned again on need
+
+
+def test_refused_memory_evicts_then_gives_up_cleanly(tiny: Any) -> None:
+    model, _, _ = tiny("llama")
+    prompts = [tokens_for(100, seed=s) for s in (40, 41)]
+    probe = paged()
+    probe.keep("m", prompts[0], prefill(model, prompts[0])[0])
+    chunks = HostChunks(refuse_after=probe.nbytes // 4096)  # pages for one entry
+    tier = HostTier(GIB, holder=host_holder(GIB, chunk_bytes=4096, chunks=chunks))
+    assert tier.keep("m", prompts[0], prefill(model, prompts[0])[0])
+    assert tier.keep("m", prompts[1], prefill(model, prompts[1])[0])  # the first made room
+    assert len(tier) == 1 and tier.stats()["evicted"] == 1
+    assert tier.fetch("m", [*prompts[1], 1]) is not None
+    big = tokens_for(400, seed=42)
+    assert not tier.keep("m", big, prefill(model, big)[0])  # never fits what is pinned
+    assert len(tier) == 0 and tier.nbytes == pages_in_use(tier) == 0
+
+
+def test_where_the_tier_keeps_entries_and_the_serve_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert HostTier(GIB).where == "host memory" and HostTier(GIB).holder is None
+    assert host_budget(None) == default_budget() and host_budget(0) == 0
+    monkeypatch.setattr(host_tier, "cuda_holder", lambda budget: host_holder(budget))
+    with pinned.use(Choice(CUDA_PINNED, "a test's stand-in")):
+        tier = HostTier(GIB)
+        assert tier.holder is not None and tier.where == WHERE
+        assert host_budget(None) == default_budget()  # on by default: no device memory held
+        assert HostTier(0).holder is None
+    monkeypatch.setattr(pinned, "backend", lambda: "cuda")
+    with pinned.use(Choice(pinned.HOST, "no pinned memory")):
+        assert host_tier.placement() == DEVICE_MEMORY
+        assert host_budget(None) == 0  # would hold device memory: off unless asked
+        assert host_budget(1 << 20) == 1 << 20
+
+
+def test_a_store_keeps_its_saves_in_pages_on_the_pinned_path(
+    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, tok, _ = tiny("llama")
+    identity = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(200, seed=23)
+    cache, _ = prefill(model, toks)
+    monkeypatch.setattr(host_tier, "cuda_holder", lambda budget: host_holder(budget))
+    with pinned.use(Choice(CUDA_PINNED, "a test's stand-in")):  # only the tier's choice
+        store = persist.Store(tmp_path / "store", host_cache=GIB)
+    with store:
+        store.save(cache, toks, identity=identity, session="s")
+        assert store.host is not None and holds_no_array(store.host)
+        hit = store.lookup([*toks, 1], identity=identity)
+        assert hit is not None and hit.source == "host" and hit.tokens == toks
+        assert_same_state(live_state(hit.cache), live_state(cache))
+        host = store.stats().host_cache
+        assert host is not None and host["where"] == WHERE and host["pinned_bytes"] > 0
+
+
+def test_serve_restores_an_evicted_cache_from_pages(tiny: Any, tmp_path: Path) -> None:
+    model, tok, _ = tiny("llama")
+    identity = persist.ModelIdentity.of(model, tok)
+    a, b = tokens_for(80, seed=24), tokens_for(80, seed=25)
+    first, _ = prefill(model, a)
+    want = live_state(first)
+    host = paged()
+    with persist.Store(tmp_path / "store") as store:
+        pc = PersistentPromptCache(1, store=store, identity=identity, host=host)
+        try:
+            pc.insert_cache("m", a, first)
+            pc.insert_cache("m", b, prefill(model, b)[0])  # mlx-lm keeps one: a's goes to pages
+            pc.flush()
+            assert len(host) == 1 and holds_no_array(host)
+            cache, rest = pc.fetch_nearest_cache("m", [*a, 5])
+            assert rest == [5] and pc.counters["host_hits"] == 1
+            assert_same_state(live_state(cache), want)
+            assert isinstance(cache[0].keys, mx.array)
+        finally:
+            pc.close()

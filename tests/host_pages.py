@@ -1,0 +1,90 @@
+"""The host tier's page pool without a GPU: pages of plain host memory, and pack/unpack
+as memmoves, through the same ``PagePool`` and ``PagedHolder`` the CUDA tier uses
+(as ``HostLane`` stands in for the copy engine in tests/engine/test_staging.py)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from persist.format.pinned_pool import Page, PagedHolder, PagePool, Part
+
+WHERE = "host memory pages"
+
+
+class HostChunks:
+    """An allocator of zeroed host chunks, (address, address), that counts its calls."""
+
+    def __init__(self, refuse_after: int | None = None) -> None:
+        self.chunks: dict[int, np.ndarray] = {}
+        self.made = self.freed = 0
+        self.refuse_after = refuse_after  # chunks, then MemoryError (pinned memory refused)
+
+    def alloc(self, n: int) -> tuple[int, int]:
+        if self.refuse_after is not None and len(self.chunks) >= self.refuse_after:
+            raise MemoryError(f"no {n} bytes")
+        buf = np.zeros(n, dtype=np.uint8)
+        addr = int(buf.ctypes.data)
+        self.chunks[addr] = buf
+        self.made += 1
+        return addr, addr
+
+    def free(self, addr: int) -> None:
+        del self.chunks[addr]
+        self.freed += 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.chunks.values())
+
+
+def spans(offset: int, n: int, pages: Sequence[Page], page: int) -> Iterator[tuple[int, int, int]]:
+    """(host address in a page, byte of the array, length) for bytes [offset, offset + n)."""
+    done = 0
+    while done < n:
+        p, within = divmod(offset + done, page)
+        k = min(n - done, page - within)
+        yield pages[p].host + within, done, k
+        done += k
+
+
+def raw_bytes(a: mx.array) -> np.ndarray:
+    """``a``'s bytes in row order (a strided array is made contiguous first)."""
+    flat = mx.contiguous(a.reshape(-1)).view(mx.uint8)
+    mx.eval(flat)
+    return np.frombuffer(memoryview(flat), dtype=np.uint8)
+
+
+def pack(items: list[tuple[mx.array, int]], pages: Sequence[Page], page: int) -> None:
+    for a, offset in items:
+        src = raw_bytes(a)
+        assert src.nbytes == a.nbytes
+        for dst, at, k in spans(offset, src.nbytes, pages, page):
+            ctypes.memmove(dst, src.ctypes.data + at, k)
+
+
+def unpack(parts: list[Part], pages: Sequence[Page], page: int) -> list[mx.array]:
+    out = []
+    for p in parts:
+        buf = np.empty(p.nbytes, dtype=np.uint8)
+        for src, at, k in spans(p.offset, p.nbytes, pages, page):
+            ctypes.memmove(buf.ctypes.data + at, src, k)
+        out.append(mx.array(buf).view(p.dtype).reshape(p.shape))  # a copy: MLX's own buffer
+    mx.eval(out)
+    return out
+
+
+def host_holder(
+    budget: int,
+    *,
+    page_bytes: int = 4096,
+    chunk_bytes: int = 16 * 4096,
+    chunks: HostChunks | None = None,
+) -> PagedHolder:
+    """A holder of ``budget`` bytes of host pages (small ones: tiny models' entries span many)."""
+    c = chunks if chunks is not None else HostChunks()
+    pool = PagePool(budget, c.alloc, c.free, page_bytes=page_bytes, chunk_bytes=chunk_bytes)
+    return PagedHolder(pool, pack, unpack, WHERE)
