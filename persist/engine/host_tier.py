@@ -29,6 +29,7 @@ pinned memory keeps device arrays (``placement``: "device memory").
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -45,10 +46,12 @@ from ..codecs import encode_cache, facts_of, trim_record
 from ..codecs.snapshot import Snapshot, rebuild
 from ..errors import HostCacheFullError, InvalidArgumentError
 from ..format import pinned
-from ..format.pinned_pool import Held, Holder, cuda_holder
+from ..format.pinned_pool import Held, Holder, cuda_holder, proven
 from ..marks import carries_unverified
 from ..records import Record
 from .host_records import arrays_of, copied, emptied, filled, handed_out
+
+log = logging.getLogger("persist")
 
 __all__ = ["HostTier", "HostHit", "default_budget", "placement", "HOST"]
 
@@ -84,9 +87,13 @@ def placement() -> str:
 
 
 def _default_holder(max_bytes: int) -> Holder | None:
-    """Pinned pages where this process stages restores through pinned memory (CUDA)."""
+    """Pinned pages where this process stages restores through pinned memory (CUDA),
+    once they have given back bit for bit what they were given (``proven``)."""
     if max_bytes and pinned.choose().path == pinned.CUDA_PINNED:
-        return cuda_holder(max_bytes)
+        holder = cuda_holder(max_bytes)
+        if proven(holder):
+            return holder
+        log.warning("persist: pinned host pages failed their check: the host tier keeps arrays")
     return None
 
 

@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
+import numpy as np
 
-from ..errors import HostCacheFullError, InvalidArgumentError, InvalidStateError
+from ..errors import HostCacheFullError, InvalidArgumentError, InvalidStateError, PersistError
 
 __all__ = [
+    "proven",
     "PAGE_BYTES",
     "CHUNK_BYTES",
     "Page",
@@ -264,3 +266,39 @@ def cuda_holder(
 
     pool = PagePool(budget, alloc, free, page_bytes=page_bytes, chunk_bytes=chunk_bytes)
     return PagedHolder(pool, pack_pages, unpack_pages, "pinned host memory")
+
+
+def proven(holder: Holder) -> bool:
+    """Do ``holder``'s pages give back bit for bit what they hold (odd sizes, spanning
+    pages, several dtypes)?  Checked once per tier before any cache is kept there: a
+    kernel that another MLX build compiles differently must cost speed, never a
+    wrong cache.  False: the tier keeps arrays, as without pinned memory."""
+    sizes = [1, 15, 17, 4097, (3 << 20) + 5]
+    rng = np.random.default_rng(0)
+    arrays = [mx.array(rng.integers(0, 256, n, dtype=np.uint8)) for n in sizes]
+    arrays.append(mx.array(rng.standard_normal((3, 1000), dtype=np.float32)).astype(mx.bfloat16))
+    mx.eval(arrays)
+    try:
+        held = holder.hold(arrays)
+        try:
+            got = holder.give(held)
+            same = all(
+                a.shape == b.shape
+                and a.dtype == b.dtype
+                and bool(mx.array_equal(_bits(a), _bits(b)))
+                for a, b in zip(arrays, got, strict=True)
+            )
+        finally:
+            holder.release(held)
+            holder.trim()
+    except (OSError, MemoryError, RuntimeError, ValueError, PersistError):
+        return False
+    return same
+
+
+def _bits(a: mx.array) -> mx.array:
+    return (
+        a.view(mx.uint8)
+        if a.dtype.size == 1
+        else a.view(mx.uint16 if a.dtype.size == 2 else mx.uint32)
+    )

@@ -214,3 +214,26 @@ def test_serve_restores_an_evicted_cache_from_pages(tiny: Any, tmp_path: Path) -
             assert isinstance(cache[0].keys, mx.array)
         finally:
             pc.close()
+
+
+def test_pages_that_give_back_other_bytes_are_never_used() -> None:
+    """The tier trusts pinned pages only once they gave back what they held, bit
+    for bit (another MLX build might compile the kernels differently)."""
+    from persist.format.pinned_pool import proven
+
+    good = host_holder(64 << 20)
+    assert proven(good)
+
+    class Flipping:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def give(self, held: Any) -> list[mx.array]:
+            out = self.inner.give(held)
+            out[-1] = out[-1] + mx.array(1, dtype=out[-1].dtype)  # one tensor off
+            return out
+
+    assert not proven(Flipping(host_holder(64 << 20)))
