@@ -33,7 +33,7 @@ import xxhash
 
 from ..errors import CorruptBlobError
 from ..format.pinned import Copy, Lane, Placed, Ring
-from ..records import Progress, TensorSpec
+from ..records import DTYPE_SIZES, Progress, TensorSpec
 
 __all__ = ["Want", "Job", "Dest", "Geometry", "stage", "geometry", "placement"]
 
@@ -80,11 +80,21 @@ class Geometry(NamedTuple):
 
 
 def geometry(stored: tuple[int, ...], at: int, dest: Dest) -> Geometry:
-    """The rows of a piece stored with shape ``stored`` that fills ``dest`` from ``at``."""
+    """The rows of a piece stored with shape ``stored`` that fills ``dest`` from ``at``.
+
+    ValueError unless the piece fits its buffer (every dimension but the token
+    axis equal): a header's shape is never trusted to place bytes."""
+    axis, shape = dest.axis, tuple(dest.shape)
+    fits = len(stored) == len(shape) and at >= 0
+    if fits and len(stored) <= axis:
+        fits = tuple(stored) == shape and at == 0
+    elif fits:
+        fits = all(a == b for i, (a, b) in enumerate(zip(stored, shape, strict=True)) if i != axis)
+    if not fits:
+        raise ValueError(f"a piece of shape {list(stored)} at {at} does not fit {list(shape)}")
     size = dest.item
     for d in stored:
         size *= d
-    axis = dest.axis
     if len(stored) <= axis:  # no token axis: the tensor is its whole buffer
         return Geometry(dest.addr, size, size, size)
     inner = dest.item
@@ -233,6 +243,16 @@ def _read_job(
         lanes.put(lane)
 
 
+def _placed(w: Want, dest: Dest) -> Geometry:
+    """Where ``w`` goes, once its stored dtype and shape are known to fit its buffer."""
+    if DTYPE_SIZES[w.stored.dtype] != dest.item:
+        raise CorruptBlobError(w.where, f"dtype {w.stored.dtype} does not fit its buffer")
+    try:
+        return geometry(tuple(w.stored.shape), w.at, dest)
+    except ValueError as e:
+        raise CorruptBlobError(w.where, str(e)) from None
+
+
 def _runs(wants: list[Want]) -> list[list[Want]]:
     """Wanted tensors grouped into runs of (nearly) adjacent file bytes."""
     runs: list[list[Want]] = []
@@ -261,7 +281,7 @@ def _read_run(
     pos, end = run[0].start, run[-1].end
     first = 0
     hashers: dict[str, Any] = {}  # tensors that span slots
-    where = {w.key: geometry(w.stored.shape, w.at, dests[w.key]) for w in run}
+    where = {w.key: _placed(w, dests[w.key]) for w in run}
     while pos < end and not abort.is_set():
         slot = lane.take()
         n = min(int(lane.slots[slot].nbytes), end - pos)

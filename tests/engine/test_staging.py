@@ -396,3 +396,47 @@ def test_staging_buffers_of_many_chunks_hold_every_slot(
     chunks = made[1]
     assert len(chunks) > 2 and max(chunks) <= 3 * ring.slot_bytes
     assert_same_state(live_state(got), live_state(cache))
+
+
+def _forge_shape(store: persist.Store, block: str) -> None:
+    """Give a tensor of ``block`` other leading dimensions in its header (same bytes,
+    same checksum, header and size kept consistent with the index)."""
+    import json
+    import sqlite3
+    import struct
+
+    from persist.format.container import checksum
+
+    path = store.blobs.path(block)
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    hdr = json.loads(data[8 : 8 + n])
+    key = next(k for k in hdr if k != "__metadata__" and len(hdr[k]["shape"]) == 4)
+    b, h, t, e = hdr[key]["shape"]
+    hdr[key]["shape"] = [b * 8, h, t // 8, e]  # the same bytes as 8x the rows
+    text = json.dumps(hdr, separators=(",", ":")).encode()
+    data[8 : 8 + n] = text + b" " * (n - len(text))
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    db = sqlite3.connect(store.root / "index.sqlite")
+    db.execute(
+        "UPDATE blobs SET head_xxh3 = ?, size = ? WHERE file = ?",
+        [checksum(bytes(data[: 8 + n])), len(data), block],
+    )
+    db.commit()
+    db.close()
+
+
+@pytest.mark.parametrize("path", ["staged", "host"])
+def test_a_header_shape_that_does_not_fit_is_refused(path: str, tiny: Any, tmp_path: Path) -> None:
+    """Attack 27 (round 4): a header's shape is never trusted to place bytes (the
+    staged path wrote rows past the tensor's buffer)."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(40, seed=9)
+    with persist.Store(tmp_path / "s", block_tokens=BLOCK) as store:
+        info = store.save(prefill(model, toks)[0], toks, identity=ident, session="s")
+        _forge_shape(store, store.index.blocks(info.id)[0].blob)
+    way = staged(host_ring(3, 64 << 10)) if path == "staged" else host()
+    with persist.Store(tmp_path / "s") as store, way, pytest.raises(CorruptBlobError):
+        store.restore("s", identity=ident)
