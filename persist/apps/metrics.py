@@ -30,6 +30,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..engine.costs import LOCAL, LOCAL_DISK
 from ..errors import StoreFullError
 
 __all__ = ["ServeMetrics", "CONTENT_TYPE"]
@@ -170,7 +171,7 @@ class ServeMetrics:
             self.written_bytes.labels("local").inc(n)
         if cost is not None:
             self.decisions.labels("restore" if cost.restore else "recompute", cost.reason).inc()
-            if cost.restore and hit and cost.tier == "local":
+            if cost.restore and hit and cost.tier in (LOCAL, LOCAL_DISK):  # this store's files
                 self.read_bytes.labels("local").inc(cost.nbytes)
 
     @_never_raises

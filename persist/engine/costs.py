@@ -32,7 +32,8 @@ __all__ = ["CostModel", "LOCAL", "LOCAL_DISK", "hit_bytes", "local_tier"]
 
 LOCAL = "local"  # the tier name of this store's own files (in the page cache)
 LOCAL_DISK = "local-disk"  # the same, when the disk must read them first
-SAMPLE = 8  # blob files probed per hit
+SAMPLE = 8  # blob files probed per hit (the tail and up to 7 blocks)
+WARM = 0.9  # share of a hit's sampled pages in the page cache that makes it LOCAL
 MIN_PREFILL = 16  # tokens: shorter forwards are decode steps, not a prefill rate
 
 
@@ -59,20 +60,21 @@ def hit_bytes(index: Index, row: SnapshotRow, prefix: int) -> int:
 
 def local_tier(index: Index, blobs: BlobStore, row: SnapshotRow, prefix: int | None) -> str:
     """LOCAL when a hit's blob files are in the page cache, LOCAL_DISK when the disk
-    must read them (a sample of SAMPLE files).  The two rates differ several times
-    (an H200: 0.13 s against 0.64 s for 1 GiB), and one rate for both predicted
-    neither.  A store that cannot tell (no RWF_NOWAIT) keeps one rate, LOCAL."""
+    must read them: a sample of SAMPLE files spread over the hit (the first and the
+    last among them), WARM of their pages resident or more.  The two rates differ
+    several times (an H200: 0.13 s against 0.64 s for 1 GiB), and one rate for both
+    predicted neither.  A store that cannot tell keeps one rate, LOCAL."""
     cached = getattr(blobs, "cached", None)
     if cached is None:
         return LOCAL
-    need = None if prefix is None else _blocks_read(row, prefix)
-    refs = index.blocks(row.id)
-    files = [row.tail] + [r.blob for r in refs[:need] if r.blob is not None]
-    step = max(1, len(files) // SAMPLE)
-    for file in files[::step][:SAMPLE]:
-        if cached(file) is False:
-            return LOCAL_DISK
-    return LOCAL
+    need = _blocks_read(row, prefix) if prefix is not None else None
+    n = row.n_blocks if need is None else need
+    picks = sorted({round(i * (n - 1) / (SAMPLE - 2)) for i in range(SAMPLE - 1)}) if n else []
+    files = [row.tail, *index.block_blobs(row.id, picks)]
+    shares = [s for s in (cached(f) for f in files) if s is not None]
+    if not shares:
+        return LOCAL
+    return LOCAL if sum(shares) / len(shares) >= WARM else LOCAL_DISK
 
 
 class CostModel:

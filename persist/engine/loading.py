@@ -115,7 +115,7 @@ def load_snapshot(
     length = need * block if partial else None
     choice = pinned.choose()
     _note_path(index, choice)
-    if choice.ring is not None:
+    if choice.ring is not None and not staging.busy():
         arrays = _staged(choice.ring, blobs, pieces, heads, specs, split, length, room, progress)
     else:
         arrays = _host(blobs, pieces, heads, specs, split, length, room, progress)

@@ -35,7 +35,7 @@ from ..errors import CorruptBlobError
 from ..format.pinned import Copy, Lane, Placed, Ring
 from ..records import DTYPE_SIZES, Progress, TensorSpec
 
-__all__ = ["Want", "Job", "Dest", "Geometry", "stage", "geometry", "placement"]
+__all__ = ["Want", "Job", "Dest", "Geometry", "stage", "busy", "geometry", "placement"]
 
 GAP = 4096  # wanted tensors this close in a file are read as one run (the gap is skipped)
 
@@ -184,24 +184,58 @@ def stage(
     slot or writes a buffer after it).
     """
     with ring.lock:
-        staged = _Staging(ring, len(jobs), len(dests), total)
-        abort = threading.Event()
-        lanes: queue.Queue[Lane] = queue.Queue()
-        for lane in ring.lanes:
-            lanes.put(lane)
-        pool = ThreadPoolExecutor(min(len(ring.lanes), max(1, len(jobs))), "persist-stage")
-        futures = [pool.submit(_read_job, lanes, job, dests, staged, abort) for job in jobs]
+        _here.busy = True
         try:
-            _wait(futures, progress)
-        except BaseException:
-            abort.set()
-            raise
+            _stage(ring, jobs, dests, total, progress)
         finally:
+            _here.busy = False
+
+
+_here = threading.local()  # this thread's staged restore, if one runs
+
+
+def busy() -> bool:
+    """Is this thread inside a staged restore (its progress callback restoring
+    again)?  Then that restore takes the host path: the lanes are the outer one's."""
+    return bool(getattr(_here, "busy", False))
+
+
+def _stage(
+    ring: Ring, jobs: list[Job], dests: dict[str, Dest], total: int, progress: Progress | None
+) -> None:
+    staged = _Staging(ring, len(jobs), len(dests), total)
+    abort = threading.Event()
+    lanes: queue.Queue[Lane] = queue.Queue()
+    for lane in ring.lanes:
+        lanes.put(lane)
+    pool = ThreadPoolExecutor(min(len(ring.lanes), max(1, len(jobs))), "persist-stage")
+    futures = [pool.submit(_read_job, lanes, job, dests, staged, abort) for job in jobs]
+    try:
+        _wait(futures, progress)
+    except BaseException:
+        abort.set()
+        raise
+    finally:
+        _settle(pool, ring)
+    for (buf, _), placed in zip(staged.bufs, staged.placed, strict=True):
+        if placed:
+            ring.scatter(buf, placed)
+
+
+def _settle(pool: ThreadPoolExecutor, ring: Ring) -> None:
+    """Every reader stopped and every copy done, even through more Ctrl-Cs: until
+    then the lanes and the buffers are in use (the ring's next restore would share
+    them, and a freed buffer would still be written).  The last Ctrl-C is raised after."""
+    interrupted: KeyboardInterrupt | None = None
+    while True:
+        try:
             pool.shutdown(wait=True)
             ring.drain()
-        for (buf, _), placed in zip(staged.bufs, staged.placed, strict=True):
-            if placed:
-                ring.scatter(buf, placed)
+            break
+        except KeyboardInterrupt as e:
+            interrupted = e
+    if interrupted is not None:
+        raise interrupted
 
 
 def _wait(futures: list[Future[None]], progress: Progress | None) -> None:

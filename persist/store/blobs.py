@@ -15,12 +15,14 @@ No mlx here.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import mmap
 import os
 import re
 import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Protocol, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 from ..errors import CorruptBlobError
 from ..format.container import Sink, atomic_write, fsync_dir
@@ -116,24 +118,15 @@ class FileBlobs:
             for at in range(0, os.fstat(fd).st_size, PREFETCH_BYTES):
                 os.posix_fadvise(fd, at, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
 
-    def cached(self, file: str) -> bool | None:
-        """Is ``file`` in the page cache (its first, middle and last pages)?  None
-        where the kernel cannot say (no RWF_NOWAIT, or the file is gone).  A
-        read with RWF_NOWAIT fails with EAGAIN instead of waiting for the disk."""
-        flag = getattr(os, "RWF_NOWAIT", None)
-        if flag is None:
-            return None
+    def cached(self, file: str) -> float | None:
+        """The share of ``file``'s pages in the page cache (mincore on a private
+        mapping: looking loads nothing, where a RWF_NOWAIT read starts readahead).
+        None where it cannot be told (no such file, an empty one, no mincore)."""
         try:
             with open_regular(self.path(file)) as f:
-                fd, one = f.fileno(), bytearray(1)
-                size = os.fstat(fd).st_size
-                for at in sorted({0, size // 2, max(0, size - 1)}):
-                    os.preadv(fd, [one], at, flag)
-        except BlockingIOError:
-            return False
+                return resident_share(f.fileno())
         except (OSError, ValueError):
             return None
-        return True
 
     def exists(self, file: str) -> bool:
         try:
@@ -218,3 +211,36 @@ def _require_real_dir(d: Path, missing_ok: bool = False) -> None:
         raise CorruptBlobError(str(d), "is a symbolic link; persist never follows links in a store")
     if not missing_ok and not d.is_dir():
         raise CorruptBlobError(str(d), "is not a directory")
+
+
+_PAGE = mmap.PAGESIZE
+
+
+def resident_share(fd: int) -> float | None:
+    """The share of the pages of the file open at ``fd`` that are in the page cache."""
+    size = os.fstat(fd).st_size
+    if not size or _mincore is None:
+        return None
+    with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as m:
+        anchor = ctypes.c_char.from_buffer(m)  # the mapping's address; maps nothing in
+        try:
+            pages = -(-size // _PAGE)
+            vec = (ctypes.c_ubyte * pages)()
+            if _mincore(ctypes.addressof(anchor), ctypes.c_size_t(size), vec):
+                return None
+            return (pages - bytes(vec).count(0)) / pages
+        finally:
+            del anchor  # the mapping closes only once no buffer export is left
+
+
+def _libc_mincore() -> Any:
+    try:
+        f = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):  # not Linux/BSD: no page cache to ask
+        return None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    f.restype = ctypes.c_int
+    return f
+
+
+_mincore = _libc_mincore()

@@ -257,6 +257,19 @@ class Index:
             raise CorruptBlobError(f"snapshot {row.id}", "index row does not match its checksum")
         return blocks
 
+    def block_blobs(self, snapshot_id: int, idxs: list[int]) -> list[str]:
+        """The blob files of the row's blocks at ``idxs`` (a sample, not the whole list)."""
+        if not idxs:
+            return []
+        marks = ",".join("?" * len(idxs))
+        with self.read() as db:
+            got = db.execute(
+                f"SELECT blob FROM snapshot_blocks WHERE snapshot = ? AND idx IN ({marks})"
+                " ORDER BY idx",
+                [snapshot_id, *idxs],
+            ).fetchall()
+        return [r[0] for r in got if r[0] is not None]
+
     def blocks(self, snapshot_id: int) -> list[BlockRef]:
         with self.read() as db:
             return Index.blocks_in(db, snapshot_id)

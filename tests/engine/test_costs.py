@@ -24,6 +24,7 @@ import pytest
 
 import persist
 from persist.apps.generate import generate
+from persist.store import blobs as blobs_module
 from persist.store import rates
 from persist.store.blobs import FileBlobs
 from tests.helpers import (
@@ -227,7 +228,7 @@ def test_a_hit_in_the_page_cache_and_one_on_the_disk_have_rates_of_their_own(
         files = [store.blobs.path(f) for f in store.blobs.files()]
         for p in files:
             p.read_bytes()
-        if {store.blobs.cached(f) for f in store.blobs.files()} != {True}:
+        if {store.blobs.cached(f) for f in store.blobs.files()} != {1.0}:
             pytest.skip("this kernel or file system cannot say what is in the page cache")
         here = rates.machine_name(ident.backend)
         for bucket in range(40):  # 600 tokens prefill in 0.6 s; 1 GB/s warm, 1 kB/s cold
@@ -257,7 +258,53 @@ def test_a_store_that_cannot_tell_keeps_one_local_rate(
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(300, seed=73)
     with _primed(model, tok, tmp_path / "s", toks) as store:
-        monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
+        monkeypatch.setattr(blobs_module, "_mincore", None)
         assert {store.blobs.cached(f) for f in store.blobs.files()} == {None}
         assert store.lookup([*toks, 1, 2], identity=ident) is not None
         assert store.costs.last is not None and store.costs.last.tier == "local"
+
+
+def test_looking_at_the_page_cache_loads_nothing(tiny: Any, tmp_path: Path) -> None:
+    """Attack 27 (round 4): the RWF_NOWAIT probe started readahead of what it probed,
+    so sixteen lookups of a hit on the disk made it look cached; mincore loads nothing."""
+    model, tok, _ = tiny("llama")
+    toks = tokens_for(300, seed=74)
+    with _primed(model, tok, tmp_path / "s", toks) as store:
+        files = list(store.blobs.files())
+        for _ in range(20):
+            for f in files:
+                _evict(store.blobs.path(f))
+            if not any(store.blobs.cached(f) for f in files):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.skip("the page cache kept the files (DONTNEED ignored here)")
+        for _ in range(30):
+            assert not any(store.blobs.cached(f) for f in files)
+
+
+def test_the_sample_reaches_the_last_blocks_of_a_hit(tiny: Any, tmp_path: Path) -> None:
+    """Attack 27 (round 4): the sample skipped the end of the file list; a hit whose
+    last blocks are on the disk is priced at the disk's rate."""
+    from persist.engine.costs import LOCAL, LOCAL_DISK, local_tier
+
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(600, seed=75)
+    with persist.Store(tmp_path / "s", block_tokens=16) as store:
+        store.save(prefill(model, toks)[0], toks, identity=ident, session="doc")
+        row = store.index.by_name("default", "doc")
+        assert row is not None and row.n_blocks >= 30
+        blocks = [b.blob for b in store.index.blocks(row.id) if b.blob is not None]
+        for f in [row.tail, *blocks]:
+            store.blobs.path(f).read_bytes()
+        if store.blobs.cached(row.tail) != 1.0:
+            pytest.skip("this file system cannot say what is in the page cache")
+        assert local_tier(store.index, store.blobs, row, None) == LOCAL
+        for _ in range(20):
+            for f in blocks[-7:]:
+                _evict(store.blobs.path(f))
+            if not any(store.blobs.cached(f) for f in blocks[-7:]):
+                break
+            time.sleep(0.05)
+        assert local_tier(store.index, store.blobs, row, None) == LOCAL_DISK

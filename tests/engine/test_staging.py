@@ -440,3 +440,53 @@ def test_a_header_shape_that_does_not_fit_is_refused(path: str, tiny: Any, tmp_p
     way = staged(host_ring(3, 64 << 10)) if path == "staged" else host()
     with persist.Store(tmp_path / "s") as store, way, pytest.raises(CorruptBlobError):
         store.restore("s", identity=ident)
+
+
+def test_a_progress_callback_may_restore_again(tiny: Any, tmp_path: Path) -> None:
+    """Attack 27 (round 4): a progress callback that restores through the same store
+    deadlocked on the staged path (the ring's lock); it now takes the host path."""
+    import threading
+
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(100, seed=4)
+    with persist.Store(tmp_path / "s", block_tokens=BLOCK) as store:
+        store.save(prefill(model, toks)[0], toks, identity=ident, session="s")
+        store.save(prefill(model, toks[:30])[0], toks[:30], identity=ident, session="other")
+        inner: list[Any] = []
+
+        def progress(done: int, total: int) -> None:
+            if not inner:
+                inner.append(store.restore("other", identity=ident).cache)
+
+        out: list[Any] = []
+
+        def go() -> None:
+            with staged(host_ring(3, 1000)):
+                out.append(store.restore("s", identity=ident, progress=progress).cache)
+
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        t.join(120)  # a hang detector, not a timing verdict
+        assert not t.is_alive(), "the nested restore deadlocked"
+    assert out and inner
+
+
+def test_a_second_interrupt_still_waits_for_the_readers() -> None:
+    """Attack 27 (round 4): a second Ctrl-C during the cleanup released the ring while
+    readers still used its lanes; the cleanup now finishes, then raises."""
+    calls: list[str] = []
+
+    class Pool:
+        def shutdown(self, wait: bool) -> None:
+            calls.append("shutdown")
+            if len(calls) == 1:
+                raise KeyboardInterrupt  # the second Ctrl-C, inside the wait
+
+    class Drained:
+        def drain(self) -> None:
+            calls.append("drain")
+
+    with pytest.raises(KeyboardInterrupt):
+        staging._settle(Pool(), Drained())  # type: ignore[arg-type]
+    assert calls == ["shutdown", "shutdown", "drain"]

@@ -169,3 +169,20 @@ def test_metrics_never_fail_a_save(tmp_path: Path) -> None:
     m.saved(probe, True)  # reads the closed store's counters: no exception
     assert m.value("persist_writes_total", result="saved") == 1
     assert m.health()["store"]["reachable"] is False
+
+
+@pytest.mark.parametrize("tier", ["local", "local-disk"])
+def test_a_hit_from_the_disk_counts_as_local_reads(tier: str, tmp_path: Path) -> None:
+    """Attack 27 (round 4): a store hit priced at the disk's rate ("local-disk")
+    added nothing to persist_tier_read_bytes_total{tier="local"}."""
+    from persist import Store
+    from persist.apps.metrics import ServeMetrics
+    from persist.policy import CostDecision
+
+    with Store(tmp_path / "s") as store:
+        m = ServeMetrics(store, "default")
+        cost = CostDecision(600, 1_000_000, tier, 0.01, 0.1, True, "faster")
+        probe = m.probe()
+        assert probe is not None
+        m.looked_up(probe, prompt=603, memory=0, hit=600, cost=cost)
+        assert m.value("persist_tier_read_bytes_total", tier="local") == 1_000_000
