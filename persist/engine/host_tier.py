@@ -93,8 +93,12 @@ def _default_holder(max_bytes: int) -> Holder | None:
         holder = cuda_holder(max_bytes)
         if proven(holder):
             return holder
-        log.warning("persist: pinned host pages failed their check: the host tier keeps arrays")
+        raise _Unproven
     return None
+
+
+class _Unproven(Exception):
+    """Pinned pages gave back other bytes than they held (or refused them)."""
 
 
 @dataclass(frozen=True)
@@ -143,8 +147,14 @@ class HostTier:
         if type(max_bytes) is not int or max_bytes < 0:
             raise InvalidArgumentError(f"the host cache's size is bytes, at least 0: {max_bytes!r}")
         self.max_bytes = max_bytes
-        self.holder = holder if holder is not None else _default_holder(max_bytes)
-        self.where = self.holder.where if self.holder is not None else placement()
+        try:
+            self.holder = holder if holder is not None else _default_holder(max_bytes)
+            self.where = self.holder.where if self.holder is not None else placement()
+        except _Unproven:
+            # never a wrong cache, and never device memory mlx-lm's eviction meant to
+            # free: a tier whose pages failed their check keeps nothing
+            log.warning("persist: pinned host pages failed their check: the host tier is off")
+            self.max_bytes, self.holder, self.where = 0, None, "off (pinned pages failed a check)"
         self.nbytes = 0
         self._entries: OrderedDict[tuple[str, tuple[int, ...]], _Kept] = OrderedDict()
         self._lock = threading.Lock()

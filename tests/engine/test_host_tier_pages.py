@@ -237,3 +237,28 @@ def test_pages_that_give_back_other_bytes_are_never_used() -> None:
             return out
 
     assert not proven(Flipping(host_holder(64 << 20)))
+
+
+def test_a_tier_whose_pages_fail_their_check_keeps_nothing(
+    tiny: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Never a wrong cache, and never device memory that mlx-lm's eviction meant to
+    free: pages that give back other bytes turn the tier off (said in ``where``)."""
+
+    class Broken:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def give(self, held: Any) -> list[mx.array]:
+            return [mx.zeros_like(a) for a in self.inner.give(held)]
+
+    monkeypatch.setattr(host_tier, "cuda_holder", lambda budget: Broken(host_holder(budget)))
+    with pinned.use(Choice(CUDA_PINNED, "a test's stand-in")):
+        tier = HostTier(GIB)
+    assert tier.holder is None and tier.max_bytes == 0 and tier.where.startswith("off")
+    model, _, _ = tiny("llama")
+    toks = tokens_for(40, seed=3)
+    assert not tier.keep("m", toks, prefill(model, toks)[0]) and len(tier) == 0
