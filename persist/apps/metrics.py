@@ -292,7 +292,7 @@ class ServeMetrics:
             s: int(self.value("persist_cache_lookups_total", source=s, result="hit"))
             for s in (
                 "memory",
-                *(["host"] if self.host else []),
+                *(["host"] if self.host is not None else []),
                 "local",
                 *(t.name for t in self.store.tiers),
             )

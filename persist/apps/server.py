@@ -149,9 +149,14 @@ class PersistentPromptCache(LRUPromptCache):
             return None
 
     def _evicted(self, model: Any, tokens: list[int], cache: list[Any]) -> None:
-        identity = self.identity_for(model)
-        if self.host is not None and identity is not None:
-            self.host.keep(self._owner(identity), tokens, cache)
+        """Keep what mlx-lm evicts.  Called inside its bookkeeping (the entry is out of
+        its trie, its bytes not yet subtracted): nothing may escape from here."""
+        try:
+            identity = self.identity_for(model)
+            if self.host is not None and identity is not None:
+                self.host.keep(self._owner(identity), tokens, cache)
+        except Exception as e:  # the tier must never take the server down
+            log.warning("persist: could not keep an evicted cache in the host cache: %s", e)
 
     def _owner(self, identity: ModelIdentity) -> str:
         """The host tier's key for this cache's entries, as a Store keys its own: a

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..errors import InvalidStateError
 from ..format.tokens import unpack_tokens
 from ..identity import ModelIdentity, backend_kind
 from ..store.chains import HEAD_TOKENS
@@ -149,9 +150,10 @@ def from_host(
     thread's save evicted it since ``held`` saw it, the store's own hit."""
     from .reading import lookup_prefix
 
-    assert store.host is not None
-    i, costs = store.index, store.costs
-    hit = served(store.host, costs, identity, who, toks, longer_than)
+    i, costs, host = store.index, store.costs, store.host  # index: closed -> InvalidStateError
+    if host is None:
+        raise InvalidStateError("the store was closed during the lookup")
+    hit = served(host, costs, identity, who, toks, longer_than)
     if hit is not None:
         best_effort(i.count, namespace, host_hits=1, restored_tokens=len(hit.tokens))
         return Restored(hit.cache, hit.tokens, hit.info, source=HOST)

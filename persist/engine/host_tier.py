@@ -43,7 +43,7 @@ import numpy as np
 
 from .. import policy
 from ..codecs import encode_cache, facts_of, trim_record
-from ..codecs.snapshot import Snapshot, rebuild
+from ..codecs.snapshot import Snapshot, rebuild, require_covers
 from ..errors import HostCacheFullError, InvalidArgumentError
 from ..format import pinned
 from ..format.pinned_pool import Held, Holder, cuda_holder, proven
@@ -91,9 +91,10 @@ def _default_holder(max_bytes: int) -> Holder | None:
     once they have given back bit for bit what they were given (``proven``)."""
     if max_bytes and pinned.choose().path == pinned.CUDA_PINNED:
         holder = cuda_holder(max_bytes)
-        if proven(holder):
+        why = proven(holder, max_bytes)
+        if why is None:
             return holder
-        raise _Unproven
+        raise _Unproven(why)
     return None
 
 
@@ -150,11 +151,11 @@ class HostTier:
         try:
             self.holder = holder if holder is not None else _default_holder(max_bytes)
             self.where = self.holder.where if self.holder is not None else placement()
-        except _Unproven:
+        except _Unproven as e:
             # never a wrong cache, and never device memory mlx-lm's eviction meant to
             # free: a tier whose pages failed their check keeps nothing
-            log.warning("persist: pinned host pages failed their check: the host tier is off")
-            self.max_bytes, self.holder, self.where = 0, None, "off (pinned pages failed a check)"
+            log.warning("persist: pinned host pages: %s; the host tier is off", e)
+            self.max_bytes, self.holder, self.where = 0, None, f"off (pinned pages: {e})"
         self.nbytes = 0
         self._entries: OrderedDict[tuple[str, tuple[int, ...]], _Kept] = OrderedDict()
         self._lock = threading.Lock()
@@ -192,6 +193,7 @@ class HostTier:
         if isinstance(cache, Snapshot):
             records, facts = list(cache.records), cache.facts
         else:
+            require_covers(cache, tokens)  # kept under other tokens, it would serve them
             records = [encode_cache(c) for c in cache]  # after: facts may depend on it
             facts = [facts_of(c) for c in cache]
         if trimmable is None:
@@ -208,6 +210,8 @@ class HostTier:
         key = (owner, tuple(int(t) for t in tokens))
         toks = np.asarray(key[1], dtype=np.int64)
         with self._lock:
+            if n > self.max_bytes:  # closed meanwhile
+                return False
             i = next(self._ids)
             kept = _Kept(i, records, n, toks, trimmable, min_resume, sticky, info, used=i)
             self._drop_covered(owner, kept)
@@ -338,11 +342,14 @@ class HostTier:
         it = iter(arrays)
         return [filled(r, it) for r in kept.records], frozenset(id(a) for a in arrays)
 
-    def clear(self) -> None:
-        """Drop every entry (a Store's ``close``); pinned pages go back to the system."""
+    def clear(self, close: bool = False) -> None:
+        """Drop every entry; pinned pages go back to the system.  ``close`` (a Store's
+        close): keep nothing after, so a save that commits beside the close pins none."""
         with self._lock:
             for key in list(self._entries):
                 self._remove(key)
+            if close:
+                self.max_bytes = 0
             if self.holder is not None:
                 self.holder.trim()
 

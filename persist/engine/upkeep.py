@@ -53,7 +53,7 @@ class StoreUpkeep:
         """Close the index and drop the host tier's copies; any later call on this
         Store is InvalidStateError."""
         if self.host is not None:
-            self.host.clear()
+            self.host.clear(close=True)
             self.host = None
         if self._index is not None:
             self._index.db.conn.close()

@@ -268,12 +268,14 @@ def cuda_holder(
     return PagedHolder(pool, pack_pages, unpack_pages, "pinned host memory")
 
 
-def proven(holder: Holder) -> bool:
-    """Do ``holder``'s pages give back bit for bit what they hold (odd sizes, spanning
-    pages, several dtypes)?  Checked once per tier before any cache is kept there: a
-    kernel that another MLX build compiles differently must cost speed, never a
-    wrong cache.  False: the tier keeps arrays, as without pinned memory."""
-    sizes = [1, 15, 17, 4097, (3 << 20) + 5]
+def proven(holder: Holder, budget: int) -> str | None:
+    """Do ``holder``'s pages give back bit for bit what they hold (odd sizes, several
+    dtypes, and where ``budget`` has room, an array spanning pages)?  None if so,
+    else why not.  Checked once per tier before any cache is kept there: a kernel
+    that another MLX build compiles differently must cost speed, never a wrong cache."""
+    sizes = [1, 15, 17, 4097]
+    if budget >= 2 * PAGE_BYTES + (64 << 10):
+        sizes.append(PAGE_BYTES + (1 << 20) + 5)
     rng = np.random.default_rng(0)
     arrays = [mx.array(rng.integers(0, 256, n, dtype=np.uint8)) for n in sizes]
     arrays.append(mx.array(rng.standard_normal((3, 1000), dtype=np.float32)).astype(mx.bfloat16))
@@ -291,9 +293,11 @@ def proven(holder: Holder) -> bool:
         finally:
             holder.release(held)
             holder.trim()
-    except (OSError, MemoryError, RuntimeError, ValueError, PersistError):
-        return False
-    return same
+    except HostCacheFullError as e:
+        return f"no room for the check: {e}"
+    except (OSError, MemoryError, RuntimeError, ValueError, PersistError) as e:
+        return f"the check failed: {e}"
+    return None if same else "they gave back other bytes than they held"
 
 
 def _bits(a: mx.array) -> mx.array:
