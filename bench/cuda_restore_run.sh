@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # The H200 run of the CUDA restore path (issue 27), after shared/gpu's install:
-#   bench/cuda_restore_run.sh stagingtests throughput8k   # one call
-#   bench/cuda_restore_run.sh tests                       # the next
-#   bench/cuda_restore_run.sh throughput32k recompute
+#   bench/cuda_restore_run.sh stagingtests hosttier probe throughput8k   # one call
+#   bench/cuda_restore_run.sh throughput32k recompute                   # the next
+#   bench/cuda_restore_run.sh tests
 # Everything it writes goes to $OUT (probe report, logs, bench results).
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/persist-out}
 mkdir -p "$OUT"
-TESTS="tests/engine/test_staging.py tests/engine/test_roundtrip_models.py
+TESTS="tests/engine/test_staging.py tests/engine/test_roundtrip_models.py tests/engine/test_host_tier_cuda.py
   tests/engine/test_partial_reads.py tests/engine/test_backend.py tests/engine/test_costs.py
   tests/codecs/test_trim_exact.py tests/engine/test_store.py"
 for phase in "$@"; do
   case $phase in
+  probe)
+    timeout 200 python3 -m bench.cuda_stage_probe "$OUT" 8192 2>&1 | tail -20 ;;
+  hosttier)
+    timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_host_tier_cuda.py \
+      tests/engine/test_host_tier_pages.py 2>&1 | tee "$OUT/cuda-host-tier-tests.log" | tail -5 ;;
   throughput8k)
     timeout 300 python3 -m bench.bench_throughput --reps 3 \
       --cases llama3-8b:8192 2>&1 | tee "$OUT/throughput8k.log"

@@ -12,6 +12,7 @@ the same threads with no copies.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -19,7 +20,7 @@ import threading
 import time
 import types
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,49 @@ def floor(files: list[Path], threads: int, slot: int) -> float:
     return time.perf_counter() - t
 
 
+class _Equal(bytes):
+    """A digest equal to every checksum: the ablation without hashing."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = bytes.__hash__
+
+
+class _NoHasher:
+    def update(self, b: Any) -> None:
+        pass
+
+    def digest(self) -> bytes:
+        return _Equal()
+
+
+_NO_HASH = types.SimpleNamespace(xxh3_128=_NoHasher, xxh3_128_digest=lambda b: _Equal())
+
+
+@contextlib.contextmanager
+def ablated(ring: pinned.Ring, copies: bool, hashing: bool) -> Iterator[None]:
+    """The staged restore without its copies (lanes and scatter do nothing) and/or
+    without hashing: which part of the time each one is (the state is not checked)."""
+    saved = (staging.xxhash, ring.scatter, [lane.put for lane in ring.lanes])
+    if not hashing:
+        staging.xxhash = _NO_HASH  # type: ignore[assignment]
+    if not copies:
+        ring.scatter = lambda staged, placed: None  # type: ignore[method-assign]
+        for lane in ring.lanes:
+            lane.put = lambda slot, dst, n: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        staging.xxhash, ring.scatter = saved[0], saved[1]  # type: ignore[assignment,method-assign]
+        for lane in ring.lanes:
+            if not copies:
+                del lane.put  # type: ignore[attr-defined]
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
@@ -158,6 +202,20 @@ def main() -> None:
             restore(ring)()
             if rep:
                 best[name] = min(best[name], time.perf_counter() - t)
+        ring = rings["8 lanes x 8 MiB"]
+        for what, copies, hashing in [
+            ("no copies", False, True),
+            ("no hash", True, False),
+            ("neither", False, False),
+        ]:
+            for p in files:
+                warm(p)
+            with ablated(ring, copies, hashing):
+                t = time.perf_counter()
+                restore(ring)()
+                if rep:
+                    key = f"8 lanes x 8 MiB, {what}"
+                    best[key] = min(best[key], time.perf_counter() - t)
         for threads in (8, 16):
             if rep:
                 best[f"floor: read+hash, {threads} threads"] = min(
