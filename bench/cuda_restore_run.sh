@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 run of the CUDA restore path (issue 27), after shared/gpu's install:
-#   bench/cuda_restore_run.sh stagingtests hosttier probe throughput8k   # one call
+#   bench/cuda_restore_run.sh stagingtests hosttier probe procprobe throughput8k   # one call
 #   bench/cuda_restore_run.sh throughput32k recompute                   # the next
 #   bench/cuda_restore_run.sh tests
 # Everything it writes goes to $OUT (probe report, logs, bench results).
@@ -15,6 +15,8 @@ for phase in "$@"; do
   case $phase in
   probe)
     timeout 200 python3 -m bench.cuda_stage_probe "$OUT" 8192 2>&1 | tail -20 ;;
+  procprobe)
+    timeout 200 python3 -m bench.cuda_proc_probe "$OUT" 8192 2>&1 | tail -8 ;;
   hosttier)
     timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_host_tier_cuda.py \
       tests/engine/test_host_tier_pages.py 2>&1 | tee "$OUT/cuda-host-tier-tests.log" | tail -5 ;;
