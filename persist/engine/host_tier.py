@@ -250,7 +250,9 @@ class HostTier:
             try:
                 return self.holder.hold(arrays)
             except HostCacheFullError:
-                if not self._entries:
+                # pinning more was refused: evicting helps only if what is pinned
+                # already could hold the entry (else it would empty the tier for nothing)
+                if not self._entries or n > self.holder.pinned_bytes():
                     return None
                 self._evict_oldest()
 
