@@ -217,9 +217,11 @@ def _stage(
         raise
     finally:
         _settle(pool, ring)
-    for (buf, _), placed in zip(staged.bufs, staged.placed, strict=True):
+    while staged.bufs:  # each staging chunk goes as soon as its pieces are placed
+        (buf, _), placed = staged.bufs.pop(0), staged.placed.pop(0)
         if placed:
             ring.scatter(buf, placed)
+        del buf
 
 
 def _settle(pool: ThreadPoolExecutor, ring: Ring) -> None:
