@@ -86,7 +86,7 @@ def rows(blobs: Callable[[], list[Path]]) -> dict[str, tuple[Any, Any]]:
             n, dst = min(PART, total - at), dests[i][1]
             for off in range(0, n, 8 << 20):
                 w = min(8 << 20, n - off)
-                driver.copy_in(int(buf.ctypes.data) + at + off, dst + off, w, 1, w, w, stream)
+                driver.copy_in(int(buf.ctypes.data) + at + off, dst + off, w, stream)
         driver.wait_stream(stream)
 
     def read_copy_sum() -> None:

@@ -136,7 +136,7 @@ class Workers:
                 proc.stdin.write(f"{p} {at} {pos} {n} {sums}\n")
                 if proc.stdout.readline().strip() != "ok":
                     ok[w] = False
-                self.driver.copy_in(self.host + at, dst + base[p] + pos, n, 1, n, n, stream)
+                self.driver.copy_in(self.host + at, dst + base[p] + pos, n, stream)
                 self.driver.record(events[s], stream)
                 pending[s] = True
             self.driver.wait_stream(stream)

@@ -22,6 +22,7 @@ until the scatter is done.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -32,10 +33,10 @@ from typing import Any, NamedTuple
 import xxhash
 
 from ..errors import CorruptBlobError
-from ..format.pinned import Copy, Lane, Placed, Ring
+from ..format.pinned import Lane, Placed, Ring
 from ..records import DTYPE_SIZES, Progress, TensorSpec
 
-__all__ = ["Want", "Job", "Dest", "Geometry", "stage", "busy", "geometry", "placement"]
+__all__ = ["Want", "Job", "Dest", "Copy", "Geometry", "stage", "busy", "geometry", "placement"]
 
 GAP = 4096  # wanted tensors this close in a file are read as one run (the gap is skipped)
 
@@ -69,6 +70,19 @@ class Dest(NamedTuple):
     item: int
 
 
+class Copy(NamedTuple):
+    """``height`` rows of ``width`` bytes from offset ``src`` of a staging buffer
+    (rows ``spitch`` apart) to address ``dst`` (rows ``dpitch`` apart): what
+    ``placement`` makes of a piece, as host memmoves do it where no kernel runs."""
+
+    src: int
+    dst: int
+    width: int
+    height: int
+    spitch: int
+    dpitch: int
+
+
 class Geometry(NamedTuple):
     """Where a stored piece's bytes go: row r of ``row`` bytes to ``dst + r * pitch``,
     of which the first ``keep`` bytes are kept."""
@@ -92,14 +106,10 @@ def geometry(stored: tuple[int, ...], at: int, dest: Dest) -> Geometry:
         fits = all(a == b for i, (a, b) in enumerate(zip(stored, shape, strict=True)) if i != axis)
     if not fits:
         raise ValueError(f"a piece of shape {list(stored)} at {at} does not fit {list(shape)}")
-    size = dest.item
-    for d in stored:
-        size *= d
+    size = math.prod(stored) * dest.item
     if len(stored) <= axis:  # no token axis: the tensor is its whole buffer
         return Geometry(dest.addr, size, size, size)
-    inner = dest.item
-    for d in stored[axis + 1 :]:
-        inner *= d
+    inner = math.prod(stored[axis + 1 :]) * dest.item
     row, pitch = stored[axis] * inner, dest.shape[axis] * inner
     end = dest.shape[axis] if dest.limit is None else min(dest.limit, dest.shape[axis])
     keep = max(0, min(stored[axis], end - at)) * inner
@@ -169,6 +179,15 @@ class _Staging:
             self.placed[chunk] += placed
 
 
+_here = threading.local()  # this thread's staged restore, if one runs
+
+
+def busy() -> bool:
+    """Is this thread inside a staged restore (its progress callback restoring
+    again)?  Then that restore takes the host path: the lanes are the outer one's."""
+    return bool(getattr(_here, "busy", False))
+
+
 def stage(
     ring: Ring,
     jobs: list[Job],
@@ -189,15 +208,6 @@ def stage(
             _stage(ring, jobs, dests, total, progress)
         finally:
             _here.busy = False
-
-
-_here = threading.local()  # this thread's staged restore, if one runs
-
-
-def busy() -> bool:
-    """Is this thread inside a staged restore (its progress callback restoring
-    again)?  Then that restore takes the host path: the lanes are the outer one's."""
-    return bool(getattr(_here, "busy", False))
 
 
 def _stage(
@@ -221,7 +231,6 @@ def _stage(
         (buf, _), placed = staged.bufs.pop(0), staged.placed.pop(0)
         if placed:
             ring.scatter(buf, placed)
-        del buf
 
 
 def _settle(pool: ThreadPoolExecutor, ring: Ring) -> None:

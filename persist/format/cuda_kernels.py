@@ -13,13 +13,13 @@ off the caller's thread: MLX is not thread-safe.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 __all__ = [
-    "Copy",
     "Placed",
     "as_tensor",
     "copy_in",
@@ -30,6 +30,20 @@ __all__ = [
 ]
 
 _GRID = 132 * 2048  # threads of a grid-stride loop (an H200 has 132 SMs)
+
+
+@functools.cache
+def _kernel(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], source: str) -> Any:
+    """A kernel compiled once per process (MLX compiles on first call; this keeps the object)."""
+    return mx.fast.cuda_kernel(
+        name=name, input_names=list(inputs), output_names=list(outputs), source=source
+    )
+
+
+def _grid(nbytes: int) -> tuple[int, int, int]:
+    """Threads for a grid-stride loop over ``nbytes`` in 16-byte words: one per word,
+    whole blocks of 256, at most _GRID."""
+    return (min(_GRID, max(256, -(-nbytes // 16 // 256) * 256)), 1, 1)
 
 
 class Placed(NamedTuple):
@@ -47,18 +61,6 @@ class Placed(NamedTuple):
     keep: int
 
 
-class Copy(NamedTuple):
-    """``height`` rows of ``width`` bytes from offset ``src`` of a staging buffer
-    (rows ``spitch`` apart) to address ``dst`` (rows ``dpitch`` apart)."""
-
-    src: int
-    dst: int
-    width: int
-    height: int
-    spitch: int
-    dpitch: int
-
-
 _COPY_IN = """
     const unsigned long long n = src[1];
     const uint4* from = reinterpret_cast<const uint4*>(src[0]);
@@ -69,23 +71,17 @@ _COPY_IN = """
         to[i] = from[i];
     }
 """
-_kernel: Any = None
 
 
 def copy_in(device_ptr: int, nbytes: int, src: mx.array | None = None) -> mx.array:
     """A device array with ``nbytes`` (rounded up to 16) read from a mapped pinned buffer
     (``src``: the kernel's argument for that pointer and size, made once by the caller)."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="persist_copy_in", input_names=["src"], output_names=["out"], source=_COPY_IN
-        )
     words = -(-nbytes // 16)
     if src is None:
         src = mx.array([device_ptr, words], dtype=mx.uint64)
-    (out,) = _kernel(
+    (out,) = _kernel("persist_copy_in", ("src",), ("out",), _COPY_IN)(
         inputs=[src],
-        grid=(min(_GRID, max(256, -(-words // 256) * 256)), 1, 1),
+        grid=_grid(nbytes),
         threadgroup=(256, 1, 1),
         output_shapes=[(words * 16,)],
         output_dtypes=[mx.uint8],
@@ -105,7 +101,6 @@ _ZEROED = """
         addr[0] = reinterpret_cast<unsigned long long>(out);
     }
 """
-_zeroed: Any = None
 
 
 def device_buffers(sizes: list[int]) -> list[tuple[mx.array, int]]:
@@ -115,21 +110,14 @@ def device_buffers(sizes: list[int]) -> list[tuple[mx.array, int]]:
     kernel zeroes it and writes its address, so the copy engine can fill it.
     Returned once every kernel is done: no MLX work on the buffers is pending.
     """
-    global _zeroed
-    if _zeroed is None:
-        _zeroed = mx.fast.cuda_kernel(
-            name="persist_zeroed",
-            input_names=["words"],
-            output_names=["out", "addr"],
-            source=_ZEROED,
-        )
+    zeroed = _kernel("persist_zeroed", ("words",), ("out", "addr"), _ZEROED)
     outs: list[mx.array] = []
     addrs: list[mx.array] = []
     for n in sizes:
         words = max(1, -(-n // 16))
-        out, addr = _zeroed(
+        out, addr = zeroed(
             inputs=[mx.array([words], dtype=mx.uint64)],
-            grid=(min(_GRID, -(-words // 256) * 256), 1, 1),
+            grid=_grid(16 * words),
             threadgroup=(256, 1, 1),
             output_shapes=[(words, 16), (1,)],
             output_dtypes=[mx.uint8, mx.uint64],
@@ -174,24 +162,16 @@ _SCATTER = """
         done[0] = 1;
     }
 """
-_scatter: Any = None
 _BLOCKS = 1 << 20  # pieces per launch (a grid dimension's bound, with room)
 
 
 def scatter(staged: mx.array, pieces: list[Placed]) -> None:
     """Every piece from ``staged`` (device bytes) to its place, done when this returns."""
-    global _scatter
-    if _scatter is None:
-        _scatter = mx.fast.cuda_kernel(
-            name="persist_scatter",
-            input_names=["staged", "table"],
-            output_names=["done"],
-            source=_SCATTER,
-        )
+    kernel = _kernel("persist_scatter", ("staged", "table"), ("done",), _SCATTER)
     outs = []
     for i in range(0, len(pieces), _BLOCKS):
         table = mx.array(np.asarray(pieces[i : i + _BLOCKS], dtype=np.uint64).reshape(-1))
-        (done,) = _scatter(
+        (done,) = kernel(
             inputs=[staged, table],
             grid=(256 * min(_BLOCKS, len(pieces) - i), 1, 1),
             threadgroup=(256, 1, 1),
@@ -248,31 +228,18 @@ _UNPACK = _PAGED.format(
     byte="dev[i] = *host;",
     done="",
 )
-_pack: Any = None
-_unpack: Any = None
-
-
-def _grid(nbytes: int) -> tuple[int, int, int]:
-    return (min(_GRID, max(256, -(-nbytes // 16 // 256) * 256)), 1, 1)
 
 
 def pack(items: list[tuple[mx.array, int]], table: list[int], page: int) -> None:
     """Each array's bytes at its byte offset of the pages whose device addresses are
     ``table`` (``page`` bytes each); done when this returns.  An array is a kernel
     input, so MLX hands the kernel a row-contiguous copy of a strided one."""
-    global _pack
-    if _pack is None:
-        _pack = mx.fast.cuda_kernel(
-            name="persist_pack",
-            input_names=["src", "table", "info"],
-            output_names=["done"],
-            source=_PACK,
-        )
+    kernel = _kernel("persist_pack", ("src", "table", "info"), ("done",), _PACK)
     pages = mx.array(table, dtype=mx.uint64)
     outs = []
     for a, offset in items:
         info = mx.array([a.nbytes, offset, page], dtype=mx.uint64)
-        (done,) = _pack(
+        (done,) = kernel(
             inputs=[a, pages, info],
             grid=_grid(a.nbytes),
             threadgroup=(256, 1, 1),
@@ -289,19 +256,12 @@ def unpack(
 ) -> list[mx.array]:
     """For each (offset, nbytes, shape, dtype): a new device array (a kernel output)
     read from those bytes of the pages over PCIe; evaluated when this returns."""
-    global _unpack
-    if _unpack is None:
-        _unpack = mx.fast.cuda_kernel(
-            name="persist_unpack",
-            input_names=["table", "info"],
-            output_names=["out"],
-            source=_UNPACK,
-        )
+    kernel = _kernel("persist_unpack", ("table", "info"), ("out",), _UNPACK)
     pages = mx.array(table, dtype=mx.uint64)
     outs = []
     for offset, nbytes, shape, dtype in parts:
         info = mx.array([nbytes, offset, page], dtype=mx.uint64)
-        (out,) = _unpack(
+        (out,) = kernel(
             inputs=[pages, info],
             grid=_grid(nbytes),
             threadgroup=(256, 1, 1),

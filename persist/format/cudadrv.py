@@ -12,36 +12,11 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-__all__ = ["Driver", "MAX_PITCH"]
+__all__ = ["Driver"]
 
 _PORTABLE, _DEVICEMAP = 0x01, 0x02  # CU_MEMHOSTALLOC_*
 _NON_BLOCKING = 0x01  # CU_STREAM_NON_BLOCKING: no implicit sync with the legacy stream
 _NO_TIMING = 0x02  # CU_EVENT_DISABLE_TIMING: the cheapest event
-_HOST, _DEVICE = 1, 2  # CUmemorytype
-MAX_PITCH = (1 << 31) - 1  # a 2D copy's pitch past this is copied row by row
-
-
-class _Memcpy2D(ctypes.Structure):
-    """CUDA_MEMCPY2D, as cuda.h lays it out (ctypes adds the same padding)."""
-
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t),
-        ("srcY", ctypes.c_size_t),
-        ("srcMemoryType", ctypes.c_int),
-        ("srcHost", ctypes.c_void_p),
-        ("srcDevice", ctypes.c_uint64),
-        ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t),
-        ("dstY", ctypes.c_size_t),
-        ("dstMemoryType", ctypes.c_int),
-        ("dstHost", ctypes.c_void_p),
-        ("dstDevice", ctypes.c_uint64),
-        ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t),
-        ("Height", ctypes.c_size_t),
-    ]
 
 
 class Driver:
@@ -59,11 +34,9 @@ class Driver:
             self._call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
             self._call("cuCtxSetCurrent", ctx)
         self.ctx = ctx
-        # the calls made per copy: bound once, 64-bit arguments declared
+        # the call made per copy: bound once, 64-bit arguments declared
         self._htod = self.lib.cuMemcpyHtoDAsync_v2
         self._htod.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        self._2d = self.lib.cuMemcpy2DAsync_v2
-        self._2d.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
 
     def _call(self, name: str, *args: Any) -> None:
         rc = getattr(self.lib, name)(*args)
@@ -108,28 +81,9 @@ class Driver:
     def wait_stream(self, stream: int) -> None:
         self._call("cuStreamSynchronize", ctypes.c_void_p(stream))
 
-    def copy_in(
-        self, src: int, dst: int, width: int, height: int, spitch: int, dpitch: int, stream: int
-    ) -> None:
-        """Queue a copy of ``height`` rows of ``width`` bytes from page-locked host
-        memory at ``src`` (rows ``spitch`` apart) to device memory at ``dst``
-        (rows ``dpitch`` apart) on ``stream``: the copy engine, at the bus's speed."""
-        if height == 1 or max(spitch, dpitch) > MAX_PITCH:
-            for r in range(height):
-                rc = self._htod(dst + r * dpitch, src + r * spitch, width, stream)
-                if rc:
-                    raise OSError(f"cuMemcpyHtoDAsync returned CUDA error {rc}")
-            return
-        p = _Memcpy2D(
-            srcMemoryType=_HOST,
-            srcHost=src,
-            srcPitch=spitch,
-            dstMemoryType=_DEVICE,
-            dstDevice=dst,
-            dstPitch=dpitch,
-            WidthInBytes=width,
-            Height=height,
-        )
-        rc = self._2d(ctypes.byref(p), stream)
+    def copy_in(self, src: int, dst: int, n: int, stream: int) -> None:
+        """Queue a copy of ``n`` bytes from page-locked host memory at ``src`` to device
+        memory at ``dst`` on ``stream``: the copy engine, at the bus's speed."""
+        rc = self._htod(dst, src, n, stream)
         if rc:
-            raise OSError(f"cuMemcpy2DAsync returned CUDA error {rc}")
+            raise OSError(f"cuMemcpyHtoDAsync returned CUDA error {rc}")

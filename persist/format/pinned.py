@@ -32,7 +32,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from .cuda_kernels import Copy, Placed, device_buffers, scatter
+from .cuda_kernels import Placed, device_buffers, scatter
 from .cudadrv import Driver
 
 __all__ = [
@@ -45,7 +45,6 @@ __all__ = [
     "HOST",
     "SLOT_BYTES",
     "LANES",
-    "Copy",
     "Placed",
     "Lane",
 ]
@@ -189,7 +188,7 @@ class _CudaLane:
         return i
 
     def put(self, slot: int, dst: int, n: int) -> None:
-        self.driver.copy_in(self.hosts[slot], dst, n, 1, n, n, self.stream)
+        self.driver.copy_in(self.hosts[slot], dst, n, self.stream)
         self.driver.record(self.events[slot], self.stream)  # the slot is busy until then
         self.pending[slot] = True
 
