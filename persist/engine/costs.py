@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..store.blobs import BlobStore
     from ..store.index import Index, SnapshotRow
 
-__all__ = ["CostModel", "LOCAL", "LOCAL_DISK", "hit_bytes", "local_tier"]
+__all__ = ["CostModel", "LOCAL", "LOCAL_DISK", "local_hit"]
 
 LOCAL = "local"  # the tier name of this store's own files (in the page cache)
 LOCAL_DISK = "local-disk"  # the same, when the disk must read them first
@@ -47,27 +47,33 @@ def _blocks_read(row: SnapshotRow, prefix: int) -> int | None:
     return policy.partial_blocks(prefix, row.n_tokens, row.n_blocks, block, split)
 
 
-def hit_bytes(index: Index, row: SnapshotRow, prefix: int) -> int:
-    """Bytes a hit of ``prefix`` tokens reads: the blocks covering them and the tail
-    (the partial-read rule of ``loading.load_snapshot``)."""
-    need = _blocks_read(row, prefix)
+def local_hit(
+    index: Index, blobs: BlobStore, row: SnapshotRow, prefix: int | None
+) -> tuple[str, int]:
+    """(rate, bytes) of reading ``prefix`` tokens of ``row`` (None: all of it) from
+    this store's files: the blocks covering them and the tail (the partial-read
+    rule of ``loading.load_snapshot``), priced at the page cache's rate or the
+    disk's (``_tier``)."""
+    need = None if prefix is None else _blocks_read(row, prefix)
     if need is None:
-        return row.nbytes
-    head = index.blob_head(row.tail)
-    tail = head[0] if head is not None else 0
-    return tail + (row.nbytes - tail) * need // row.n_blocks
+        nbytes = row.nbytes
+    else:
+        head = index.blob_head(row.tail)
+        tail = head[0] if head is not None else 0
+        nbytes = tail + (row.nbytes - tail) * need // row.n_blocks
+    return _tier(index, blobs, row, need), nbytes
 
 
-def local_tier(index: Index, blobs: BlobStore, row: SnapshotRow, prefix: int | None) -> str:
+def _tier(index: Index, blobs: BlobStore, row: SnapshotRow, need: int | None) -> str:
     """LOCAL when a hit's blob files are in the page cache, LOCAL_DISK when the disk
-    must read them: a sample of SAMPLE files spread over the hit (the first and the
-    last among them), WARM of their pages resident or more.  The two rates differ
-    several times (an H200: 0.13 s against 0.64 s for 1 GiB), and one rate for both
-    predicted neither.  A store that cannot tell keeps one rate, LOCAL."""
+    must read them: a sample of SAMPLE files spread over the ``need`` blocks read
+    (None: all), the first and the last among them, WARM of their pages resident or
+    more.  The two rates differ several times (an H200: 0.13 s against 0.64 s for
+    1 GiB), and one rate for both predicted neither.  A store that cannot tell
+    keeps one rate, LOCAL."""
     cached = getattr(blobs, "cached", None)
     if cached is None:
         return LOCAL
-    need = _blocks_read(row, prefix) if prefix is not None else None
     n = row.n_blocks if need is None else need
     picks = sorted({round(i * (n - 1) / (SAMPLE - 2)) for i in range(SAMPLE - 1)}) if n else []
     files = [row.tail, *index.block_blobs(row.id, picks)]

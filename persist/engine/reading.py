@@ -20,7 +20,7 @@ from ..records import Progress
 from ..store import lookup as lookup_queries
 from ..store.chains import chain_root, chains
 from ..store.full import best_effort
-from .costs import LOCAL, CostModel, hit_bytes, local_tier
+from .costs import LOCAL, CostModel, local_hit
 from .loading import load_snapshot
 from .unverified import marked
 
@@ -69,7 +69,8 @@ def restore_named(
                 f"session {session!r}", ["backend"], saved.display(), identity.display()
             )
         try:
-            with _timed(costs, index, blobs, row, None, identity):
+            tier, nbytes = (LOCAL, 0) if costs is None else local_hit(index, blobs, row, None)
+            with _timed(costs, identity, tier, nbytes):
                 cache = load_snapshot(index, blobs, row, progress, refs=refs)
             break
         except CorruptBlobError:
@@ -87,21 +88,11 @@ def restore_named(
     return cache, row
 
 
-def _timed(
-    costs: CostModel | None,
-    index: Index,
-    blobs: BlobStore,
-    row: SnapshotRow,
-    prefix: int | None,
-    identity: ModelIdentity,
-    tier: str | None = None,
-) -> Any:
+def _timed(costs: CostModel | None, identity: ModelIdentity, tier: str, nbytes: int) -> Any:
     """Time a local restore into the cost model under the rate it took (from the
     page cache or the disk; a no-op without a model)."""
     if costs is None:
         return contextlib.nullcontext()
-    nbytes = row.nbytes if prefix is None else hit_bytes(index, row, prefix)
-    tier = tier or local_tier(index, blobs, row, prefix)
     return costs.timing_restore(identity, tier, nbytes)
 
 
@@ -155,15 +146,14 @@ def lookup_prefix(
             continue
         if prefix <= longer_than:
             return None
-        tier = LOCAL
+        tier, nbytes = LOCAL, 0
         if costs is not None:
-            tier = local_tier(index, blobs, row, prefix)
-            nbytes = hit_bytes(index, row, prefix)
+            tier, nbytes = local_hit(index, blobs, row, prefix)
             d = costs.decide(identity, namespace, [(tier, nbytes)], prefix, max_cost)
             if not d.restore:
                 return None  # recomputing is faster here: counted as cost_recomputed
         try:
-            with _timed(costs, index, blobs, row, prefix, identity, tier):
+            with _timed(costs, identity, tier, nbytes):
                 cache = load_snapshot(index, blobs, row, keep=prefix)
         except CorruptBlobError as e:
             log.warning("persist: skipping a damaged snapshot in lookup: %s", e)

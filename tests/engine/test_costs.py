@@ -286,7 +286,7 @@ def test_looking_at_the_page_cache_loads_nothing(tiny: Any, tmp_path: Path) -> N
 def test_the_sample_reaches_the_last_blocks_of_a_hit(tiny: Any, tmp_path: Path) -> None:
     """Attack 27 (round 4): the sample skipped the end of the file list; a hit whose
     last blocks are on the disk is priced at the disk's rate."""
-    from persist.engine.costs import LOCAL, LOCAL_DISK, local_tier
+    from persist.engine.costs import LOCAL, LOCAL_DISK, local_hit
 
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
@@ -300,11 +300,11 @@ def test_the_sample_reaches_the_last_blocks_of_a_hit(tiny: Any, tmp_path: Path) 
             store.blobs.path(f).read_bytes()
         if store.blobs.cached(row.tail) != 1.0:
             pytest.skip("this file system cannot say what is in the page cache")
-        assert local_tier(store.index, store.blobs, row, None) == LOCAL
+        assert local_hit(store.index, store.blobs, row, None)[0] == LOCAL
         for _ in range(20):
             for f in blocks[-7:]:
                 _evict(store.blobs.path(f))
             if not any(store.blobs.cached(f) for f in blocks[-7:]):
                 break
             time.sleep(0.05)
-        assert local_tier(store.index, store.blobs, row, None) == LOCAL_DISK
+        assert local_hit(store.index, store.blobs, row, None)[0] == LOCAL_DISK
