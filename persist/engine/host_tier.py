@@ -86,20 +86,12 @@ def placement() -> str:
     return {"cuda": DEVICE_MEMORY, "metal": "unified memory"}.get(here, "host memory")
 
 
-def _default_holder(max_bytes: int) -> Holder | None:
-    """Pinned pages where this process stages restores through pinned memory (CUDA),
-    once they have given back bit for bit what they were given (``proven``)."""
-    if max_bytes and pinned.choose().path == pinned.CUDA_PINNED:
-        holder = cuda_holder(max_bytes)
-        why = proven(holder, max_bytes)
-        if why is None:
-            return holder
-        raise _Unproven(why)
-    return None
-
-
-class _Unproven(Exception):
-    """Pinned pages gave back other bytes than they held (or refused them)."""
+def _pinned(max_bytes: int) -> tuple[Holder | None, str | None]:
+    """(pinned pages, None) once they gave back bit for bit what they were given
+    (``proven``), else (None, why not)."""
+    holder = cuda_holder(max_bytes)
+    why = proven(holder, max_bytes)
+    return (holder, None) if why is None else (None, why)
 
 
 @dataclass(frozen=True)
@@ -147,15 +139,16 @@ class HostTier:
     def __init__(self, max_bytes: int, holder: Holder | None = None) -> None:
         if type(max_bytes) is not int or max_bytes < 0:
             raise InvalidArgumentError(f"the host cache's size is bytes, at least 0: {max_bytes!r}")
-        self.max_bytes = max_bytes
-        try:
-            self.holder = holder if holder is not None else _default_holder(max_bytes)
-            self.where = self.holder.where if self.holder is not None else placement()
-        except _Unproven as e:
+        self.max_bytes, self.holder = max_bytes, holder
+        why = None
+        if holder is None and max_bytes and pinned.choose().path == pinned.CUDA_PINNED:
+            self.holder, why = _pinned(max_bytes)
+        self.where = self.holder.where if self.holder is not None else placement()
+        if why is not None:
             # never a wrong cache, and never device memory mlx-lm's eviction meant to
             # free: a tier whose pages failed their check keeps nothing
-            log.warning("persist: pinned host pages: %s; the host tier is off", e)
-            self.max_bytes, self.holder, self.where = 0, None, f"off (pinned pages: {e})"
+            log.warning("persist: pinned host pages: %s; the host tier is off", why)
+            self.max_bytes, self.where = 0, f"off (pinned pages: {why})"
         self.nbytes = 0
         self._entries: OrderedDict[tuple[str, tuple[int, ...]], _Kept] = OrderedDict()
         self._lock = threading.Lock()

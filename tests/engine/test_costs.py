@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -23,6 +22,7 @@ import mlx.core as mx
 import pytest
 
 import persist
+from bench.common import evict
 from persist.apps.generate import generate
 from persist.store import blobs as blobs_module
 from persist.store import rates
@@ -206,13 +206,16 @@ def test_persist_stats_shows_rates_and_decisions(tiny: Any, tmp_path: Path) -> N
     assert got["decisions"][0]["restore"] is False and got["counters"]["cost_recomputed"] == 1
 
 
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def _evicted(store: persist.Store, files: list[str]) -> bool:
+    """Drop ``files`` from the page cache; False if it keeps them (DONTNEED ignored).
+    Again while a readahead still in flight brings a page back (a bounded retry)."""
+    for _ in range(20):
+        for f in files:
+            evict(store.blobs.path(f))
+        if not any(store.blobs.cached(f) for f in files):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_a_hit_in_the_page_cache_and_one_on_the_disk_have_rates_of_their_own(
@@ -237,13 +240,7 @@ def test_a_hit_in_the_page_cache_and_one_on_the_disk_have_rates_of_their_own(
         warm = store.lookup(prompt, identity=ident)
         assert warm is not None and store.costs.last is not None
         assert store.costs.last.tier == "local" and store.costs.last.restore
-        for _ in range(20):  # a readahead still in flight may bring a page back: again
-            for p in files:
-                _evict(p)
-            if not any(store.blobs.cached(f) for f in store.blobs.files()):
-                break
-            time.sleep(0.05)
-        else:
+        if not _evicted(store, list(store.blobs.files())):
             pytest.skip("the page cache kept the files (DONTNEED ignored here)")
         assert store.lookup(prompt, identity=ident) is None
         d = store.costs.last
@@ -271,13 +268,7 @@ def test_looking_at_the_page_cache_loads_nothing(tiny: Any, tmp_path: Path) -> N
     toks = tokens_for(300, seed=74)
     with _primed(model, tok, tmp_path / "s", toks) as store:
         files = list(store.blobs.files())
-        for _ in range(20):
-            for f in files:
-                _evict(store.blobs.path(f))
-            if not any(store.blobs.cached(f) for f in files):
-                break
-            time.sleep(0.05)
-        else:
+        if not _evicted(store, files):
             pytest.skip("the page cache kept the files (DONTNEED ignored here)")
         for _ in range(30):
             assert not any(store.blobs.cached(f) for f in files)
@@ -301,10 +292,5 @@ def test_the_sample_reaches_the_last_blocks_of_a_hit(tiny: Any, tmp_path: Path) 
         if store.blobs.cached(row.tail) != 1.0:
             pytest.skip("this file system cannot say what is in the page cache")
         assert local_hit(store.index, store.blobs, row, None)[0] == LOCAL
-        for _ in range(20):
-            for f in blocks[-7:]:
-                _evict(store.blobs.path(f))
-            if not any(store.blobs.cached(f) for f in blocks[-7:]):
-                break
-            time.sleep(0.05)
+        _evicted(store, blocks[-7:])
         assert local_hit(store.index, store.blobs, row, None)[0] == LOCAL_DISK
