@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import re
@@ -219,21 +220,24 @@ _PAGE = mmap.PAGESIZE
 def resident_share(fd: int) -> float | None:
     """The share of the pages of the file open at ``fd`` that are in the page cache."""
     size = os.fstat(fd).st_size
-    if not size or _mincore is None:
+    mincore = _libc_mincore()
+    if not size or mincore is None:
         return None
     with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as m:
         anchor = ctypes.c_char.from_buffer(m)  # the mapping's address; maps nothing in
         try:
             pages = -(-size // _PAGE)
             vec = (ctypes.c_ubyte * pages)()
-            if _mincore(ctypes.addressof(anchor), ctypes.c_size_t(size), vec):
+            if mincore(ctypes.addressof(anchor), ctypes.c_size_t(size), vec):
                 return None
             return (pages - bytes(vec).count(0)) / pages
         finally:
             del anchor  # the mapping closes only once no buffer export is left
 
 
+@functools.cache
 def _libc_mincore() -> Any:
+    """libc's mincore, looked up on first use (never at import: ``persist ls`` asks none)."""
     try:
         f = ctypes.CDLL(None, use_errno=True).mincore
     except (OSError, AttributeError):  # not Linux/BSD: no page cache to ask
@@ -241,6 +245,3 @@ def _libc_mincore() -> Any:
     f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
     f.restype = ctypes.c_int
     return f
-
-
-_mincore = _libc_mincore()

@@ -255,7 +255,7 @@ def test_a_store_that_cannot_tell_keeps_one_local_rate(
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(300, seed=73)
     with _primed(model, tok, tmp_path / "s", toks) as store:
-        monkeypatch.setattr(blobs_module, "_mincore", None)
+        monkeypatch.setattr(blobs_module, "_libc_mincore", lambda: None)
         assert {store.blobs.cached(f) for f in store.blobs.files()} == {None}
         assert store.lookup([*toks, 1, 2], identity=ident) is not None
         assert store.costs.last is not None and store.costs.last.tier == "local"
