@@ -3,6 +3,7 @@
 #   bench/cuda_restore_run.sh stagingtests hosttier probe procprobe throughput8k   # one call
 #   bench/cuda_restore_run.sh throughput32k recompute                   # the next
 #   bench/cuda_restore_run.sh tests
+#   bench/cuda_restore_run.sh servehost   # the host tier serving an evicted conversation
 # Everything it writes goes to $OUT (probe report, logs, bench results).
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -23,22 +24,25 @@ for phase in "$@"; do
   throughput8k)
     timeout 300 python3 -m bench.bench_throughput --reps 3 \
       --cases llama3-8b:8192 2>&1 | tee "$OUT/throughput8k.log"
-    cp bench/results/throughput-cuda-* "$OUT/" ;;
+    cp bench/results/throughput-cuda-llama3-8b8192.* "$OUT/" ;;
   throughput)
     timeout 380 python3 -m bench.bench_throughput --reps 3 \
       --cases llama3-8b:1024 llama3-8b:8192 qwen3-next:8192 2>&1 | tee "$OUT/throughput.log"
-    cp bench/results/throughput-cuda-* "$OUT/" ;;
+    cp bench/results/throughput-cuda-llama3-8b1024-llama3-8b8192-qwen3-next8192.* "$OUT/" ;;
   throughput32k)
     timeout 230 python3 -m bench.bench_throughput --reps 2 \
       --cases llama3-8b:32768 2>&1 | tee "$OUT/throughput32k.log"
-    cp bench/results/throughput-cuda-* "$OUT/" ;;
+    cp bench/results/throughput-cuda-llama3-8b32768.* "$OUT/" ;;
   stagingtests)
     timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_staging.py 2>&1 | tee "$OUT/cuda-staging-tests.log" ;;
   tests)
     # shellcheck disable=SC2086
     timeout 560 python3 -m pytest -q -rfEs -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/cuda-tests.log" ;;
+  servehost)
+    timeout 300 python3 -m bench.bench_serve_host --reps 3 --name serve-host-cuda 2>&1 | tail -12
+    cp bench/results/serve-host-cuda.* "$OUT/" ;;
   recompute)
     timeout 170 python3 -m bench.bench_recompute --lengths 1024 2048 8192 2>&1 | tee "$OUT/recompute.log"
-    cp bench/results/recompute-cuda.* "$OUT/" ;;
+    cp bench/results/recompute-cuda.md bench/results/recompute-cuda.json "$OUT/" ;;
   esac
 done

@@ -36,14 +36,17 @@ from persist.engine import loading, staging
 from persist.format import pinned
 from persist.format.cudadrv import Driver
 
-REPS = 5
+REPS = 3
 _sums: dict[str, float] = defaultdict(float)
+_spans: list[tuple[int, str, float, float]] = []  # (thread, what, start, end)
 _lock = threading.Lock()
 
 
-def _add(name: str, dt: float) -> None:
+def _add(name: str, dt: float, start: float | None = None) -> None:
     with _lock:
         _sums[name] += dt
+        if start is not None:
+            _spans.append((threading.get_ident(), name, start, start + dt))
 
 
 def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -52,9 +55,45 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*a, **k)
         finally:
-            _add(name, time.perf_counter() - t)
+            _add(name, time.perf_counter() - t, t)
 
+    run.__wrapped__ = fn  # type: ignore[attr-defined]
     return run
+
+
+def timeline() -> str:
+    """The reader threads inside the stage: when the first and last started and
+    ended (ms from the stage's start), their timed calls against their lifetime,
+    and the time no reader was in a timed call."""
+    stage = [s for s in _spans if s[1] == "stage"]
+    if not stage:
+        return "no stage"
+    t0, t1 = stage[0][2], stage[0][3]
+    per: dict[int, list[tuple[str, float, float]]] = defaultdict(list)
+    for tid, what, a, b in _spans:
+        if what not in ("stage", "buffers", "scatter"):
+            per[tid].append((what, a, b))
+    firsts = sorted(min(a for _, a, _ in v) - t0 for v in per.values())
+    lasts = sorted(max(b for _, _, b in v) - t0 for v in per.values())
+    life = sum(max(b for _, _, b in v) - min(a for _, a, _ in v) for v in per.values())
+    timed = sum(b - a for v in per.values() for _, a, b in v)
+    edges = sorted(
+        [(a, 1) for v in per.values() for _, a, _ in v]
+        + [(b, -1) for v in per.values() for _, _, b in v]
+    )
+    idle, depth, last = 0.0, 0, t0
+    for at, d in edges:
+        if depth == 0:
+            idle += at - last
+        depth += d
+        last = at
+    idle += max(0.0, t1 - last)
+    ms = lambda x: f"{x * 1000:.1f}"  # noqa: E731
+    return (
+        f"stage {ms(t1 - t0)} ms, {len(per)} readers; first calls at {[ms(x) for x in firsts]}; "
+        f"last ends at {[ms(x) for x in lasts]}; reader lifetimes {ms(life)}, in timed calls "
+        f"{ms(timed)}; no reader in a call for {ms(idle)} ms of the stage"
+    )
 
 
 class _Hasher:
@@ -74,29 +113,43 @@ def instrumented(ring: pinned.Ring, fn: Callable[[], None]) -> dict[str, float]:
     _sums.clear()
     saved = (staging.os, staging.xxhash, staging.stage, ring.scatter, ring.buffers)
     staging.os = types.SimpleNamespace(preadv=_timed("preadv", os.preadv))  # type: ignore[assignment]
-    staging.xxhash = types.SimpleNamespace(xxh3_128=_Hasher)  # type: ignore[assignment]
+    staging.xxhash = types.SimpleNamespace(  # type: ignore[assignment]
+        xxh3_128=_Hasher, xxh3_128_digest=_timed("xxhash", xxhash.xxh3_128_digest)
+    )
     lanes = [(lane, lane.put, lane.take) for lane in ring.lanes]
     for lane, put, take in lanes:
         lane.put = _timed("put", put)  # type: ignore[method-assign]
         lane.take = _timed("take", take)  # type: ignore[method-assign]
+        if hasattr(lane, "fill"):
+            lane.fill = _timed("fill", lane.fill)  # type: ignore[attr-defined]
+    fills = [getattr(lane, "fill", None) for lane in ring.lanes]
     ring.buffers = _timed("buffers", ring.buffers)  # type: ignore[method-assign]
     ring.scatter = _timed("scatter", ring.scatter)  # type: ignore[method-assign]
     loading.staging.stage = _timed("stage", staging.stage)  # type: ignore[attr-defined]
+    opener = loading._open_staged
+    loading._open_staged = _timed("open", opener)  # type: ignore[assignment]
+    _spans.clear()
     try:
         t = time.perf_counter()
         fn()
         _sums["total"] = time.perf_counter() - t
     finally:
         staging.os, staging.xxhash, staging.stage = saved[0], saved[1], saved[2]  # type: ignore[assignment]
+        loading._open_staged = opener  # type: ignore[assignment]
         ring.buffers, ring.scatter = saved[4], saved[3]  # type: ignore[method-assign]
-        for lane, _, _ in lanes:
+        for (lane, _, _), fill in zip(lanes, fills, strict=True):
             del lane.put, lane.take  # type: ignore[attr-defined]
+            if fill is not None:
+                lane.fill = fill.__wrapped__  # type: ignore[attr-defined]
     return dict(_sums)
 
 
-def floor(files: list[Path], threads: int, slot: int) -> float:
-    """Read + hash per 512 KiB of every file into reused host slots, no copies."""
-    bufs = [np.empty(slot, dtype=np.uint8) for _ in range(threads)]
+def floor(
+    files: list[Path], threads: int, slot: int, bufs: list[np.ndarray] | None = None
+) -> float:
+    """Read + hash per 512 KiB of every file into reused host slots (``bufs``,
+    pageable unless given), no copies."""
+    bufs = bufs or [np.empty(slot, dtype=np.uint8) for _ in range(threads)]
     idx = iter(range(10**9))
     lock = threading.Lock()
 
@@ -164,6 +217,24 @@ def ablated(ring: pinned.Ring, copies: bool, hashing: bool) -> Iterator[None]:
                 del lane.put  # type: ignore[attr-defined]
 
 
+@contextlib.contextmanager
+def setting(piece: int, switch: float | None = None) -> Iterator[None]:
+    """staging.PIECE (bytes read before hashing) and the interpreter's GIL switch
+    interval for the block."""
+    saved = (staging.PIECE, sys.getswitchinterval())
+    staging.PIECE = piece
+    if switch is not None:
+        sys.setswitchinterval(switch)
+    try:
+        yield
+    finally:
+        staging.PIECE = saved[0]
+        sys.setswitchinterval(saved[1])
+
+
+WHOLE = 1 << 40  # a piece as large as the slot: read the slot, then hash it
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
@@ -182,9 +253,18 @@ def main() -> None:
     say(f"{tokens} tokens, {len(files)} blobs, {sum(p.stat().st_size for p in files) >> 20} MiB")
     driver = Driver()
     rings = {
-        f"{n} lanes x {mib} MiB": pinned._cuda_ring(driver, n, mib << 20)
-        for n, mib in [(8, 8), (12, 8), (16, 8), (8, 16)]
+        f"{n} {kind} x {mib} MiB": pinned._cuda_ring(driver, n, mib << 20, kind == "processes")
+        for n, mib, kind in [
+            (8, 8, "threads"),
+            (8, 8, "processes"),
+            (12, 8, "processes"),
+            (16, 8, "processes"),
+            (8, 16, "processes"),
+        ]
     }
+    main_ring = rings["8 threads x 8 MiB"]
+    procs = rings["8 processes x 8 MiB"]
+    pinned_slots = [s for lane in main_ring.lanes for s in lane.slots[:1]]
 
     def restore(ring: pinned.Ring) -> Callable[[], None]:
         def go() -> None:
@@ -193,40 +273,36 @@ def main() -> None:
 
         return go
 
+    MiB = 1 << 20
+    cases: list[tuple[str, pinned.Ring, int, float | None, bool, bool]] = [
+        (name, ring, MiB, None, True, True) for name, ring in rings.items()
+    ]
+    cases += [
+        ("8 threads x 8 MiB, piece whole slot", main_ring, WHOLE, None, True, True),
+        ("8 processes x 8 MiB, no copies", procs, MiB, None, False, True),
+        ("8 threads x 8 MiB, no copies", main_ring, MiB, None, False, True),
+    ]
     best: dict[str, float] = defaultdict(lambda: float("inf"))
     for rep in range(REPS + 1):
-        for name, ring in rings.items():
+        for name, ring, piece, switch, copies, hashing in cases:
             for p in files:
                 warm(p)
-            t = time.perf_counter()
-            restore(ring)()
-            if rep:
-                best[name] = min(best[name], time.perf_counter() - t)
-        ring = rings["8 lanes x 8 MiB"]
-        for what, copies, hashing in [
-            ("no copies", False, True),
-            ("no hash", True, False),
-            ("neither", False, False),
-        ]:
-            for p in files:
-                warm(p)
-            with ablated(ring, copies, hashing):
+            with setting(piece, switch), ablated(ring, copies, hashing):
                 t = time.perf_counter()
                 restore(ring)()
                 if rep:
-                    key = f"8 lanes x 8 MiB, {what}"
-                    best[key] = min(best[key], time.perf_counter() - t)
-        for threads in (8, 16):
-            if rep:
-                best[f"floor: read+hash, {threads} threads"] = min(
-                    best[f"floor: read+hash, {threads} threads"], floor(files, threads, 8 << 20)
-                )
+                    best[name] = min(best[name], time.perf_counter() - t)
+        if rep:
+            for name, bufs in [("pageable", None), ("pinned", pinned_slots)]:
+                key = f"floor: read+hash, 8 threads, {name} slots"
+                best[key] = min(best[key], floor(files, 8, 8 << 20, bufs))
     for name, s in best.items():
         say(f"{name}: {s * 1000:.1f} ms")
-    for name, ring in rings.items():
+    for label, ring in [("8 threads x 8 MiB", main_ring), ("8 processes x 8 MiB", procs)]:
         got = instrumented(ring, restore(ring))
         parts = ", ".join(f"{k} {v * 1000:.1f}" for k, v in sorted(got.items()))
-        say(f"instrumented {name} (ms; reader sums over threads): {parts}")
+        say(f"instrumented {label} (ms; reader sums over threads): {parts}")
+        say(f"  timeline: {timeline()}")
     mx.synchronize()
     (out / f"stage-probe-{tokens}.txt").write_text("\n".join(lines) + "\n")
 

@@ -27,7 +27,10 @@ def free_port() -> int:
 class Server:
     def __init__(self, args: list[str], log: Path) -> None:
         self.port = free_port()
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # the checkout first, and whatever the caller's path has (an MLX installed
+        # with pip --target, as on the H200)
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
         self.log = log.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", *args, "--host", "127.0.0.1", "--port", str(self.port)],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import weakref
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from ..format import pinned
 from ..format.container import Header, read_header
 from ..format.cuda_kernels import as_tensor
 from ..format.manifest import blob_manifest, snapshot_specs
+from ..format.readers import ReaderLost
 from ..format.tensors import (
     NAME_TO_MX,
     allocate_many,
@@ -39,6 +41,8 @@ from ..records import DTYPE_SIZES, Progress, Record, RecordSpec, TensorSpec
 from ..store import rates
 from . import partial as partial_room
 from . import staging
+
+_log = logging.getLogger("persist")
 
 if TYPE_CHECKING:
     from ..store.blobs import BlobStore
@@ -115,9 +119,15 @@ def load_snapshot(
     length = need * block if partial else None
     choice = pinned.choose()
     _note_path(index, choice)
+    arrays = None
     if choice.ring is not None and not staging.busy():
-        arrays = _staged(choice.ring, blobs, pieces, heads, specs, split, length, room, progress)
-    else:
+        try:
+            arrays = _staged(
+                choice.ring, blobs, pieces, heads, specs, split, length, room, progress
+            )
+        except ReaderLost as e:  # the next restore starts a new reader process
+            _log.warning("persist: %s; this restore reads on the host path", e)
+    if arrays is None:
         arrays = _host(blobs, pieces, heads, specs, split, length, room, progress)
     records = [_record(spec, str(i), arrays) for i, spec in enumerate(specs)]
     if keep is not None and keep != row.n_tokens:

@@ -34,6 +34,7 @@ import xxhash
 
 from ..errors import CorruptBlobError
 from ..format.pinned import Lane, Placed, Ring
+from ..format.readers import Piece
 from ..records import DTYPE_SIZES, Progress, TensorSpec
 
 __all__ = ["Want", "Job", "Dest", "Copy", "Geometry", "stage", "busy", "geometry", "placement"]
@@ -319,38 +320,89 @@ def _read_run(
     staged: _Staging,
     abort: threading.Event,
 ) -> None:
-    """One run of adjacent tensors through the lane's slots: each slot read whole,
-    each tensor's share of it hashed (python-xxhash lets the other readers run
-    meanwhile), the slot copied whole to the staging buffer.  The least Python
-    per tensor: every line here holds the GIL the other readers wait for."""
+    """One run of adjacent tensors through the lane's slots: each slot filled and
+    every tensor's share of it hashed (by the lane's reader process where it has
+    one, else here: ``_fill``), then copied whole to the staging buffer.  The
+    least Python per tensor: every line here holds the GIL the other readers wait for."""
     pos, end = run[0].start, run[-1].end
     first = 0
     hashers: dict[str, Any] = {}  # tensors that span slots
     where = {w.key: _placed(w, dests[w.key]) for w in run}
+    fill = getattr(lane, "fill", None)
     while pos < end and not abort.is_set():
         slot = lane.take()
         n = min(int(lane.slots[slot].nbytes), end - pos)
-        view = memoryview(lane.slots[slot]).cast("B")[:n]  # type: ignore[arg-type]
-        if os.preadv(fd, [view], pos) != n:
-            raise CorruptBlobError(run[0].where, "file truncated inside a tensor")
         chunk, off = staged.region(n)
         while run[first].end <= pos:  # tensors wholly before this slot: done
             first += 1
         placed: list[Placed] = []
+        pieces: list[tuple[Want, int, int]] = []  # slot bytes [a, b) of each tensor
         for w in run[first:]:  # only the tensors this slot holds (a run is sorted)
             if w.start >= pos + n:
                 break
-            a, b = max(w.start, pos), min(w.end, pos + n)
-            if a == w.start and b == w.end:  # the whole tensor: one call
-                if xxhash.xxh3_128_digest(view[a - pos : b - pos]) != w.want:
-                    raise CorruptBlobError(w.where, "checksum mismatch in tensor data")
-            else:
-                h = hashers.setdefault(w.key, xxhash.xxh3_128())
-                h.update(view[a - pos : b - pos])
-                if b == w.end and h.digest() != w.want:
-                    raise CorruptBlobError(w.where, "checksum mismatch in tensor data")
-            g = where[w.key]
-            placed.append(Placed(off + a - pos, a - w.start, b - w.start, *g))
+            a, b = max(w.start, pos) - pos, min(w.end, pos + n) - pos
+            pieces.append((w, a, b))
+            placed.append(Placed(off + a, a + pos - w.start, b + pos - w.start, *where[w.key]))
+        if fill is None:
+            view = memoryview(lane.slots[slot]).cast("B")[:n]  # type: ignore[arg-type]
+            _fill(view, fd, pos, n, pieces, hashers, run[0].where)
+        else:
+            fill(slot, fd, pos, n, [_piece(w, a, b, pos) for w, a, b in pieces])
         lane.put(slot, staged.bufs[chunk][1] + off, n)
         staged.add(chunk, placed)
         pos += n
+
+
+PIECE = 1 << 20  # bytes read before they are hashed: within a core's L2 cache
+
+
+def _piece(w: Want, a: int, b: int, pos: int) -> Piece:
+    # a tensor's file offset names it: unique in its blob, the same in every slot
+    return Piece(a, b, w.start, a + pos == w.start, b + pos == w.end, w.want, w.where)
+
+
+def _fill(
+    view: memoryview,
+    fd: int,
+    pos: int,
+    n: int,
+    pieces: list[tuple[Want, int, int]],
+    hashers: dict[str, Any],
+    where: str,
+) -> None:
+    """The slot's bytes [0, n) from file offset ``pos``, read about PIECE at a time
+    and each piece hashed right after, while it is still in the core's cache."""
+    read = 0
+    held: list[tuple[Want, int, int]] = []  # read, not yet hashed
+    for w, a, b in pieces:
+        held.append((w, a, b))
+        if b - read >= PIECE or b == n:
+            _read(fd, view, read, b, pos, where)
+            read = b
+            _check(view, held, pos, hashers)
+            held = []
+    if read < n:  # a gap at the slot's end, and tensors not yet hashed
+        _read(fd, view, read, n, pos, where)
+        _check(view, held, pos, hashers)
+
+
+def _read(fd: int, view: memoryview, a: int, b: int, pos: int, where: str) -> None:
+    """Bytes [a, b) of the slot ``view`` (file offset ``pos``) from the file."""
+    if os.preadv(fd, [view[a:b]], pos + a) != b - a:
+        raise CorruptBlobError(where, "file truncated inside a tensor")
+
+
+def _check(
+    view: memoryview, held: list[tuple[Want, int, int]], pos: int, hashers: dict[str, Any]
+) -> None:
+    """Each tensor's bytes [a, b) of the slot against its checksum: whole tensors
+    in one call, a tensor across slots through a running hasher."""
+    for w, a, b in held:
+        if a + pos == w.start and b + pos == w.end:
+            if xxhash.xxh3_128_digest(view[a:b]) != w.want:
+                raise CorruptBlobError(w.where, "checksum mismatch in tensor data")
+            continue
+        h = hashers.setdefault(w.key, xxhash.xxh3_128())
+        h.update(view[a:b])
+        if b + pos == w.end and h.digest() != w.want:
+            raise CorruptBlobError(w.where, "checksum mismatch in tensor data")

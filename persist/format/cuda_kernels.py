@@ -183,6 +183,32 @@ def scatter(staged: mx.array, pieces: list[Placed]) -> None:
     mx.synchronize()  # the kernel wrote memory MLX's graph does not know of
 
 
+_ADDRESS = """
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        addr[0] = reinterpret_cast<unsigned long long>(a);
+    }
+"""
+
+
+def addresses(arrays: list[mx.array]) -> list[int]:
+    """The device address of each evaluated, row-contiguous array's data (a kernel
+    reads it: a host read would move the buffer into managed memory for good)."""
+    kernel = _kernel("persist_address", ("a",), ("addr",), _ADDRESS)
+    outs = [
+        kernel(
+            inputs=[a.reshape(-1).view(mx.uint8)],  # one build for every dtype
+            grid=(1, 1, 1),
+            threadgroup=(1, 1, 1),
+            output_shapes=[(1,)],
+            output_dtypes=[mx.uint64],
+        )[0]
+        for a in arrays
+    ]
+    if not outs:
+        return []
+    return [int(x) for x in np.array(mx.concatenate(outs)).tolist()]
+
+
 def as_tensor(flat: mx.array, shape: tuple[int, ...], dtype: Any, nbytes: int) -> mx.array:
     """A buffer's first ``nbytes`` as a tensor (views: the buffer stays its own)."""
     if not nbytes:

@@ -37,6 +37,8 @@ class Driver:
         # the call made per copy: bound once, 64-bit arguments declared
         self._htod = self.lib.cuMemcpyHtoDAsync_v2
         self._htod.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        self._dtoh = self.lib.cuMemcpyDtoH_v2
+        self._dtoh.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
 
     def _call(self, name: str, *args: Any) -> None:
         rc = getattr(self.lib, name)(*args)
@@ -57,6 +59,14 @@ class Driver:
             raise MemoryError(f"cuMemHostAlloc of {n} bytes returned CUDA error {rc}")
         self._call("cuMemHostGetDevicePointer_v2", ctypes.byref(d), p, ctypes.c_uint(0))
         return int(p.value), int(d.value)
+
+    def host_register(self, host: int, n: int) -> None:
+        """Page-lock ``n`` bytes of existing host memory (a shared mapping) for the copy engine."""
+        rc = self.lib.cuMemHostRegister_v2(
+            ctypes.c_void_p(host), ctypes.c_size_t(n), ctypes.c_uint(_PORTABLE)
+        )
+        if rc:
+            raise MemoryError(f"cuMemHostRegister of {n} bytes returned CUDA error {rc}")
 
     def host_free(self, host: int) -> None:
         """Give page-locked memory from ``host_alloc`` back to the system."""
@@ -87,3 +97,10 @@ class Driver:
         rc = self._htod(dst, src, n, stream)
         if rc:
             raise OSError(f"cuMemcpyHtoDAsync returned CUDA error {rc}")
+
+    def copy_out(self, src: int, dst: int, n: int) -> None:
+        """Copy ``n`` bytes of device memory at ``src`` to host memory at ``dst``;
+        done on return (the GIL released meanwhile)."""
+        rc = self._dtoh(dst, src, n)
+        if rc:
+            raise OSError(f"cuMemcpyDtoH returned CUDA error {rc}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -32,8 +33,9 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from .cuda_kernels import Placed, device_buffers, scatter
+from .cuda_kernels import Placed, addresses, device_buffers, scatter
 from .cudadrv import Driver
+from .readers import Readers
 
 __all__ = [
     "Ring",
@@ -47,6 +49,7 @@ __all__ = [
     "LANES",
     "Placed",
     "Lane",
+    "host_copies",
 ]
 
 CUDA_PINNED = "cuda-pinned"
@@ -61,7 +64,9 @@ class Lane(Protocol):
     A reader reads into one slot while the other's copy runs: ``take`` gives
     the next slot once its earlier copy is done, ``put`` queues the copy of a
     slot's first ``n`` bytes to a device address and returns at once,
-    ``drain`` waits for every copy of the lane.
+    ``drain`` waits for every copy of the lane.  A lane may also have
+    ``fill(slot, fd, pos, n, pieces)``: its reader process reads and checks the
+    slot (``format/readers``); without it the reader thread does.
     """
 
     slots: list[np.ndarray]
@@ -86,8 +91,11 @@ class Ring:
     that restore gets device buffers (``buffers``) and moves staged bytes from
     one into the others (``scatter``)."""
 
-    def __init__(self, lanes: list[Lane], buffers: Buffers, scatter: Scatter) -> None:
+    def __init__(
+        self, lanes: list[Lane], buffers: Buffers, scatter: Scatter, readers: Readers | None = None
+    ) -> None:
         self.lanes, self.buffers, self.scatter = lanes, buffers, scatter
+        self.readers = readers  # the lanes' reader processes, if they have them
         self.lock = threading.Lock()
 
     @property
@@ -105,6 +113,7 @@ class Choice:
     path: str  # CUDA_PINNED or HOST
     reason: str  # why, in words, for persist stats
     ring: Ring | None = None
+    driver: Driver | None = None  # CUDA_PINNED's, for device -> host copies
 
     def describe(self) -> str:
         return f"{self.path} ({self.reason})"
@@ -145,13 +154,44 @@ def _select() -> Choice:
         return Choice(HOST, f"MLX runs on {here}: arrays are host memory already")
     try:
         driver = Driver()
-        ring = _cuda_ring(driver, LANES, SLOT_BYTES)
+        ring = _ring(driver)
     except OSError as e:  # no libcuda.so.1, or a driver call that failed
         return Choice(HOST, f"CUDA driver API unavailable ({e})")
     except MemoryError as e:
         return Choice(HOST, f"pinned host memory refused ({e})")
+    how = "reader processes" if ring.readers else "reader threads"
     slots = f"{2 * LANES} pinned staging buffers of {SLOT_BYTES >> 20} MiB"
-    return Choice(CUDA_PINNED, f"{slots}, {LANES} copy streams", ring)
+    return Choice(CUDA_PINNED, f"{slots}, {LANES} {how}, {LANES} copy streams", ring, driver)
+
+
+def _ring(driver: Driver) -> Ring:
+    """Lanes with reader processes, unless PERSIST_READERS=threads or they cannot be
+    had here (no memfd, no process, shared memory the driver will not page-lock)."""
+    if os.environ.get("PERSIST_READERS", "processes") != "threads":
+        with contextlib.suppress(OSError, MemoryError):
+            return _cuda_ring(driver, LANES, SLOT_BYTES, processes=True)
+    return _cuda_ring(driver, LANES, SLOT_BYTES)
+
+
+def host_copies(arrays: list[mx.array]) -> list[np.ndarray] | None:
+    """Each evaluated, row-contiguous device array's bytes in new host memory,
+    copied by the driver; None where this process has no driver (``choose``).
+
+    A host read through MLX (``memoryview``, ``np.array``) moves the array's
+    buffer into managed memory for good, and once freed MLX's buffer cache hands
+    that managed buffer to later kernel outputs (a restore's buffers, a cache's
+    next growth), whose first kernels then fault its pages across."""
+    driver = choose().driver
+    if driver is None:
+        return None
+    driver.make_current()
+    out = []
+    for a, addr in zip(arrays, addresses(arrays), strict=True):
+        host = np.empty(a.nbytes, dtype=np.uint8)
+        if a.nbytes:
+            driver.copy_out(addr, host.ctypes.data, a.nbytes)
+        out.append(host)
+    return out
 
 
 def backend() -> str:
@@ -163,22 +203,26 @@ def backend() -> str:
 
 
 class _CudaLane:
-    """A lane on the copy engine: two pinned slots, a stream of its own, an event per slot."""
+    """A lane on the copy engine: two pinned slots, a stream of its own, an event per
+    slot; with ``readers``, its reader process fills the slots (``fill``)."""
 
-    def __init__(self, driver: Driver, size: int) -> None:
-        self.driver = driver
-        made = [driver.host_alloc(size) for _ in range(2)]
-        self.slots = [
-            np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(host)) for host, _ in made
-        ]
-        self.hosts = [host for host, _ in made]
+    def __init__(
+        self, driver: Driver, slots: list[np.ndarray], readers: Readers | None = None, i: int = 0
+    ) -> None:
+        self.driver, self.slots = driver, slots
+        self.hosts = [int(s.ctypes.data) for s in slots]
         self.stream = driver.stream()
         self.events = [driver.event(), driver.event()]
         self.pending = [False, False]
         self.turn = 0
+        self.readers, self.i = readers, i
+        if readers is not None:
+            self.fill = functools.partial(readers.fill, i)
 
     def enter(self) -> None:
         self.driver.make_current()
+        if self.readers is not None:
+            self.readers.ready(self.i)
 
     def take(self) -> int:
         i, self.turn = self.turn, self.turn ^ 1
@@ -198,6 +242,25 @@ class _CudaLane:
         self.pending = [False, False]
 
 
-def _cuda_ring(driver: Driver, lanes: int, size: int) -> Ring:
+def _pinned_slots(driver: Driver, size: int) -> list[np.ndarray]:
+    return [
+        np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(driver.host_alloc(size)[0]))
+        for _ in range(2)
+    ]
+
+
+def _cuda_ring(driver: Driver, lanes: int, size: int, processes: bool = False) -> Ring:
+    """``lanes`` lanes of two ``size``-byte pinned slots; with ``processes``, filled by
+    reader processes over shared memory that the driver page-locks (``readers``)."""
     mx.eval(mx.zeros(1))  # MLX's CUDA context exists before the driver allocates in it
-    return Ring([_CudaLane(driver, size) for _ in range(lanes)], device_buffers, scatter)
+    if not processes:
+        made: list[Lane] = [_CudaLane(driver, _pinned_slots(driver, size)) for _ in range(lanes)]
+        return Ring(made, device_buffers, scatter)
+    readers = Readers(lanes, size)
+    try:
+        driver.host_register(readers.base, readers.nbytes)
+    except BaseException:
+        readers.close()
+        raise
+    fed: list[Lane] = [_CudaLane(driver, readers.slots[i], readers, i) for i in range(lanes)]
+    return Ring(fed, device_buffers, scatter, readers)

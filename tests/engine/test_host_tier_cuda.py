@@ -10,6 +10,7 @@ tests/format/test_pinned_pool.py).  On an NVIDIA GPU:
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import persist
 from bench.servers import Server
 from persist.engine.host_tier import HostTier
 from persist.format import pinned
+from persist.format.cuda_kernels import device_buffers
 from persist.format.cudadrv import Driver
 from persist.format.pinned_pool import cuda_holder
 from tests.engine.test_host_tier_pages import holds_no_array, pages_in_use
@@ -113,6 +116,9 @@ def test_unpacked_arrays_live_in_device_memory() -> None:
     holder = cuda_holder(64 << 20)
     arrays = [sample(1 << 20, mx.bfloat16, 1), sample(4097, mx.uint8, 2)]
     held = holder.hold(arrays)
+    # MLX's buffer cache hands a kernel output any freed buffer of its size,
+    # managed or not: the samples' host-made temporaries are dropped first
+    mx.clear_cache()
     for a in holder.give(held):
         assert not managed(a)  # a kernel output: device memory
     holder.release(held)
@@ -128,6 +134,9 @@ def test_the_tier_holds_no_device_array_and_hits_are_exact(tiny: Any, variant: s
     assert tier.holder is not None and tier.where == PINNED
     assert tier.keep("m", toks, cache)
     del cache
+    # live_state read the cache on the host, which moved its buffers to managed
+    # memory; freed, MLX's buffer cache would hand them to the next kernel outputs
+    mx.clear_cache()
     assert holds_no_array(tier) and pages_in_use(tier) == tier.nbytes > 0
     hit = tier.fetch("m", [*toks, *NEXT])
     assert hit is not None and hit.tokens == toks
@@ -165,3 +174,26 @@ def test_serve_restores_an_evicted_conversation_from_pinned_memory(
     assert f"in {PINNED}" in (tmp_path / "host.log").read_text()  # the start line
     assert health["host_cache"]["where"] == PINNED and health["host_cache"]["pinned_bytes"] > 0
     assert text(answers[1]) == text(answers[0])
+
+
+def test_a_save_leaves_no_managed_buffer_behind(tiny: Any, tmp_path: Path) -> None:
+    """The save reads the cache on the host through device copies; read through
+    MLX they would turn managed, and once freed MLX's buffer cache would hand
+    them to the next kernel outputs of their size (here: a restore's buffers)."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(256, seed=5)  # the live slice is the whole buffer: copies of its size
+    cache, _ = prefill(model, toks)
+    mx.clear_cache()
+    with persist.Store(tmp_path / "s") as store:
+        store.save(cache, toks, identity=ident, session="s")
+        gc.collect()
+        assert not any(managed(a) for a in buffers(cache))
+        made = device_buffers([a.nbytes for a in buffers(cache)])
+        assert not any(managed(a) for a, _ in made)
+        del made
+        # the test's own host reads (identity hashing, addresses) left managed
+        # buffers in MLX's cache: dropped, so the restore's are its own
+        mx.clear_cache()
+        back = store.restore("s", identity=ident).cache
+        assert not any(managed(a) for a in buffers(back))

@@ -43,6 +43,12 @@ def paged(budget: int = GIB, chunks: HostChunks | None = None) -> HostTier:
     return HostTier(budget, holder=host_holder(budget, chunks=chunks))
 
 
+def plain_tier(budget: int = GIB) -> HostTier:
+    """The tier without pages (MLX arrays kept as they are), also on CUDA."""
+    with pinned.use(Choice(pinned.HOST, "the plain tier")):
+        return HostTier(budget)
+
+
 def holds_no_array(tier: HostTier) -> bool:
     """Every entry's arrays are in pages: the tier keeps no buffer of MLX's."""
     return all(not arrays_of(k.records) for k in tier._entries.values())
@@ -69,7 +75,7 @@ def test_a_paged_hit_is_the_plain_one_bit_for_bit(tiny: Any, variant: str) -> No
     model, _, _ = tiny("llama_hd64" if variant == "quantized" else variant)
     toks = tokens_for(150, seed=21)
     make = (lambda: kv_quantized(model, toks, 100)) if variant == "quantized" else None
-    plain, pages = HostTier(GIB), paged()
+    plain, pages = plain_tier(), paged()
     assert plain.holder is None and pages.where == WHERE
     plain.keep("m", toks, make() if make else prefill(model, toks)[0])
     cache = make() if make else prefill(model, toks)[0]
@@ -160,7 +166,9 @@ def test_refused_memory_evicts_then_gives_up_cleanly(tiny: Any) -> None:
 def test_where_the_tier_keeps_entries_and_the_serve_budget(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert HostTier(GIB).where == "host memory" and HostTier(GIB).holder is None
+    plain = plain_tier()
+    assert plain.holder is None
+    assert plain.where == {"cpu": "host memory", "cuda": DEVICE_MEMORY}[pinned.backend()]
     assert host_budget(None) == default_budget() and host_budget(0) == 0
     monkeypatch.setattr(host_tier, "cuda_holder", lambda budget: host_holder(budget))
     with pinned.use(Choice(CUDA_PINNED, "a test's stand-in")):

@@ -13,7 +13,11 @@ selection and its fallbacks are tested on the CPU.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
+import logging
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +32,9 @@ import persist
 from persist.engine import staging
 from persist.errors import CorruptBlobError
 from persist.format import pinned
+from persist.format import readers as readers_mod
 from persist.format.pinned import CUDA_PINNED, HOST, Choice, Placed, Ring
+from persist.format.readers import Readers
 from tests.engine.test_partial_reads import full_then_trim, whole_buffers
 from tests.helpers import (
     CUDA_RTOL,
@@ -91,24 +97,61 @@ def host_ring(lanes: int, size: int) -> Ring:
     return Ring([HostLane(size) for _ in range(lanes)], host_buffers, host_scatter)
 
 
-def small_ring() -> Ring:
+def small_ring(processes: bool = False) -> Ring:
     """Slots far smaller than a tensor run: every tensor spans slots."""
     if ON_CUDA:
-        return pinned._cuda_ring(pinned.Driver(), 3, 1024)
-    return host_ring(3, 1024)
+        return pinned._cuda_ring(pinned.Driver(), 3, 1024, processes=processes)
+    return proc_ring(3, 1024) if processes else host_ring(3, 1024)
+
+
+class HostProcLane(HostLane):
+    """A host lane whose slots a reader process fills (format/readers)."""
+
+    def __init__(self, readers: Readers, i: int) -> None:
+        super().__init__(0)
+        self.slots, self.readers, self.i = readers.slots[i], readers, i
+        self.fill = functools.partial(readers.fill, i)
+
+    def enter(self) -> None:
+        self.readers.ready(self.i)
+
+
+def proc_ring(lanes: int, size: int) -> Ring:
+    readers = Readers(lanes, size)
+    made: list[Any] = [HostProcLane(readers, i) for i in range(lanes)]
+    return Ring(made, host_buffers, host_scatter, readers)
 
 
 @pytest.fixture(scope="module")
-def rings() -> dict[str, Ring]:
-    out = {"small": small_ring()}
+def rings() -> Iterator[dict[str, Ring]]:
+    out = {"small": small_ring(), "small processes": small_ring(processes=True)}
     if ON_CUDA:
         chosen = pinned.choose()
         assert chosen.path == CUDA_PINNED, chosen.reason
-        assert chosen.ring is not None
+        assert chosen.ring is not None and chosen.ring.readers is not None
         out["default"] = chosen.ring
+        out["threads"] = pinned._cuda_ring(pinned.Driver(), pinned.LANES, 64 << 10)
     else:
-        out["default"] = host_ring(pinned.LANES, 64 << 10)
-    return out
+        out["default"] = proc_ring(pinned.LANES, 64 << 10)
+        out["threads"] = host_ring(pinned.LANES, 64 << 10)
+    out["pieces"] = out["threads"]  # read in pieces of one tensor (see ring_for)
+    yield out
+    for ring in out.values():
+        if ring.readers is not None:
+            ring.readers.close()
+
+
+@pytest.fixture
+def ring_for(rings: dict[str, Ring], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The ring of a name; "pieces" reads and hashes each tensor alone inside a
+    slot (staging.PIECE of one byte), so slots hold several hashed pieces."""
+
+    def get(name: str) -> Ring:
+        if name == "pieces":
+            monkeypatch.setattr(staging, "PIECE", 1)
+        return rings[name]
+
+    return get
 
 
 def staged(ring: Ring) -> Any:
@@ -127,16 +170,19 @@ def all_free(ring: Ring) -> bool:
     return False
 
 
-@pytest.mark.parametrize("ring_name", ["default", "small"])
+RINGS = ["default", "threads", "small", "small processes", "pieces"]
+
+
+@pytest.mark.parametrize("ring_name", RINGS)
 @pytest.mark.parametrize("variant", FAMILIES)
 def test_a_staged_restore_is_the_host_restore(
-    variant: str, ring_name: str, rings: dict[str, Ring], tiny: Any, tmp_path: Path
+    variant: str, ring_name: str, ring_for: Any, tiny: Any, tmp_path: Path
 ) -> None:
     model, tok, _ = tiny(variant)
     ident = persist.ModelIdentity.of(model, tok)
     prompt = tokens_for(70, seed=11)
     cache, _ = prefill(model, prompt, step=30)
-    ring = rings[ring_name]
+    ring = ring_for(ring_name)
     with persist.Store(tmp_path / "s", block_tokens=BLOCK) as store:
         store.save(cache, prompt, identity=ident, session="s")
         with host():
@@ -159,10 +205,10 @@ def test_a_staged_restore_is_the_host_restore(
     assert_same_state(live_state(by_ring), live_state(by_host))
 
 
-@pytest.mark.parametrize("ring_name", ["default", "small"])
+@pytest.mark.parametrize("ring_name", RINGS)
 @pytest.mark.parametrize("n,k", [(200, 40), (200, 48), (70, 67)])
 def test_a_staged_partial_hit_is_a_full_restore_trimmed(
-    n: int, k: int, ring_name: str, rings: dict[str, Ring], tiny: Any, tmp_path: Path
+    n: int, k: int, ring_name: str, ring_for: Any, tiny: Any, tmp_path: Path
 ) -> None:
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
@@ -170,7 +216,7 @@ def test_a_staged_partial_hit_is_a_full_restore_trimmed(
     with persist.Store(tmp_path / "s", block_tokens=BLOCK) as store:
         store.save(prefill(model, stored)[0], stored, identity=ident, session="s")
         prompt = stored[:k] + [(stored[k] + 1) % 256, 5]
-        with staged(rings[ring_name]):
+        with staged(ring_for(ring_name)):
             hit = store.lookup(prompt, identity=ident)
         with host():
             trimmed = full_then_trim(store, "s", ident, k)
@@ -179,14 +225,25 @@ def test_a_staged_partial_hit_is_a_full_restore_trimmed(
     assert whole_buffers(hit.cache) == whole_buffers(trimmed)
 
 
+@pytest.mark.parametrize(
+    "ring_name,at",
+    [
+        ("small", -5),
+        ("pieces", -5),
+        ("pieces", "middle"),
+        ("small processes", -5),
+        ("default", "middle"),
+        ("default", -5),
+    ],
+)
 def test_a_damaged_tensor_is_refused_and_the_ring_recovers(
-    rings: dict[str, Ring], tiny: Any, tmp_path: Path
+    ring_name: str, at: Any, ring_for: Any, tiny: Any, tmp_path: Path
 ) -> None:
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
     prompt = tokens_for(100, seed=2)
     cache = prefill(model, prompt)[0]
-    ring = rings["small"]
+    ring = ring_for(ring_name)
     with persist.Store(tmp_path / "s", block_tokens=BLOCK) as store:
         info = store.save(cache, prompt, identity=ident, session="s")
         block = store.index.blocks(info.id)[2].blob
@@ -194,7 +251,8 @@ def test_a_damaged_tensor_is_refused_and_the_ring_recovers(
         path = store.blobs.path(block)
         good = path.read_bytes()
         data = bytearray(good)
-        data[-5] ^= 0xFF  # inside the last tensor's bytes
+        # inside the last tensor's bytes, or one in the middle of a slot's pieces
+        data[-5 if at == -5 else len(data) * 2 // 3] ^= 0xFF
         path.chmod(0o644)
         path.write_bytes(bytes(data))
         with staged(ring), pytest.raises(CorruptBlobError, match="checksum mismatch"):
@@ -279,6 +337,11 @@ class FakeDriver:
         self.keep.append(buf)
         return buf.ctypes.data, buf.ctypes.data
 
+    def host_register(self, host: int, n: int) -> None:
+        if self.refuse:
+            raise MemoryError(f"cuMemHostRegister of {n} bytes returned CUDA error 2")
+        self.registered = (host, n)
+
     def stream(self) -> int:
         return len(self.keep)
 
@@ -307,13 +370,34 @@ def test_with_driver_and_memory_the_ring_is_made_once(
         return made[-1]
 
     monkeypatch.setattr(pinned, "Driver", driver)
+    monkeypatch.setenv("PERSIST_READERS", "threads")
     got = pinned.choose()
-    assert got.path == CUDA_PINNED and got.ring is not None
-    assert len(got.ring.lanes) == pinned.LANES
+    assert got.path == CUDA_PINNED and got.ring is not None and got.ring.readers is None
+    assert len(got.ring.lanes) == pinned.LANES and "8 reader threads" in got.reason
     assert got.ring.slot_bytes == pinned.SLOT_BYTES
     got.ring.lanes[1].slots[1][:4] = 7  # the slots are the driver's memory
     assert made[0].keep[3][:4].tolist() == [7, 7, 7, 7]
     assert pinned.choose() is got and len(made) == 1
+
+
+def test_by_default_reader_processes_fill_the_lanes(
+    fresh_choice: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Their slots are one shared mapping, page-locked whole by the driver."""
+    monkeypatch.setattr(pinned, "backend", lambda: "cuda")
+    made = FakeDriver(refuse=False)
+    monkeypatch.setattr(pinned, "Driver", lambda: made)
+    monkeypatch.delenv("PERSIST_READERS", raising=False)
+    got = pinned.choose()
+    ring = got.ring
+    assert got.path == CUDA_PINNED and ring is not None and ring.readers is not None
+    try:
+        assert "8 reader processes" in got.reason
+        assert made.registered == (ring.readers.base, 2 * pinned.LANES * pinned.SLOT_BYTES)
+        assert not made.keep  # no slot of cuMemHostAlloc's
+        assert ring.lanes[7].slots[1].ctypes.data == ring.readers.base + 15 * pinned.SLOT_BYTES
+    finally:
+        ring.readers.close()
 
 
 # -- placement: where a piece's bytes go, whatever slots cut it into ------------
@@ -490,3 +574,105 @@ def test_a_second_interrupt_still_waits_for_the_readers() -> None:
     with pytest.raises(KeyboardInterrupt):
         staging._settle(Pool(), Drained())  # type: ignore[arg-type]
     assert calls == ["shutdown", "shutdown", "drain"]
+
+
+# -- reader processes (format/readers) ------------------------------------------
+
+
+def _pids(ring: Ring) -> list[int]:
+    assert ring.readers is not None
+    return [p.pid for p in ring.readers._procs if p is not None]
+
+
+def test_reader_processes_never_load_mlx(rings: dict[str, Ring]) -> None:
+    """A worker is stdlib and xxhash: no second MLX (nor CUDA context) per lane."""
+    for pid in _pids(rings["default"]):
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "xxhash" in maps and "mlx" not in maps.lower()
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
+def test_a_reader_process_killed_or_interrupted(
+    how: signal.Signals,
+    tiny: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SIGKILL: that restore reads on the host path (same state), the next one
+    starts a new worker.  SIGINT (a terminal's Ctrl-C reaches the whole group):
+    ignored, the parent decides."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    prompt = tokens_for(100, seed=4)
+    cache = prefill(model, prompt)[0]
+    ring = small_ring(processes=True)
+    try:
+        with persist.Store(tmp_path / "s", block_tokens=BLOCK) as store:
+            store.save(cache, prompt, identity=ident, session="s")
+            before = _pids(ring)
+            for pid in before:
+                os.kill(pid, how)
+            readers = ring.readers
+            assert readers is not None
+            if how == signal.SIGKILL:
+                for p in readers._procs:
+                    assert p is not None and p.wait(timeout=10) == -signal.SIGKILL
+                # as if they died after the restore began: not restarted at its start
+                monkeypatch.setattr(readers, "ready", lambda i: None)
+            with staged(ring), caplog.at_level(logging.WARNING, logger="persist"):
+                first = store.restore("s", identity=ident).cache
+                monkeypatch.undo()
+                second = store.restore("s", identity=ident).cache
+            lost = [r for r in caplog.records if "reads on the host path" in r.getMessage()]
+            assert len(lost) == (how == signal.SIGKILL)
+        after = _pids(ring)
+        assert (set(after).isdisjoint(before)) == (how == signal.SIGKILL)
+        assert all(p is not None and p.poll() is None for p in ring.readers._procs)  # type: ignore[union-attr]
+        for got in (first, second):
+            assert_same_state(live_state(got), live_state(cache))
+        assert all_free(ring)
+    finally:
+        assert ring.readers is not None
+        ring.readers.close()
+
+
+def test_requests_longer_than_a_message_are_split(
+    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slots holding more tensors than one message names go as several requests
+    that cover the slot back to back; a damaged tensor in a later one is found."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    prompt = tokens_for(100, seed=8)
+    cache = prefill(model, prompt)[0]
+    monkeypatch.setattr(readers_mod, "MAX_MESSAGE", 400)
+    sent: list[int] = []
+    requests = readers_mod._requests
+    monkeypatch.setattr(
+        readers_mod, "_requests", lambda pieces, n: sent.append(n) or requests(pieces, n)
+    )
+    ring = proc_ring(2, 1 << 20)
+    try:
+        with persist.Store(tmp_path / "s", block_tokens=BLOCK) as store:
+            info = store.save(cache, prompt, identity=ident, session="s")
+            with staged(ring):
+                got = store.restore("s", identity=ident).cache
+            assert_same_state(live_state(got), live_state(cache))
+            many = [len(requests(p, 1)) for p in [[_fake_piece(i) for i in range(40)]]]
+            assert many[0] > 2
+            path = store.blobs.path(store.index.blocks(info.id)[1].blob or "")
+            data = bytearray(path.read_bytes())
+            data[-3] ^= 1
+            path.chmod(0o644)
+            path.write_bytes(bytes(data))
+            with staged(ring), pytest.raises(CorruptBlobError, match="checksum mismatch"):
+                store.restore("s", identity=ident)
+        assert sent and all_free(ring)
+    finally:
+        assert ring.readers is not None
+        ring.readers.close()
+
+
+def _fake_piece(i: int) -> readers_mod.Piece:
+    return readers_mod.Piece(i, i + 1, i, True, True, bytes(16), "t")

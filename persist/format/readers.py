@@ -1,0 +1,195 @@
+"""Reader processes for a staged restore: file bytes read and hashed beside the GIL.
+
+On an H200 a staged restore's reader threads spent twice the time of the same
+reads and hashes alone (bench/results/cuda-restore-r4.md): every preadv and
+xxhash call hands the GIL back and forth among eight threads.  Here each lane
+has a process (``reader_worker.py``: stdlib and xxhash, no MLX) that reads
+and hashes into the lane's slots, which live in one shared memory file
+(``memfd``) that the parent maps, and on CUDA page-locks, too.  The parent's
+reader thread sends a request per slot (the blob's descriptor attached, so a
+worker never opens a path) and queues the slot's copy once the reply says
+every checksum held.
+
+A worker that dies (killed, out of memory) fails its restore with
+``ReaderLost``, which the restore answers by reading on the host path; the
+next restore starts a new worker.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from ..errors import CorruptBlobError
+
+__all__ = ["Readers", "ReaderLost", "Piece"]
+
+WORKER = Path(__file__).with_name("reader_worker.py")
+MAX_MESSAGE = 1 << 16  # as reader_worker.MAX_MESSAGE
+START_SECONDS = 30.0  # a worker's start: an interpreter, xxhash, the mapping
+
+
+class ReaderLost(OSError):
+    """A reader process is gone: this restore takes the host path instead."""
+
+
+class Piece(NamedTuple):
+    """Slot bytes [a, b) of one tensor: ``first``/``last`` when they start/end it;
+    ``digest`` its checksum, ``where`` names it in errors."""
+
+    a: int
+    b: int
+    ident: int
+    first: bool
+    last: bool
+    digest: bytes
+    where: str
+
+
+class Readers:
+    """``n`` reader processes over one shared mapping of ``2 n`` slots of ``size`` bytes
+    (lane ``i`` owns slots ``2 i`` and ``2 i + 1``)."""
+
+    def __init__(self, n: int, size: int) -> None:
+        self.n, self.size = n, size
+        self.nbytes = 2 * n * size
+        self.fd = os.memfd_create("persist-slots")
+        try:
+            os.ftruncate(self.fd, self.nbytes)
+            self.map = mmap.mmap(self.fd, self.nbytes)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        whole = np.frombuffer(self.map, dtype=np.uint8)
+        self.base = int(whole.ctypes.data)
+        self.slots = [
+            [whole[(2 * i + j) * size : (2 * i + j + 1) * size] for j in (0, 1)] for i in range(n)
+        ]
+        self._procs: list[subprocess.Popen[bytes] | None] = [None] * n
+        self._socks: list[socket.socket | None] = [None] * n
+        self._lock = threading.Lock()
+        try:
+            for i in range(n):
+                self._start(i)
+            for i in range(n):
+                self._await(i)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, i: int) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-s",
+                    "-S",
+                    str(WORKER),
+                    str(theirs.fileno()),
+                    str(self.fd),
+                    str(self.nbytes),
+                ],
+                pass_fds=(theirs.fileno(), self.fd),
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._procs[i], self._socks[i] = proc, ours
+
+    def _await(self, i: int) -> None:
+        """Worker ``i`` said it is ready (its imports worked), within START_SECONDS."""
+        sock = self._socks[i]
+        assert sock is not None
+        sock.settimeout(START_SECONDS)
+        try:
+            said = sock.recv(16)
+        except OSError as e:
+            raise ReaderLost(f"reader process {i} did not start: {e}") from None
+        if said != b"ready":
+            raise ReaderLost(f"reader process {i} did not start (said {said!r})")
+        sock.settimeout(None)
+
+    def ready(self, i: int) -> None:
+        """Lane ``i``'s worker runs (a new one if the last one died)."""
+        proc = self._procs[i]
+        if proc is None or proc.poll() is not None:
+            with self._lock:
+                self._stop(i)
+                self._start(i)
+                self._await(i)
+
+    def fill(self, i: int, slot: int, fd: int, pos: int, n: int, pieces: list[Piece]) -> None:
+        """Slot bytes [0, n) of lane ``i`` from file ``fd`` at ``pos``, every piece
+        checked; CorruptBlobError if the file is short or a checksum differs."""
+        sock = self._socks[i]
+        if sock is None:
+            raise ReaderLost(f"reader process {i} is not running")
+        at = (2 * i + slot) * self.size
+        for lo, hi, part in _requests(pieces, n):
+            words = [f"{at},{lo},{hi},{pos}"]
+            words += [
+                f"{p.a},{p.b},{p.ident},{int(p.first) | 2 * int(p.last)},{p.digest.hex()}"
+                for p in part
+            ]
+            try:
+                socket.send_fds(sock, [" ".join(words).encode("ascii")], [fd])
+                reply = sock.recv(256)
+            except OSError as e:
+                raise ReaderLost(f"reader process {i}: {e}") from None
+            if reply == b"ok":
+                continue
+            if reply == b"short":
+                raise CorruptBlobError(
+                    part[0].where if part else "blob", "file truncated inside a tensor"
+                )
+            if reply.startswith(b"bad "):
+                ident = int(reply[4:])
+                where = next((p.where for p in part if p.ident == ident), "blob")
+                raise CorruptBlobError(where, "checksum mismatch in tensor data")
+            raise ReaderLost(f"reader process {i}: {reply.decode('ascii', 'replace') or 'exited'}")
+
+    def _stop(self, i: int) -> None:
+        sock, proc = self._socks[i], self._procs[i]
+        self._socks[i] = self._procs[i] = None
+        if sock is not None:
+            sock.close()  # the worker's next receive ends it
+        if proc is not None:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def close(self) -> None:
+        for i in range(self.n):
+            self._stop(i)
+
+
+def _requests(pieces: list[Piece], n: int) -> list[tuple[int, int, list[Piece]]]:
+    """The slot's bytes [0, n) as requests of at most MAX_MESSAGE bytes each: (lo, hi,
+    the pieces inside), covering [0, n) back to back."""
+    out: list[tuple[int, int, list[Piece]]] = []
+    lo, size = 0, 64
+    part: list[Piece] = []
+    for p in pieces:
+        words = 48 + 2 * len(p.digest) + len(str(p.ident))
+        if part and size + words > MAX_MESSAGE - 64:
+            out.append((lo, part[-1].b, part))
+            lo, part, size = part[-1].b, [], 64
+        part.append(p)
+        size += words
+    out.append((lo, n, part))
+    return out
