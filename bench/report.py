@@ -142,19 +142,37 @@ def main() -> None:
         "The same on the NVIDIA H200:",
         "",
         *included("throughput-cuda-llama3-8b1024-llama3-8b8192-qwen3-next8192"),
+        "The latest H200 run, 8,192 tokens, with reader processes filling the staging "
+        "lanes (bench/results/cuda-restore-r5.md: the probe beside it measured reader "
+        "processes at 0.110 s against threads at 0.140 s; the save of this build read its "
+        "copies back by pageable driver copies, since replaced by copies through the "
+        "lanes):",
+        "",
+        *included("throughput-cuda-llama3-8b8192"),
         "32,768 tokens on the H200, from a build before the staged restore (the host "
-        "path; the staged path's run of it with the limit rows did not fit in the round's "
-        "device time: its restores are in the probe and recompute results):",
+        "path; the staged path's runs of it with the limit rows did not fit in the device "
+        "time: its restores are in the probe and recompute results):",
         "",
         *included("throughput-cuda-llama3-8b32768"),
         "Restore or recompute on the H200 (a random-weight Llama-3-8B, bf16, the staged "
-        "restore): up to 8,192 tokens its prefill is faster than even a warm restore; at "
-        "32,768 a warm restore (page cache) beats the prefill and a cold one does not. "
-        "The warm break-even is about 10,000 tokens; the cost model, whose rates average "
-        "the warm and cold runs, declines every hit here (the last column). The decode step "
-        "after a restore is as fast as after a prefill (no managed memory in the cache):",
+        "restore), latest run: the cost model tells a hit in the page cache from one on "
+        "the disk (mincore on a sample of its blobs) and keeps a rate for each; it "
+        "restores warm hits from 2,048 tokens (1.6x faster than the prefill at 8,192) "
+        "and recomputes when the blobs are on this machine's disk (1.5 GB/s). The decode "
+        "step after a restore is as fast as after a prefill (no managed memory in the "
+        "cache):",
+        "",
+        *included("recompute-cuda-r5"),
+        "An earlier run up to 32,768 tokens (its cost model averaged warm and cold "
+        "restores into one rate, and declined every hit):",
         "",
         *included("recompute-cuda"),
+        "`persist serve` on the H200 with mlx-lm's prompt cache holding one "
+        "conversation: the next turn of an evicted one, from the host tier's pinned "
+        "memory, from the store, or recomputed (a 24M-parameter model, whose prefill of "
+        "4k tokens is cheaper than any restore; bench/bench_serve_host.py):",
+        "",
+        *included("serve-host-cuda"),
         "The same for a Qwen3-Next-shaped hybrid (48 layers, 36 of them gated-DeltaNet; 16 "
         "experts instead of 512, 10 active as there). mlx-lm's gated-delta kernel is Metal "
         "only, so on CUDA its prefill runs the reference ops and restoring wins by 77-122x; "

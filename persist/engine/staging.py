@@ -27,7 +27,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, NamedTuple
 
 import xxhash
@@ -219,7 +219,7 @@ def _stage(
     lanes: queue.Queue[Lane] = queue.Queue()
     for lane in ring.lanes:
         lanes.put(lane)
-    pool = ThreadPoolExecutor(min(len(ring.lanes), max(1, len(jobs))), "persist-stage")
+    pool = ring.pool()
     futures = [pool.submit(_read_job, lanes, job, dests, staged, abort) for job in jobs]
     try:
         _wait(futures, progress)
@@ -227,21 +227,21 @@ def _stage(
         abort.set()
         raise
     finally:
-        _settle(pool, ring)
+        _settle(futures, ring)
     while staged.bufs:  # each staging chunk goes as soon as its pieces are placed
         (buf, _), placed = staged.bufs.pop(0), staged.placed.pop(0)
         if placed:
             ring.scatter(buf, placed)
 
 
-def _settle(pool: ThreadPoolExecutor, ring: Ring) -> None:
+def _settle(futures: list[Future[None]], ring: Ring) -> None:
     """Every reader stopped and every copy done, even through more Ctrl-Cs: until
     then the lanes and the buffers are in use (the ring's next restore would share
     them, and a freed buffer would still be written).  The last Ctrl-C is raised after."""
     interrupted: KeyboardInterrupt | None = None
     while True:
         try:
-            pool.shutdown(wait=True)
+            wait(futures)
             ring.drain()
             break
         except KeyboardInterrupt as e:

@@ -39,6 +39,13 @@ class Driver:
         self._htod.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         self._dtoh = self.lib.cuMemcpyDtoH_v2
         self._dtoh.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+        self._dtoh_async = self.lib.cuMemcpyDtoHAsync_v2
+        self._dtoh_async.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+        ]
 
     def _call(self, name: str, *args: Any) -> None:
         rc = getattr(self.lib, name)(*args)
@@ -104,3 +111,10 @@ class Driver:
         rc = self._dtoh(dst, src, n)
         if rc:
             raise OSError(f"cuMemcpyDtoH returned CUDA error {rc}")
+
+    def copy_out_async(self, src: int, dst: int, n: int, stream: int) -> None:
+        """Queue a copy of ``n`` device bytes at ``src`` into page-locked host memory
+        at ``dst`` on ``stream`` (the copy engine, at the bus's speed)."""
+        rc = self._dtoh_async(dst, src, n, stream)
+        if rc:
+            raise OSError(f"cuMemcpyDtoHAsync returned CUDA error {rc}")

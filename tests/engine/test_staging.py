@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ class HostLane:
 
     def __init__(self, size: int) -> None:
         self.slots = [np.zeros(size, dtype=np.uint8) for _ in range(2)]
-        self.turn = self.taken = self.copies = 0
+        self.turn = self.taken = self.copies = self.fetched = 0
 
     def enter(self) -> None:
         pass
@@ -72,6 +73,13 @@ class HostLane:
         self.copies += 1
 
     def drain(self) -> None:
+        pass
+
+    def fetch(self, slot: int, src: int, n: int) -> None:
+        ctypes.memmove(self.slots[slot].ctypes.data, src, n)
+        self.fetched += 1
+
+    def settle(self, slot: int) -> None:
         pass
 
 
@@ -556,24 +564,51 @@ def test_a_progress_callback_may_restore_again(tiny: Any, tmp_path: Path) -> Non
     assert out and inner
 
 
-def test_a_second_interrupt_still_waits_for_the_readers() -> None:
+def test_a_second_interrupt_still_waits_for_the_readers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Attack 27 (round 4): a second Ctrl-C during the cleanup released the ring while
     readers still used its lanes; the cleanup now finishes, then raises."""
     calls: list[str] = []
 
-    class Pool:
-        def shutdown(self, wait: bool) -> None:
-            calls.append("shutdown")
-            if len(calls) == 1:
-                raise KeyboardInterrupt  # the second Ctrl-C, inside the wait
+    def waited(futures: Any) -> None:
+        calls.append("wait")
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # the second Ctrl-C, inside the wait
 
     class Drained:
         def drain(self) -> None:
             calls.append("drain")
 
+    monkeypatch.setattr(staging, "wait", waited)
     with pytest.raises(KeyboardInterrupt):
-        staging._settle(Pool(), Drained())  # type: ignore[arg-type]
-    assert calls == ["shutdown", "shutdown", "drain"]
+        staging._settle([], Drained())  # type: ignore[arg-type]
+    assert calls == ["wait", "wait", "drain"]
+
+
+def test_the_ring_keeps_its_reader_threads(tiny: Any, tmp_path: Path) -> None:
+    """One thread per lane, started with the ring's first restore and reused by the
+    next ones (started per restore, they reached their first read up to 16 ms late)."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    prompt = tokens_for(100, seed=6)
+    cache = prefill(model, prompt)[0]
+    ring = host_ring(3, 1024)
+    seen: list[set[int]] = []
+    read = staging._read_job
+
+    def job(*a: Any) -> None:
+        seen[-1].add(threading.get_ident())
+        read(*a)
+
+    with persist.Store(tmp_path / "s", block_tokens=BLOCK) as store:
+        store.save(cache, prompt, identity=ident, session="s")
+        with staged(ring), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(staging, "_read_job", job)
+            for _ in range(3):
+                seen.append(set())
+                got = store.restore("s", identity=ident).cache
+                assert_same_state(live_state(got), live_state(cache))
+    pool = ring.pool()
+    assert len(pool._threads) == 3 and set.union(*seen) <= {t.ident for t in pool._threads}
 
 
 # -- reader processes (format/readers) ------------------------------------------
