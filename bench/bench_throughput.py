@@ -175,8 +175,16 @@ def minimum(ops: dict[str, Op], reps: int) -> dict[str, float]:
     return best
 
 
+RESTORE_ROWS = ("store restore + step", "limit:", "raw read of its blob files")
+
+
 def case(
-    name: str, build: Callable[[int], list[Any]], tokens: int, tmp: Path, reps: int
+    name: str,
+    build: Callable[[int], list[Any]],
+    tokens: int,
+    tmp: Path,
+    reps: int,
+    restore_only: bool = False,
 ) -> dict[str, Any]:
     cache = build(tokens)
     toks = list(range(tokens))
@@ -254,12 +262,27 @@ def case(
         from bench import cuda_limits
 
         ops |= cuda_limits.rows(blobs)
+    if restore_only:  # the restore and its limits (a 4 GiB case within a device call)
+        fresh_save()
+        ops = {k: v for k, v in ops.items() if k.startswith(RESTORE_ROWS)}
     try:
         times = minimum(ops, reps)
     finally:
         child.close()
     if not store.has_session("s"):
         fresh_save()
+    if restore_only:
+        store.close()
+        return {
+            "case": name,
+            "tokens": tokens,
+            "cache_bytes": nbytes,
+            "store_bytes": sum(p.stat().st_size for p in blobs()),
+            "seconds": times,
+            "partial": None,
+            "turn": None,
+            "peak_above_cache": None,
+        }
     out = {
         "case": name,
         "tokens": tokens,
@@ -396,6 +419,9 @@ def main() -> None:
     ap.add_argument("--label", default=None)
     ap.add_argument("--cases", nargs="+", default=None, help="e.g. llama3-8b:32768 qwen3-next:8192")
     ap.add_argument("--mlx-cache", choices=["serve", "mlx"], default="serve")
+    ap.add_argument(
+        "--restore-only", action="store_true", help="only the restore rows and their limits"
+    )
     args = ap.parse_args()
     if args.mlx_cache == "serve":
         keep_freed_buffers(None)
@@ -414,7 +440,7 @@ def main() -> None:
     for name, build, tokens in cases:
         tmp = Path(tempfile.mkdtemp(dir=Path(__file__).parent))
         try:
-            results.append(case(name, build, tokens, tmp, args.reps))
+            results.append(case(name, build, tokens, tmp, args.reps, args.restore_only))
             print(json.dumps(results[-1]), flush=True)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -431,6 +457,8 @@ def main() -> None:
         stem += "-mlx-cache"
     if args.cases:
         stem += "-" + "-".join(c.replace(":", "") for c in args.cases)
+    if args.restore_only:
+        stem += "-restore"
     (RESULTS / f"{stem}.json").write_text(json.dumps(r, indent=2) + "\n")
     (RESULTS / f"{stem}.md").write_text(markdown(r))
     print(markdown(r))
@@ -519,6 +547,8 @@ def markdown(r: dict[str, Any]) -> str:
             if p
             else "n/a (checkpoints) | n/a"
         )
+        if t is None:  # --restore-only: the limits table has it
+            continue
         lines.append(
             f"| {c['case']} {c['tokens']} ({c['cache_bytes'] / 2**30:.2f} GiB) "
             f"| {_ratio(s, 'store save', 'raw write+fsync')} "
@@ -554,6 +584,8 @@ def markdown(r: dict[str, Any]) -> str:
             + ", ".join(f"{k} {v:.3f}" for k, v in c["seconds"].items())
         )
         pk = c["peak_above_cache"]
+        if pk is None:
+            continue
         lines.append(
             f"  peak memory above the cache: save {pk['save'] / 2**20:.0f} MiB, "
             f"restore {pk['restore'] / 2**20:.0f} MiB"

@@ -2,6 +2,7 @@
 # The H200 run of the CUDA restore path (issue 27), after shared/gpu's install:
 #   bench/cuda_restore_run.sh stagingtests hosttier probe procprobe throughput8k   # one call
 #   bench/cuda_restore_run.sh throughput32k recompute                   # the next
+#   bench/cuda_restore_run.sh restore32k      # 32k: restore rows and limits only
 #   bench/cuda_restore_run.sh tests
 #   bench/cuda_restore_run.sh servehost   # the host tier serving an evicted conversation
 # Everything it writes goes to $OUT (probe report, logs, bench results).
@@ -33,6 +34,11 @@ for phase in "$@"; do
     timeout 230 python3 -m bench.bench_throughput --reps 2 \
       --cases llama3-8b:32768 2>&1 | tee "$OUT/throughput32k.log"
     cp bench/results/throughput-cuda-llama3-8b32768.* "$OUT/" ;;
+  restore32k)
+    # the restore rows and their limits only: the whole 32k case runs past 230 s
+    timeout 200 python3 -m bench.bench_throughput --reps 2 --restore-only \
+      --cases llama3-8b:32768 2>&1 | tee "$OUT/restore32k.log"
+    cp bench/results/throughput-cuda-llama3-8b32768-restore.* "$OUT/" ;;
   stagingtests)
     timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_staging.py 2>&1 | tee "$OUT/cuda-staging-tests.log" ;;
   tests)

@@ -223,8 +223,10 @@ def _stage(
     futures = [pool.submit(_read_job, lanes, job, dests, staged, abort) for job in jobs]
     try:
         _wait(futures, progress)
-    except BaseException:
+    except BaseException as e:
         abort.set()
+        if isinstance(e, KeyboardInterrupt) and ring.readers is not None:
+            ring.readers.interrupt()  # no reader thread stays waiting on a worker
         raise
     finally:
         _settle(futures, ring)
@@ -329,6 +331,7 @@ def _read_run(
     hashers: dict[str, Any] = {}  # tensors that span slots
     where = {w.key: _placed(w, dests[w.key]) for w in run}
     fill = getattr(lane, "fill", None)
+    fresh = True  # the run's first slot: a reader process drops what an aborted run left
     while pos < end and not abort.is_set():
         slot = lane.take()
         n = min(int(lane.slots[slot].nbytes), end - pos)
@@ -347,7 +350,8 @@ def _read_run(
             view = memoryview(lane.slots[slot]).cast("B")[:n]  # type: ignore[arg-type]
             _fill(view, fd, pos, n, pieces, hashers, run[0].where)
         else:
-            fill(slot, fd, pos, n, [_piece(w, a, b, pos) for w, a, b in pieces])
+            fill(slot, fd, pos, n, [_piece(w, a, b, pos) for w, a, b in pieces], fresh)
+        fresh = False
         lane.put(slot, staged.bufs[chunk][1] + off, n)
         staged.add(chunk, placed)
         pos += n

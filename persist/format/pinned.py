@@ -65,8 +65,9 @@ class Lane(Protocol):
     the next slot once its earlier copy is done, ``put`` queues the copy of a
     slot's first ``n`` bytes to a device address and returns at once,
     ``drain`` waits for every copy of the lane.  The other way (a save's read
-    back, ``format/readback``): ``fetch`` queues a copy of ``n`` device bytes
-    into a slot, ``settle`` waits for it.  A lane may also have
+    back, ``format/readback``): ``current`` readies the thread for the lane's
+    copies (``enter`` without the reader), ``fetch`` queues a copy of ``n``
+    device bytes into a slot, ``settle`` waits for it.  A lane may also have
     ``fill(slot, fd, pos, n, pieces)``: its reader process reads and checks the
     slot (``format/readers``); without it the reader thread does.
     """
@@ -84,6 +85,8 @@ class Lane(Protocol):
     def fetch(self, slot: int, src: int, n: int) -> None: ...
 
     def settle(self, slot: int) -> None: ...
+
+    def current(self) -> None: ...
 
 
 # sizes in bytes -> [(uint8 device array, its address)], zeroed, evaluated
@@ -241,6 +244,9 @@ class _CudaLane:
         self.driver.make_current()
         self.driver.wait_stream(self.stream)
         self.pending = [False, False]
+
+    def current(self) -> None:
+        self.driver.make_current()
 
     def fetch(self, slot: int, src: int, n: int) -> None:
         self.driver.copy_out_async(src, self.hosts[slot], n, self.stream)

@@ -75,7 +75,7 @@ def _through_lanes(ring: pinned.Ring, addrs: list[int], outs: list[np.ndarray]) 
 
 def _lane_copies(lane: pinned.Lane, chunks: list[Chunk]) -> None:
     """One lane's chunks: slot s fills while the previous slot's bytes are copied out."""
-    lane.enter()
+    lane.current()  # not enter(): a save never needs, nor restarts, a reader process
     held: tuple[int, np.ndarray, int, int] | None = None
     for src, out, o, n in chunks:
         s = lane.take()

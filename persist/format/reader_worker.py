@@ -6,13 +6,16 @@ Stdlib and xxhash only: it never imports MLX (no second CUDA context) nor
 persist.  It maps the parent's shared slots, then answers requests on a
 ``SOCK_SEQPACKET`` socket, one message each, until the parent closes it:
 
-    request  "AT LO HI POS" then " A,B,ID,FLAGS,DIGEST" per piece, ASCII, with
-             the blob's file descriptor attached (SCM_RIGHTS);
+    request  "SEQ,FRESH,AT,LO,HI,POS" then " A,B,ID,FLAGS,DIGEST" per piece, ASCII,
+             with the blob's file descriptor attached (SCM_RIGHTS); FRESH 1 drops
+             every running hash (a new run of tensors starts);
     effect   file bytes [POS + LO, POS + HI) read into slot bytes [AT + LO, AT + HI),
              each piece's slot bytes [AT + A, AT + B) hashed (xxh3-128): FLAGS bit 1
              starts a tensor, bit 2 ends it (then its digest, hex, is compared);
              a tensor across requests keeps its running hasher under ID;
-    reply    "ok", "short" (the file ended first) or "bad ID" (a checksum differs).
+    reply    "SEQ ok", "SEQ short" (the file ended first), "SEQ bad ID" (a checksum
+             differs) or "SEQ error WHY": the request's SEQ first, so a reply can
+             never be taken for another request's.
 
 It says "ready" first, once its imports and the mapping are done.
 
@@ -37,9 +40,11 @@ MAX_MESSAGE = 1 << 16  # bytes of one request (the parent splits longer ones)
 
 
 def serve(view: memoryview, msg: bytes, fd: int, hashers: dict[str, Any]) -> bytes:
-    """One request: read, hash, and the reply."""
+    """One request (its SEQ already taken off): read, hash, and the reply."""
     head, *pieces = msg.decode("ascii").split(" ")
-    at, lo, hi, pos = (int(x) for x in head.split(","))
+    fresh, at, lo, hi, pos = (int(x) for x in head.split(","))
+    if fresh:
+        hashers.clear()
     read = lo
     held: list[tuple[int, int, str, int, str]] = []
     for p in pieces:
@@ -100,14 +105,15 @@ def main() -> None:
             msg, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
             if not msg:  # the parent closed its end (or exited)
                 break
+            seq, _, body = msg.partition(b",")
             try:
-                reply = serve(view, msg, fds[0], hashers) if fds else b"short"
+                reply = serve(view, body, fds[0], hashers) if fds else b"error no descriptor"
             except (OSError, ValueError) as e:
                 reply = b"error " + str(e).encode("ascii", "replace")[:200]
             finally:
                 for f in fds:
                     os.close(f)
-            sock.send(reply)
+            sock.send(seq + b" " + reply)
         view.release()
 
 

@@ -35,6 +35,8 @@ __all__ = ["Readers", "ReaderLost", "Piece"]
 WORKER = Path(__file__).with_name("reader_worker.py")
 MAX_MESSAGE = 1 << 16  # as reader_worker.MAX_MESSAGE
 START_SECONDS = 30.0  # a worker's start: an interpreter, xxhash, the mapping
+REPLY_SECONDS = 60.0  # one request (a slot's read and hash: milliseconds) from a slow disk
+REPLY_RATE = 1 << 20  # and a second more per MiB asked for, for a slower one still
 
 
 class ReaderLost(OSError):
@@ -75,6 +77,7 @@ class Readers:
         ]
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self._socks: list[socket.socket | None] = [None] * n
+        self._seq = [0] * n  # each worker's last request: its reply must name it
         self._lock = threading.Lock()
         try:
             for i in range(n):
@@ -123,43 +126,84 @@ class Readers:
         sock.settimeout(None)
 
     def ready(self, i: int) -> None:
-        """Lane ``i``'s worker runs (a new one if the last one died)."""
+        """Lane ``i``'s worker runs (a new one if the last one died); ReaderLost if
+        none can be started (no interpreter, no fork under memory pressure)."""
         proc = self._procs[i]
-        if proc is None or proc.poll() is not None:
-            with self._lock:
-                self._stop(i)
+        if proc is not None and proc.poll() is None:
+            return
+        with self._lock:
+            self._kill(i)
+            try:
                 self._start(i)
                 self._await(i)
+            except (OSError, subprocess.SubprocessError, ValueError) as e:
+                self._kill(i)  # a late "ready" must never be read as a reply
+                if isinstance(e, ReaderLost):
+                    raise
+                raise ReaderLost(f"reader process {i} could not start: {e}") from None
 
-    def fill(self, i: int, slot: int, fd: int, pos: int, n: int, pieces: list[Piece]) -> None:
+    def fill(
+        self, i: int, slot: int, fd: int, pos: int, n: int, pieces: list[Piece], fresh: bool
+    ) -> None:
         """Slot bytes [0, n) of lane ``i`` from file ``fd`` at ``pos``, every piece
-        checked; CorruptBlobError if the file is short or a checksum differs."""
+        checked; CorruptBlobError if the file is short or a checksum differs.
+        ``fresh``: a new run of tensors starts here (the worker drops any running
+        hash an aborted one left).  A worker that does not answer in time, or
+        answers out of step, is killed: ReaderLost."""
         sock = self._socks[i]
         if sock is None:
             raise ReaderLost(f"reader process {i} is not running")
         at = (2 * i + slot) * self.size
-        for lo, hi, part in _requests(pieces, n):
-            words = [f"{at},{lo},{hi},{pos}"]
+        for k, (lo, hi, part) in enumerate(_requests(pieces, n)):
+            self._seq[i] += 1
+            seq = self._seq[i]
+            words = [f"{seq},{int(fresh and k == 0)},{at},{lo},{hi},{pos}"]
             words += [
                 f"{p.a},{p.b},{p.ident},{int(p.first) | 2 * int(p.last)},{p.digest.hex()}"
                 for p in part
             ]
             try:
+                sock.settimeout(REPLY_SECONDS + (hi - lo) / REPLY_RATE)
                 socket.send_fds(sock, [" ".join(words).encode("ascii")], [fd])
                 reply = sock.recv(256)
-            except OSError as e:
-                raise ReaderLost(f"reader process {i}: {e}") from None
-            if reply == b"ok":
+            except OSError as e:  # a timeout too: a stopped or stuck worker
+                self._kill(i)
+                raise ReaderLost(f"reader process {i}: {e or type(e).__name__}") from None
+            tag, _, said = reply.partition(b" ")
+            if tag != str(seq).encode("ascii"):
+                self._kill(i)
+                why = "exited" if not reply else f"answered out of step ({reply[:40]!r})"
+                raise ReaderLost(f"reader process {i} {why}")
+            if said == b"ok":
                 continue
-            if reply == b"short":
+            if said == b"short":
                 raise CorruptBlobError(
                     part[0].where if part else "blob", "file truncated inside a tensor"
                 )
-            if reply.startswith(b"bad "):
-                ident = int(reply[4:])
+            if said.startswith(b"bad "):
+                ident = int(said[4:])
                 where = next((p.where for p in part if p.ident == ident), "blob")
                 raise CorruptBlobError(where, "checksum mismatch in tensor data")
-            raise ReaderLost(f"reader process {i}: {reply.decode('ascii', 'replace') or 'exited'}")
+            self._kill(i)
+            raise ReaderLost(f"reader process {i}: {said.decode('ascii', 'replace')}")
+
+    def interrupt(self) -> None:
+        """Kill every worker (a Ctrl-C: no reader thread waits on one); the next
+        restore starts new ones."""
+        for proc in list(self._procs):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+
+    def _kill(self, i: int) -> None:
+        """Worker ``i`` gone, its socket closed (called by lane ``i``'s thread)."""
+        sock, proc = self._socks[i], self._procs[i]
+        self._socks[i] = self._procs[i] = None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        if sock is not None:
+            sock.close()
 
     def _stop(self, i: int) -> None:
         sock, proc = self._socks[i], self._procs[i]

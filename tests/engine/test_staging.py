@@ -18,6 +18,8 @@ import itertools
 import logging
 import os
 import signal
+import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,6 +82,9 @@ class HostLane:
         self.fetched += 1
 
     def settle(self, slot: int) -> None:
+        pass
+
+    def current(self) -> None:
         pass
 
 
@@ -711,3 +716,144 @@ def test_requests_longer_than_a_message_are_split(
 
 def _fake_piece(i: int) -> readers_mod.Piece:
     return readers_mod.Piece(i, i + 1, i, True, True, bytes(16), "t")
+
+
+def _saved(tiny: Any, tmp_path: Path, n: int = 100) -> tuple[persist.Store, Any, Any, int]:
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    prompt = tokens_for(n, seed=12)
+    cache = prefill(model, prompt)[0]
+    store = persist.Store(tmp_path / "s", block_tokens=BLOCK)
+    info = store.save(cache, prompt, identity=ident, session="s")
+    return store, ident, cache, info.id
+
+
+def test_a_stopped_worker_times_out_and_is_replaced(
+    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Attack (round 4, session 2): a SIGSTOPped worker hung the restore forever
+    (and with it the ring).  Its request now times out: the worker is killed, the
+    restore reads on the host path, the next one starts a new worker, and later
+    replies stay in step (a damaged blob is still refused, good ones still pass)."""
+    monkeypatch.setattr(readers_mod, "REPLY_SECONDS", 1.0)
+    store, ident, cache, snapshot = _saved(tiny, tmp_path)
+    ring = proc_ring(1, 1024)
+    try:
+        assert ring.readers is not None
+        stopped = _pids(ring)[0]
+        os.kill(stopped, signal.SIGSTOP)
+        out: list[Any] = []
+
+        def go() -> None:
+            with staged(ring):
+                out.append(store.restore("s", identity=ident).cache)
+                out.append(store.restore("s", identity=ident).cache)
+
+        with caplog.at_level(logging.WARNING, logger="persist"):
+            t = threading.Thread(target=go, daemon=True)
+            t.start()
+            t.join(120)  # a hang detector, not a timing verdict
+        assert not t.is_alive(), "the restore waits on a stopped worker"
+        assert any("timed out" in r.getMessage() for r in caplog.records)
+        assert _pids(ring) and _pids(ring)[0] != stopped
+        for got in out:
+            assert_same_state(live_state(got), live_state(cache))
+        with staged(ring):
+            _damage_block(store, snapshot, 1)
+            with pytest.raises(CorruptBlobError, match="checksum mismatch"):
+                store.restore("s", identity=ident)
+    finally:
+        assert ring.readers is not None
+        ring.readers.close()
+        store.close()
+
+
+def _damage_block(store: persist.Store, snapshot: int, block: int) -> None:
+    path = store.blobs.path(store.index.blocks(snapshot)[block].blob or "")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+
+
+def test_a_reply_out_of_step_is_never_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attack (round 4, session 2): after a late reply, every later reply answered
+    the request before it, and restores came back wrong without an error.  Each
+    reply names its request; one that names another kills the worker."""
+    readers = Readers(1, 1024)
+    try:
+        readers._kill(0)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sleeper = subprocess.Popen(["sleep", "60"])
+        readers._socks[0], readers._procs[0] = ours, sleeper  # type: ignore[call-overload]
+
+        def stale_worker() -> None:
+            msg, fds, _, _ = socket.recv_fds(theirs, 1 << 16, 1)
+            for f in fds:
+                os.close(f)
+            seq = int(msg.split(b",")[0])
+            theirs.send(f"{seq - 1} ok".encode())  # the answer to the request before
+
+        t = threading.Thread(target=stale_worker)
+        t.start()
+        with open(__file__, "rb") as f, pytest.raises(readers_mod.ReaderLost, match="out of step"):
+            readers.fill(0, 0, f.fileno(), 0, 16, [], True)
+        t.join(30)
+        assert sleeper.poll() is not None and readers._procs[0] is None
+    finally:
+        theirs.close()
+        readers.close()
+
+
+def test_a_worker_that_cannot_be_restarted_leaves_the_host_path(
+    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack (round 4, session 2): when no new worker could be spawned (the
+    interpreter gone after a venv rebuild, fork refused) the restore raised a bare
+    FileNotFoundError; it now reads on the host path, and so does every restore
+    until a worker starts again."""
+    store, ident, cache, _ = _saved(tiny, tmp_path)
+    ring = proc_ring(1, 1024)
+    try:
+        assert ring.readers is not None
+        os.kill(_pids(ring)[0], signal.SIGKILL)
+        ring.readers._procs[0].wait()  # type: ignore[union-attr]
+        monkeypatch.setattr(readers_mod.sys, "executable", str(tmp_path / "gone" / "python"))
+        with staged(ring):
+            for _ in range(2):
+                got = store.restore("s", identity=ident).cache
+                assert_same_state(live_state(got), live_state(cache))
+        monkeypatch.undo()
+        with staged(ring):
+            got = store.restore("s", identity=ident).cache
+        assert_same_state(live_state(got), live_state(cache))
+        assert _pids(ring)
+    finally:
+        assert ring.readers is not None
+        ring.readers.close()
+        store.close()
+
+
+def test_ctrl_c_ends_a_restore_that_waits_on_a_stopped_worker(tiny: Any, tmp_path: Path) -> None:
+    """Attack (round 4, session 2): two Ctrl-Cs could not end a restore waiting on a
+    stopped worker.  A Ctrl-C (a real SIGINT) now kills the workers, the readers
+    stop, KeyboardInterrupt is raised, and the next restore starts new workers."""
+    store, ident, cache, _ = _saved(tiny, tmp_path)
+    ring = proc_ring(1, 1024)
+    try:
+        stopped = _pids(ring)[0]
+        os.kill(stopped, signal.SIGSTOP)
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+        with staged(ring):
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                store.restore("s", identity=ident)
+            timer.join()
+            assert all_free(ring)
+            got = store.restore("s", identity=ident).cache
+        assert_same_state(live_state(got), live_state(cache))
+        assert _pids(ring)[0] != stopped
+    finally:
+        assert ring.readers is not None
+        ring.readers.close()
+        store.close()
