@@ -32,7 +32,7 @@ import xxhash
 import persist
 from bench.bench_throughput import IDENTITY, first_step, llama
 from bench.common import warm
-from persist.engine import loading, staging
+from persist.engine import loading, slot_reads, staging
 from persist.format import pinned
 from persist.format.cudadrv import Driver
 
@@ -111,18 +111,18 @@ class _Hasher:
 
 def instrumented(ring: pinned.Ring, fn: Callable[[], None]) -> dict[str, float]:
     _sums.clear()
-    saved = (staging.os, staging.xxhash, staging.stage, ring.scatter, ring.buffers)
-    staging.os = types.SimpleNamespace(preadv=_timed("preadv", os.preadv))  # type: ignore[assignment]
-    staging.xxhash = types.SimpleNamespace(  # type: ignore[assignment]
+    saved = (slot_reads.os, slot_reads.xxhash, staging.stage, ring.scatter, ring.buffers)
+    slot_reads.os = types.SimpleNamespace(preadv=_timed("preadv", os.preadv))  # type: ignore[assignment]
+    slot_reads.xxhash = types.SimpleNamespace(  # type: ignore[assignment]
         xxh3_128=_Hasher, xxh3_128_digest=_timed("xxhash", xxhash.xxh3_128_digest)
     )
     lanes = [(lane, lane.put, lane.take) for lane in ring.lanes]
     for lane, put, take in lanes:
         lane.put = _timed("put", put)  # type: ignore[method-assign]
         lane.take = _timed("take", take)  # type: ignore[method-assign]
-        if hasattr(lane, "fill"):
-            lane.fill = _timed("fill", lane.fill)  # type: ignore[attr-defined]
-    fills = [getattr(lane, "fill", None) for lane in ring.lanes]
+        if hasattr(lane, "answer"):  # a reader process: the wait for its answers
+            lane.answer = _timed("fill", lane.answer)  # type: ignore[attr-defined]
+    fills = [getattr(lane, "answer", None) for lane in ring.lanes]
     ring.buffers = _timed("buffers", ring.buffers)  # type: ignore[method-assign]
     ring.scatter = _timed("scatter", ring.scatter)  # type: ignore[method-assign]
     loading.staging.stage = _timed("stage", staging.stage)  # type: ignore[attr-defined]
@@ -134,13 +134,14 @@ def instrumented(ring: pinned.Ring, fn: Callable[[], None]) -> dict[str, float]:
         fn()
         _sums["total"] = time.perf_counter() - t
     finally:
-        staging.os, staging.xxhash, staging.stage = saved[0], saved[1], saved[2]  # type: ignore[assignment]
+        slot_reads.os, slot_reads.xxhash = saved[0], saved[1]  # type: ignore[assignment]
+        staging.stage = saved[2]  # type: ignore[assignment]
         loading._open_staged = opener  # type: ignore[assignment]
         ring.buffers, ring.scatter = saved[4], saved[3]  # type: ignore[method-assign]
         for (lane, _, _), fill in zip(lanes, fills, strict=True):
             del lane.put, lane.take  # type: ignore[attr-defined]
             if fill is not None:
-                lane.fill = fill.__wrapped__  # type: ignore[attr-defined]
+                lane.answer = fill.__wrapped__  # type: ignore[attr-defined]
     return dict(_sums)
 
 
@@ -201,9 +202,9 @@ _NO_HASH = types.SimpleNamespace(xxh3_128=_NoHasher, xxh3_128_digest=lambda b: _
 def ablated(ring: pinned.Ring, copies: bool, hashing: bool) -> Iterator[None]:
     """The staged restore without its copies (lanes and scatter do nothing) and/or
     without hashing: which part of the time each one is (the state is not checked)."""
-    saved = (staging.xxhash, ring.scatter, [lane.put for lane in ring.lanes])
-    if not hashing:
-        staging.xxhash = _NO_HASH  # type: ignore[assignment]
+    saved = (slot_reads.xxhash, ring.scatter, [lane.put for lane in ring.lanes])
+    if not hashing:  # thread readers only: a reader process hashes in its own interpreter
+        slot_reads.xxhash = _NO_HASH  # type: ignore[assignment]
     if not copies:
         ring.scatter = lambda staged, placed: None  # type: ignore[method-assign]
         for lane in ring.lanes:
@@ -211,7 +212,7 @@ def ablated(ring: pinned.Ring, copies: bool, hashing: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        staging.xxhash, ring.scatter = saved[0], saved[1]  # type: ignore[assignment,method-assign]
+        slot_reads.xxhash, ring.scatter = saved[0], saved[1]  # type: ignore[assignment,method-assign]
         for lane in ring.lanes:
             if not copies:
                 del lane.put  # type: ignore[attr-defined]
@@ -219,16 +220,16 @@ def ablated(ring: pinned.Ring, copies: bool, hashing: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def setting(piece: int, switch: float | None = None) -> Iterator[None]:
-    """staging.PIECE (bytes read before hashing) and the interpreter's GIL switch
-    interval for the block."""
-    saved = (staging.PIECE, sys.getswitchinterval())
-    staging.PIECE = piece
+    """slot_reads.PIECE (bytes a reader thread reads before hashing) and the
+    interpreter's GIL switch interval for the block."""
+    saved = (slot_reads.PIECE, sys.getswitchinterval())
+    slot_reads.PIECE = piece
     if switch is not None:
         sys.setswitchinterval(switch)
     try:
         yield
     finally:
-        staging.PIECE = saved[0]
+        slot_reads.PIECE = saved[0]
         sys.setswitchinterval(saved[1])
 
 
@@ -262,6 +263,9 @@ def main() -> None:
             (8, 16, "processes"),
         ]
     }
+    os.environ["PERSIST_READ_PIECE"] = str(WHOLE)  # its workers read whole slots
+    rings["8 processes x 8 MiB, whole-slot reads"] = pinned._cuda_ring(driver, 8, 8 << 20, True)
+    del os.environ["PERSIST_READ_PIECE"]
     main_ring = rings["8 threads x 8 MiB"]
     procs = rings["8 processes x 8 MiB"]
     pinned_slots = [s for lane in main_ring.lanes for s in lane.slots[:1]]

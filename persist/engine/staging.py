@@ -23,35 +23,21 @@ until the scatter is done.
 from __future__ import annotations
 
 import math
-import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any, NamedTuple
-
-import xxhash
+from typing import NamedTuple
 
 from ..errors import CorruptBlobError
 from ..format.pinned import Lane, Placed, Ring
-from ..format.readers import Piece
-from ..records import DTYPE_SIZES, Progress, TensorSpec
+from ..records import DTYPE_SIZES, Progress
+from . import slot_reads
+from .slot_reads import Slot, Want
 
 __all__ = ["Want", "Job", "Dest", "Copy", "Geometry", "stage", "busy", "geometry", "placement"]
 
 GAP = 4096  # wanted tensors this close in a file are read as one run (the gap is skipped)
-
-
-class Want(NamedTuple):
-    """A stored tensor to take from a blob: its bytes [start, end) in the file."""
-
-    key: str
-    start: int
-    end: int
-    stored: TensorSpec
-    at: int  # first position along the key's axis it fills
-    want: bytes  # its checksum
-    where: str
 
 
 class Job(NamedTuple):
@@ -322,16 +308,32 @@ def _read_run(
     staged: _Staging,
     abort: threading.Event,
 ) -> None:
-    """One run of adjacent tensors through the lane's slots: each slot filled and
-    every tensor's share of it hashed (by the lane's reader process where it has
-    one, else here: ``_fill``), then copied whole to the staging buffer.  The
-    least Python per tensor: every line here holds the GIL the other readers wait for."""
+    """One run of adjacent tensors through the lane's slots (``engine/slot_reads``):
+    each slot filled and checked, then copied whole to the staging buffer."""
+    slots = _slots(lane, run, {w.key: _placed(w, dests[w.key]) for w in run}, staged, abort)
+
+    def land(s: Slot) -> None:
+        lane.put(s.slot, staged.bufs[s.chunk][1] + s.off, s.n)
+        staged.add(s.chunk, s.placed)
+
+    if getattr(lane, "send", None) is None:
+        slot_reads.read_here(lane, fd, slots, land, run[0].where)
+    else:
+        slot_reads.read_in_worker(lane, fd, slots, land)
+
+
+def _slots(
+    lane: Lane,
+    run: list[Want],
+    where: dict[str, Geometry],
+    staged: _Staging,
+    abort: threading.Event,
+) -> Iterator[Slot]:
+    """The run's slots, each taken from the lane (its previous copy done) when asked
+    for, with the tensors it holds and where their bytes go.  The least Python per
+    tensor: every line here holds the GIL the other readers wait for."""
     pos, end = run[0].start, run[-1].end
     first = 0
-    hashers: dict[str, Any] = {}  # tensors that span slots
-    where = {w.key: _placed(w, dests[w.key]) for w in run}
-    fill = getattr(lane, "fill", None)
-    fresh = True  # the run's first slot: a reader process drops what an aborted run left
     while pos < end and not abort.is_set():
         slot = lane.take()
         n = min(int(lane.slots[slot].nbytes), end - pos)
@@ -346,67 +348,5 @@ def _read_run(
             a, b = max(w.start, pos) - pos, min(w.end, pos + n) - pos
             pieces.append((w, a, b))
             placed.append(Placed(off + a, a + pos - w.start, b + pos - w.start, *where[w.key]))
-        if fill is None:
-            view = memoryview(lane.slots[slot]).cast("B")[:n]  # type: ignore[arg-type]
-            _fill(view, fd, pos, n, pieces, hashers, run[0].where)
-        else:
-            fill(slot, fd, pos, n, [_piece(w, a, b, pos) for w, a, b in pieces], fresh)
-        fresh = False
-        lane.put(slot, staged.bufs[chunk][1] + off, n)
-        staged.add(chunk, placed)
+        yield Slot(slot, n, pos, chunk, off, pieces, placed)
         pos += n
-
-
-PIECE = 1 << 20  # bytes read before they are hashed: within a core's L2 cache
-
-
-def _piece(w: Want, a: int, b: int, pos: int) -> Piece:
-    # a tensor's file offset names it: unique in its blob, the same in every slot
-    return Piece(a, b, w.start, a + pos == w.start, b + pos == w.end, w.want, w.where)
-
-
-def _fill(
-    view: memoryview,
-    fd: int,
-    pos: int,
-    n: int,
-    pieces: list[tuple[Want, int, int]],
-    hashers: dict[str, Any],
-    where: str,
-) -> None:
-    """The slot's bytes [0, n) from file offset ``pos``, read about PIECE at a time
-    and each piece hashed right after, while it is still in the core's cache."""
-    read = 0
-    held: list[tuple[Want, int, int]] = []  # read, not yet hashed
-    for w, a, b in pieces:
-        held.append((w, a, b))
-        if b - read >= PIECE or b == n:
-            _read(fd, view, read, b, pos, where)
-            read = b
-            _check(view, held, pos, hashers)
-            held = []
-    if read < n:  # a gap at the slot's end, and tensors not yet hashed
-        _read(fd, view, read, n, pos, where)
-        _check(view, held, pos, hashers)
-
-
-def _read(fd: int, view: memoryview, a: int, b: int, pos: int, where: str) -> None:
-    """Bytes [a, b) of the slot ``view`` (file offset ``pos``) from the file."""
-    if os.preadv(fd, [view[a:b]], pos + a) != b - a:
-        raise CorruptBlobError(where, "file truncated inside a tensor")
-
-
-def _check(
-    view: memoryview, held: list[tuple[Want, int, int]], pos: int, hashers: dict[str, Any]
-) -> None:
-    """Each tensor's bytes [a, b) of the slot against its checksum: whole tensors
-    in one call, a tensor across slots through a running hasher."""
-    for w, a, b in held:
-        if a + pos == w.start and b + pos == w.end:
-            if xxhash.xxh3_128_digest(view[a:b]) != w.want:
-                raise CorruptBlobError(w.where, "checksum mismatch in tensor data")
-            continue
-        h = hashers.setdefault(w.key, xxhash.xxh3_128())
-        h.update(view[a:b])
-        if b + pos == w.end and h.digest() != w.want:
-            raise CorruptBlobError(w.where, "checksum mismatch in tensor data")

@@ -68,8 +68,9 @@ class Lane(Protocol):
     back, ``format/readback``): ``current`` readies the thread for the lane's
     copies (``enter`` without the reader), ``fetch`` queues a copy of ``n``
     device bytes into a slot, ``settle`` waits for it.  A lane may also have
-    ``fill(slot, fd, pos, n, pieces)``: its reader process reads and checks the
-    slot (``format/readers``); without it the reader thread does.
+    ``send(slot, fd, pos, n, pieces, fresh)`` and ``answer(sent)``: its reader
+    process reads and checks the slot (``format/readers``); without them the
+    reader thread does (``engine/slot_reads``).
     """
 
     slots: list[np.ndarray]
@@ -221,7 +222,8 @@ class _CudaLane:
         self.turn = 0
         self.readers, self.i = readers, i
         if readers is not None:
-            self.fill = functools.partial(readers.fill, i)
+            self.send = functools.partial(readers.send, i)
+            self.answer = readers.answer
 
     def enter(self) -> None:
         self.driver.make_current()

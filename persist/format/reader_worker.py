@@ -35,7 +35,9 @@ from typing import Any
 
 import xxhash
 
-PIECE = 1 << 20
+# bytes read before they are hashed; PERSIST_READ_PIECE sets it for a measurement
+# (bench/cuda_stage_probe compares whole-slot reads)
+PIECE = int(os.environ.get("PERSIST_READ_PIECE", 1 << 20))
 MAX_MESSAGE = 1 << 16  # bytes of one request (the parent splits longer ones)
 
 

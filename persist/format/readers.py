@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import CorruptBlobError
 
-__all__ = ["Readers", "ReaderLost", "Piece"]
+__all__ = ["Readers", "ReaderLost", "Piece", "Sent"]
 
 WORKER = Path(__file__).with_name("reader_worker.py")
 MAX_MESSAGE = 1 << 16  # as reader_worker.MAX_MESSAGE
@@ -54,6 +54,13 @@ class Piece(NamedTuple):
     last: bool
     digest: bytes
     where: str
+
+
+class Sent(NamedTuple):
+    """Requests sent to lane ``lane``'s worker: (sequence number, bytes, pieces) each."""
+
+    lane: int
+    asked: list[tuple[int, int, list[Piece]]]
 
 
 class Readers:
@@ -142,18 +149,18 @@ class Readers:
                     raise
                 raise ReaderLost(f"reader process {i} could not start: {e}") from None
 
-    def fill(
+    def send(
         self, i: int, slot: int, fd: int, pos: int, n: int, pieces: list[Piece], fresh: bool
-    ) -> None:
-        """Slot bytes [0, n) of lane ``i`` from file ``fd`` at ``pos``, every piece
-        checked; CorruptBlobError if the file is short or a checksum differs.
-        ``fresh``: a new run of tensors starts here (the worker drops any running
-        hash an aborted one left).  A worker that does not answer in time, or
-        answers out of step, is killed: ReaderLost."""
+    ) -> Sent:
+        """Ask worker ``i`` for slot bytes [0, n) of lane ``i`` from file ``fd`` at
+        ``pos``, every piece checked; ``answer`` waits for it.  ``fresh``: a new run
+        of tensors starts here (the worker drops any running hash an aborted one
+        left).  ReaderLost if the worker cannot be asked (it is killed)."""
         sock = self._socks[i]
         if sock is None:
             raise ReaderLost(f"reader process {i} is not running")
         at = (2 * i + slot) * self.size
+        sent = Sent(i, [])
         for k, (lo, hi, part) in enumerate(_requests(pieces, n)):
             self._seq[i] += 1
             seq = self._seq[i]
@@ -163,8 +170,26 @@ class Readers:
                 for p in part
             ]
             try:
-                sock.settimeout(REPLY_SECONDS + (hi - lo) / REPLY_RATE)
                 socket.send_fds(sock, [" ".join(words).encode("ascii")], [fd])
+            except OSError as e:
+                self._kill(i)
+                raise ReaderLost(f"reader process {i}: {e}") from None
+            sent.asked.append((seq, hi - lo, part))
+        return sent
+
+    def answer(self, sent: Sent) -> None:
+        """Every reply to ``sent``, read in order; then CorruptBlobError for the first
+        that found the file short or a checksum different.  A worker that does not
+        answer in time (a minute, plus a second per MiB asked for), or answers out
+        of step (each reply names its request), is killed: ReaderLost."""
+        i = sent.lane
+        sock = self._socks[i]
+        if sock is None:
+            raise ReaderLost(f"reader process {i} is not running")
+        failed: CorruptBlobError | None = None
+        for seq, size, part in sent.asked:
+            try:
+                sock.settimeout(REPLY_SECONDS + size / REPLY_RATE)
                 reply = sock.recv(256)
             except OSError as e:  # a timeout too: a stopped or stuck worker
                 self._kill(i)
@@ -174,18 +199,26 @@ class Readers:
                 self._kill(i)
                 why = "exited" if not reply else f"answered out of step ({reply[:40]!r})"
                 raise ReaderLost(f"reader process {i} {why}")
-            if said == b"ok":
+            if said == b"ok" or failed is not None:
                 continue
             if said == b"short":
-                raise CorruptBlobError(
-                    part[0].where if part else "blob", "file truncated inside a tensor"
-                )
-            if said.startswith(b"bad "):
+                where = part[0].where if part else "blob"
+                failed = CorruptBlobError(where, "file truncated inside a tensor")
+            elif said.startswith(b"bad "):
                 ident = int(said[4:])
                 where = next((p.where for p in part if p.ident == ident), "blob")
-                raise CorruptBlobError(where, "checksum mismatch in tensor data")
-            self._kill(i)
-            raise ReaderLost(f"reader process {i}: {said.decode('ascii', 'replace')}")
+                failed = CorruptBlobError(where, "checksum mismatch in tensor data")
+            else:
+                self._kill(i)
+                raise ReaderLost(f"reader process {i}: {said.decode('ascii', 'replace')}")
+        if failed is not None:
+            raise failed
+
+    def fill(
+        self, i: int, slot: int, fd: int, pos: int, n: int, pieces: list[Piece], fresh: bool
+    ) -> None:
+        """``send`` and ``answer`` at once."""
+        self.answer(self.send(i, slot, fd, pos, n, pieces, fresh))
 
     def interrupt(self) -> None:
         """Kill every worker (a Ctrl-C: no reader thread waits on one); the next
