@@ -5,13 +5,15 @@ prefetches it: the first kernels that read a restored cache pull it across
 page by page (0.64 s per GiB on an H200), and a host read of a live cache
 moves it there for good.  Kernel outputs live in device memory.  So on CUDA
 a restore first makes every tensor's buffer and a staging buffer as kernel
-outputs (address known: ``format/cuda_kernels``); reader threads read file
-bytes into page-locked slots (``cuMemHostAlloc``, through ctypes on the driver
-library that is always present where MLX's CUDA backend runs), and the copy
-engine moves each slot whole into the staging buffer, on a stream per reader
-(``Lane``): one driver call per slot, at the bus's speed, and no MLX call
-while the readers run.  One kernel then moves every tensor's bytes to their
-places (``scatter``), at the device's speed.
+outputs (address known: ``format/cuda_kernels``); reader processes
+(``format/readers``; threads where they cannot start) read file bytes into
+page-locked slots (a shared mapping page-locked by the driver, or
+``cuMemHostAlloc``, through ctypes on the driver library that is always
+present where MLX's CUDA backend runs), and the copy engine moves each slot
+whole into the staging buffer, on a stream per lane (``Lane``): one driver
+call per slot, at the bus's speed, and no MLX call while the readers run.
+One kernel then moves every tensor's bytes to their places (``scatter``), at
+the device's speed.
 
 The choice is made once per process (``choose``): CUDA with the driver and
 the lanes -> ``cuda-pinned``; anything else (CPU, Metal, no driver, a failed
@@ -209,7 +211,7 @@ def backend() -> str:
 
 class _CudaLane:
     """A lane on the copy engine: two pinned slots, a stream of its own, an event per
-    slot; with ``readers``, its reader process fills the slots (``fill``)."""
+    slot; with ``readers``, its reader process fills the slots (``send``, ``answer``)."""
 
     def __init__(
         self, driver: Driver, slots: list[np.ndarray], readers: Readers | None = None, i: int = 0
