@@ -30,7 +30,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import NamedTuple
 
 from ..errors import CorruptBlobError
-from ..format.pinned import Lane, Placed, Ring
+from ..format.pinned import Lane, Placed, Ring, settle
 from ..records import DTYPE_SIZES, Progress
 from . import slot_reads
 from .slot_reads import Slot, Want
@@ -206,8 +206,10 @@ def _stage(
     for lane in ring.lanes:
         lanes.put(lane)
     pool = ring.pool()
-    futures = [pool.submit(_read_job, lanes, job, dests, staged, abort) for job in jobs]
-    try:
+    futures: list[Future[None]] = []
+    try:  # a Ctrl-C between two submits still settles the jobs already submitted
+        for job in jobs:
+            futures.append(pool.submit(_read_job, lanes, job, dests, staged, abort))
         _wait(futures, progress)
     except BaseException as e:
         abort.set()
@@ -215,27 +217,11 @@ def _stage(
             ring.readers.interrupt()  # no reader thread stays waiting on a worker
         raise
     finally:
-        _settle(futures, ring)
+        settle(futures, ring)
     while staged.bufs:  # each staging chunk goes as soon as its pieces are placed
         (buf, _), placed = staged.bufs.pop(0), staged.placed.pop(0)
         if placed:
             ring.scatter(buf, placed)
-
-
-def _settle(futures: list[Future[None]], ring: Ring) -> None:
-    """Every reader stopped and every copy done, even through more Ctrl-Cs: until
-    then the lanes and the buffers are in use (the ring's next restore would share
-    them, and a freed buffer would still be written).  The last Ctrl-C is raised after."""
-    interrupted: KeyboardInterrupt | None = None
-    while True:
-        try:
-            wait(futures)
-            ring.drain()
-            break
-        except KeyboardInterrupt as e:
-            interrupted = e
-    if interrupted is not None:
-        raise interrupted
 
 
 def _wait(futures: list[Future[None]], progress: Progress | None) -> None:

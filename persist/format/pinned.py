@@ -29,7 +29,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -134,6 +134,23 @@ class Ring:
         """Every copy of every lane done: the buffers hold their bytes, the slots are free."""
         for lane in self.lanes:
             lane.drain()
+
+
+def settle(futures: list[Future[None]], ring: Ring) -> None:
+    """Every lane job of ``futures`` stopped and every copy of the lanes done, even
+    through more Ctrl-Cs: until then the lanes and the buffers are in use (the
+    ring's next user would share them, and a freed buffer would still be
+    written).  The last Ctrl-C is raised after."""
+    interrupted: KeyboardInterrupt | None = None
+    while True:
+        try:
+            wait(futures)
+            ring.drain()
+            break
+        except KeyboardInterrupt as e:
+            interrupted = e
+    if interrupted is not None:
+        raise interrupted
 
 
 @dataclass(frozen=True)

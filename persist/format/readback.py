@@ -13,7 +13,7 @@ driver copy per array, into pageable memory, does the same more slowly.
 
 from __future__ import annotations
 
-from concurrent.futures import wait
+from concurrent.futures import Future
 
 import mlx.core as mx
 import numpy as np
@@ -62,15 +62,14 @@ def _through_lanes(ring: pinned.Ring, addrs: list[int], outs: list[np.ndarray]) 
     ]
     lanes = ring.lanes
     pool = ring.pool()
-    futures = [
-        pool.submit(_lane_copies, lane, chunks[i :: len(lanes)]) for i, lane in enumerate(lanes)
-    ]
+    futures: list[Future[None]] = []
     try:
+        for i, lane in enumerate(lanes):
+            futures.append(pool.submit(_lane_copies, lane, chunks[i :: len(lanes)]))
         for f in futures:
             f.result()
-    finally:
-        wait(futures)  # no lane still writes a slot or an array after this returns
-        ring.drain()
+    finally:  # no lane still writes a slot or an array after this returns, Ctrl-C or not
+        pinned.settle(futures, ring)
 
 
 def _lane_copies(lane: pinned.Lane, chunks: list[Chunk]) -> None:

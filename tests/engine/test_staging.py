@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -589,9 +590,9 @@ def test_a_second_interrupt_still_waits_for_the_readers(monkeypatch: pytest.Monk
         def drain(self) -> None:
             calls.append("drain")
 
-    monkeypatch.setattr(staging, "wait", waited)
+    monkeypatch.setattr(pinned, "wait", waited)
     with pytest.raises(KeyboardInterrupt):
-        staging._settle([], Drained())  # type: ignore[arg-type]
+        pinned.settle([], Drained())  # type: ignore[arg-type]
     assert calls == ["wait", "wait", "drain"]
 
 
@@ -862,4 +863,45 @@ def test_ctrl_c_ends_a_restore_that_waits_on_a_stopped_worker(tiny: Any, tmp_pat
     finally:
         assert ring.readers is not None
         ring.readers.close()
+        store.close()
+
+
+def test_a_ctrl_c_between_submits_settles_the_jobs_submitted(
+    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack (round 4, session 2): a Ctrl-C while the jobs were being handed to the
+    reader threads skipped the cleanup: the ring was released with a job still
+    reading into its lanes, and the next restore shared them."""
+    store, ident, cache, _ = _saved(tiny, tmp_path)
+    ring = host_ring(2, 1024)
+    finished: list[bool] = []
+    read = staging._read_job
+
+    def slow_job(*a: Any) -> None:
+        time.sleep(0.5)
+        read(*a)
+        finished.append(True)
+
+    pool = ring.pool()
+
+    class Interrupting:
+        calls = 0
+
+        def submit(self, *a: Any) -> Any:
+            Interrupting.calls += 1
+            if Interrupting.calls == 2:
+                raise KeyboardInterrupt  # the Ctrl-C, after the first job went out
+            return pool.submit(*a)
+
+    monkeypatch.setattr(staging, "_read_job", slow_job)
+    monkeypatch.setattr(ring, "pool", lambda: Interrupting())
+    try:
+        with staged(ring), pytest.raises(KeyboardInterrupt):
+            store.restore("s", identity=ident)
+        assert finished == [True] and all_free(ring)  # settled before it was raised
+        monkeypatch.undo()
+        with staged(ring):
+            got = store.restore("s", identity=ident).cache
+        assert_same_state(live_state(got), live_state(cache))
+    finally:
         store.close()

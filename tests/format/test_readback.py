@@ -6,6 +6,10 @@ on CUDA the same runs against the driver (tests/engine/test_host_tier_cuda.py)."
 from __future__ import annotations
 
 import ctypes
+import os
+import signal
+import threading
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -92,3 +96,34 @@ def test_with_the_lanes_busy_one_direct_copy_per_array(lanes: Any) -> None:
 def test_without_a_driver_there_is_nothing_to_do() -> None:
     with pinned.use(Choice(pinned.HOST, "the CPU")):
         assert readback.host_copies(arrays_of([5], 0)) is None
+
+
+def test_ctrl_cs_during_a_read_back_wait_for_the_lanes(lanes: Any) -> None:
+    """Attack (round 4, session 2): two Ctrl-Cs during a save's read-back released the
+    ring while lanes still fetched into their slots and the new arrays."""
+    ring, _ = lanes
+    fetched: list[float] = []
+    for lane in ring.lanes:
+        fetch = lane.fetch
+
+        def slow(slot: int, src: int, n: int, fetch: Any = fetch) -> None:
+            time.sleep(0.05)
+            fetch(slot, src, n)
+            fetched.append(time.monotonic())
+
+        lane.fetch = slow
+    arrays = arrays_of([40 * SLOT], 3)
+    timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (0.2, 0.4)]
+    for t in timers:
+        t.start()
+    with pytest.raises(KeyboardInterrupt):
+        readback.host_copies(arrays)
+    returned = time.monotonic()
+    for t in timers:
+        t.join()
+    # a no-op per lane thread runs only once every lane job is over
+    for f in [ring.pool().submit(time.sleep, 0) for _ in ring.lanes]:
+        f.result()
+    assert fetched and max(fetched) <= returned  # no lane fetched after the return
+    assert ring.lock.acquire(blocking=False)
+    ring.lock.release()
