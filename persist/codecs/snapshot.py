@@ -99,16 +99,14 @@ def capture(cache: Any, tokens: Sequence[int] | None = None) -> Snapshot:
     # cannot read, is seen through a uint16 view of the same memory.
     tensors = {key: rec.tensors[name] for key, rec, name in tensor_keys(records)}
     twins = {k: t.view(mx.uint16) if t.dtype == mx.bfloat16 else t for k, t in tensors.items()}
-    copied = None
     if on_cuda():
         # A host read moves an MLX CUDA buffer into managed memory, and then every
         # decode step of the process slows (12 ms -> 1.8 s at 128k tokens on an
         # H200): the host reads a device copy, through the driver where there is
         # one (format/readback), so no buffer ever turns managed.
         twins = {k: device_copy(t) for k, t in twins.items()}
-        mx.eval([*tensors.values(), *twins.values()])
-        copied = readback.host_copies(list(twins.values()))
     mx.eval([*tensors.values(), *twins.values()])
+    copied = readback.host_copies(list(twins.values())) if on_cuda() else None
     if copied is not None:
         host = {
             k: b.reshape(*t.shape, t.dtype.size)

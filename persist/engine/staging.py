@@ -2,13 +2,13 @@
 
 The caller first makes every tensor's final, capacity-sized buffer in device
 memory (``Ring.buffers``: zeroed, address known); ``stage`` adds a staging
-buffer as large as the bytes it will read.  Reader threads open and check each
-blob as the host path does, read its wanted tensors in slot-sized chunks into
-their lane's page-locked slots, hash each tensor there and queue one copy of
-the whole slot into the next free region of the staging buffer.  A lane has
-two slots, so a reader reads one while the other's copy runs.  No MLX call
-runs while the readers run, and their steps (``preadv``, xxhash, one driver
-call a slot) release the GIL: the caller's thread only waits.  Then one
+buffer as large as the bytes it will read.  One reader thread per lane (kept
+by the ring) opens and checks each blob as the host path does and walks its
+wanted tensors slot by slot through the lane's two page-locked slots: each
+slot filled and every tensor's share of it hashed (by the lane's reader
+process, or on the thread: ``engine/slot_reads``), then copied whole into the
+next free region of the staging buffer while the other slot fills.  No MLX
+call runs while the readers run: the caller's thread only waits.  Then one
 kernel (``Ring.scatter``) moves every tensor's bytes to their places: a
 token block's rows land strided in the capacity-sized buffer, as the host
 path's scatter read places them (``placement``).
@@ -211,10 +211,13 @@ def _stage(
         for job in jobs:
             futures.append(pool.submit(_read_job, lanes, job, dests, staged, abort))
         _wait(futures, progress)
-    except BaseException as e:
+    except KeyboardInterrupt:
         abort.set()
-        if isinstance(e, KeyboardInterrupt) and ring.readers is not None:
+        if ring.readers is not None:
             ring.readers.interrupt()  # no reader thread stays waiting on a worker
+        raise
+    except BaseException:
+        abort.set()
         raise
     finally:
         settle(futures, ring)

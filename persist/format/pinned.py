@@ -251,15 +251,12 @@ class _CudaLane:
 
     def take(self) -> int:
         i, self.turn = self.turn, self.turn ^ 1
-        if self.pending[i]:
-            self.driver.wait_event(self.events[i])
-            self.pending[i] = False
+        self.settle(i)
         return i
 
     def put(self, slot: int, dst: int, n: int) -> None:
         self.driver.copy_in(self.hosts[slot], dst, n, self.stream)
-        self.driver.record(self.events[slot], self.stream)  # the slot is busy until then
-        self.pending[slot] = True
+        self._busy(slot)
 
     def drain(self) -> None:
         self.driver.make_current()
@@ -271,13 +268,17 @@ class _CudaLane:
 
     def fetch(self, slot: int, src: int, n: int) -> None:
         self.driver.copy_out_async(src, self.hosts[slot], n, self.stream)
-        self.driver.record(self.events[slot], self.stream)
-        self.pending[slot] = True
+        self._busy(slot)
 
     def settle(self, slot: int) -> None:
         if self.pending[slot]:
             self.driver.wait_event(self.events[slot])
             self.pending[slot] = False
+
+    def _busy(self, slot: int) -> None:
+        """The slot is in use until the copy just queued on the stream is done."""
+        self.driver.record(self.events[slot], self.stream)
+        self.pending[slot] = True
 
 
 def _pinned_slots(driver: Driver, size: int) -> list[np.ndarray]:

@@ -214,12 +214,6 @@ class Readers:
         if failed is not None:
             raise failed
 
-    def fill(
-        self, i: int, slot: int, fd: int, pos: int, n: int, pieces: list[Piece], fresh: bool
-    ) -> None:
-        """``send`` and ``answer`` at once."""
-        self.answer(self.send(i, slot, fd, pos, n, pieces, fresh))
-
     def interrupt(self) -> None:
         """Kill every worker (a Ctrl-C: no reader thread waits on one); the next
         restore starts new ones."""
@@ -228,24 +222,19 @@ class Readers:
                 proc.kill()
 
     def _kill(self, i: int) -> None:
-        """Worker ``i`` gone, its socket closed (called by lane ``i``'s thread)."""
+        """Worker ``i`` gone at once (called by lane ``i``'s thread): ``_stop`` without grace."""
+        self._stop(i, grace=0.0)
+
+    def _stop(self, i: int, grace: float = 5.0) -> None:
+        """Worker ``i``'s socket closed (its next receive ends it), the worker given
+        ``grace`` seconds to exit, then killed."""
         sock, proc = self._socks[i], self._procs[i]
         self._socks[i] = self._procs[i] = None
-        if proc is not None:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
         if sock is not None:
             sock.close()
-
-    def _stop(self, i: int) -> None:
-        sock, proc = self._socks[i], self._procs[i]
-        self._socks[i] = self._procs[i] = None
-        if sock is not None:
-            sock.close()  # the worker's next receive ends it
         if proc is not None:
             try:
-                proc.wait(timeout=5)
+                proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

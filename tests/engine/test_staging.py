@@ -804,7 +804,7 @@ def test_a_reply_out_of_step_is_never_taken(monkeypatch: pytest.MonkeyPatch) -> 
         t = threading.Thread(target=stale_worker)
         t.start()
         with open(__file__, "rb") as f, pytest.raises(readers_mod.ReaderLost, match="out of step"):
-            readers.fill(0, 0, f.fileno(), 0, 16, [], True)
+            readers.answer(readers.send(0, 0, f.fileno(), 0, 16, [], True))
         t.join(30)
         assert sleeper.poll() is not None and readers._procs[0] is None
     finally:
