@@ -8,14 +8,13 @@ unless the whole snapshot verified.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
 import weakref
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any, BinaryIO
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -24,23 +23,22 @@ from ..codecs import capacity_of, check_spec, trim_record
 from ..codecs.snapshot import rebuild
 from ..errors import CorruptBlobError
 from ..format import pinned
-from ..format.container import Header, read_header
 from ..format.cuda_kernels import as_tensor
-from ..format.manifest import blob_manifest, snapshot_specs
+from ..format.manifest import snapshot_specs
 from ..format.readers import ReaderLost
 from ..format.tensors import (
     NAME_TO_MX,
     allocate_many,
     device_copy,
     dtype_name,
+    grown_shape,
     on_cuda,
-    read_pieces,
 )
-from ..format.tensors import Piece as TensorPiece
 from ..records import DTYPE_SIZES, Progress, Record, RecordSpec, TensorSpec
 from ..store import rates
 from . import partial as partial_room
 from . import staging
+from .blob_reads import WORKERS, Ahead, Blob, Buffers, Piece, entry, open_known, read_all, taken
 
 _log = logging.getLogger("persist")
 
@@ -49,33 +47,6 @@ if TYPE_CHECKING:
     from ..store.index import BlockRef, Index, SnapshotRow
 
 __all__ = ["load_snapshot"]
-
-AHEAD = 8  # blobs asked of the disk at once: a deep queue, bounded page-cache use
-WORKERS = 4  # blobs read at once: the threads mostly wait on the disk (GIL released)
-
-
-class _Blob:
-    def __init__(self, f: BinaryIO, header: Header, sums: dict[str, bytes], where: str) -> None:
-        self.f, self.header, self.sums, self.where = f, header, sums, where
-
-
-def _open_known(blobs: BlobStore, file: str, known: tuple[int, bytes] | None) -> _Blob:
-    """Open a blob and verify its header against ``known`` (size, digest) from the index."""
-    where = f"blob {file}"
-    if known is None:
-        raise CorruptBlobError(where, "the index no longer lists this blob")
-    try:
-        f = blobs.open(file)
-    except FileNotFoundError:
-        raise CorruptBlobError(where, "blob file is missing") from None
-    try:
-        header = read_header(f, where)
-        if header.file_size != known[0] or header.digest != known[1]:
-            raise CorruptBlobError(where, "blob header or size does not match the index")
-        return _Blob(f, header, blob_manifest(header, where), where)
-    except BaseException:
-        f.close()
-        raise
 
 
 def load_snapshot(
@@ -161,10 +132,10 @@ def _host(
 ) -> dict[str, Any]:
     """Today's path (CPU, Metal, CUDA without the ring): read into MLX buffers."""
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="persist-read") as pool:
-        ahead = _Ahead(pool, blobs, [f for f, _, _ in pieces])
+        ahead = Ahead(pool, blobs, [f for f, _, _ in pieces])
         ahead.window(0)  # the disk starts while the buffers are allocated
         buffers = _allocate(specs, split, length, room)
-        _read_pieces(pool, ahead, blobs, pieces, heads, buffers, split, progress)
+        read_all(pool, ahead, blobs, pieces, heads, buffers, split, progress)
     for key, (n, _) in room.items():
         out, view, axis = buffers[key]
         partial_room.zero_past(view, tuple(out.shape), dtype_name(out), axis, n)
@@ -188,7 +159,7 @@ def _staged(
     lanes straight into them (engine/staging)."""
     keys, wanted = _wanted(specs, split, length, room)
     shapes = {
-        key: (_grown(spec, cap, axis), axis, spec.dtype)
+        key: (grown_shape(spec, cap, axis), axis, spec.dtype)
         for key, (spec, cap, axis) in zip(keys, wanted, strict=True)
     }
     sizes = [math.prod(shape) * DTYPE_SIZES[dtype] for shape, _, dtype in shapes.values()]
@@ -209,13 +180,6 @@ def _staged(
     }
 
 
-def _grown(spec: TensorSpec, cap: int | None, axis: int) -> tuple[int, ...]:
-    shape = list(spec.shape)
-    if cap is not None and len(shape) > axis and cap > shape[axis]:
-        shape[axis] = cap
-    return tuple(shape)
-
-
 def _open_staged(
     blobs: BlobStore,
     file: str,
@@ -226,26 +190,15 @@ def _open_staged(
     split: dict[str, int],
 ) -> tuple[int, list[staging.Want], Callable[[], None]]:
     """On a reader thread: open and check a blob, name the tensors it gives (as
-    ``_read_blob`` does)."""
-    blob = _open_known(blobs, file, known)
-    wants = []
-    for key in dests:
-        if key in split and which != "rest":
-            wants.append(_want(blob, key, at))
-        elif key not in split and which != "split":
-            wants.append(_want(blob, key, 0))
+    the host path does: ``blob_reads.taken``)."""
+    blob = open_known(blobs, file, known)
+    wants = [_want(blob, key, pos) for key, pos in taken(dests, split, which, at)]
     return blob.f.fileno(), wants, blob.f.close
 
 
-def _want(blob: _Blob, key: str, at: int) -> staging.Want:
-    entry = blob.header.tensors.get(key)
-    if entry is None:
-        raise CorruptBlobError(blob.where, f"tensor {key!r} is missing")
-    where = f"{blob.where}: tensor {key!r}"
-    return staging.Want(key, entry.start, entry.end, entry.spec, at, blob.sums[key], where)
-
-
-Buffers = dict[str, tuple[Any, memoryview, int]]  # tensor key -> (array, writable view, axis)
+def _want(blob: Blob, key: str, at: int) -> staging.Want:
+    e, where = entry(blob, key)
+    return staging.Want(key, e.start, e.end, e.spec, at, blob.sums[key], where)
 
 
 def _wanted(
@@ -285,9 +238,6 @@ def _allocate(
     return {key: (arr, view, w[2]) for key, (arr, view), w in zip(keys, made, wanted, strict=True)}
 
 
-Piece = tuple[str, int, str]  # blob file, first position it holds, which tensors to take
-
-
 def _keys(specs: list[RecordSpec]) -> list[str]:
     """Every tensor key (``layer/name``, children ``layer.j/name``), named as ``_allocate`` does."""
     out: list[str] = []
@@ -300,101 +250,6 @@ def _keys(specs: list[RecordSpec]) -> list[str]:
     for i, spec in enumerate(specs):
         walk(spec, str(i))
     return out
-
-
-class _Ahead:
-    """Announces blobs to the kernel a window ahead of the reads (on the pool's
-    threads), so the disk always has the next AHEAD blobs to read and the page
-    cache never holds more than two windows."""
-
-    def __init__(self, pool: ThreadPoolExecutor, blobs: BlobStore, files: list[str]) -> None:
-        self.pool, self.files = pool, files
-        self.prefetch = getattr(blobs, "prefetch", None)
-
-    def window(self, n: int) -> None:
-        if self.prefetch is not None and n % AHEAD == 0:
-            for file in self.files[n : n + AHEAD]:
-                self.pool.submit(self.prefetch, file)
-
-
-def _read_pieces(
-    pool: ThreadPoolExecutor,
-    ahead: _Ahead,
-    blobs: BlobStore,
-    pieces: list[Piece],
-    heads: dict[str, tuple[int, bytes] | None],
-    buffers: Buffers,
-    split: dict[str, int],
-    progress: Progress | None,
-) -> None:
-    """Read every piece into its buffers, WORKERS blobs at a time.
-
-    preadv and xxhash release the GIL, so the copies out of the page cache
-    and the checksums run on every core while the disk reads ahead.  Pieces
-    write disjoint positions of the buffers.  The first error stops new
-    reads; the reads already running finish before it is raised.
-    """
-    done = 0
-
-    def settle(finished: set[Future[None]]) -> None:
-        nonlocal done
-        for fut in finished:
-            fut.result()
-            done += 1
-            if progress is not None:
-                progress(done, len(pieces))
-
-    pending: set[Future[None]] = set()
-    try:
-        for n, (file, at, which) in enumerate(pieces):
-            ahead.window(n + AHEAD)
-            pending.add(
-                pool.submit(_read_blob, blobs, file, heads[file], at, which, buffers, split)
-            )
-            if len(pending) >= 2 * WORKERS:  # a bounded queue: few open files
-                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                settle(finished)
-        finished, pending = wait(pending)
-        settle(finished)
-    except BaseException:
-        for fut in pending:
-            fut.cancel()
-        raise
-
-
-def _read_blob(
-    blobs: BlobStore,
-    file: str,
-    known: tuple[int, bytes] | None,
-    at: int,
-    which: str,
-    buffers: Buffers,
-    split: dict[str, int],
-) -> None:
-    # block i fills positions [i*B, (i+1)*B) of every split tensor, the tail
-    # the rest and every other tensor
-    blob = _open_known(blobs, file, known)
-    try:
-        wanted = []
-        for key, (out, view, axis) in buffers.items():
-            if key in split and which != "rest":
-                wanted.append(_piece(blob, key, out, view, at, axis))
-            elif key not in split and which != "split":
-                wanted.append(_piece(blob, key, out, view, 0, axis))
-        read_pieces(blob.f.fileno(), wanted)
-    finally:
-        with contextlib.suppress(OSError):
-            blob.f.close()
-
-
-def _piece(blob: _Blob, key: str, out: Any, view: memoryview, at: int, axis: int) -> TensorPiece:
-    entry = blob.header.tensors.get(key)
-    if entry is None:
-        raise CorruptBlobError(blob.where, f"tensor {key!r} is missing")
-    where = f"{blob.where}: tensor {key!r}"
-    return TensorPiece(
-        entry.start, entry.spec, view, tuple(out.shape), at, axis, blob.sums[key], where
-    )
 
 
 def _record(spec: RecordSpec, path: str, arrays: dict[str, Any]) -> Record:

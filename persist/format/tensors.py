@@ -73,6 +73,15 @@ def allocate(spec: TensorSpec, cap: int | None, axis: int = 2) -> tuple[mx.array
     return allocate_many([(spec, cap, axis)])[0]
 
 
+def grown_shape(spec: TensorSpec, cap: int | None, axis: int) -> tuple[int, ...]:
+    """``spec``'s shape with its ``axis`` grown to the capacity ``cap`` (a KV cache's
+    room past its offset), never shrunk."""
+    shape = list(spec.shape)
+    if cap is not None and len(shape) > axis and cap > shape[axis]:
+        shape[axis] = cap
+    return tuple(shape)
+
+
 def allocate_many(
     wanted: list[tuple[TensorSpec, int | None, int]],
 ) -> list[tuple[mx.array, memoryview]]:
@@ -81,9 +90,7 @@ def allocate_many(
     streams = _fill_streams() if mx.default_device() == mx.cpu else [None]
     arrays = []
     for i, (spec, cap, axis) in enumerate(wanted):
-        shape = list(spec.shape)
-        if cap is not None and len(shape) > axis and cap > shape[axis]:
-            shape[axis] = cap
+        shape = grown_shape(spec, cap, axis)
         arrays.append(
             mx.zeros(shape, dtype=NAME_TO_MX[spec.dtype], stream=streams[i % len(streams)])
         )
