@@ -33,7 +33,7 @@ import persist
 from bench.bench_throughput import IDENTITY, first_step, llama
 from bench.common import warm
 from persist.engine import loading, slot_reads, staging
-from persist.format import pinned
+from persist.format import pinned, reader_worker
 from persist.format.cudadrv import Driver
 
 REPS = 3
@@ -111,9 +111,9 @@ class _Hasher:
 
 def instrumented(ring: pinned.Ring, fn: Callable[[], None]) -> dict[str, float]:
     _sums.clear()
-    saved = (slot_reads.os, slot_reads.xxhash, staging.stage, ring.scatter, ring.buffers)
-    slot_reads.os = types.SimpleNamespace(preadv=_timed("preadv", os.preadv))  # type: ignore[assignment]
-    slot_reads.xxhash = types.SimpleNamespace(  # type: ignore[assignment]
+    saved = (reader_worker.os, reader_worker.xxhash, staging.stage, ring.scatter, ring.buffers)
+    reader_worker.os = types.SimpleNamespace(preadv=_timed("preadv", os.preadv))  # type: ignore[assignment]
+    reader_worker.xxhash = types.SimpleNamespace(  # type: ignore[assignment]
         xxh3_128=_Hasher, xxh3_128_digest=_timed("xxhash", xxhash.xxh3_128_digest)
     )
     lanes = [(lane, lane.put, lane.take) for lane in ring.lanes]
@@ -134,7 +134,7 @@ def instrumented(ring: pinned.Ring, fn: Callable[[], None]) -> dict[str, float]:
         fn()
         _sums["total"] = time.perf_counter() - t
     finally:
-        slot_reads.os, slot_reads.xxhash = saved[0], saved[1]  # type: ignore[assignment]
+        reader_worker.os, reader_worker.xxhash = saved[0], saved[1]  # type: ignore[assignment]
         staging.stage = saved[2]  # type: ignore[assignment]
         loading._open_staged = opener  # type: ignore[assignment]
         ring.buffers, ring.scatter = saved[4], saved[3]  # type: ignore[method-assign]
@@ -202,9 +202,9 @@ _NO_HASH = types.SimpleNamespace(xxh3_128=_NoHasher, xxh3_128_digest=lambda b: _
 def ablated(ring: pinned.Ring, copies: bool, hashing: bool) -> Iterator[None]:
     """The staged restore without its copies (lanes and scatter do nothing) and/or
     without hashing: which part of the time each one is (the state is not checked)."""
-    saved = (slot_reads.xxhash, ring.scatter, [lane.put for lane in ring.lanes])
+    saved = (reader_worker.xxhash, ring.scatter, [lane.put for lane in ring.lanes])
     if not hashing:  # thread readers only: a reader process hashes in its own interpreter
-        slot_reads.xxhash = _NO_HASH  # type: ignore[assignment]
+        reader_worker.xxhash = _NO_HASH  # type: ignore[assignment]
     if not copies:
         ring.scatter = lambda staged, placed: None  # type: ignore[method-assign]
         for lane in ring.lanes:
@@ -212,7 +212,7 @@ def ablated(ring: pinned.Ring, copies: bool, hashing: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        slot_reads.xxhash, ring.scatter = saved[0], saved[1]  # type: ignore[assignment,method-assign]
+        reader_worker.xxhash, ring.scatter = saved[0], saved[1]  # type: ignore[assignment,method-assign]
         for lane in ring.lanes:
             if not copies:
                 del lane.put  # type: ignore[attr-defined]

@@ -5,21 +5,19 @@ copied on (``land``).
 Two ways.  A lane with a reader process (``format/readers``) hands it each
 slot: the request for the next slot is sent before the answer for the one
 before is awaited and that slot copied on, so the worker reads while the
-thread queues copies.  A lane without one reads here, on its thread, about
-``PIECE`` bytes at a time, each piece hashed right after, while it is still
-in the core's cache.
+thread queues copies.  A lane without one reads here, on its thread, as a
+worker does (``reader_worker.fill``): about ``PIECE`` bytes at a time, each
+piece hashed right after, while it is still in the core's cache.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-import xxhash
-
 from ..errors import CorruptBlobError
+from ..format import reader_worker
 from ..format.pinned import Lane, Placed
 from ..format.readers import Piece
 from ..records import TensorSpec
@@ -104,39 +102,15 @@ def _fill(
     hashers: dict[str, Any],
     where: str,
 ) -> None:
-    """The slot's bytes [0, n) from file offset ``pos``, read about PIECE at a time
-    and each piece hashed right after, while it is still in the core's cache."""
-    read = 0
-    held: list[tuple[Want, int, int]] = []  # read, not yet hashed
-    for w, a, b in pieces:
-        held.append((w, a, b))
-        if b - read >= PIECE or b == n:
-            _read(fd, view, read, b, pos, where)
-            read = b
-            _check(view, held, pos, hashers)
-            held = []
-    if read < n:  # a gap at the slot's end, and tensors not yet hashed
-        _read(fd, view, read, n, pos, where)
-        _check(view, held, pos, hashers)
-
-
-def _read(fd: int, view: memoryview, a: int, b: int, pos: int, where: str) -> None:
-    """Bytes [a, b) of the slot ``view`` (file offset ``pos``) from the file."""
-    if os.preadv(fd, [view[a:b]], pos + a) != b - a:
+    """The slot's bytes [0, n) from file offset ``pos``, checked as a reader process
+    checks them (``reader_worker.fill``, PIECE bytes a read)."""
+    checks = [
+        (a, b, w.key, int(a + pos == w.start) | 2 * int(b + pos == w.end), w.want)
+        for w, a, b in pieces
+    ]
+    got = reader_worker.fill(view, fd, 0, 0, n, pos, checks, hashers, PIECE)
+    if got == reader_worker.SHORT:
         raise CorruptBlobError(where, "file truncated inside a tensor")
-
-
-def _check(
-    view: memoryview, held: list[tuple[Want, int, int]], pos: int, hashers: dict[str, Any]
-) -> None:
-    """Each tensor's bytes [a, b) of the slot against its checksum: whole tensors
-    in one call, a tensor across slots through a running hasher."""
-    for w, a, b in held:
-        if a + pos == w.start and b + pos == w.end:
-            if xxhash.xxh3_128_digest(view[a:b]) != w.want:
-                raise CorruptBlobError(w.where, "checksum mismatch in tensor data")
-            continue
-        h = hashers.setdefault(w.key, xxhash.xxh3_128())
-        h.update(view[a:b])
-        if b + pos == w.end and h.digest() != w.want:
-            raise CorruptBlobError(w.where, "checksum mismatch in tensor data")
+    if got is not None:
+        bad = next(w for w, _, _ in pieces if w.key == got)
+        raise CorruptBlobError(bad.where, "checksum mismatch in tensor data")

@@ -5,8 +5,9 @@ live there, MLX's ``cudaMallocAsync``) and reports their addresses, so the
 copy engine can fill them behind MLX's back; ``scatter`` moves tensors staged
 in such a buffer to their places in others (``Placed``: the row geometry is
 worked out on the device, not by the reader threads), one thread block per
-piece, in one launch; ``copy_in`` reads a mapped pinned buffer over PCIe (the bench's
-limit row); ``pack`` and ``unpack`` move arrays into and out of the host tier's
+piece, in one launch; ``addresses`` reports where arrays' data lie (a save's
+read-back, ``format/readback``); ``copy_in`` reads a mapped pinned buffer over
+PCIe (the bench's limit row); ``pack`` and ``unpack`` move arrays into and out of the host tier's
 pinned pages (``format/pinned_pool``) through a page table.  Nothing here runs
 off the caller's thread: MLX is not thread-safe.
 """
@@ -21,6 +22,7 @@ import numpy as np
 
 __all__ = [
     "Placed",
+    "addresses",
     "as_tensor",
     "copy_in",
     "device_buffers",

@@ -41,46 +41,50 @@ PIECE = int(os.environ.get("PERSIST_READ_PIECE", 1 << 20))
 MAX_MESSAGE = 1 << 16  # bytes of one request (the parent splits longer ones)
 
 
-def serve(view: memoryview, msg: bytes, fd: int, hashers: dict[str, Any]) -> bytes:
-    """One request (its SEQ already taken off): read, hash, and the reply."""
-    head, *pieces = msg.decode("ascii").split(" ")
-    fresh, at, lo, hi, pos = (int(x) for x in head.split(","))
-    if fresh:
-        hashers.clear()
-    read = lo
-    held: list[tuple[int, int, str, int, str]] = []
-    for p in pieces:
-        a, b, ident, flags, digest = p.split(",")
-        held.append((int(a), int(b), ident, int(flags), digest))
-        if int(b) - read >= PIECE or int(b) == hi:
-            if not _read(view, fd, at, read, int(b), pos):
-                return b"short"
-            read = int(b)
-            bad = _check(view, at, held, hashers)
-            if bad is not None:
-                return b"bad " + bad.encode("ascii")
-            held = []
-    if read < hi:
-        if not _read(view, fd, at, read, hi, pos):
-            return b"short"
-        bad = _check(view, at, held, hashers)
-        if bad is not None:
-            return b"bad " + bad.encode("ascii")
-    return b"ok"
+Check = tuple[int, int, str, int, bytes]  # slot bytes [a, b), ID, FLAGS, the tensor's digest
+SHORT = "short"  # ``fill``'s answer when the file ended first
 
 
-def _read(view: memoryview, fd: int, at: int, a: int, b: int, pos: int) -> bool:
-    return os.preadv(fd, [view[at + a : at + b]], pos + a) == b - a
-
-
-def _check(
-    view: memoryview, at: int, held: list[tuple[int, int, str, int, str]], hashers: dict[str, Any]
+def fill(
+    view: memoryview,
+    fd: int,
+    at: int,
+    lo: int,
+    hi: int,
+    pos: int,
+    pieces: list[Check],
+    hashers: dict[str, Any],
+    piece: int = PIECE,
 ) -> str | None:
+    """File bytes [pos + lo, pos + hi) into ``view`` from ``at + lo``, about ``piece``
+    bytes per read, each read's tensor pieces hashed right after, while they are
+    still in the core's cache (``pieces`` in slot order, within [lo, hi)).  None
+    when every checksum held; SHORT, or the ID of the first piece whose tensor's
+    checksum differs.  Shared with the reader threads (``engine/slot_reads``)."""
+    read = lo
+    held: list[Check] = []
+    for check in pieces:
+        held.append(check)
+        b = check[1]
+        if b - read >= piece or b == hi:
+            if os.preadv(fd, [view[at + read : at + b]], pos + read) != b - read:
+                return SHORT
+            read, bad, held = b, _check(view, at, held, hashers), []
+            if bad is not None:
+                return bad
+    if read < hi:
+        if os.preadv(fd, [view[at + read : at + hi]], pos + read) != hi - read:
+            return SHORT
+        return _check(view, at, held, hashers)
+    return None
+
+
+def _check(view: memoryview, at: int, held: list[Check], hashers: dict[str, Any]) -> str | None:
     """The ID of the first piece whose tensor's checksum differs, else None."""
     for a, b, ident, flags, digest in held:
         part = view[at + a : at + b]
         if flags == 3:  # a whole tensor: one call
-            if xxhash.xxh3_128_hexdigest(part) != digest:
+            if xxhash.xxh3_128_digest(part) != digest:
                 return ident
             continue
         if flags & 1:
@@ -91,9 +95,25 @@ def _check(
         h.update(part)
         if flags & 2:
             del hashers[ident]
-            if h.hexdigest() != digest:
+            if h.digest() != digest:
                 return ident
     return None
+
+
+def serve(view: memoryview, msg: bytes, fd: int, hashers: dict[str, Any]) -> bytes:
+    """One request (its SEQ already taken off): read, hash, and the reply."""
+    head, *words = msg.decode("ascii").split(" ")
+    fresh, at, lo, hi, pos = (int(x) for x in head.split(","))
+    if fresh:
+        hashers.clear()
+    pieces: list[Check] = []
+    for w in words:
+        a, b, ident, flags, digest = w.split(",")
+        pieces.append((int(a), int(b), ident, int(flags), bytes.fromhex(digest)))
+    got = fill(view, fd, at, lo, hi, pos, pieces, hashers)
+    if got is None:
+        return b"ok"
+    return b"short" if got == SHORT else b"bad " + got.encode("ascii")
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import persist
 from bench.servers import Server
 from persist.engine.host_tier import HostTier
 from persist.format import pinned
-from persist.format.cuda_kernels import device_buffers
+from persist.format.cuda_kernels import addresses, device_buffers
 from persist.format.cudadrv import Driver
 from persist.format.pinned_pool import cuda_holder
 from tests.engine.test_host_tier_pages import holds_no_array, pages_in_use
@@ -41,29 +41,11 @@ pytestmark = pytest.mark.skipif(
 GIB = 1 << 30
 PINNED = "pinned host memory"
 _IS_MANAGED = 8  # CU_POINTER_ATTRIBUTE_IS_MANAGED
-_addr: Any = None
 
 
 def address(a: mx.array) -> int:
     """The device address of a row-contiguous array's data, as a kernel sees it."""
-    global _addr
-    if _addr is None:
-        _addr = mx.fast.cuda_kernel(
-            name="persist_test_address",
-            input_names=["a"],
-            output_names=["addr"],
-            source="if (blockIdx.x == 0 && threadIdx.x == 0) { "
-            "addr[0] = reinterpret_cast<unsigned long long>(a); }",
-        )
-    (out,) = _addr(
-        inputs=[a],
-        grid=(1, 1, 1),
-        threadgroup=(1, 1, 1),
-        output_shapes=[(1,)],
-        output_dtypes=[mx.uint64],
-    )
-    mx.eval(out)
-    return int(np.array(out)[0])
+    return addresses([a])[0]
 
 
 def managed(a: mx.array) -> bool:
