@@ -64,6 +64,20 @@ def rooms(cache: list[Any]) -> list[Any]:
     return out
 
 
+class Spoiled:
+    """A holder whose pages give back ``spoil`` of what they held (another MLX build
+    compiling the kernels differently, say)."""
+
+    def __init__(self, inner: Any, spoil: Any) -> None:
+        self.inner, self.spoil = inner, spoil
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def give(self, held: Any) -> list[mx.array]:
+        return list(self.spoil(self.inner.give(held)))
+
+
 def pages_in_use(tier: HostTier) -> int:
     assert tier.holder is not None
     pool = tier.holder.pool  # type: ignore[attr-defined]
@@ -233,19 +247,11 @@ def test_pages_that_give_back_other_bytes_are_never_used() -> None:
     good = host_holder(64 << 20)
     assert proven(good, 64 << 20) is None
 
-    class Flipping:
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
+    def one_off(out: list[mx.array]) -> list[mx.array]:
+        out[-1] = out[-1] + mx.array(1, dtype=out[-1].dtype)  # one tensor off
+        return out
 
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.inner, name)
-
-        def give(self, held: Any) -> list[mx.array]:
-            out = self.inner.give(held)
-            out[-1] = out[-1] + mx.array(1, dtype=out[-1].dtype)  # one tensor off
-            return out
-
-    assert proven(Flipping(host_holder(64 << 20)), 64 << 20) == (
+    assert proven(Spoiled(host_holder(64 << 20), one_off), 64 << 20) == (
         "they gave back other bytes than they held"
     )
 
@@ -256,17 +262,12 @@ def test_a_tier_whose_pages_fail_their_check_keeps_nothing(
     """Never a wrong cache, and never device memory that mlx-lm's eviction meant to
     free: pages that give back other bytes turn the tier off (said in ``where``)."""
 
-    class Broken:
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
+    def zeroed(out: list[mx.array]) -> list[mx.array]:
+        return [mx.zeros_like(a) for a in out]
 
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.inner, name)
-
-        def give(self, held: Any) -> list[mx.array]:
-            return [mx.zeros_like(a) for a in self.inner.give(held)]
-
-    monkeypatch.setattr(host_tier, "cuda_holder", lambda budget: Broken(host_holder(budget)))
+    monkeypatch.setattr(
+        host_tier, "cuda_holder", lambda budget: Spoiled(host_holder(budget), zeroed)
+    )
     with pinned.use(Choice(CUDA_PINNED, "a test's stand-in")):
         tier = HostTier(GIB)
     assert tier.holder is None and tier.max_bytes == 0 and tier.where.startswith("off")
