@@ -37,16 +37,30 @@ def conversation(words: int, seed: int) -> tuple[Messages, Messages]:
     ]
 
 
-def hits(server: Server) -> dict[str, float]:
-    """Hits by source, from /metrics (persist serve only)."""
+def scrape(server: Server) -> list[str]:
     url = f"http://127.0.0.1:{server.port}/metrics"
     with urllib.request.urlopen(url, timeout=60) as r:
-        text = r.read().decode()
+        return r.read().decode().splitlines()
+
+
+def hits(lines: list[str]) -> dict[str, float]:
+    """Hits by source, from /metrics (persist serve only)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
+    for line in lines:
         if line.startswith('persist_cache_lookups_total{result="hit"'):
             source = line.split('source="')[1].split('"')[0]
             out[source] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def steps(lines: list[str]) -> dict[str, list[float]]:
+    """Per step persist adds to the generation thread: [calls, seconds] over the run."""
+    out: dict[str, list[float]] = {}
+    for line in lines:
+        for part, i in (("_count{", 0), ("_sum{", 1)):
+            if line.startswith("persist_generation_thread_seconds" + part):
+                step = line.split('step="')[1].split('"')[0]
+                out.setdefault(step, [0.0, 0.0])[i] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -91,7 +105,8 @@ def main() -> None:
             server = Server(argv, tmp / f"{len(rows)}.log")
             try:
                 seconds, prompt, cached = evicted_turn(server, args.words, args.reps)
-                where = hits(server) if argv[0] == "persist" else {}
+                lines = scrape(server) if argv[0] == "persist" else []
+                where, spent = hits(lines), steps(lines)
                 health = {}
                 if argv[0] == "persist":
                     url = f"http://127.0.0.1:{server.port}/health"
@@ -106,6 +121,7 @@ def main() -> None:
                     "prompt_tokens": prompt,
                     "cached_tokens": cached,
                     "hits": where,
+                    "generation_thread": spent,
                     "host_cache": health,
                 }
             )
@@ -122,6 +138,14 @@ def main() -> None:
             f"| {r['config']} | {r['seconds']:.3f} | {r['seconds'] / base:.2f}x | "
             f"{r['prompt_tokens']} / {r['cached_tokens']} | {r['hits'] or '-'} |"
         )
+    lines.append(
+        "\nWhat persist added on the generation thread over the whole run (warm-up "
+        f"included, {3 * (args.reps + 1)} requests), per step: calls, mean ms per call.\n"
+    )
+    for r in rows[:-1]:
+        spent = r["generation_thread"].items()
+        told = ", ".join(f"{k} {int(n)} x {1000 * t / max(n, 1):.1f} ms" for k, (n, t) in spent)
+        lines.append(f"- {r['config']}: {told or '-'}")
     host = rows[0]["host_cache"]
     if host:
         lines.append(f"\nThe host tier: {host.get('where')}, {host}.")

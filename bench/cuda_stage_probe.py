@@ -128,12 +128,24 @@ def instrumented(ring: pinned.Ring, fn: Callable[[], None]) -> dict[str, float]:
     loading.staging.stage = _timed("stage", staging.stage)  # type: ignore[attr-defined]
     opener = loading._open_staged
     loading._open_staged = _timed("open", opener)  # type: ignore[assignment]
+    lane_fn = staging._lane
+
+    def lane(*a: Any) -> None:  # the CPU each lane's thread spends (GIL and system time)
+        c = time.thread_time()
+        try:
+            lane_fn(*a)
+        finally:
+            _add("lane cpu", time.thread_time() - c)
+
+    staging._lane = lane  # type: ignore[assignment]
     _spans.clear()
     try:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
         _sums["total"] = time.perf_counter() - t
+        _sums["parent cpu"] = time.process_time() - c
     finally:
+        staging._lane = lane_fn  # type: ignore[assignment]
         reader_worker.os, reader_worker.xxhash = saved[0], saved[1]  # type: ignore[assignment]
         staging.stage = saved[2]  # type: ignore[assignment]
         loading._open_staged = opener  # type: ignore[assignment]

@@ -105,6 +105,13 @@ class ServeMetrics:
             "persist_save_seconds", "Write-behind saves (tier pushes included).",
             buckets=SECONDS, registry=r,
         )  # fmt: skip
+        self.generation_seconds = Histogram(
+            "persist_generation_thread_seconds",
+            "Time persist spends on mlx-lm's generation thread, by step (lookup: the host "
+            "tier and the store asked; capture: a cache encoded for the write-behind; keep: "
+            "an evicted cache copied to the host tier): what it adds to a request's latency.",
+            ["step"], buckets=SECONDS, registry=r,
+        )  # fmt: skip
         self.read_bytes = Counter(
             "persist_tier_read_bytes", "Bytes read, by tier.", ["tier"], registry=r
         )
@@ -135,6 +142,10 @@ class ServeMetrics:
         r.register(_Gauges(self))
 
     # -- recording -------------------------------------------------------------
+
+    @_never_raises
+    def on_generation_thread(self, step: str, seconds: float) -> None:
+        self.generation_seconds.labels(step).observe(seconds)
 
     @_never_raises
     def probe(self, save: bool = False) -> Probe | None:

@@ -13,11 +13,13 @@ stored as they come, so they serve prefix hits after a restart too.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache
@@ -97,6 +99,13 @@ class PersistentPromptCache(LRUPromptCache):
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = super().fetch_nearest_cache(model, tokens)
+        with self._on_thread("lookup"):
+            return self._nearer(model, tokens, cache, rest)
+
+    def _nearer(
+        self, model: Any, tokens: list[int], cache: Any, rest: list[int]
+    ) -> tuple[Any, list[int]]:
+        """A longer prefix than mlx-lm's own (``cache``): from the host tier or the store."""
         have = len(tokens) - len(rest) if cache is not None else 0
         identity = self.identity_for(model)
         if identity is None:
@@ -154,7 +163,8 @@ class PersistentPromptCache(LRUPromptCache):
         try:
             identity = self.identity_for(model)
             if self.host is not None and identity is not None:
-                self.host.keep(self._owner(identity), tokens, cache)
+                with self._on_thread("keep"):
+                    self.host.keep(self._owner(identity), tokens, cache)
         except Exception as e:  # the tier must never take the server down
             log.warning("persist: could not keep an evicted cache in the host cache: %s", e)
 
@@ -179,17 +189,19 @@ class PersistentPromptCache(LRUPromptCache):
         try:
             # Encoded and evaluated here, on the generation thread: the writer
             # then handles host bytes only and never waits on this thread's stream.
-            snap = capture(prompt_cache, tokens)
+            with self._on_thread("capture"):
+                snap = capture(prompt_cache, tokens)
         except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
             self._count(persist_errors=1)
             log.warning("persist: could not persist a cache: %s", e)
             return
         item = (identity, list(tokens), snap)
         try:
-            if self.when_full == "block":
-                self._queue.put(item, timeout=self.block_seconds)
-            else:
-                self._queue.put_nowait(item)
+            with self._on_thread("queue"):  # a full write-behind queue holds the thread
+                if self.when_full == "block":
+                    self._queue.put(item, timeout=self.block_seconds)
+                else:
+                    self._queue.put_nowait(item)
         except queue.Full:
             self._count(queue_drops=1)
             if self.metrics is not None:
@@ -231,6 +243,16 @@ class PersistentPromptCache(LRUPromptCache):
         self.flush()
         self._queue.put(None)
         self._writer.join()
+
+    @contextlib.contextmanager
+    def _on_thread(self, step: str) -> Iterator[None]:
+        """Time a step persist adds to the generation thread (``/metrics``)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.metrics is not None:
+                self.metrics.on_generation_thread(step, time.perf_counter() - start)
 
     def _count(self, **deltas: int) -> None:
         deltas = {k: v for k, v in deltas.items() if v}

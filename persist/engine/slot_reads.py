@@ -40,9 +40,11 @@ class Want(NamedTuple):
 
 
 class Slot(NamedTuple):
-    """One slot of a run: lane slot ``slot`` holds file bytes [pos, pos + n), of
-    which ``pieces`` are tensors' (slot bytes [a, b)); once checked it lands at
-    offset ``off`` of staging chunk ``chunk`` and its ``placed`` pieces are noted."""
+    """One slot of a task: lane slot ``slot`` holds bytes [pos, pos + n) of file
+    ``fd``, of which ``pieces`` are tensors' (slot bytes [a, b)); once checked it
+    lands at offset ``off`` of staging chunk ``chunk`` and its ``placed`` pieces
+    are noted.  ``fresh``: the first slot of a task (no tensor continues into
+    it); ``done``: the task ends with it (whatever staging noted to tell)."""
 
     slot: int
     n: int
@@ -51,30 +53,35 @@ class Slot(NamedTuple):
     off: int
     pieces: list[tuple[Want, int, int]]
     placed: list[Placed]
+    fd: int
+    fresh: bool
+    done: Any
 
 
 Land = Callable[[Slot], None]  # the slot's copy queued, its pieces noted
 
 
-def read_here(lane: Lane, fd: int, slots: Iterator[Slot], land: Land, where: str) -> None:
+def read_here(lane: Lane, slots: Iterator[Slot], land: Land) -> None:
     """Fill each slot on this thread, then land it."""
     hashers: dict[str, Any] = {}  # tensors that span slots
     for s in slots:
+        if s.fresh:
+            hashers.clear()
         view = memoryview(lane.slots[s.slot]).cast("B")[: s.n]  # type: ignore[arg-type]
-        _fill(view, fd, s.pos, s.n, s.pieces, hashers, where)
+        _fill(view, s, hashers)
         land(s)
 
 
-def read_in_worker(lane: Lane, fd: int, slots: Iterator[Slot], land: Land) -> None:
+def read_in_worker(lane: Lane, slots: Iterator[Slot], land: Land) -> None:
     """Each slot asked of the lane's reader process one slot ahead: the next
     request goes out before the last answer is awaited."""
     send, answer = lane.send, lane.answer  # type: ignore[attr-defined]
     pending: tuple[Any, Slot] | None = None
     try:
-        for i, s in enumerate(slots):  # the next slot: its previous copy is done
+        for s in slots:  # the next slot: its previous copy is done
             pieces = [_piece(w, a, b, s.pos) for w, a, b in s.pieces]
             # pending first: if the last answer fails, this request is still drained
-            last, pending = pending, (send(s.slot, fd, s.pos, s.n, pieces, i == 0), s)
+            last, pending = pending, (send(s.slot, s.fd, s.pos, s.n, pieces, s.fresh), s)
             if last is not None:
                 answer(last[0])
                 land(last[1])
@@ -93,24 +100,18 @@ def _piece(w: Want, a: int, b: int, pos: int) -> Piece:
     return Piece(a, b, w.start, a + pos == w.start, b + pos == w.end, w.want, w.where)
 
 
-def _fill(
-    view: memoryview,
-    fd: int,
-    pos: int,
-    n: int,
-    pieces: list[tuple[Want, int, int]],
-    hashers: dict[str, Any],
-    where: str,
-) -> None:
+def _fill(view: memoryview, s: Slot, hashers: dict[str, Any]) -> None:
     """The slot's bytes [0, n) from file offset ``pos``, checked as a reader process
     checks them (``reader_worker.fill``, PIECE bytes a read)."""
+    pos = s.pos
     checks = [
         (a, b, w.key, int(a + pos == w.start) | 2 * int(b + pos == w.end), w.want)
-        for w, a, b in pieces
+        for w, a, b in s.pieces
     ]
-    got = reader_worker.fill(view, fd, 0, 0, n, pos, checks, hashers, PIECE)
+    got = reader_worker.fill(view, s.fd, 0, 0, s.n, pos, checks, hashers, PIECE)
     if got == reader_worker.SHORT:
+        where = s.pieces[-1][0].where if s.pieces else "blob"
         raise CorruptBlobError(where, "file truncated inside a tensor")
     if got is not None:
-        bad = next(w for w, _, _ in pieces if w.key == got)
+        bad = next(w for w, _, _ in s.pieces if w.key == got)
         raise CorruptBlobError(bad.where, "checksum mismatch in tensor data")

@@ -2,12 +2,13 @@
 
 The caller first makes every tensor's final, capacity-sized buffer in device
 memory (``Ring.buffers``: zeroed, address known); ``stage`` adds a staging
-buffer as large as the bytes it will read.  One reader thread per lane (kept
-by the ring) opens and checks each blob as the host path does and walks its
-wanted tensors slot by slot through the lane's two page-locked slots: each
-slot filled and every tensor's share of it hashed (by the lane's reader
-process, or on the thread: ``engine/slot_reads``), then copied whole into the
-next free region of the staging buffer while the other slot fills.  No MLX
+buffer as large as the bytes it will read.  One thread per lane (kept by the
+ring) takes task after task (about a slot of adjacent tensors of one blob,
+opened and checked as the host path does: ``engine/lane_work``) and walks it
+slot by slot through the lane's two page-locked slots: each slot filled and
+every tensor's share of it hashed (by the lane's reader process, or on the
+thread: ``engine/slot_reads``), then copied whole into the next free region
+of the staging buffer while the other slot fills.  No MLX
 call runs while the readers run: the caller's thread only waits.  Then one
 kernel (``Ring.scatter``) moves every tensor's bytes to their places: a
 token block's rows land strided in the capacity-sized buffer, as the host
@@ -23,27 +24,18 @@ until the scatter is done.
 from __future__ import annotations
 
 import math
-import queue
 import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future, wait
 from typing import NamedTuple
 
 from ..errors import CorruptBlobError
 from ..format.pinned import Lane, Placed, Ring, settle
 from ..records import DTYPE_SIZES, Progress
 from . import slot_reads
+from .lane_work import Job, Work, task_slots
 from .slot_reads import Slot, Want
 
 __all__ = ["Want", "Job", "Dest", "Copy", "Geometry", "stage", "busy", "geometry", "placement"]
-
-GAP = 4096  # wanted tensors this close in a file are read as one run (the gap is skipped)
-
-
-class Job(NamedTuple):
-    """One blob to read: ``open`` checks it and returns (fd, wanted tensors, close)."""
-
-    open: Callable[[], tuple[int, list[Want], Callable[[], None]]]
 
 
 class Dest(NamedTuple):
@@ -151,6 +143,7 @@ class _Staging:
         self.placed: list[list[Placed]] = [[] for _ in sizes]
         self.lock = threading.Lock()
         self.chunk = self.used = 0
+        self.memo: dict[tuple[object, ...], Geometry | str] = {}  # _placed's
 
     def region(self, n: int) -> tuple[int, int]:
         """(chunk, offset) of ``n`` free bytes."""
@@ -201,16 +194,15 @@ def _stage(
     ring: Ring, jobs: list[Job], dests: dict[str, Dest], total: int, progress: Progress | None
 ) -> None:
     staged = _Staging(ring, len(jobs), len(dests), total)
+    place = lambda w: _placed(w, dests[w.key], staged.memo)  # noqa: E731
+    work = Work(jobs, place, ring.slot_bytes, len(ring.lanes))
     abort = threading.Event()
-    lanes: queue.Queue[Lane] = queue.Queue()
-    for lane in ring.lanes:
-        lanes.put(lane)
     pool = ring.pool()
     futures: list[Future[None]] = []
-    try:  # a Ctrl-C between two submits still settles the jobs already submitted
-        for job in jobs:
-            futures.append(pool.submit(_read_job, lanes, job, dests, staged, abort))
-        _wait(futures, progress)
+    try:  # a Ctrl-C between two submits still settles the lanes already started
+        for lane in ring.lanes:
+            futures.append(pool.submit(_lane, lane, work, staged, abort))
+        _wait(futures, work, len(jobs), progress)
     except KeyboardInterrupt:
         abort.set()
         if ring.readers is not None:
@@ -220,122 +212,77 @@ def _stage(
         abort.set()
         raise
     finally:
-        settle(futures, ring)
+        try:
+            settle(futures, ring)
+        finally:
+            work.close_all()
     while staged.bufs:  # each staging chunk goes as soon as its pieces are placed
         (buf, _), placed = staged.bufs.pop(0), staged.placed.pop(0)
         if placed:
             ring.scatter(buf, placed)
 
 
-def _wait(futures: list[Future[None]], progress: Progress | None) -> None:
-    """Block (the GIL released) until every reader is done; the first error in
-    job order among those that failed is raised."""
-    pending = set(futures)
-    while pending:
-        done, pending = wait(pending, return_when=FIRST_COMPLETED)
-        for f in futures:
-            if f in done and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
-        if progress is not None:
-            progress(len(futures) - len(pending), len(futures))
+def _wait(futures: list[Future[None]], work: Work, jobs: int, progress: Progress | None) -> None:
+    """Block (the GIL released) until every lane is done, telling ``progress`` of
+    each blob done on this thread; then the first error in lane order is raised."""
+    lanes, blobs = len(futures), 0
+    while lanes:
+        if work.events.get() is None:
+            lanes -= 1
+        else:
+            blobs += 1
+            if progress is not None:
+                progress(blobs, jobs)
+    wait(futures)
+    for f in futures:
+        if f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
 
 
-def _read_job(
-    lanes: queue.Queue[Lane],
-    job: Job,
-    dests: dict[str, Dest],
-    staged: _Staging,
-    abort: threading.Event,
-) -> None:
-    """A reader thread: one blob's wanted tensors through a lane, each tensor hashed."""
-    if abort.is_set():
-        return
-    lane = lanes.get()
+def _lane(lane: Lane, work: Work, staged: _Staging, abort: threading.Event) -> None:
+    """A lane's thread: tasks through the lane (``lane_work``) until none is left,
+    each slot filled and checked (``slot_reads``), then copied whole to the
+    staging buffer."""
     try:
+        if abort.is_set():
+            return
         lane.enter()
-        fd, wants, close = job.open()
-        try:
-            for run in _runs(wants):
-                _read_run(lane, fd, run, dests, staged, abort)
-        finally:
-            close()
+        slots = task_slots(lane, work, staged.region, abort)
+
+        def land(s: Slot) -> None:
+            lane.put(s.slot, staged.bufs[s.chunk][1] + s.off, s.n)
+            staged.add(s.chunk, s.placed)
+            if s.done is not None:
+                work.landed(s.done)
+
+        if getattr(lane, "send", None) is None:
+            slot_reads.read_here(lane, slots, land)
+        else:
+            slot_reads.read_in_worker(lane, slots, land)
     except BaseException:
-        abort.set()  # the other readers stop at their next slot
+        abort.set()  # the other lanes stop at their next slot
         raise
     finally:
-        lanes.put(lane)
+        work.events.put(None)
 
 
-def _placed(w: Want, dest: Dest) -> Geometry:
-    """Where ``w`` goes, once its stored dtype and shape are known to fit its buffer."""
-    if DTYPE_SIZES[w.stored.dtype] != dest.item:
-        raise CorruptBlobError(w.where, f"dtype {w.stored.dtype} does not fit its buffer")
-    try:
-        return geometry(tuple(w.stored.shape), w.at, dest)
-    except ValueError as e:
-        raise CorruptBlobError(w.where, str(e)) from None
+def _placed(w: Want, dest: Dest, memo: dict[tuple[object, ...], Geometry | str]) -> Geometry:
+    """Where ``w`` goes, once its stored dtype and shape are known to fit its buffer.
 
-
-def _runs(wants: list[Want]) -> list[list[Want]]:
-    """Wanted tensors grouped into runs of (nearly) adjacent file bytes."""
-    runs: list[list[Want]] = []
-    for w in sorted(wants, key=lambda w: w.start):
-        if w.end == w.start:
-            continue
-        if runs and w.start - runs[-1][-1].end <= GAP:
-            runs[-1].append(w)
+    Every layer's tensor of a block has the same shape: ``memo`` keeps each
+    shape's answer relative to its buffer, so a restore works it out once."""
+    stored = w.stored
+    k = (stored.dtype, stored.shape, w.at, dest.shape, dest.axis, dest.limit, dest.item)
+    got = memo.get(k)
+    if got is None:
+        if DTYPE_SIZES[stored.dtype] != dest.item:
+            got = f"dtype {stored.dtype} does not fit its buffer"
         else:
-            runs.append([w])
-    return runs
-
-
-def _read_run(
-    lane: Lane,
-    fd: int,
-    run: list[Want],
-    dests: dict[str, Dest],
-    staged: _Staging,
-    abort: threading.Event,
-) -> None:
-    """One run of adjacent tensors through the lane's slots (``engine/slot_reads``):
-    each slot filled and checked, then copied whole to the staging buffer."""
-    slots = _slots(lane, run, {w.key: _placed(w, dests[w.key]) for w in run}, staged, abort)
-
-    def land(s: Slot) -> None:
-        lane.put(s.slot, staged.bufs[s.chunk][1] + s.off, s.n)
-        staged.add(s.chunk, s.placed)
-
-    if getattr(lane, "send", None) is None:
-        slot_reads.read_here(lane, fd, slots, land, run[0].where)
-    else:
-        slot_reads.read_in_worker(lane, fd, slots, land)
-
-
-def _slots(
-    lane: Lane,
-    run: list[Want],
-    where: dict[str, Geometry],
-    staged: _Staging,
-    abort: threading.Event,
-) -> Iterator[Slot]:
-    """The run's slots, each taken from the lane (its previous copy done) when asked
-    for, with the tensors it holds and where their bytes go.  The least Python per
-    tensor: every line here holds the GIL the other readers wait for."""
-    pos, end = run[0].start, run[-1].end
-    first = 0
-    while pos < end and not abort.is_set():
-        slot = lane.take()
-        n = min(int(lane.slots[slot].nbytes), end - pos)
-        chunk, off = staged.region(n)
-        while run[first].end <= pos:  # tensors wholly before this slot: done
-            first += 1
-        placed: list[Placed] = []
-        pieces: list[tuple[Want, int, int]] = []  # slot bytes [a, b) of each tensor
-        for w in run[first:]:  # only the tensors this slot holds (a run is sorted)
-            if w.start >= pos + n:
-                break
-            a, b = max(w.start, pos) - pos, min(w.end, pos + n) - pos
-            pieces.append((w, a, b))
-            placed.append(Placed(off + a, a + pos - w.start, b + pos - w.start, *where[w.key]))
-        yield Slot(slot, n, pos, chunk, off, pieces, placed)
-        pos += n
+            try:
+                got = geometry(tuple(stored.shape), w.at, dest._replace(addr=0))
+            except ValueError as e:
+                got = str(e)
+        memo[k] = got
+    if isinstance(got, str):
+        raise CorruptBlobError(w.where, got)
+    return got._replace(dst=got.dst + dest.addr)

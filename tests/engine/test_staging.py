@@ -605,7 +605,7 @@ def test_the_ring_keeps_its_reader_threads(tiny: Any, tmp_path: Path) -> None:
     cache = prefill(model, prompt)[0]
     ring = host_ring(3, 1024)
     seen: list[set[int]] = []
-    read = staging._read_job
+    read = staging._lane
 
     def job(*a: Any) -> None:
         seen[-1].add(threading.get_ident())
@@ -614,7 +614,7 @@ def test_the_ring_keeps_its_reader_threads(tiny: Any, tmp_path: Path) -> None:
     with persist.Store(tmp_path / "s", block_tokens=BLOCK) as store:
         store.save(cache, prompt, identity=ident, session="s")
         with staged(ring), pytest.MonkeyPatch.context() as mp:
-            mp.setattr(staging, "_read_job", job)
+            mp.setattr(staging, "_lane", job)
             for _ in range(3):
                 seen.append(set())
                 got = store.restore("s", identity=ident).cache
@@ -875,7 +875,7 @@ def test_a_ctrl_c_between_submits_settles_the_jobs_submitted(
     store, ident, cache, _ = _saved(tiny, tmp_path)
     ring = host_ring(2, 1024)
     finished: list[bool] = []
-    read = staging._read_job
+    read = staging._lane
 
     def slow_job(*a: Any) -> None:
         time.sleep(0.5)
@@ -893,7 +893,7 @@ def test_a_ctrl_c_between_submits_settles_the_jobs_submitted(
                 raise KeyboardInterrupt  # the Ctrl-C, after the first job went out
             return pool.submit(*a)
 
-    monkeypatch.setattr(staging, "_read_job", slow_job)
+    monkeypatch.setattr(staging, "_lane", slow_job)
     monkeypatch.setattr(ring, "pool", lambda: Interrupting())
     try:
         with staged(ring), pytest.raises(KeyboardInterrupt):

@@ -187,9 +187,13 @@ def test_health_metrics_and_json_logs(model_dir: Any, tmp_path: Path) -> None:
             "persist_requests_total", "persist_prompt_tokens_total",
             "persist_save_seconds_bucket", "persist_tier_written_bytes_total",
             "persist_write_queue_depth", "persist_write_queue_drops_total",
-            "persist_store_bytes",
+            "persist_store_bytes", "persist_generation_thread_seconds_bucket",
         ):  # fmt: skip
             assert name in names, name
+        # what persist added to the generation thread: each lookup and capture timed
+        spent = "persist_generation_thread_seconds_count"
+        for step in ("lookup", "capture"):
+            assert after[(spent, (("step", step),))] >= 2, step
     finally:
         srv.stop()
     lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
