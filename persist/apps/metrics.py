@@ -108,8 +108,9 @@ class ServeMetrics:
         self.generation_seconds = Histogram(
             "persist_generation_thread_seconds",
             "Time persist spends on mlx-lm's generation thread, by step (lookup: the host "
-            "tier and the store asked; capture: a cache encoded for the write-behind; keep: "
-            "an evicted cache copied to the host tier): what it adds to a request's latency.",
+            "tier and the store asked; capture: a cache encoded for the write-behind; queue: "
+            "waiting for room in the write-behind queue; keep: an evicted cache copied to the "
+            "host tier): what it adds to a request's latency.",
             ["step"], buckets=SECONDS, registry=r,
         )  # fmt: skip
         self.read_bytes = Counter(

@@ -96,6 +96,8 @@ class Readers:
             raise
 
     def _start(self, i: int) -> None:
+        if self.fd < 0:
+            raise ReaderLost("the reader processes were closed")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = subprocess.Popen(
@@ -240,8 +242,13 @@ class Readers:
                 proc.wait()
 
     def close(self) -> None:
+        """Stop every worker and close the shared file (the mapping stays until the
+        lanes' views of it are gone); no worker starts after."""
         for i in range(self.n):
             self._stop(i)
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def _requests(pieces: list[Piece], n: int) -> list[tuple[int, int, list[Piece]]]:

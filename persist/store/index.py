@@ -70,25 +70,31 @@ class Index:
 
     @contextlib.contextmanager
     def write(self) -> Iterator[sqlite_utils.Database]:
+        # BEGIN inside the try: a Ctrl-C that lands while it runs is raised as it
+        # returns, and must still roll back (the connection asks, not a flag)
         with self.lock, corruption_is_typed():
-            self.db.execute("BEGIN IMMEDIATE")
             try:
+                self.db.execute("BEGIN IMMEDIATE")
                 yield self.db
             except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    self.db.execute("ROLLBACK")
+                self._end("ROLLBACK")
                 raise
             self.db.execute("COMMIT")
 
     @contextlib.contextmanager
     def read(self) -> Iterator[sqlite_utils.Database]:
         with self.lock, corruption_is_typed():
-            self.db.execute("BEGIN")
             try:
+                self.db.execute("BEGIN")
                 yield self.db
             finally:
-                with contextlib.suppress(sqlite3.Error):
-                    self.db.execute("COMMIT")
+                self._end("COMMIT")
+
+    def _end(self, verb: str) -> None:
+        """End the transaction this connection is in, if it is in one."""
+        if self.db.conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                self.db.execute(verb)
 
     # -- namespaces -------------------------------------------------------
 

@@ -349,9 +349,16 @@ def _version(db: sqlite_utils.Database) -> int:
     return int(row[0]) if row else 0
 
 
+def _roll_back(db: sqlite_utils.Database) -> None:
+    """Roll back the transaction, if one began: BEGIN itself may have failed (a
+    locked database) or been interrupted as it returned (a Ctrl-C)."""
+    if db.conn.in_transaction:
+        db.execute("ROLLBACK")
+
+
 def _migrate(db: sqlite_utils.Database, path: Path) -> None:
-    db.execute("BEGIN IMMEDIATE")
     try:
+        db.execute("BEGIN IMMEDIATE")
         version = _version(db)
         if version > SCHEMA_VERSION:
             raise UnsupportedVersionError("store-index", version, SCHEMA_VERSION)
@@ -365,15 +372,15 @@ def _migrate(db: sqlite_utils.Database, path: Path) -> None:
             )
         db.execute("COMMIT")
     except BaseException:
-        db.execute("ROLLBACK")
+        _roll_back(db)
         raise
 
 
 def _check_block_tokens(
     db: sqlite_utils.Database, block_tokens: int, path: Path, adopt: bool
 ) -> None:
-    db.execute("BEGIN IMMEDIATE")
     try:
+        db.execute("BEGIN IMMEDIATE")
         row = db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()
         if row is None:
             db.execute(
@@ -389,5 +396,5 @@ def _check_block_tokens(
             )
         db.execute("COMMIT")
     except BaseException:
-        db.execute("ROLLBACK")
+        _roll_back(db)
         raise

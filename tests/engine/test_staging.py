@@ -905,3 +905,18 @@ def test_a_ctrl_c_between_submits_settles_the_jobs_submitted(
         assert_same_state(live_state(got), live_state(cache))
     finally:
         store.close()
+
+
+def test_closed_readers_give_back_their_shared_file() -> None:
+    """Attack (round 4, session 3): closing the readers stopped the workers but kept
+    the slots' memfd open: one descriptor per ring ever made."""
+    Readers(1, 4096).close()  # whatever a first start opens once and keeps
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        readers = Readers(2, 4096)
+        readers.close()
+        readers.close()  # twice: nothing more to close
+        with pytest.raises(readers_mod.ReaderLost):
+            readers.ready(0)  # closed: no worker starts again
+        del readers  # the mapping (and mmap's own descriptor) goes with the last view
+    assert len(os.listdir("/proc/self/fd")) == before

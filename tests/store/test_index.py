@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from persist.errors import CorruptBlobError
 from persist.format.tokens import pack_tokens
-from persist.store import retention, writes
+from persist.store import retention, schema, writes
 from persist.store.blobs import FileBlobs
 from persist.store.index import MAX_VARIABLES, Index
 from persist.store.rows import BlockRef, NewBlob
@@ -130,3 +131,61 @@ def test_budgets_are_checked() -> None:
     b = retention.Budgets(10, {"t": 5})
     assert b.of("t") == 5 and b.of("u") is None and b.scope("t") == "t"
     assert b.limits("t") == [(10, None), (5, "t")]
+
+
+@pytest.mark.parametrize("verb", ["BEGIN", "BEGIN IMMEDIATE"])
+def test_a_ctrl_c_as_a_transaction_begins_leaves_the_index_usable(
+    verb: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack (round 4, session 3): a Ctrl-C lands while BEGIN runs, so Python raises
+    it as the call returns, before the block that rolls back: the connection stayed
+    inside the transaction (every later read failed with an untyped "cannot start a
+    transaction within a transaction") and, for a write, kept the store's write lock."""
+    index = Index(connect(tmp_path / "index.sqlite", 4))
+    real = index.db.execute
+    fired: list[str] = []
+
+    def execute(sql: str, *a: Any, **k: Any) -> Any:
+        out = real(sql, *a, **k)
+        if sql == verb and not fired:
+            fired.append(sql)
+            raise KeyboardInterrupt  # the signal, raised as the C call returns
+        return out
+
+    monkeypatch.setattr(index.db, "execute", execute)
+    with pytest.raises(KeyboardInterrupt), index.read() if verb == "BEGIN" else index.write():
+        pass
+    assert fired == [verb] and not index.db.conn.in_transaction
+    assert index.secret("default", make=lambda: b"k" * 32) == b"k" * 32  # writes and reads
+    other = Index(connect(tmp_path / "index.sqlite", 4))  # the write lock is free
+    with other.write() as db:
+        db.execute("SELECT 1")
+
+
+@pytest.mark.parametrize("fault", ["locked", "ctrl-c"])
+def test_a_begin_that_fails_at_open_is_the_error_raised(
+    fault: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening a store checks and migrates its index in a transaction.  A Ctrl-C as
+    BEGIN IMMEDIATE returned left the connection in it, holding the write lock; a
+    BEGIN that fails (a database locked past the busy timeout) must still be the
+    error raised, not a ROLLBACK's "no transaction is active"."""
+    db = connect(tmp_path / "index.sqlite", 4)
+    real = db.execute
+
+    def execute(sql: str, *a: Any, **k: Any) -> Any:
+        if sql == "BEGIN IMMEDIATE" and fault == "locked":
+            raise sqlite3.OperationalError("database is locked")
+        out = real(sql, *a, **k)
+        if sql == "BEGIN IMMEDIATE":
+            raise KeyboardInterrupt  # the signal, raised as the C call returns
+        return out
+
+    monkeypatch.setattr(db, "execute", execute)
+    raised = (sqlite3.OperationalError, KeyboardInterrupt)[fault == "ctrl-c"]
+    with pytest.raises(raised):
+        schema._check_block_tokens(db, 4, tmp_path / "index.sqlite", False)
+    assert not db.conn.in_transaction
+    with pytest.raises(raised):
+        schema._migrate(db, tmp_path / "index.sqlite")
+    assert not db.conn.in_transaction
