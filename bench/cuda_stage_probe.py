@@ -270,8 +270,8 @@ def main() -> None:
         for n, mib, kind in [
             (8, 8, "threads"),
             (8, 8, "processes"),
-            (12, 8, "processes"),
-            (16, 8, "processes"),
+            (8, 4, "processes"),
+            (16, 4, "processes"),
             (8, 16, "processes"),
         ]
     }
