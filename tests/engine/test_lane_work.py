@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -116,9 +115,18 @@ def test_a_blob_is_read_by_every_lane(tiny: Any, tmp_path: Path) -> None:
     prompt = tokens_for(100, seed=8)
     cache = prefill(model, prompt)[0]
     ring = host_ring(3, 1024)
-    for lane in ring.lanes:  # a copy that takes a while, as the copy engine's does
-        put = lane.put
-        lane.put = lambda *a, put=put: (time.sleep(0.002), put(*a))  # type: ignore[method-assign]
+    # each lane's first copy waits until every lane has one: a lane owning the blob
+    # would leave the others nothing, and the barrier breaks (no clock decides)
+    everyone = threading.Barrier(3, timeout=60)
+    for lane in ring.lanes:
+        put, first = lane.put, [True]
+
+        def waiting(*a: Any, put: Any = put, first: list[bool] = first) -> None:
+            if first.pop() if first else False:
+                everyone.wait()
+            put(*a)
+
+        lane.put = waiting  # type: ignore[method-assign]
     with persist.Store(tmp_path / "s", block_tokens=4096) as store:  # the tail blob only
         info = store.save(cache, prompt, identity=ident, session="s")
         assert len(store.index.blocks(info.id)) == 0
