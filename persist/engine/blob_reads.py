@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -18,7 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import CorruptBlobError
-from ..format.container import MAX_HEADER_BYTES, Entry, Header, checksum, read_header
+from ..format.container import Entry, Header, checksum, header_bytes, parse_header
 from ..format.manifest import blob_manifest
 from ..format.tensors import Piece as TensorPiece
 from ..format.tensors import read_pieces
@@ -60,10 +59,11 @@ def open_known(blobs: BlobStore, file: str, known: tuple[int, bytes] | None) -> 
     except FileNotFoundError:
         raise CorruptBlobError(where, "blob file is missing") from None
     try:
-        checked = _seen(f, known)
+        size = os.fstat(f.fileno()).st_size
+        head = header_bytes(f, where, size)
+        checked = _seen(known) if (size, checksum(head)) == known else None
         if checked is None:
-            f.seek(0)
-            header = read_header(f, where)
+            header = parse_header(head, size, where)
             if header.file_size != known[0] or header.digest != known[1]:
                 raise CorruptBlobError(where, "blob header or size does not match the index")
             checked = header, blob_manifest(header, where)
@@ -83,20 +83,8 @@ _checked: OrderedDict[tuple[int, bytes], tuple[Header, dict[str, bytes]]] = Orde
 _checked_lock = threading.Lock()
 
 
-def _seen(f: BinaryIO, known: tuple[int, bytes]) -> tuple[Header, dict[str, bytes]] | None:
-    """The checked header of ``f`` if its bytes and size are a header seen before."""
-    with _checked_lock:
-        if known not in _checked:
-            return None
-    raw = f.read(8)
-    if len(raw) < 8 or os.fstat(f.fileno()).st_size != known[0]:
-        return None
-    (n,) = struct.unpack("<Q", raw)
-    if n > min(MAX_HEADER_BYTES, known[0] - 8):
-        return None
-    text = f.read(n)
-    if len(text) != n or checksum(raw + text) != known[1]:
-        return None
+def _seen(known: tuple[int, bytes]) -> tuple[Header, dict[str, bytes]] | None:
+    """The parse of a header whose size and digest are ``known``, if one was kept."""
     with _checked_lock:
         hit = _checked.get(known)
         if hit is not None:

@@ -28,6 +28,7 @@ from ..records import DTYPE_SIZES, TensorSpec
 T = TypeVar("T")
 
 __all__ = ["atomic_write", "MAX_HEADER_BYTES", "Entry", "Header", "read_header"]
+__all__ += ["header_bytes", "parse_header"]
 __all__ += ["write_tensors", "Sink", "checksum", "fsync_dir", "CHECKSUM_BYTES"]
 
 MAX_HEADER_BYTES = 40 << 20  # the largest manifest (32 MiB as base64) and 65,536 tensor entries
@@ -96,6 +97,12 @@ def read_header(f: BinaryIO, where: str, size: int | None = None) -> Header:
 
     ``size`` is the file's size when ``f`` is not a file (bytes from a tier)."""
     size = os.fstat(f.fileno()).st_size if size is None else size
+    return parse_header(header_bytes(f, where, size), size, where)
+
+
+def header_bytes(f: BinaryIO, where: str, size: int) -> bytes:
+    """The header's bytes, length prefix included, read from the start of ``f`` (a
+    file of ``size`` bytes): bounded before they are read, not yet parsed."""
     raw = f.read(8)
     if len(raw) < 8:
         raise CorruptBlobError(where, f"file of {size} bytes is too short to be safetensors")
@@ -107,6 +114,12 @@ def read_header(f: BinaryIO, where: str, size: int | None = None) -> Header:
     text = f.read(n)
     if len(text) != n:
         raise CorruptBlobError(where, "file truncated inside the header")
+    return raw + text
+
+
+def parse_header(head: bytes, size: int, where: str) -> Header:
+    """Validate and parse ``header_bytes``' bytes of a file of ``size`` bytes."""
+    text = memoryview(head)[8:].tobytes()
     # Counted before parsing: a header of a million empty tensors costs a
     # gigabyte of Python objects once parsed.
     if text.count(b'"data_offsets"') > MAX_TENSORS:
@@ -126,10 +139,10 @@ def read_header(f: BinaryIO, where: str, size: int | None = None) -> Header:
         raise CorruptBlobError(where, "header metadata must map strings to strings")
     if len(obj) > MAX_TENSORS:
         raise CorruptBlobError(where, f"header lists {len(obj)} tensors")
-    data_start = 8 + n
+    data_start = len(head)
     entries = {k: _entry(where, k, v, data_start) for k, v in obj.items()}
     _check_layout(where, entries, data_start, size)
-    return Header(entries, meta, data_start, size, checksum(raw + text))
+    return Header(entries, meta, data_start, size, checksum(head))
 
 
 def _entry(where: str, name: str, v: object, base: int) -> Entry:

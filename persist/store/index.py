@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from .types import EntryInfo
 
-__all__ = ["Index", "SnapshotRow", "NewBlob", "BlockRef", "corruption_is_typed"]
+__all__ = ["Index", "SnapshotRow", "NewBlob", "BlockRef", "corruption_is_typed", "end_transaction"]
 
 
 @contextlib.contextmanager
@@ -54,6 +54,14 @@ def corruption_is_typed() -> Iterator[None]:
         raise  # bugs are not damage
     except sqlite3.DatabaseError as e:
         raise CorruptBlobError("index.sqlite", f"the index is damaged: {e}") from None
+
+
+def end_transaction(db: sqlite_utils.Database, verb: str) -> None:
+    """COMMIT or ROLLBACK the transaction, if one began: BEGIN itself may have failed
+    (a locked database) or been interrupted as it returned (a Ctrl-C), so the
+    connection is asked, not a flag set after it."""
+    if db.conn.in_transaction:
+        db.execute(verb)
 
 
 # Forced plan: walk blocks by chain hash first (SQLite has no statistics to know).
@@ -91,10 +99,8 @@ class Index:
                 self._end("COMMIT")
 
     def _end(self, verb: str) -> None:
-        """End the transaction this connection is in, if it is in one."""
-        if self.db.conn.in_transaction:
-            with contextlib.suppress(sqlite3.Error):
-                self.db.execute(verb)
+        with contextlib.suppress(sqlite3.Error):
+            end_transaction(self.db, verb)
 
     # -- namespaces -------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CorruptBlobError, InvalidArgumentError, UnsupportedVersionError
 from ..format.opening import file_kind
 from .full import disk_full_error, full_disk
+from .index import corruption_is_typed, end_transaction
 from .lost import damaged_index, lost_index
 
 if TYPE_CHECKING:
@@ -299,7 +300,6 @@ def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_uti
         if full_disk(e, path.parent):
             raise disk_full_error(path.parent, e) from None
         raise damaged_index(path, f"the index is not a usable SQLite file: {e}") from None
-    from .index import corruption_is_typed
 
     light = Database(conn)
     try:
@@ -349,13 +349,6 @@ def _version(db: sqlite_utils.Database) -> int:
     return int(row[0]) if row else 0
 
 
-def _roll_back(db: sqlite_utils.Database) -> None:
-    """Roll back the transaction, if one began: BEGIN itself may have failed (a
-    locked database) or been interrupted as it returned (a Ctrl-C)."""
-    if db.conn.in_transaction:
-        db.execute("ROLLBACK")
-
-
 def _migrate(db: sqlite_utils.Database, path: Path) -> None:
     try:
         db.execute("BEGIN IMMEDIATE")
@@ -372,7 +365,7 @@ def _migrate(db: sqlite_utils.Database, path: Path) -> None:
             )
         db.execute("COMMIT")
     except BaseException:
-        _roll_back(db)
+        end_transaction(db, "ROLLBACK")
         raise
 
 
@@ -396,5 +389,5 @@ def _check_block_tokens(
             )
         db.execute("COMMIT")
     except BaseException:
-        _roll_back(db)
+        end_transaction(db, "ROLLBACK")
         raise

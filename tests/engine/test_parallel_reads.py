@@ -132,13 +132,13 @@ def test_a_header_seen_before_is_not_parsed_again(
     one already checked reuses that parse."""
     store, identity, cache = saved(tiny, tmp_path / "s")
     parsed: list[str] = []
-    real = blob_reads.read_header
+    real = blob_reads.parse_header
 
-    def counted(f: Any, where: str, size: int | None = None) -> Any:
+    def counted(head: bytes, size: int, where: str) -> Any:
         parsed.append(where)
-        return real(f, where, size)
+        return real(head, size, where)
 
-    monkeypatch.setattr(blob_reads, "read_header", counted)
+    monkeypatch.setattr(blob_reads, "parse_header", counted)
     monkeypatch.setattr(blob_reads, "_checked", OrderedDict())
     with store:
         first = store.restore("s", identity=identity).cache
