@@ -104,7 +104,8 @@ class SessionConflictError(PersistError, RuntimeError):
 
 
 class StoreBusyError(PersistError, RuntimeError):
-    """Concurrent writers kept replacing what this operation needed; retrying may succeed."""
+    """Concurrent writers kept replacing what this operation needed, or held the
+    store's index locked past the wait; retrying may succeed."""
 
 
 class StorageError(PersistError, OSError):

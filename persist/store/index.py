@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CorruptBlobError, StorageError, StoreFullError
+from ..errors import CorruptBlobError, StorageError, StoreBusyError, StoreFullError
 from .rows import (
     SNAPSHOT_COLS,
     BlockRef,
@@ -49,7 +49,11 @@ def corruption_is_typed() -> Iterator[None]:
             raise StoreFullError(0, 0, f"the disk holding the store is full ({e})") from None
         if "disk I/O error" in str(e):
             raise StorageError("the store's index", OSError(errno.EIO, str(e))) from None
-        raise  # locks and timeouts are not damage
+        if "database is locked" in str(e):  # another process held it past the busy timeout
+            raise StoreBusyError(
+                f"the store's index stayed locked by another process ({e}); retry later"
+            ) from None
+        raise  # other operational errors are not damage
     except (sqlite3.IntegrityError, sqlite3.ProgrammingError):
         raise  # bugs are not damage
     except sqlite3.DatabaseError as e:
@@ -57,11 +61,21 @@ def corruption_is_typed() -> Iterator[None]:
 
 
 def end_transaction(db: sqlite_utils.Database, verb: str) -> None:
-    """COMMIT or ROLLBACK the transaction, if one began: BEGIN itself may have failed
-    (a locked database) or been interrupted as it returned (a Ctrl-C), so the
-    connection is asked, not a flag set after it."""
-    if db.conn.in_transaction:
-        db.execute(verb)
+    """COMMIT or ROLLBACK the connection's transaction, if it is in one, even through
+    Ctrl-Cs: an interrupt raised as the statement was about to run is caught and the
+    statement tried again, then raised once the transaction is over.  The
+    connection is asked, not a flag: BEGIN itself may have failed (a locked
+    database) or been interrupted as it returned."""
+    interrupted: KeyboardInterrupt | None = None
+    while True:
+        try:
+            if db.conn.in_transaction:
+                db.execute(verb)
+            break
+        except KeyboardInterrupt as e:
+            interrupted = e
+    if interrupted is not None:
+        raise interrupted
 
 
 # Forced plan: walk blocks by chain hash first (SQLite has no statistics to know).
@@ -78,20 +92,23 @@ class Index:
 
     @contextlib.contextmanager
     def write(self) -> Iterator[sqlite_utils.Database]:
-        # BEGIN inside the try: a Ctrl-C that lands while it runs is raised as it
-        # returns, and must still roll back (the connection asks, not a flag)
+        # Every statement that begins or ends a transaction sits inside the block
+        # that ends it: a Ctrl-C is raised as a statement returns or is about to
+        # run, and the transaction must never outlive the call.
         with self.lock, corruption_is_typed():
+            self._end("ROLLBACK")  # one left open is never this call's to commit
             try:
                 self.db.execute("BEGIN IMMEDIATE")
                 yield self.db
+                self.db.execute("COMMIT")
             except BaseException:
                 self._end("ROLLBACK")
                 raise
-            self.db.execute("COMMIT")
 
     @contextlib.contextmanager
     def read(self) -> Iterator[sqlite_utils.Database]:
         with self.lock, corruption_is_typed():
+            self._end("ROLLBACK")
             try:
                 self.db.execute("BEGIN")
                 yield self.db

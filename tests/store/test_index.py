@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sqlite3
 import time
 from collections.abc import Sequence
@@ -11,6 +13,7 @@ from typing import Any
 import msgpack
 import pytest
 
+import persist
 from persist.errors import CorruptBlobError
 from persist.format.tokens import pack_tokens
 from persist.store import retention, schema, writes
@@ -189,3 +192,68 @@ def test_a_begin_that_fails_at_open_is_the_error_raised(
     with pytest.raises(raised):
         schema._migrate(db, tmp_path / "index.sqlite")
     assert not db.conn.in_transaction
+
+
+class SigintBefore:
+    """A real SIGINT to this process just before the index runs ``sql`` the n-th time:
+    Python raises it there, as it does when a Ctrl-C lands between two statements."""
+
+    def __init__(self, index: Index, monkeypatch: pytest.MonkeyPatch, *sqls: str) -> None:
+        real, self.left = index.db.execute, list(sqls)
+
+        def execute(sql: str, *a: Any, **k: Any) -> Any:
+            if self.left and sql == self.left[0]:
+                self.left.pop(0)
+                os.kill(os.getpid(), signal.SIGINT)
+            return real(sql, *a, **k)
+
+        monkeypatch.setattr(index.db, "execute", execute)
+
+
+def put_secret(db: Any, name: str) -> None:
+    db.execute("INSERT INTO namespaces(name, secret) VALUES (?, ?)", [name, b"s" * 32])
+
+
+@pytest.mark.parametrize(
+    "case", ["write's commit", "read's commit", "write's commit, then its rollback"]
+)
+def test_a_ctrl_c_as_a_transaction_ends_never_leaves_it_open(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack (round 4, session 3): a Ctrl-C just before a write's COMMIT or a read's
+    closing COMMIT left the connection inside the transaction: the store's write
+    lock stayed held (other processes timed out), the next call failed untyped, and
+    a second Ctrl-C before the ROLLBACK let the next read COMMIT the half-done
+    write.  No transaction outlives the call; an interrupted write is rolled back."""
+    index = Index(connect(tmp_path / "index.sqlite", 4))
+    if case == "read's commit":
+        SigintBefore(index, monkeypatch, "COMMIT")
+        with pytest.raises(KeyboardInterrupt), index.read() as db:
+            db.execute("SELECT 1")
+    else:
+        sqls = ["COMMIT"] + (["ROLLBACK"] if "rollback" in case else [])
+        spy = SigintBefore(index, monkeypatch, *sqls)
+        with pytest.raises(KeyboardInterrupt), index.write() as db:
+            put_secret(db, "half")
+        assert spy.left == []
+    monkeypatch.undo()
+    assert not index.db.conn.in_transaction
+    assert index.secret("half") is None  # the interrupted write is not there
+    other = Index(connect(tmp_path / "index.sqlite", 4))  # no lock held
+    with other.write() as db:
+        put_secret(db, "other")
+    assert index.secret("other") == b"s" * 32
+
+
+def test_an_index_locked_past_the_wait_is_a_typed_error(tmp_path: Path) -> None:
+    """Attack (round 4, session 3): a lock held past SQLite's busy timeout surfaced as
+    a raw sqlite3.OperationalError, which the CLI reports as a bug in persist."""
+    holder = Index(connect(tmp_path / "index.sqlite", 4))
+    index = Index(connect(tmp_path / "index.sqlite", 4))
+    index.db.execute("PRAGMA busy_timeout=50")  # not a minute: the lock outlasts it
+    with holder.write() as db:
+        put_secret(db, "held")
+        with pytest.raises(persist.StoreBusyError, match="locked"), index.write() as other:
+            put_secret(other, "late")
+    assert not index.db.conn.in_transaction
+    assert index.secret("held") == b"s" * 32 and index.secret("late") is None
