@@ -51,7 +51,7 @@ from mlx_lm.models import cache as mc
 
 import persist
 from bench.common import machine, write_results
-from persist.store import listing
+from persist.storage import listing
 from tests.golden.cases import IDENTITY, kvs
 
 SYSTEM = list(range(1000, 1300))

@@ -120,8 +120,9 @@ def run(tmp: Path, url: str) -> dict[str, Any]:
         c.shared.agree(c.index, "default")
         secret = c.index.secret("default")
         assert secret is not None
-        from persist.engine.tier_records import Expect
-        from persist.store.chains import chain_root, chains, head_key
+        from persist.engine.tiers.exchange.records import Expect
+
+        from persist.storage.chains import chain_root, chains, head_key
 
         every = chains(chain_root(secret, IDENTITY.digest), long, c.block_tokens)
         b = c.block_tokens

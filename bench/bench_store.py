@@ -38,8 +38,8 @@ from bench.common import (
 )
 from persist.engine.blocks import chain_root, chains, head_key
 from persist.format.tokens import pack_tokens
-from persist.store import writes
-from persist.store.index import BlockRef
+from persist.storage import writes
+from persist.storage.index import BlockRef
 
 GB = 1e9
 IDENTITY = persist.ModelIdentity("bench", "c", "w", "t", "h", name="bench")

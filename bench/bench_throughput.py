@@ -44,7 +44,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, save_pr
 import persist
 from bench import default_path
 from bench.common import RESULTS, direct_write, evict, raw_read, raw_write, warm
-from persist.apps.server import keep_freed_buffers
+from persist.serve.server import keep_freed_buffers
 
 IDENTITY = persist.ModelIdentity("bench", "c", "w", "t", "h", name="bench")
 Op = tuple[Callable[[], Any] | None, Callable[[], Any]]

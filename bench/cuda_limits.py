@@ -19,8 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from bench.common import evict, warm
-from persist.format import cuda_kernels
-from persist.format.cudadrv import Driver
+from persist.cuda import kernels as cuda_kernels
+from persist.cuda.driver import Driver
 
 THREADS = 8
 PART = 1 << 30

@@ -31,10 +31,10 @@ import numpy as np
 import persist
 from bench.bench_throughput import IDENTITY, first_step, llama
 from bench.common import warm
-from persist.format import pinned
+from persist.cuda import pinned
+from persist.cuda.driver import Driver
+from persist.cuda.kernels import device_buffers
 from persist.format.container import read_header
-from persist.format.cuda_kernels import device_buffers
-from persist.format.cudadrv import Driver
 from persist.format.manifest import blob_manifest
 
 SLOT = 8 << 20
@@ -176,7 +176,7 @@ def main() -> None:
     total = int(sum(sizes))
     slots, unhashed = plan(files)
     driver = Driver()
-    pinned.choose()  # MLX's context and the thread lanes, as a restore has them
+    pinned.data_path()  # MLX's context and the thread lanes, as a restore has them
     ((buf, dst),) = device_buffers([total])
     want = mx.concatenate([mx.array(_tensor_bytes(p)) for p in files])
     workers = {n: Workers(driver, n) for n in (8, 12, 16)}

@@ -32,9 +32,11 @@ import xxhash
 import persist
 from bench.bench_throughput import IDENTITY, first_step, llama
 from bench.common import warm
-from persist.engine import loading, slot_reads, staging
-from persist.format import pinned, reader_worker
-from persist.format.cudadrv import Driver
+from persist.cuda import pinned, reader_worker
+from persist.cuda.driver import Driver
+from persist.engine import loading
+from persist.engine.staged import restore as staging
+from persist.engine.staged import slot_reads
 
 REPS = 3
 _sums: dict[str, float] = defaultdict(float)

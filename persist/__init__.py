@@ -1,7 +1,7 @@
 """persist: save MLX inference caches to disk and resume them bit-exactly.
 
 The public API; everything else is internal.  Names are imported on first
-use (PEP 562), so ``import persist``, ``import persist.store`` and the
+use (PEP 562), so ``import persist``, ``import persist.storage`` and the
 store-only commands never import mlx or mlx-lm, and nothing here imports
 click.  The errors are plain and imported at once.
 """
@@ -53,11 +53,11 @@ _LAZY = {
     "Loaded": "engine.files",
     "extract_row": "codecs.snapshot",
     "Store": "engine.store",
-    "EntryInfo": "store.types",
-    "Restored": "store.types",
-    "GcReport": "store.types",
-    "Problem": "store.types",
-    "StoreStats": "store.types",
+    "EntryInfo": "storage.types",
+    "Restored": "storage.types",
+    "GcReport": "storage.types",
+    "Problem": "storage.types",
+    "StoreStats": "storage.types",
     "prefill": "engine.prefill",
     "speculative_greedy": "apps.speculative",
     "ModelIdentity": "identity",
@@ -97,7 +97,7 @@ if TYPE_CHECKING:
         register_kind,
     )
     from .records import Record, RecordSpec, ResumeFacts
-    from .store.types import EntryInfo, GcReport, Problem, Restored, StoreStats
+    from .storage.types import EntryInfo, GcReport, Problem, Restored, StoreStats
 
 __all__ = [
     "__version__",

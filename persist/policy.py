@@ -16,7 +16,7 @@ __all__ = [
     "Candidate",
     "Choice",
     "usable_prefix",
-    "choose",
+    "best_candidate",
     "combine_trimmable",
     "combine_floor",
     "quantized_floor",
@@ -118,7 +118,7 @@ COULD_SERVE_SQL = (
 )
 
 
-def choose(cands: Iterable[tuple[Candidate, int]], prompt_len: int) -> Choice | None:
+def best_candidate(cands: Iterable[tuple[Candidate, int]], prompt_len: int) -> Choice | None:
     """The best (candidate, common prefix) pair: longest usable prefix, then an
     exact-length snapshot (nothing to trim), then the most recently used."""
     best: tuple[tuple[int, bool, float, int], Choice] | None = None

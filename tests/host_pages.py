@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
-from persist.format.pinned_pool import Page, PagedHolder, PagePool, Part
+from persist.cuda.pinned_pool import Page, PagedHolder, PagePool, Part
 
 WHERE = "host memory pages"
 

@@ -219,7 +219,7 @@ def test_the_server_stamps_what_its_provider_loads(
 
     from mlx_lm import load
 
-    from persist.apps.server_identity import track_identities
+    from persist.serve.model_identity import track_identities
 
     d = model_dir("llama")
     files = persist.ModelIdentity.from_path(d)

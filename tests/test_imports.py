@@ -1,6 +1,6 @@
 """What importing persist costs, checked in fresh interpreters (sys.modules, not source text).
 
-``import persist``, ``import persist.store``, ``import persist.policy`` and the
+``import persist``, ``import persist.storage``, ``import persist.policy`` and the
 store-only commands (ls, show, rm, gc, check, stats, --help) never import mlx
 or mlx-lm; importing persist never imports click.
 """
@@ -29,7 +29,9 @@ def modules_after(code: str) -> set[str]:
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize("module", ["persist", "persist.store", "persist.policy", "persist.errors"])
+@pytest.mark.parametrize(
+    "module", ["persist", "persist.storage", "persist.policy", "persist.errors"]
+)
 def test_light_imports(module: str) -> None:
     loaded = modules_after(f"import {module}")
     assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))
@@ -81,11 +83,11 @@ def test_reads_of_a_current_store_never_import_sqlite_utils(command: str, tmp_pa
 LISTING_NEVER = (
     "persist.engine.store",
     "persist.engine.costs",
-    "persist.store.blobs",
-    "persist.store.retention",
+    "persist.storage.blobs",
+    "persist.storage.retention",
     "persist.format.container",
     "persist.policy",
-    "persist.cli.upkeep",
+    "persist.cli.maintenance",
     "persist.cli.run",
     "persist.cli.transfer",
     "logging",
@@ -116,4 +118,4 @@ def test_ls_and_show_import_only_the_index(command: str, tmp_path: Path) -> None
     )
     loaded = modules_after(code)
     assert not loaded & set(LISTING_NEVER), sorted(loaded & set(LISTING_NEVER))
-    assert "persist.store.index" in loaded  # the probe ran the command's read
+    assert "persist.storage.index" in loaded  # the probe ran the command's read

@@ -3,9 +3,10 @@ functions and under TYPE_CHECKING count too): each layer imports only the
 layers listed for it, and no two modules import each other, directly or round
 a longer circle.
 
-    cli -> apps -> engine -> {codecs, store, policy, format, identity}
-        codecs -> {format, policy, kinds, caches};  store -> {format, policy}
-        format -> {records, errors};  everything -> {records, errors}
+    cli -> {serve, apps} -> engine -> {codecs, storage, remote, cuda, policy, format, identity}
+        serve -> apps;  codecs -> {format, policy, kinds, caches, cuda}
+        storage -> {format, policy}
+        remote, cuda, format -> {records, errors};  everything -> {records, errors}
 
 Runtime guarantees (what ``import persist`` really loads) live in test_imports.py.
 """
@@ -34,9 +35,14 @@ ALLOWED: dict[str, set[str]] = {
     "identity": BASE | {"provenance"},
     "caches": BASE,
     "format": BASE,
-    "codecs": BASE | {"format", "policy", "kinds", "caches", "marks"},
-    "store": BASE | {"format", "policy"},
-    "engine": BASE | {"format", "policy", "kinds", "identity", "codecs", "store", "marks"},
+    "codecs": BASE | {"format", "policy", "kinds", "caches", "marks", "cuda"},
+    # CUDA transport (driver, kernels, pinned staging, reader processes)
+    "cuda": BASE,
+    "storage": BASE | {"format", "policy"},
+    # clients of the tiers beyond one machine (Redis, S3)
+    "remote": BASE,
+    "engine": BASE
+    | {"format", "policy", "kinds", "identity", "codecs", "storage", "remote", "cuda", "marks"},
     "apps": BASE
     | {
         "format",
@@ -45,21 +51,24 @@ ALLOWED: dict[str, set[str]] = {
         "identity",
         "provenance",
         "codecs",
-        "store",
+        "storage",
         "engine",
         "caches",
     },
-    "cli": BASE | {"identity", "store", "engine", "apps"},
+    # persist serve: mlx-lm's server over the engine
+    "serve": BASE | {"identity", "provenance", "codecs", "storage", "engine", "apps"},
+    "cli": BASE | {"identity", "storage", "engine", "apps", "serve"},
     "__main__": {"cli"},
     # re-exports by name (PEP 562); its TYPE_CHECKING block names every layer
-    "__init__": BASE | {"policy", "kinds", "identity", "codecs", "store", "engine", "apps"},
+    "__init__": BASE | {"policy", "kinds", "identity", "codecs", "storage", "engine", "apps"},
 }
 NEVER_MLX = {
     "errors",
     "records",
     "policy",
     "kinds",
-    "store",
+    "storage",
+    "remote",
     "weights_memo",
     "marks",
 }  # numpy neither
@@ -158,6 +167,6 @@ def test_the_graph_sees_real_arrows() -> None:
     """The test can fail: it finds the arrows it forbids when they are there."""
     edges = graph()
     assert "persist.engine.saving" in edges["persist.engine.store"]
-    assert "persist.store.index" in edges["persist.engine.store"]
+    assert "persist.storage.index" in edges["persist.engine.store"]
     assert "persist.kinds" in edges["persist.codecs"]
     assert "persist.codecs" not in edges["persist.kinds"]

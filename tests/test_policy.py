@@ -42,7 +42,7 @@ def test_choose_takes_the_longest_usable(
     cands = [
         (Candidate(i, n, t, f, float(i)), min(lcp, n)) for i, (n, t, f, lcp) in enumerate(rows)
     ]
-    best = policy.choose(cands, prompt)
+    best = policy.best_candidate(cands, prompt)
     usable = [
         policy.usable_prefix(c.stored_len, lcp, prompt, c.trimmable, c.min_resume)
         for c, lcp in cands

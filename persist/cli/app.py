@@ -151,7 +151,7 @@ def tier_urls() -> dict[str, Any]:
 
 
 def read_tier_key(path: Path) -> bytes:
-    from ..engine.tier_records import parse_key
+    from ..engine.tiers.records import parse_key
 
     try:
         text = path.read_text(encoding="ascii")
@@ -169,7 +169,7 @@ def open_store(store_dir: Path | None, *, create: bool = False, **kw: Any) -> An
     sessions (``create``) make a store; the others refuse a folder without one, so
     a mistyped ``--store`` is an error, not a new empty store."""
     from ..engine.store import Store
-    from ..store.rows import store_root
+    from ..storage.rows import store_root
 
     root = store_root(store_dir if store_dir is not None else default_store())
     if not create and not (root / "index.sqlite").is_file():
@@ -177,10 +177,10 @@ def open_store(store_dir: Path | None, *, create: bool = False, **kw: Any) -> An
     kw = {**tier_urls(), **kw}
     store = Store(root, **kw)
     if create and "max_bytes" not in kw:  # what writes is held to the store's budget
-        from ..store import upkeep
-        from ..store.retention import Budgets
+        from ..storage import housekeeping
+        from ..storage.retention import Budgets
 
-        limit, _ = upkeep.budget(store.index, store.root)
+        limit, _ = housekeeping.budget(store.index, store.root)
         store.budgets = Budgets(limit, store.budgets.per_namespace)
     return store
 
@@ -191,10 +191,10 @@ def open_index(store_dir: Path | None) -> Iterator[Any]:
     no ``Store``, so a listing imports neither the engine (costs, retention, tiers) nor
     the blob files and their format; its first rows come after SQLite's open.  A folder
     without a store is refused, as ``open_store`` refuses it."""
-    from ..store import full
-    from ..store.index import Index
-    from ..store.rows import store_root
-    from ..store.schema import connect
+    from ..storage import full
+    from ..storage.index import Index
+    from ..storage.rows import store_root
+    from ..storage.schema import connect
 
     root = store_root(store_dir if store_dir is not None else default_store())
     path = root / "index.sqlite"
@@ -220,7 +220,7 @@ def complete_sessions(
     from click.shell_completion import CompletionItem
 
     try:
-        from ..store.listing import stream
+        from ..storage.listing import stream
 
         given = ctx.params.get("store_dir")
         with open_index(given) as index:  # the names that start so: a range of an index
@@ -237,7 +237,7 @@ REPORT = "persist: this is a bug in persist; please report it with the traceback
 # command -> the module of persist.cli that registers it (imported when it runs)
 COMMANDS = {
     **dict.fromkeys(["ls", "show", "rm", "check", "pin", "unpin"], "sessions"),
-    **dict.fromkeys(["gc", "stats", "config"], "upkeep"),
+    **dict.fromkeys(["gc", "stats", "config"], "maintenance"),
     **dict.fromkeys(["generate", "prime"], "run"),
     **dict.fromkeys(["export", "import", "sync"], "transfer"),
     **dict.fromkeys(["inspect", "verify"], "files"),

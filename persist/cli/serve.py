@@ -131,7 +131,7 @@ def serve_cmd(
       persist serve --model ./tiny --mlx-cache 8G --port 8080
     """
     from ..apps.hub import resolve_model
-    from ..apps.server import serve
+    from ..serve.server import serve
 
     with _exit_line(log_format):
         root = store_dir if store_dir is not None else default_store()
@@ -171,7 +171,7 @@ def _exit_line(log_format: str) -> Iterator[None]:
     except Exception as e:
         if log_format != "json":
             raise
-        from ..apps.server_logs import use_log_format
+        from ..serve.logs import use_log_format
 
         use_log_format("json")  # also when it failed before mlx-lm configured logging
         log = logging.getLogger("persist")

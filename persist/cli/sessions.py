@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from ..errors import SessionNotFoundError
-from ..store.types import EntryInfo
+from ..storage.types import EntryInfo
 from .app import (
     cli,
     complete_sessions,
@@ -84,7 +84,7 @@ def ls_cmd(
       persist ls --sort used --limit 20
       persist ls --prefix user- --all --json
     """
-    from ..store.listing import stream, unnamed_counts
+    from ..storage.listing import stream, unnamed_counts
 
     with open_index(store_dir) as index:
         if limit is not None:

@@ -30,14 +30,7 @@ from .cachelist import CacheListCodec
 from .deepseek import CLASS_PATH as DEEPSEEK_V4
 from .deepseek import DeepSeekV4LayerCodec
 from .delayed import DelayedQuantizedCodec
-from .dispatch import (
-    capacity_of,
-    check_spec,
-    decode_record,
-    encode_cache,
-    facts_of,
-    trim_record,
-)
+from .dispatch import capacity_of, check_spec, decode_record, encode_cache, facts_of, trim_record
 from .gated_delta import GatedDeltaCodec
 from .kv import ChunkedKVCodec, ConcatKVCodec, KVCodec
 from .quantized import QuantizedKVCodec

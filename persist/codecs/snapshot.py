@@ -22,8 +22,8 @@ import mlx.core as mx
 import numpy as np
 
 from .. import policy
+from ..cuda import readback
 from ..errors import CorruptBlobError, NotResumableError, UnsupportedCacheError
-from ..format import readback
 from ..format.manifest import tensor_keys
 from ..format.tensors import device_copy, on_cuda
 from ..format.tokens import check_tokens
@@ -103,7 +103,7 @@ def capture(cache: Any, tokens: Sequence[int] | None = None) -> Snapshot:
         # A host read moves an MLX CUDA buffer into managed memory, and then every
         # decode step of the process slows (12 ms -> 1.8 s at 128k tokens on an
         # H200): the host reads a device copy, through the driver where there is
-        # one (format/readback), so no buffer ever turns managed.
+        # one (cuda/readback), so no buffer ever turns managed.
         twins = {k: device_copy(t) for k, t in twins.items()}
     mx.eval([*tensors.values(), *twins.values()])
     copied = readback.host_copies(list(twins.values())) if on_cuda() else None

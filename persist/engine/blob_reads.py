@@ -24,12 +24,12 @@ from ..format.tensors import read_pieces
 from ..records import Progress
 
 if TYPE_CHECKING:
-    from ..store.blobs import BlobStore
+    from ..storage.blobs import BlobStore
 
 __all__ = [
     "Blob",
     "open_known",
-    "taken",
+    "filled_by",
     "entry",
     "Ahead",
     "read_all",
@@ -103,7 +103,9 @@ Buffers = dict[str, tuple[Any, memoryview, int]]  # tensor key -> (array, writab
 Piece = tuple[str, int, str]  # blob file, first position it holds, which tensors to take
 
 
-def taken(keys: Iterable[str], split: dict[str, int], which: str, at: int) -> list[tuple[str, int]]:
+def filled_by(
+    keys: Iterable[str], split: dict[str, int], which: str, at: int
+) -> list[tuple[str, int]]:
     """The tensors a piece of ``which`` part gives, each with the first position it
     fills: block i fills positions [i*B, (i+1)*B) of every split tensor ("split",
     "all"), the tail the rest and every other tensor ("rest", "all")."""
@@ -196,7 +198,8 @@ def _read_blob(
     blob = open_known(blobs, file, known)
     try:
         wanted = [
-            _piece(blob, key, *buffers[key], pos) for key, pos in taken(buffers, split, which, at)
+            _piece(blob, key, *buffers[key], pos)
+            for key, pos in filled_by(buffers, split, which, at)
         ]
         read_pieces(blob.f.fileno(), wanted)
     finally:

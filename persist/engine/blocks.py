@@ -21,7 +21,7 @@ import xxhash
 from ..codecs.snapshot import Snapshot
 from ..format.manifest import pack_snapshot_manifest, tensor_keys
 from ..records import Record, TensorSpec
-from ..store.chains import HEAD_TOKENS, chain_root, chains, head_key
+from ..storage.chains import HEAD_TOKENS, chain_root, chains, head_key
 
 __all__ = [
     "HEAD_TOKENS",

@@ -4,7 +4,7 @@ Restores are timed where they happen (``reading``: the local store; ``tiers``:
 a pull from Redis or S3; ``host_store.served``: a copy out of the host tier)
 and prefills where they happen (``persist.prefill``, ``persist generate``,
 ``persist serve``); the rates live in the index
-(``persist.store.rates``), per machine, so every process on this machine
+(``persist.storage.rates``), per machine, so every process on this machine
 learns from the others.  No measurement yet: restore, as persist always did.
 """
 
@@ -21,12 +21,12 @@ import msgpack
 from .. import policy
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
-from ..store import rates
-from ..store.full import best_effort
+from ..storage import rates
+from ..storage.full import best_effort
 
 if TYPE_CHECKING:
-    from ..store.blobs import BlobStore
-    from ..store.index import Index, SnapshotRow
+    from ..storage.blobs import BlobStore
+    from ..storage.index import Index, SnapshotRow
 
 __all__ = ["CostModel", "LOCAL", "LOCAL_DISK", "local_hit"]
 

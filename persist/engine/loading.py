@@ -21,11 +21,11 @@ import msgpack
 from .. import policy
 from ..codecs import capacity_of, check_spec, trim_record
 from ..codecs.snapshot import rebuild
+from ..cuda import pinned
+from ..cuda.kernels import as_tensor
+from ..cuda.readers import ReaderLost
 from ..errors import CorruptBlobError
-from ..format import pinned
-from ..format.cuda_kernels import as_tensor
 from ..format.manifest import snapshot_specs
-from ..format.readers import ReaderLost
 from ..format.tensors import (
     NAME_TO_MX,
     allocate_many,
@@ -35,16 +35,16 @@ from ..format.tensors import (
     on_cuda,
 )
 from ..records import DTYPE_SIZES, Progress, Record, RecordSpec, TensorSpec
-from ..store import rates
+from ..storage import rates
 from . import partial as partial_room
-from . import staging
-from .blob_reads import WORKERS, Ahead, Blob, Buffers, Piece, entry, open_known, read_all, taken
+from .blob_reads import WORKERS, Ahead, Blob, Buffers, Piece, entry, filled_by, open_known, read_all
+from .staged import restore as staging
 
 _log = logging.getLogger("persist")
 
 if TYPE_CHECKING:
-    from ..store.blobs import BlobStore
-    from ..store.index import BlockRef, Index, SnapshotRow
+    from ..storage.blobs import BlobStore
+    from ..storage.index import BlockRef, Index, SnapshotRow
 
 __all__ = ["load_snapshot"]
 
@@ -86,9 +86,9 @@ def load_snapshot(
         pieces = []  # every tensor is split: the blocks hold all a partial read needs
     pieces += [(f, i * block, "split") for i, f in enumerate(files[:need]) if split]
     heads = {file: index.blob_head(file) for file, _, _ in pieces}  # the index: this thread only
-    room = partial_room.roomy(specs, split, keep, need * block) if keep and partial else {}
+    room = partial_room.room_for(specs, split, keep, need * block) if keep and partial else {}
     length = need * block if partial else None
-    choice = pinned.choose()
+    choice = pinned.data_path()
     _note_path(index, choice)
     arrays = None
     if choice.ring is not None and not staging.busy():
@@ -156,7 +156,7 @@ def _staged(
     progress: Progress | None,
 ) -> dict[str, Any]:
     """CUDA: every tensor's device buffer first, then the blobs through the pinned
-    lanes straight into them (engine/staging)."""
+    lanes straight into them (engine/staged/restore)."""
     keys, wanted = _wanted(specs, split, length, room)
     shapes = {
         key: (grown_shape(spec, cap, axis), axis, spec.dtype)
@@ -190,9 +190,9 @@ def _open_staged(
     split: dict[str, int],
 ) -> tuple[int, list[staging.Want], Callable[[], None]]:
     """On a reader thread: open and check a blob, name the tensors it gives (as
-    the host path does: ``blob_reads.taken``)."""
+    the host path does: ``blob_reads.filled_by``)."""
     blob = open_known(blobs, file, known)
-    wants = [_want(blob, key, pos) for key, pos in taken(dests, split, which, at)]
+    wants = [_want(blob, key, pos) for key, pos in filled_by(dests, split, which, at)]
     return blob.f.fileno(), wants, blob.f.close
 
 

@@ -3,7 +3,7 @@
 A trimmed KV record decodes into buffers with the step-rounded room of k
 positions; a buffer read with only the blocks that cover k would be grown
 by a copy of every byte.  So the split tensors get that room up front:
-``roomy`` asks each codec, through its own ``trim`` and ``capacity`` on
+``room_for`` asks each codec, through its own ``trim`` and ``capacity`` on
 never-evaluated placeholders, how long the trimmed tensor is and how much
 room it wants.  After the read, positions past k are zeroed (as a fresh
 prefill's room is) and ``keep_buffers`` hands the whole buffer to decoding
@@ -22,12 +22,12 @@ from ..codecs import capacity_of, trim_record
 from ..format.tensors import NAME_TO_MX, dtype_name
 from ..records import DTYPE_SIZES, Record, RecordSpec
 
-__all__ = ["roomy", "zero_past", "keep_buffers"]
+__all__ = ["room_for", "zero_past", "keep_buffers"]
 
 Room = dict[str, tuple[int, int]]  # split tensor key -> (trimmed length, room to allocate)
 
 
-def roomy(specs: list[RecordSpec], split: dict[str, int], keep: int, filled: int) -> Room:
+def room_for(specs: list[RecordSpec], split: dict[str, int], keep: int, filled: int) -> Room:
     """Split tensors whose trimmed record wants room for at least the ``filled``
     positions a partial read writes; the rest keep exactly ``filled`` positions."""
     out: Room = {}
@@ -63,7 +63,7 @@ def zero_past(view: memoryview, shape: tuple[int, ...], dtype: str, axis: int, n
 
 
 def keep_buffers(trimmed: Record, whole: Record, path: str, room: Room) -> Record:
-    """``trimmed`` with each roomy split tensor replaced by its whole buffer (from
+    """``trimmed`` with each split tensor given room replaced by its whole buffer (from
     the untrimmed ``whole``, its positions past the trim already zeroed)."""
     tensors = {
         name: whole.tensors[name] if f"{path}/{name}" in room else t

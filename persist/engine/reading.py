@@ -1,7 +1,7 @@
 """Restore and lookup: which stored row to read, what to do when it changes or is damaged.
 
 The Store's ``restore`` and ``lookup`` are thin wrappers over these.  Rows
-and blocks come from the index (``persist.store``), bytes from the blob
+and blocks come from the index (``persist.storage``), bytes from the blob
 tier through ``loading.load_snapshot``; counters are kept here, once.
 """
 
@@ -17,18 +17,18 @@ from ..errors import CorruptBlobError, IdentityMismatchError, SessionNotFoundErr
 from ..identity import ModelIdentity, backend_kind
 from ..marks import mark_unverified
 from ..records import Progress
-from ..store import lookup as lookup_queries
-from ..store.chains import chain_root, chains
-from ..store.full import best_effort
+from ..storage import lookup as lookup_queries
+from ..storage.chains import chain_root, chains
+from ..storage.full import best_effort
 from .costs import LOCAL, CostModel, local_hit
 from .loading import load_snapshot
 from .unverified import marked
 
 if TYPE_CHECKING:
-    from ..store.blobs import BlobStore
-    from ..store.index import Index, SnapshotRow
+    from ..storage.blobs import BlobStore
+    from ..storage.index import Index, SnapshotRow
 
-__all__ = ["restore_named", "choose", "lookup_prefix", "RESTORE_RETRIES"]
+__all__ = ["restore_named", "index_hit", "lookup_prefix", "RESTORE_RETRIES"]
 
 log = logging.getLogger("persist")
 RESTORE_RETRIES = 4  # re-reads of a session that concurrent saves keep replacing
@@ -101,7 +101,7 @@ def _other_backend(row: SnapshotRow, identity: ModelIdentity) -> bool:
     return bool(saved and here and saved != here)
 
 
-def choose(
+def index_hit(
     index: Index,
     toks: list[int],
     identity: ModelIdentity,
@@ -114,7 +114,7 @@ def choose(
     if secret is None:
         return None
     chs = chains(chain_root(secret, identity.digest), toks, block_tokens)
-    return lookup_queries.choose(index, namespace, identity.digest, chs, toks, block_tokens, skip)
+    return lookup_queries.best_row(index, namespace, identity.digest, chs, toks, block_tokens, skip)
 
 
 def lookup_prefix(
@@ -139,7 +139,7 @@ def lookup_prefix(
     tokens (or than ``max_cost`` seconds) is declined: None, as a miss.
     """
     skip: set[int] = set()
-    while (found := choose(index, toks, identity, namespace, block_tokens, skip)) is not None:
+    while (found := index_hit(index, toks, identity, namespace, block_tokens, skip)) is not None:
         row, prefix = found
         if strict_backend and _other_backend(row, identity):
             skip.add(row.id)  # computed on another backend: not for a strict store

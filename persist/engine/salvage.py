@@ -1,6 +1,6 @@
 """What ``check --fix`` keeps of a damaged trimmable session: its longest valid prefix.
 
-The store layer (``persist.store.check_damage``) finds the first damaged
+The store layer (``persist.storage.check_damage``) finds the first damaged
 block and asks for a cut; cutting rebuilds the cache from the valid blocks
 (``loading.load_snapshot`` with ``keep``: only the blocks before the damage
 and the tail's unsplit tensors are read, each verified) and saves it again
@@ -20,9 +20,9 @@ from ..errors import PersistError
 from ..format.tokens import unpack_tokens
 
 if TYPE_CHECKING:
-    from ..store import retention
-    from ..store.blobs import BlobStore
-    from ..store.index import Index, SnapshotRow
+    from ..storage import retention
+    from ..storage.blobs import BlobStore
+    from ..storage.index import Index, SnapshotRow
 
 __all__ = ["cutter"]
 

@@ -24,20 +24,15 @@ import msgpack
 from .. import policy
 from ..codecs.base import dtype_name
 from ..codecs.snapshot import Snapshot, capture
-from ..errors import (
-    NotResumableError,
-    SessionConflictError,
-    StoreBusyError,
-    StoreFullError,
-)
+from ..errors import NotResumableError, SessionConflictError, StoreBusyError, StoreFullError
 from ..format.container import write_tensors
 from ..format.manifest import blob_metadata
 from ..format.tokens import check_tokens, pack_tokens, unpack_tokens
 from ..identity import ModelIdentity
 from ..records import Progress
-from ..store import retention, writes
-from ..store.blobs import BlobStore
-from ..store.index import BlockRef, Index, NewBlob, SnapshotRow
+from ..storage import retention, writes
+from ..storage.blobs import BlobStore
+from ..storage.index import BlockRef, Index, NewBlob, SnapshotRow
 from .blocks import Parts, Piece, Plan, chain_root, chains, content_key, head_key, materialize, plan
 from .layer_checks import check_layers, check_quantized, holds_quantized, quantized_start
 from .unverified import UNVERIFIED_KEY, inherits_unverified

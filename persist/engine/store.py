@@ -3,7 +3,7 @@
 The engine's one public object.  Its methods are thin: they check names and
 identities, then call ``saving.save_snapshot`` / ``loading.load_snapshot``
 (which take the index and the blob tier, never the Store) or the storage
-layer (``persist.store``: SQL and files, no mlx).  Listing and maintenance
+layer (``persist.storage``: SQL and files, no mlx).  Listing and maintenance
 never import mlx: ``persist ls`` starts in a blink.
 """
 
@@ -15,32 +15,27 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import (
-    InvalidArgumentError,
-    PersistError,
-    SessionNotFoundError,
-    StorageError,
-)
+from ..errors import InvalidArgumentError, PersistError, SessionNotFoundError, StorageError
 from ..format.manifest import check_metadata
 from ..format.tokens import check_tokens, unpack_tokens
 from ..identity import ModelIdentity
 from ..records import Progress
-from ..store import full, retention
-from ..store.blobs import FileBlobs
-from ..store.check_damage import pop_notice
-from ..store.index import Index, SnapshotRow
-from ..store.rows import check_name, listed_info, store_root
-from ..store.schema import connect
-from ..store.types import EntryInfo, Restored
-from ..store.upkeep import remembered_budget
+from ..storage import full, retention
+from ..storage.blobs import FileBlobs
+from ..storage.check_damage import pop_notice
+from ..storage.housekeeping import remembered_budget
+from ..storage.index import Index, SnapshotRow
+from ..storage.rows import check_name, listed_info, store_root
+from ..storage.schema import connect
+from ..storage.types import EntryInfo, Restored
 from .costs import CostModel
+from .lifecycle import StoreUpkeep
 from .unverified import inherit_mark
-from .upkeep import StoreUpkeep
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
     from ..codecs.snapshot import Snapshot
     from .saving import Target
-    from .tiers import Shared
+    from .tiers.exchange import Shared
 
 __all__ = ["Store", "check_name"]
 
@@ -55,7 +50,7 @@ class Store(StoreUpkeep):
     bytes) gives tenants budgets of their own: a save evicts only in its own
     namespace, and one that cannot fit there is StoreFullError.  ``tier_key``: tiers.py.
     ``host_cache`` (bytes; None or 0: none) keeps a copy of every save in RAM that
-    lookups ask first (``engine.host_store``)."""
+    lookups ask first (``engine.host.store_hooks``)."""
 
     def __init__(
         self,
@@ -73,7 +68,7 @@ class Store(StoreUpkeep):
         self.root = store_root(root)
         self.host = None  # saves kept in RAM (engine.host_store)
         if host_cache is not None and host_cache != 0:  # mlx loads only when asked for
-            from .host_tier import HostTier
+            from .host.tier import HostTier
 
             self.host = HostTier(host_cache)  # checks the size
         if block_tokens is not None and not 1 <= block_tokens <= 1 << 20:
@@ -108,7 +103,7 @@ class Store(StoreUpkeep):
         self.shared: Shared | None = None  # a Redis-protocol server every machine shares
         self.cold: Shared | None = None  # S3, for named sessions
         if shared or cold:  # the tier code and clients load only when asked for
-            from .tiers import open_tiers
+            from .tiers.exchange import open_tiers
 
             self.shared, self.cold = open_tiers(shared, cold, tier_key)
         self.tiers = [t for t in (self.shared, self.cold) if t is not None]
@@ -204,7 +199,7 @@ class Store(StoreUpkeep):
             tier.push(self.index, self.blobs, row.namespace, row.id)
         info = self._info(row)
         if self.host is not None:
-            from .host_store import keep_saved, owner
+            from .host.store_hooks import keep_saved, owner
 
             who = owner(target.namespace, target.identity, self.strict_backend)
             keep_saved(self.host, cache, row, info, who)
@@ -270,11 +265,11 @@ class Store(StoreUpkeep):
         costs.begin(max_cost)  # checks max_cost; forgets the previous decision
         who, ram, kept = "", 0, 0
         if self.host is not None:
-            from .host_store import held, owner
+            from .host.store_hooks import host_hit, owner
 
             who = owner(namespace, identity, strict)
             h = self.host
-            ram, kept = held(h, costs, identity, namespace, who, toks, longer_than, max_cost)
+            ram, kept = host_hit(h, costs, identity, namespace, who, toks, longer_than, max_cost)
         have = max(kept, longer_than)  # what a pull or a read must beat (a declined copy too)
         if kept < len(toks) - 1:  # nothing beats a hit of every token but the last
             for tier in self.tiers:  # the fleet's deepest snapshot, if it beats what is here
@@ -288,7 +283,7 @@ class Store(StoreUpkeep):
                 return Restored(cache, toks[:prefix], self._info(row))
         if not ram:
             return None
-        from .host_store import from_host
+        from .host.store_hooks import from_host
 
         return from_host(self, toks, identity, namespace, who, longer_than, max_cost)
 
@@ -301,11 +296,11 @@ class Store(StoreUpkeep):
         self, tokens: Sequence[int], *, identity: ModelIdentity, namespace: str = "default"
     ) -> tuple[EntryInfo, int] | None:
         """What ``lookup`` would restore (entry, usable prefix), from the index alone."""
-        from .reading import choose
+        from .reading import index_hit
 
         toks = check_tokens(tokens)
         check_name(namespace, "namespace")
-        found = choose(self.index, toks, identity, namespace, self.block_tokens, set())
+        found = index_hit(self.index, toks, identity, namespace, self.block_tokens, set())
         return None if found is None else (self._info(found[0]), found[1])
 
     # -- listing and maintenance --------------------------------------------

@@ -358,7 +358,7 @@ def export_row(
     file claims ``model`` (mlx-lm loads it when not told another): the session is
     checked against the files of ``model_dir``, or of ``model`` when it is a folder."""
     from ..format.tokens import unpack_tokens
-    from ..store.rows import entry_info
+    from ..storage.rows import entry_info
     from .loading import load_snapshot
     from .reading import saved_identity
 

@@ -11,7 +11,7 @@ import msgpack
 from ..errors import InvalidArgumentError
 from ..format.tokens import unpack_tokens
 from ..marks import carries_unverified
-from ..store import writes
+from ..storage import writes
 
 __all__ = ["UNVERIFIED_KEY", "inherits_unverified", "inherit_mark", "marked"]
 

@@ -27,7 +27,7 @@ def test_a_bug_is_exit_3_with_a_traceback(monkeypatch: pytest.MonkeyPatch, tmp_p
     def broken(*_: Any, **__: Any) -> Any:
         raise RuntimeError("an unexpected bug")
 
-    from persist.store import listing
+    from persist.storage import listing
 
     monkeypatch.setattr(listing, "stream", broken)
     res = CliRunner().invoke(cli, ["ls", "--all", "--store", made(tmp_path)])
@@ -44,7 +44,7 @@ def test_builtin_errors_are_bugs_not_user_errors(
     def broken(*_: Any, **__: Any) -> Any:
         raise error
 
-    from persist.store import listing
+    from persist.storage import listing
 
     monkeypatch.setattr(listing, "stream", broken)
     res = CliRunner().invoke(cli, ["ls", "--store", made(tmp_path)])
@@ -62,7 +62,7 @@ def test_ctrl_c_is_exit_130(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     def interrupted(*_: Any, **__: Any) -> Any:
         raise KeyboardInterrupt
 
-    from persist.store import listing
+    from persist.storage import listing
 
     monkeypatch.setattr(listing, "stream", interrupted)
     res = CliRunner().invoke(cli, ["ls", "--store", made(tmp_path)])

@@ -188,7 +188,7 @@ def test_direct_caches_trim_like_a_shorter_feed(make: Any, store: persist.Store)
         assert raw(a[0]) == raw(b[0]) and raw(a[1]) == raw(b[1])
 
 
-# long: 8 s of prefill; tests/store/test_scale.py finds each of 3,000 chats in the quick run
+# long: 8 s of prefill; tests/storage/test_scale.py finds each of 3,000 chats in the quick run
 @pytest.mark.long
 def test_a_chat_of_many_sharing_a_system_prompt_hits_its_own_session(
     tiny: Any, store: persist.Store

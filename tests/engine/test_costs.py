@@ -24,9 +24,9 @@ import pytest
 import persist
 from bench.common import evict
 from persist.apps.generate import generate
-from persist.store import blobs as blobs_module
-from persist.store import rates
-from persist.store.blobs import FileBlobs
+from persist.storage import blobs as blobs_module
+from persist.storage import rates
+from persist.storage.blobs import FileBlobs
 from tests.helpers import (
     ON_CUDA,
     another_backend,

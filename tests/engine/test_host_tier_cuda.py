@@ -21,11 +21,11 @@ import pytest
 
 import persist
 from bench.servers import Server
-from persist.engine.host_tier import HostTier
-from persist.format import pinned
-from persist.format.cuda_kernels import addresses, device_buffers
-from persist.format.cudadrv import Driver
-from persist.format.pinned_pool import cuda_holder
+from persist.cuda import pinned
+from persist.cuda.driver import Driver
+from persist.cuda.kernels import addresses, device_buffers
+from persist.cuda.pinned_pool import cuda_holder
+from persist.engine.host.tier import HostTier
 from tests.engine.test_host_tier_pages import holds_no_array, pages_in_use
 from tests.format.test_pinned_pool import DTYPES, sample
 from tests.helpers import NEXT, ON_CUDA, assert_same_state, live_state, prefill, tokens_for
@@ -34,7 +34,7 @@ from tests.serve.test_serve import TURN1, TURN2, cached, text
 from tests.serve.test_serve_host_cache import OTHER, lookups, metrics, scrape
 
 pytestmark = pytest.mark.skipif(
-    not ON_CUDA or pinned.choose().path != pinned.CUDA_PINNED,
+    not ON_CUDA or pinned.data_path().path != pinned.CUDA_PINNED,
     reason="the CUDA host tier: pinned pages and kernels (an NVIDIA GPU)",
 )
 

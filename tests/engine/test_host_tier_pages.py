@@ -16,12 +16,12 @@ import mlx.core as mx
 import pytest
 
 import persist
-from persist.apps.server import PersistentPromptCache, host_budget
-from persist.engine import host_tier
-from persist.engine.host_records import arrays_of
-from persist.engine.host_tier import DEVICE_MEMORY, HostTier, default_budget
-from persist.format import pinned
-from persist.format.pinned import CUDA_PINNED, Choice
+from persist.cuda import pinned
+from persist.cuda.pinned import CUDA_PINNED, Choice
+from persist.engine.host import tier as host_tier
+from persist.engine.host.records import arrays_of
+from persist.engine.host.tier import DEVICE_MEMORY, HostTier, default_budget
+from persist.serve.server import PersistentPromptCache, host_budget
 from tests.engine.test_host_store import scribble_all
 from tests.helpers import (
     NEXT,
@@ -242,7 +242,7 @@ def test_serve_restores_an_evicted_cache_from_pages(tiny: Any, tmp_path: Path) -
 def test_pages_that_give_back_other_bytes_are_never_used() -> None:
     """The tier trusts pinned pages only once they gave back what they held, bit
     for bit (another MLX build might compile the kernels differently)."""
-    from persist.format.pinned_pool import proven
+    from persist.cuda.pinned_pool import proven
 
     good = host_holder(64 << 20)
     assert proven(good, 64 << 20) is None

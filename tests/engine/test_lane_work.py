@@ -1,4 +1,4 @@
-"""The work a staged restore's lanes share (engine/lane_work): blobs cut into
+"""The work a staged restore's lanes share (engine/staged/lane_work): blobs cut into
 tasks at tensor boundaries, handed to whichever lane asks, each blob closed
 with its last task."""
 
@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import persist
-from persist.engine.lane_work import GAP, Job, Work, tasks
-from persist.engine.slot_reads import Want
+from persist.engine.staged.lane_work import GAP, Job, Work, tasks
+from persist.engine.staged.slot_reads import Want
 from persist.records import TensorSpec
 from tests.engine.test_staging import HostLane, host_ring, staged
 from tests.helpers import assert_same_state, live_state, prefill, tokens_for

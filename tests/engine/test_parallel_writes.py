@@ -11,7 +11,7 @@ import pytest
 
 import persist
 from persist.engine import saving
-from persist.store.blobs import FileBlobs
+from persist.storage.blobs import FileBlobs
 from tests.helpers import live_state, prefill, tokens_for
 from tests.store_helpers import clean
 

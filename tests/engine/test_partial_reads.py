@@ -15,7 +15,7 @@ from mlx_lm.models import cache as C
 import persist
 from persist.codecs import encode_cache, trim_record
 from persist.codecs.snapshot import rebuild
-from persist.engine.partial import roomy
+from persist.engine.partial import room_for
 from persist.format.manifest import snapshot_specs
 from tests.helpers import assert_same_state, kv_quantized, live_state, prefill, raw, tokens_for
 
@@ -130,6 +130,6 @@ def test_sizing_a_partial_read_computes_nothing(tiny: Any, tmp_path: Path) -> No
     mx.synchronize()
     mx.reset_peak_memory()
     active = mx.get_active_memory()
-    room = roomy(specs, body["split"], 40, 48)
+    room = room_for(specs, body["split"], 40, 48)
     assert room and all(n == 40 and cap == 256 for n, cap in room.values())
     assert mx.get_peak_memory() - active < info.bytes // 100  # a scalar, not the cache

@@ -1,4 +1,4 @@
-"""The staged restore (format/pinned + engine/staging): blobs through lanes of
+"""The staged restore (cuda/pinned + engine/staged/restore): blobs through lanes of
 staging slots straight into the tensors' own buffers, against the host path,
 bit for bit.
 
@@ -33,12 +33,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import persist
-from persist.engine import slot_reads, staging
+from persist.cuda import pinned
+from persist.cuda import readers as readers_mod
+from persist.cuda.pinned import CUDA_PINNED, HOST, Choice, Placed, Ring
+from persist.cuda.readers import Readers
+from persist.engine.staged import restore as staging
+from persist.engine.staged import slot_reads
 from persist.errors import CorruptBlobError
-from persist.format import pinned
-from persist.format import readers as readers_mod
-from persist.format.pinned import CUDA_PINNED, HOST, Choice, Placed, Ring
-from persist.format.readers import Readers
 from tests.engine.test_partial_reads import full_then_trim, whole_buffers
 from tests.helpers import (
     CUDA_RTOL,
@@ -119,7 +120,7 @@ def small_ring(processes: bool = False) -> Ring:
 
 
 class HostProcLane(HostLane):
-    """A host lane whose slots a reader process fills (format/readers)."""
+    """A host lane whose slots a reader process fills (cuda/readers)."""
 
     def __init__(self, readers: Readers, i: int) -> None:
         super().__init__(0)
@@ -141,7 +142,7 @@ def proc_ring(lanes: int, size: int) -> Ring:
 def rings() -> Iterator[dict[str, Ring]]:
     out = {"small": small_ring(), "small processes": small_ring(processes=True)}
     if ON_CUDA:
-        chosen = pinned.choose()
+        chosen = pinned.data_path()
         assert chosen.path == CUDA_PINNED, chosen.reason
         assert chosen.ring is not None and chosen.ring.readers is not None
         out["default"] = chosen.ring
@@ -316,17 +317,17 @@ def fresh_choice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.mark.skipif(ON_CUDA, reason="the CPU's choice")
 def test_on_the_cpu_the_host_path_is_chosen_once(fresh_choice: None) -> None:
-    first = pinned.choose()
+    first = pinned.data_path()
     assert first.path == HOST and first.ring is None
     assert "MLX runs on cpu" in first.reason
-    assert pinned.choose() is first
+    assert pinned.data_path() is first
 
 
 def test_the_host_path_can_be_asked_for(
     fresh_choice: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PERSIST_DATA_PATH", "host")
-    assert pinned.choose() == Choice(HOST, "PERSIST_DATA_PATH=host")
+    assert pinned.data_path() == Choice(HOST, "PERSIST_DATA_PATH=host")
 
 
 def test_without_the_driver_library_the_host_path_is_taken(
@@ -338,7 +339,7 @@ def test_without_the_driver_library_the_host_path_is_taken(
         raise OSError(f"{name}: cannot open shared object file")
 
     monkeypatch.setattr(pinned.ctypes, "CDLL", no_lib)
-    got = pinned.choose()
+    got = pinned.data_path()
     assert got.path == HOST and got.ring is None
     assert "CUDA driver API unavailable (libcuda.so.1: cannot open" in got.reason
 
@@ -374,7 +375,7 @@ def test_a_refused_pinned_allocation_falls_back(
 ) -> None:
     monkeypatch.setattr(pinned, "backend", lambda: "cuda")
     monkeypatch.setattr(pinned, "Driver", lambda: FakeDriver(refuse=True))
-    got = pinned.choose()
+    got = pinned.data_path()
     assert got.path == HOST
     assert got.reason.startswith("pinned host memory refused (cuMemHostAlloc of")
 
@@ -391,13 +392,13 @@ def test_with_driver_and_memory_the_ring_is_made_once(
 
     monkeypatch.setattr(pinned, "Driver", driver)
     monkeypatch.setenv("PERSIST_READERS", "threads")
-    got = pinned.choose()
+    got = pinned.data_path()
     assert got.path == CUDA_PINNED and got.ring is not None and got.ring.readers is None
     assert len(got.ring.lanes) == pinned.LANES and "8 reader threads" in got.reason
     assert got.ring.slot_bytes == pinned.SLOT_BYTES
     got.ring.lanes[1].slots[1][:4] = 7  # the slots are the driver's memory
     assert made[0].keep[3][:4].tolist() == [7, 7, 7, 7]
-    assert pinned.choose() is got and len(made) == 1
+    assert pinned.data_path() is got and len(made) == 1
 
 
 def test_by_default_reader_processes_fill_the_lanes(
@@ -408,7 +409,7 @@ def test_by_default_reader_processes_fill_the_lanes(
     made = FakeDriver(refuse=False)
     monkeypatch.setattr(pinned, "Driver", lambda: made)
     monkeypatch.delenv("PERSIST_READERS", raising=False)
-    got = pinned.choose()
+    got = pinned.data_path()
     ring = got.ring
     assert got.path == CUDA_PINNED and ring is not None and ring.readers is not None
     try:
@@ -623,7 +624,7 @@ def test_the_ring_keeps_its_reader_threads(tiny: Any, tmp_path: Path) -> None:
     assert len(pool._threads) == 3 and set.union(*seen) <= {t.ident for t in pool._threads}
 
 
-# -- reader processes (format/readers) ------------------------------------------
+# -- reader processes (cuda/readers) ------------------------------------------
 
 
 def _pids(ring: Ring) -> list[int]:

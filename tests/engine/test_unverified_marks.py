@@ -11,7 +11,7 @@ import pytest
 
 import persist
 from persist.codecs.snapshot import capture
-from persist.engine.host_tier import HostTier
+from persist.engine.host.tier import HostTier
 from persist.marks import carries_unverified, mark_unverified
 from tests.engine.test_host_store import ident
 from tests.helpers import NEXT, prefill, tokens_for

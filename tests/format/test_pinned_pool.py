@@ -1,4 +1,4 @@
-"""The host tier's page pool (format/pinned_pool): lazy chunks under a budget, fixed
+"""The host tier's page pool (cuda/pinned_pool): lazy chunks under a budget, fixed
 pages reused in any order, clean failures; and the holder's layout, bit for bit,
 through host pages and memmoves (tests/host_pages.py)."""
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from persist.cuda.pinned_pool import PagedHolder, PagePool
 from persist.errors import HostCacheFullError, InvalidArgumentError, InvalidStateError
-from persist.format.pinned_pool import PagedHolder, PagePool
 from tests.host_pages import HostChunks, host_holder, raw_bytes
 
 PAGE = 4096

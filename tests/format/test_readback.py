@@ -1,4 +1,4 @@
-"""A save's read-back of device arrays (format/readback), on the CPU: host lanes
+"""A save's read-back of device arrays (cuda/readback), on the CPU: host lanes
 whose ``fetch`` is a memmove stand in for the copy engine and its page-locked
 slots, so the chunking, the two slots per lane and the fallback run here;
 on CUDA the same runs against the driver (tests/engine/test_host_tier_cuda.py)."""
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from persist.format import pinned, readback
-from persist.format.pinned import CUDA_PINNED, Choice, Ring
+from persist.cuda import pinned, readback
+from persist.cuda.pinned import CUDA_PINNED, Choice, Ring
 from tests.engine.test_staging import HostLane, host_buffers, host_scatter
 
 SLOT = 1024

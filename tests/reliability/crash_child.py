@@ -20,8 +20,8 @@ from typing import Any
 from mlx_lm import load
 
 import persist
-import persist.store.blobs as blobs_module
-from persist.store.index import Index
+import persist.storage.blobs as blobs_module
+from persist.storage.index import Index
 from tests.helpers import prefill, tokens_for
 
 

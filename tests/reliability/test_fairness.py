@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models import cache as mc
 
 import persist
-from persist.store import lookup
+from persist.storage import lookup
 from tests.golden.cases import IDENTITY, kvs
 
 SYSTEM = list(range(1000, 2024))  # a 1,024-token system prompt: four full blocks
@@ -38,7 +38,7 @@ def compared(
     return len(calls)
 
 
-# long: 18 s; tests/store/test_scale.py counts the same lookups among 3,000 chats in the quick run
+# long: 18 s; tests/storage/test_scale.py counts the same lookups among 3,000 chats in the quick run
 @pytest.mark.long
 def test_lookup_work_does_not_grow_with_sessions_sharing_a_prefix(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -22,7 +22,7 @@ import pytest
 from mlx_lm.models import cache as mc
 
 import persist
-from persist.store import full
+from persist.storage import full
 from tests.golden.cases import IDENTITY, kvs
 from tests.helpers import persist_cli
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import persist
-from persist.store import lookup
+from persist.storage import lookup
 from tests.helpers import ROOT, prefill, tokens_for
 from tests.store_helpers import assert_private, clean
 

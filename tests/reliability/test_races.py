@@ -84,7 +84,7 @@ def test_a_save_that_commits_between_checks_listing_and_its_rows_survives(
     """The window the race above hits under load, made deterministic: check lists the
     files, a save writes and commits a new blob, check reads the rows (it sees the row,
     not the file).  Round 2 took the blob for missing and removed the session."""
-    from persist.store.blobs import FileBlobs
+    from persist.storage.blobs import FileBlobs
 
     with persist.Store(tmp_path / "s") as store:
         toks, cache = version("s0", 40)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import persist
-from persist.store.check_damage import QUARANTINE_DAYS
+from persist.storage.check_damage import QUARANTINE_DAYS
 from tests.helpers import assert_same_state, live_state, persist_cli, prefill, tokens_for
 
 

@@ -12,14 +12,14 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 import persist
-from persist.apps.server import PersistentPromptCache
-from persist.engine import host_tier
-from persist.engine.host_store import from_host
-from persist.engine.host_tier import HostTier
+from persist.cuda import pinned
+from persist.cuda.pinned import CUDA_PINNED, Choice
+from persist.engine.host import tier as host_tier
+from persist.engine.host.store_hooks import from_host
+from persist.engine.host.tier import HostTier
 from persist.errors import InvalidStateError, NotResumableError
-from persist.format import pinned
-from persist.format.pinned import CUDA_PINNED, Choice
 from persist.identity import ModelIdentity
+from persist.serve.server import PersistentPromptCache
 from tests.helpers import prefill, tokens_for
 from tests.host_pages import HostChunks, host_holder
 
@@ -80,7 +80,7 @@ def test_a_lookup_beside_a_close_is_a_typed_error(tmp_path: Path) -> None:
     class Closing:
         index = persist.Store(tmp_path / "s").index
         costs = None
-        host = None  # the close dropped the tier between held() and from_host()
+        host = None  # the close dropped the tier between host_hit() and from_host()
         blobs = None
         block_tokens = 16
         strict_backend = False

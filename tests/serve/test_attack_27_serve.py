@@ -9,8 +9,8 @@ import pytest
 
 import persist
 from bench.servers import Server
-from persist.apps.server import PersistentPromptCache
-from persist.engine.host_tier import HostTier
+from persist.engine.host.tier import HostTier
+from persist.serve.server import PersistentPromptCache
 from tests.helpers import prefill, tokens_for
 
 from .test_serve import TURN1, cached, text

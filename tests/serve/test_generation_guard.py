@@ -17,9 +17,9 @@ import pytest
 from mlx_lm.models.cache import LRUPromptCache
 
 import persist
-from persist.apps.metrics import ServeMetrics
-from persist.apps.server_generation import GenerationFailed, GuardedGenerator, RestartBudget
-from persist.apps.server_requests import BadRequest
+from persist.serve.generation import GenerationFailed, GuardedGenerator, RestartBudget
+from persist.serve.metrics import ServeMetrics
+from persist.serve.request_checks import BadRequest
 
 
 def cli_args(model: str) -> argparse.Namespace:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from persist.engine.host_tier import HostTier, default_budget
+from persist.engine.host.tier import HostTier, default_budget
 from persist.errors import InvalidArgumentError, PersistError
 
 PROMPT = list(range(3, 40))

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from persist.apps.server_http import Deadlines
-from persist.apps.server_logs import JsonFormatter, redact
-from persist.apps.server_requests import BadRequest, check_request, parse_json
+from persist.serve.http_edge import Deadlines
+from persist.serve.logs import JsonFormatter, redact
+from persist.serve.request_checks import BadRequest, check_request, parse_json
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
@@ -159,7 +159,7 @@ def test_json_log_lines() -> None:
 def test_metrics_never_fail_a_save(tmp_path: Path) -> None:
     """A metric that cannot be read (a closed store) is skipped: the caller goes on."""
     import persist
-    from persist.apps.metrics import ServeMetrics
+    from persist.serve.metrics import ServeMetrics
 
     other = persist.Store(tmp_path / "other")
     m = ServeMetrics(other, "default")
@@ -176,8 +176,8 @@ def test_a_hit_from_the_disk_counts_as_local_reads(tier: str, tmp_path: Path) ->
     """Attack 27 (round 4): a store hit priced at the disk's rate ("local-disk")
     added nothing to persist_tier_read_bytes_total{tier="local"}."""
     from persist import Store
-    from persist.apps.metrics import ServeMetrics
     from persist.policy import CostDecision
+    from persist.serve.metrics import ServeMetrics
 
     with Store(tmp_path / "s") as store:
         m = ServeMetrics(store, "default")

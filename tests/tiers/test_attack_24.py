@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import persist
-from persist.store.redis_tier import RedisTier
+from persist.remote.redis_tier import RedisTier
 from tests.helpers import persist_cli, prefill, tokens_for
 
 KEY = bytes(range(32))
@@ -226,7 +226,7 @@ def test_one_malformed_record_never_blocks_secret_recovery(
 ) -> None:
     """README: a value that is not persist's is a miss for that key only; an evicted
     secret is recovered from a record.  The recovery SCAN opens only the first record."""
-    from persist.store.redis_tier import SCAN_COUNT
+    from persist.remote.redis_tier import SCAN_COUNT
 
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import persist
-from persist.store.redis_tier import RedisTier
+from persist.remote.redis_tier import RedisTier
 from tests.helpers import prefill, tokens_for
 
 KEY = bytes(range(32))
@@ -112,7 +112,7 @@ def test_a_junk_blob_without_the_tag_is_a_miss_and_the_cold_tier_serves(
 def test_blob_marks_forget_the_oldest_and_a_bad_mark_wins() -> None:
     """The set of blobs verified good is bounded (a long-lived server reads the oldest
     again), and a blob a restore found wrong is never taken as good until rewritten."""
-    from persist.store.blob_marks import BlobMarks
+    from persist.remote.blob_marks import BlobMarks
 
     m = BlobMarks(good=2, bad=2)
     for n in ("a", "b", "c"):

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import persist
-from persist.store.redis_tier import RedisTier
+from persist.remote.redis_tier import RedisTier
 from tests.helpers import prefill, tokens_for
 
 KEY = bytes(range(32))

@@ -77,7 +77,7 @@ def test_a_cluster_that_is_down_costs_a_bounded_wait(
 
 
 def test_cluster_urls_are_checked() -> None:
-    from persist.store.redis_tier import RedisTier, cluster_client
+    from persist.remote.redis_tier import RedisTier, cluster_client
 
     with pytest.raises(persist.InvalidArgumentError, match="host:port"):
         cluster_client("redis+cluster://127.0.0.1", {})

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import persist
-from persist.store.redis_tier import RedisTier
+from persist.remote.redis_tier import RedisTier
 from tests.helpers import prefill, tokens_for
 from tests.tiers.conftest import Clock
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import persist
-from persist.store import redis_tier
+from persist.remote import redis_tier
 from tests.helpers import live_state, prefill, tokens_for
 
 LONG = os.environ.get("PERSIST_LONG") == "1"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import persist
-from persist.store.s3_tier import S3Tier, object_name
+from persist.remote.s3_tier import S3Tier, object_name
 from tests.helpers import assert_same_state, live_state, prefill, tokens_for
 
 NAMES = ["a//b", "../x", "a/b/", "x/../y", "./z", "..", ".", "%2F", "ü/ß 1", "n" * 1000, "q"]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import persist
-from persist.store.redis_tier import RedisTier
+from persist.remote.redis_tier import RedisTier
 from tests.helpers import assert_same_state, live_state, persist_cli, prefill, tokens_for
 from tests.tiers.conftest import Clock
 

@@ -12,8 +12,8 @@ import pytest
 import xxhash
 
 import persist
-from persist.store import redis_tier
-from persist.store.redis_tier import RedisTier
+from persist.remote import redis_tier
+from persist.remote.redis_tier import RedisTier
 from tests.helpers import assert_same_state, live_state, prefill, tokens_for
 
 KEY = bytes(range(32))
@@ -229,9 +229,10 @@ def test_a_huge_part_count_is_refused_before_the_first_get(
 
 
 def test_packed_chains_are_the_stores_chains() -> None:
-    from persist.engine.tier_records import packed_chains
+    from persist.engine.tiers.exchange.records import packed_chains
+
     from persist.format.tokens import pack_tokens
-    from persist.store.chains import chains
+    from persist.storage.chains import chains
 
     toks = tokens_for(1000, seed=3)
     for n in (0, 1, 3):

@@ -1,0 +1,1 @@
+"""CUDA transport: the driver, kernels, pinned staging and reader processes."""

@@ -1,0 +1,91 @@
+"""A save's read of device arrays into host memory, on MLX's CUDA backend.
+
+A host read through MLX (``memoryview``, ``np.array``) moves the array's
+buffer into CUDA managed memory for good; freed, MLX's buffer cache then hands
+that managed buffer to later kernel outputs (a restore's buffers, a cache's
+next growth), whose first kernels fault its pages across.  So a save's device
+copies are read by the copy engine instead: slot by slot into the staging
+lanes' page-locked slots (``cuda/pinned``), each lane on its own thread,
+one slot's bytes copied into the new host array while the next slot fills.
+Where the lanes are busy (a restore holds them) or absent, one synchronous
+driver copy per array, into pageable memory, does the same more slowly.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import mlx.core as mx
+import numpy as np
+
+from . import pinned
+from .driver import Driver
+from .kernels import addresses
+
+__all__ = ["host_copies"]
+
+Chunk = tuple[int, np.ndarray, int, int]  # device address, host array, offset, bytes
+
+
+def host_copies(arrays: list[mx.array]) -> list[np.ndarray] | None:
+    """Each evaluated, row-contiguous device array's bytes in new host memory
+    (uint8, flat); None where this process has no driver (``pinned.data_path``)."""
+    choice = pinned.data_path()
+    if choice.driver is None:
+        return None
+    outs = [np.empty(a.nbytes, dtype=np.uint8) for a in arrays]
+    addrs = addresses(arrays)
+    ring = choice.ring
+    if ring is not None and ring.lock.acquire(blocking=False):
+        try:
+            _through_lanes(ring, addrs, outs)
+        finally:
+            ring.lock.release()
+    else:
+        _direct(choice.driver, addrs, outs)
+    return outs
+
+
+def _direct(driver: Driver, addrs: list[int], outs: list[np.ndarray]) -> None:
+    driver.make_current()
+    for addr, out in zip(addrs, outs, strict=True):
+        if out.nbytes:
+            driver.copy_out(addr, out.ctypes.data, out.nbytes)
+
+
+def _through_lanes(ring: pinned.Ring, addrs: list[int], outs: list[np.ndarray]) -> None:
+    slot = ring.slot_bytes
+    chunks: list[Chunk] = [
+        (addr + o, out, o, min(slot, out.nbytes - o))
+        for addr, out in zip(addrs, outs, strict=True)
+        for o in range(0, out.nbytes, slot)
+    ]
+    lanes = ring.lanes
+    pool = ring.pool()
+    futures: list[Future[None]] = []
+    try:
+        for i, lane in enumerate(lanes):
+            futures.append(pool.submit(_lane_copies, lane, chunks[i :: len(lanes)]))
+        for f in futures:
+            f.result()
+    finally:  # no lane still writes a slot or an array after this returns, Ctrl-C or not
+        pinned.settle(futures, ring)
+
+
+def _lane_copies(lane: pinned.Lane, chunks: list[Chunk]) -> None:
+    """One lane's chunks: slot s fills while the previous slot's bytes are copied out."""
+    lane.current()  # not enter(): a save never needs, nor restarts, a reader process
+    held: tuple[int, np.ndarray, int, int] | None = None
+    for src, out, o, n in chunks:
+        s = lane.take()
+        lane.fetch(s, src, n)
+        if held is not None:
+            _land(lane, *held)
+        held = (s, out, o, n)
+    if held is not None:
+        _land(lane, *held)
+
+
+def _land(lane: pinned.Lane, s: int, out: np.ndarray, o: int, n: int) -> None:
+    lane.settle(s)
+    out[o : o + n] = lane.slots[s][:n]

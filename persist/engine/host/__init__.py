@@ -1,0 +1,1 @@
+"""The engine's host-RAM tier."""

@@ -1,0 +1,386 @@
+"""A host-RAM tier: caches kept in RAM, by (owner, tokens), asked before the store.
+
+Two keepers use it.  ``persist serve`` keeps what mlx-lm's ``LRUPromptCache``
+evicts (``--prompt-cache-size`` or its byte limit reached): asking the
+durable store for it again costs a file read and a checksum pass.
+``persist.Store(root, host_cache=N)`` keeps a copy of every save that may
+serve lookups (``engine.host.store_hooks``).  Up to a byte budget, least recently
+used first out.
+
+Entries are kept as codec records (``persist.codecs``) and served by the
+resume policy the durable index uses (``policy.best_candidate``: the longest usable
+prefix, at least one token left over, never below a snapshot's floor, an
+untrimmable one only at its own length, then an exact length, then the most
+recent), cut by the codecs' ``trim_record`` as a durable partial hit is.
+Every hit is rebuilt from a copy in buffers of its own (``engine.host.records``):
+nothing handed out shares memory with what is kept.
+
+On the CPU (and Metal's unified memory) the kept cache is host memory
+already, kept as it is.  On CUDA (the process's data path ``cuda-pinned``,
+``cuda.pinned.data_path``) a tier keeps no device array: a ``Holder``
+(``cuda.pinned_pool``) packs every entry into pages of pinned host memory
+with a kernel and unpacks a hit over PCIe into fresh device arrays (kernel
+outputs: device memory, never managed memory), and eviction frees the pages.
+The tier's byte count is then the pages' bytes and stays the authority: it
+evicts down to its budget before it asks the pool for pages.  CUDA without
+pinned memory keeps device arrays (``placement``: "device memory").
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ... import policy
+from ...codecs import encode_cache, facts_of, trim_record
+from ...codecs.snapshot import Snapshot, rebuild, require_covers
+from ...cuda import pinned
+from ...cuda.pinned_pool import Held, Holder, cuda_holder, proven
+from ...errors import HostCacheFullError, InvalidArgumentError
+from ...marks import carries_unverified
+from ...records import Record
+from .records import arrays_of, copied, emptied, filled, handed_out
+
+log = logging.getLogger("persist")
+
+__all__ = ["HostTier", "HostHit", "default_budget", "placement", "HOST"]
+
+HOST = "host"  # the tier name in rates, metrics, lookups and Restored.source
+DEFAULT_CAP = 8 << 30  # bytes: the default budget's ceiling
+DEFAULT_SHARE = 0.10  # of MemAvailable
+DEVICE_MEMORY = "device memory"  # CUDA without pinned pages: where serve leaves it off
+
+
+def default_budget(meminfo: str = "/proc/meminfo") -> int:
+    """min(10% of MemAvailable, 8 GiB); 0 where MemAvailable cannot be read."""
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    kib = int(line.split()[1])
+                    return min(int(kib * 1024 * DEFAULT_SHARE), DEFAULT_CAP)
+    except (OSError, ValueError, IndexError):
+        pass  # no /proc (macOS): fall through to sysconf
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return min(int(free * DEFAULT_SHARE), DEFAULT_CAP)
+
+
+def placement() -> str:
+    """Where a tier made now without a holder keeps its entries, in words."""
+    if pinned.data_path().path == pinned.CUDA_PINNED:
+        return "pinned host memory"
+    here = pinned.backend()
+    return {"cuda": DEVICE_MEMORY, "metal": "unified memory"}.get(here, "host memory")
+
+
+def _pinned(max_bytes: int) -> tuple[Holder | None, str | None]:
+    """(pinned pages, None) once they gave back bit for bit what they were given
+    (``proven``), else (None, why not)."""
+    holder = cuda_holder(max_bytes)
+    why = proven(holder, max_bytes)
+    return (holder, None) if why is None else (None, why)
+
+
+@dataclass(frozen=True)
+class HostHit:
+    cache: list[Any]  # rebuilt from a copy, evaluated: the caller owns it
+    tokens: list[int]  # the prefix of the asked tokens it covers
+    nbytes: int  # bytes copied
+    seconds: float  # the copy, as timed by the tier's clock
+    info: Any = None  # what the keeper attached (the Store: the save's EntryInfo)
+
+
+@dataclass
+class _Kept:
+    id: int
+    records: list[Record]
+    nbytes: int
+    tokens: Any  # numpy int64: compared with a prompt in one pass
+    trimmable: bool
+    min_resume: int
+    sticky: bool  # a checkpoint: kept even when a longer entry covers it
+    info: Any
+    used: int = 0
+    held: Held | None = None  # with a holder: the arrays' bytes (records hold SLOT)
+
+
+def _common(kept: Any, toks: Any) -> int:
+    n = min(len(kept), len(toks))
+    differ = np.flatnonzero(kept[:n] != toks[:n])
+    return int(differ[0]) if differ.size else n
+
+
+class HostTier:
+    """Kept caches by (owner, tokens), LRU by bytes under ``max_bytes``.
+
+    ``owner`` is whatever keys a keeper's lookups apart: namespace, model
+    digest and (a strict store's) backend kind, for ``persist serve`` and a
+    Store alike (``host_store.owner``): one tier shared by tenants never
+    serves one's cache to another.
+    Thread-safe: a server's generation thread keeps and fetches, /metrics
+    reads; a Store's savers and lookups may run in several threads.
+    ``holder``: where entries' arrays are kept (tests inject host pages); None:
+    pinned pages on CUDA (``cuda-pinned``), the arrays as they are elsewhere.
+    """
+
+    def __init__(self, max_bytes: int, holder: Holder | None = None) -> None:
+        if type(max_bytes) is not int or max_bytes < 0:
+            raise InvalidArgumentError(f"the host cache's size is bytes, at least 0: {max_bytes!r}")
+        self.max_bytes, self.holder = max_bytes, holder
+        why = None
+        if holder is None and max_bytes and pinned.data_path().path == pinned.CUDA_PINNED:
+            self.holder, why = _pinned(max_bytes)
+        self.where = self.holder.where if self.holder is not None else placement()
+        if why is not None:
+            # never a wrong cache, and never device memory mlx-lm's eviction meant to
+            # free: a tier whose pages failed their check keeps nothing
+            log.warning("persist: pinned host pages: %s; the host tier is off", why)
+            self.max_bytes, self.where = 0, f"off (pinned pages: {why})"
+        self.nbytes = 0
+        self._entries: OrderedDict[tuple[str, tuple[int, ...]], _Kept] = OrderedDict()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.hits = self.misses = self.kept = self.evicted = 0
+        self.clock = time.perf_counter  # tests inject one: no timing verdicts
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keep(
+        self,
+        owner: str,
+        tokens: Sequence[int],
+        cache: Sequence[Any] | Snapshot,
+        *,
+        copy: bool = False,
+        trimmable: bool | None = None,
+        min_resume: int | None = None,
+        sticky: bool = False,
+        info: Any = None,
+    ) -> bool:
+        """Keep ``cache`` (covering exactly ``tokens``); False if it cannot fit.
+
+        ``copy=False``: the caller gives the cache up (an eviction) and it is
+        kept as it is, counted by its buffers' bytes.  ``copy=True``: the
+        caller goes on using it; a copy of its live positions is kept.
+        ``trimmable`` and ``min_resume`` default to the codecs' facts.  Older
+        entries of ``owner`` the new one covers (``policy.covers``) are
+        dropped, unless ``sticky`` (checkpoints, as the durable store keeps)."""
+        if not tokens:
+            return False
+        if cache.unverified if isinstance(cache, Snapshot) else carries_unverified(cache):
+            return False  # continues unverified tokens (persist.marks): serves no lookup
+        if isinstance(cache, Snapshot):
+            records, facts = list(cache.records), cache.facts
+        else:
+            require_covers(cache, tokens)  # kept under other tokens, it would serve them
+            records = [encode_cache(c) for c in cache]  # after: facts may depend on it
+            facts = [facts_of(c) for c in cache]
+        if trimmable is None:
+            trimmable = policy.combine_trimmable(f.trimmable for f in facts)
+        if min_resume is None:
+            min_resume = policy.combine_floor(f.min_resume_offset for f in facts)
+        if copy and self.holder is None:  # pages are a copy already
+            records = [copied(r) for r in records]
+        arrays = arrays_of(records)
+        mx.eval(arrays)
+        n = self._size(arrays, cache, copy)
+        if n > self.max_bytes:
+            return False
+        key = (owner, tuple(int(t) for t in tokens))
+        toks = np.asarray(key[1], dtype=np.int64)
+        with self._lock:
+            if n > self.max_bytes:  # closed meanwhile
+                return False
+            i = next(self._ids)
+            kept = _Kept(i, records, n, toks, trimmable, min_resume, sticky, info, used=i)
+            self._drop_covered(owner, kept)
+            if key in self._entries:  # never two entries' bytes under one key
+                self._remove(key)
+            if self.holder is not None:
+                kept.held = self._hold(arrays, n)
+                if kept.held is None:
+                    return False
+                kept.records = [emptied(r) for r in records]
+            self._entries[key] = kept
+            self.nbytes += n
+            self.kept += 1
+            while self.nbytes > self.max_bytes:
+                self._evict_oldest()
+        return True
+
+    def _size(self, arrays: list[Any], cache: Any, copy: bool) -> int:
+        """The bytes an entry holds: its pages with a holder, else its arrays' bytes
+        (a copy holds its live positions; a cache given up, its whole buffers)."""
+        if self.holder is not None:
+            return self.holder.footprint([int(a.nbytes) for a in arrays])
+        n = int(sum(a.nbytes for a in arrays))
+        if not copy and not isinstance(cache, Snapshot):  # views: whole buffers stay alive
+            n = int(sum(getattr(c, "nbytes", 0) for c in cache)) or n
+        return n
+
+    def _hold(self, arrays: list[Any], n: int) -> Held | None:
+        """Under the lock: ``arrays`` in the holder's pages, least recently used entries
+        evicted first down to room for ``n`` bytes, then as long as the pool is full
+        (pinned memory refused); None when nothing is left to evict."""
+        assert self.holder is not None
+        while self._entries and self.nbytes + n > self.max_bytes:
+            self._evict_oldest()
+        while True:
+            try:
+                return self.holder.hold(arrays)
+            except HostCacheFullError:
+                # pinning more was refused: evicting helps only if what is pinned
+                # already could hold the entry (else it would empty the tier for nothing)
+                if not self._entries or n > self.holder.pinned_bytes():
+                    return None
+                self._evict_oldest()
+
+    def _remove(self, key: tuple[str, tuple[int, ...]]) -> None:
+        """Under the lock: drop an entry, its pages back to the pool."""
+        kept = self._entries.pop(key)
+        self.nbytes -= kept.nbytes
+        if kept.held is not None and self.holder is not None:
+            self.holder.release(kept.held)
+
+    def _evict_oldest(self) -> None:
+        self._remove(next(iter(self._entries)))
+        self.evicted += 1
+
+    def _drop_covered(self, owner: str, new: _Kept) -> None:
+        """Under the lock: what ``new`` stands in for goes (the same tokens at least)."""
+        for key, old in list(self._entries.items()):
+            if key[0] != owner or (old.sticky and len(old.tokens) != len(new.tokens)):
+                continue
+            is_prefix = _common(old.tokens, new.tokens) == len(old.tokens)
+            n, trim, floor = len(new.tokens), new.trimmable, new.min_resume
+            if policy.covers(n, trim, floor, len(old.tokens), is_prefix):
+                self._remove(key)
+
+    def _choose(self, owner: str, toks: Any) -> tuple[tuple[str, tuple[int, ...]], int] | None:
+        """Under the lock: (key, usable prefix) the resume policy picks, or None."""
+        keys, cands = {}, []
+        for key, kept in self._entries.items():
+            if key[0] == owner:
+                keys[kept.id] = key
+                c = policy.Candidate(
+                    kept.id, len(kept.tokens), kept.trimmable, kept.min_resume, kept.used
+                )
+                cands.append((c, _common(kept.tokens, toks)))
+        picked = policy.best_candidate(cands, len(toks))
+        return None if picked is None else (keys[picked.candidate.id], picked.prefix)
+
+    def peek(self, owner: str, tokens: Sequence[int]) -> tuple[int, int]:
+        """(tokens, about the bytes) a fetch would serve now, (0, 0) if none; copies
+        nothing.  A cut copies its share of the positions."""
+        toks = np.asarray([int(t) for t in tokens], dtype=np.int64)
+        with self._lock:
+            found = self._choose(owner, toks)
+            if found is None:
+                return 0, 0
+            key, use = found
+            kept = self._entries[key]
+            return use, kept.nbytes * use // len(kept.tokens)
+
+    def missed(self) -> None:
+        """Count a lookup this tier could not answer (a keeper that asked ``peek``)."""
+        with self._lock:
+            self.misses += 1
+
+    def fetch(self, owner: str, tokens: Sequence[int], longer_than: int = 0) -> HostHit | None:
+        """The best usable kept prefix of ``tokens`` if longer than ``longer_than``, as
+        a fresh copy cut to it; its entry becomes most recent.
+
+        Usable: a kept cache whose tokens begin ``tokens``, or, if it can be
+        trimmed, the part it shares with them (a conversation's next turn
+        differs where the client's text of the last answer begins)."""
+        toks = np.asarray([int(t) for t in tokens], dtype=np.int64)
+        with self._lock:
+            found = self._choose(owner, toks)
+            if found is None or found[1] <= longer_than:
+                self.misses += 1
+                return None
+            key, use = found
+            self._entries.move_to_end(key)
+            kept = self._entries[key]
+            kept.used = next(self._ids)
+            self.hits += 1
+            t0 = self.clock()
+            records, fresh = self._given(kept)
+            if use < len(kept.tokens):
+                records = [trim_record(r, use) for r in records]
+            # under the lock: an eviction cannot free the entry mid-copy
+            cache = rebuild([handed_out(r, fresh) for r in records])  # evaluated: nothing lazy
+            seconds = self.clock() - t0
+        nbytes = int(sum(a.nbytes for a in arrays_of(records)))  # what was copied
+        return HostHit(cache, [int(t) for t in toks[:use]], nbytes, seconds, kept.info)
+
+    def _given(self, kept: _Kept) -> tuple[list[Record], frozenset[int]]:
+        """Under the lock: the entry's records, their arrays unpacked from its pages
+        if it has any (and those arrays' ids: nothing else holds them)."""
+        if kept.held is None or self.holder is None:
+            return kept.records, frozenset()
+        arrays = self.holder.give(kept.held)
+        it = iter(arrays)
+        return [filled(r, it) for r in kept.records], frozenset(id(a) for a in arrays)
+
+    def clear(self, close: bool = False) -> None:
+        """Drop every entry; pinned pages go back to the system.  ``close`` (a Store's
+        close): keep nothing after, so a save that commits beside the close pins none."""
+        with self._lock:
+            for key in list(self._entries):
+                self._remove(key)
+            if close:
+                self.max_bytes = 0
+            if self.holder is not None:
+                self.holder.trim()
+
+    def stats(self) -> dict[str, Any]:
+        """Counts and bytes, and where the entries are kept (``where``; with a holder,
+        ``pinned_bytes``: the memory its pool holds, in use or not)."""
+        with self._lock:
+            pool = {"pinned_bytes": self.holder.pinned_bytes()} if self.holder else {}
+            return {
+                "where": self.where,
+                **pool,
+                "bytes": self.nbytes,
+                "budget_bytes": self.max_bytes,
+                "entries": len(self._entries),
+                "hits": self.hits,
+                "misses": self.misses,
+                "kept": self.kept,
+                "evicted": self.evicted,
+            }
+
+
+class EvictionWatch:
+    """mlx-lm's prompt trie, with every ``pop`` (an eviction) reported first.
+
+    ``LRUPromptCache`` evicts through ``_trie.pop`` only (its ``insert_cache``
+    and ``trim_to``); dropping the prefixes a longer trimmable cache covers
+    goes through ``pop_prefixes``, which is no loss and is not reported.
+    """
+
+    def __init__(self, trie: Any, on_evict: Any) -> None:
+        self._trie, self._on_evict = trie, on_evict
+
+    def pop(self, model: Any, tokens: Any) -> Any:
+        entry = self._trie.pop(model, tokens)
+        self._on_evict(model, list(tokens), entry.prompt_cache)
+        return entry
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trie, name)

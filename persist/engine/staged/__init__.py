@@ -1,0 +1,1 @@
+"""The staged restore on MLX's CUDA backend: lanes, slots and reader processes."""

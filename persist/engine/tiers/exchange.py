@@ -1,0 +1,298 @@
+"""Snapshots between the local store and a shared tier: push after a commit, pull on a miss.
+
+A snapshot travels as a *record* (its index row, its block list by content
+key, each blob's size and header checksum, bound to its namespace and name and
+sealed by ``tier_records``) plus its blobs.  Pulling writes the blobs into the
+local store, checked against the record before anything is committed, then
+commits the row exactly as a local save would; from then on the local store
+serves it.  A tier that fails never fails the local operation: the caller
+counts it and goes on.  A value that is not what its key claims is a miss,
+counted by why (``<tier>_malformed``, ``_mismatched``, ``_unauthenticated``), and
+so is a session's version older than one this store saw (``_stale``: a replay).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ...errors import CorruptBlobError
+from ...remote.redis_tier import RedisTier, TierUnavailable
+from ...remote.s3_tier import S3Tier
+from ...storage.blobs import BlobStore
+from ...storage.chains import boundary_heads, chain_root, chains
+from ...storage.index import Index
+from ..costs import LOCAL, CostModel
+from .pull import EvictedError, pull
+from .push import namespace_secret, push, sync
+from .records import BadValue, Expect, Keys, best_record, check_key, open_record, tier_key_from_env
+
+__all__ = ["Shared", "push", "pull", "sync", "EvictedError", "open_tiers"]
+
+
+log = logging.getLogger("persist")
+Tier = RedisTier | S3Tier
+ASK_AGAIN_S = 10.0  # a keyless secret (or its absence) is asked for again after this
+
+
+class Shared:
+    """A Store's shared tier: which namespaces agree with it, and the operations that
+    never fail the local one (a tier that is down or refuses is counted and skipped)."""
+
+    def __init__(
+        self, tier: Tier, name: str = "shared", keys: Keys | None = None, backup: Tier | None = None
+    ) -> None:
+        self.tier, self.name = tier, name  # name: the prefix of its counters in persist stats
+        self.keys = keys if keys is not None else Keys()
+        self.backup = backup  # the cold tier, where a secret the shared one lost is kept
+        self._held: dict[str, tuple[bytes, float]] = {}  # namespace -> (secret, ask again at)
+        self._none_until: dict[str, float] = {}
+        self.unreachable = 0  # operations the tier was down for (sync tells a miss from these)
+
+    def _count(self, index: Index, namespace: str, what: str) -> None:
+        index.count(namespace, **{f"{self.name}_{what}": 1})
+
+    def _bad(self, index: Index, namespace: str, e: BadValue) -> None:
+        self._count(index, namespace, e.why)
+        log.info("persist: %s tier value refused: %s", self.name, e.detail)
+
+    def agree(self, index: Index, namespace: str, create: bool = False) -> bool:
+        """Is this namespace's secret on the tier known (a store without one of its own
+        adopts it before its first save)?  Only a save (``create``) puts a secret on the
+        tier: a read never creates a namespace anywhere."""
+        return self.secret(index, namespace, create) is not None
+
+    def secret(self, index: Index, namespace: str, create: bool = False) -> bytes | None:
+        """The tier's chain secret for the namespace (None: none yet).  Without a key it
+        is asked for again every ASK_AGAIN_S (one GET): a tier that lost it and got
+        another from a new machine is followed, never split from."""
+        now, held = self.tier.clock(), self._held.get(namespace)
+        if held is not None and now < held[1]:
+            return held[0]
+        if held is None and not create and now < self._none_until.get(namespace, 0.0):
+            return None  # nothing anywhere a moment ago: no scan on every lookup
+        last = held[0] if held else None
+        got = self._run(lambda: namespace_secret(self, index, namespace, create, last))
+        if got is None:
+            if last is None:
+                self._none_until[namespace] = now + ASK_AGAIN_S
+            return last  # the tier is down: what it was a moment ago
+        self._hold(namespace, got)
+        return got
+
+    def _hold(self, namespace: str, secret: bytes) -> None:
+        again = float("inf") if self.keys.key is not None else ASK_AGAIN_S  # derived: fixed
+        self._held[namespace] = (secret, self.tier.clock() + again)
+
+    def _run(self, op: Any) -> Any:
+        try:
+            return op()
+        except TierUnavailable:
+            self.unreachable += 1
+            return None
+
+    def _bytes(self, index: Index, namespace: str, before: dict[str, int]) -> None:
+        """Bytes this operation moved, into the store's counters (persist stats)."""
+        for what in ("bytes_pushed", "bytes_pulled"):
+            n = self.tier.counters.get(what, 0) - before.get(what, 0)
+            if n:
+                index.count(namespace, **{f"{self.name}_{what}": n})
+
+    def push(
+        self, index: Index, blobs: BlobStore, namespace: str, sid: int, verify: bool = False
+    ) -> str:
+        """Push one committed snapshot: ``pushed``, ``present`` (the tier had all of it),
+        ``skipped`` (not this tier's, or gone meanwhile) or ``failed``; ``verify``: read
+        every value the tier holds of it (``sync``), not once per process."""
+        secret = self.secret(index, namespace, create=True)
+        if secret is None:
+            self._count(index, namespace, "errors")
+            return "failed"
+        before = dict(self.tier.counters)
+        for _ in range(2):
+            got = self._run(
+                lambda s=secret: push(index, blobs, self.tier, self.keys, namespace, sid, s, verify)
+            )
+            done, after = got if got is not None else (None, None)
+            if after is None or after == secret:
+                break
+            # the tier holds another secret (it lost ours, and another machine planted
+            # its own first): the fleet's from now on, and this record again under it
+            self._hold(namespace, after)
+            secret = after
+        if done in ("pushed", None):
+            self._count(index, namespace, "pushes" if done else "errors")
+        self._bytes(index, namespace, before)
+        return done or "failed"
+
+    def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool:
+        """A named session the local store lacks, from the tier (CorruptBlobError if a
+        blob is damaged); False where the tier is down or has no good record of it."""
+        secret = self.secret(index, namespace)
+        found = self._run(lambda: self._named(index, namespace, name, secret))
+        if found is None:
+            self._count(index, namespace, "misses")
+            return False
+        body, secret = found
+        before = dict(self.tier.counters)
+        try:
+            if secret is not None and index.secret(namespace) is None:
+                index.set_secret(namespace, secret)  # recovered from the record itself
+            if self._run(lambda: pull(index, blobs, self.tier, self.keys, namespace, body, True)):
+                self._count(index, namespace, "hits")
+                index.saw(namespace, name, float(body["row"]["created"]))
+                return True
+            return False
+        except EvictedError:  # the LRU took part of it: the session is not there
+            self._count(index, namespace, "incomplete")
+            return False
+        except BadValue as e:
+            self._bad(index, namespace, e)
+            return False
+        finally:
+            self._bytes(index, namespace, before)
+
+    def _named(
+        self, index: Index, namespace: str, name: str, secret: bytes | None
+    ) -> tuple[dict[str, Any], bytes | None] | None:
+        """The checked record of session ``name`` and the secret its chains are under;
+        None for a version older than one this store saw (a replay: counted ``stale``)."""
+        ptr = self.tier.pointers(namespace, [("sess", name.encode())])[0]
+        if ptr is None:
+            return None
+        try:
+            rkey = self.keys.open_pointer(namespace, "sess", name.encode(), ptr)
+            value = self.tier.records(namespace, [rkey])[0]
+            if value is None:
+                return None
+            if secret is None:  # the tier holds no secret (keyless): the record's own
+                bare = open_record(self.keys, value, Expect(namespace, rkey, name=name))
+                secret = bare.get("secret")
+                if secret is None:
+                    raise BadValue("mismatched", "a record without the secret of its chains")
+            body = open_record(self.keys, value, Expect(namespace, rkey, name=name, secret=secret))
+            seen = index.seen(namespace, name)
+            if seen is not None and float(body["row"]["created"]) < seen:
+                raise BadValue("stale", "a version older than one this store saw (a replay)")
+            return body, secret
+        except BadValue as e:
+            self._bad(index, namespace, e)
+            return None
+
+    def pull_prefix(
+        self,
+        index: Index,
+        blobs: BlobStore,
+        toks: list[int],
+        identity: Any,
+        namespace: str,
+        block: int,
+        costs: CostModel | None = None,
+        max_cost: float | None = None,
+        longer_than: int = 0,
+    ) -> None:
+        """Pull the tier's deepest snapshot of this prompt if it beats the local one
+        and ``longer_than`` (what the host tier holds), and, with ``costs``, if
+        pulling and restoring it beats a prefill."""
+        from ..reading import index_hit
+
+        secret = self.secret(index, namespace)  # adopts the fleet's secret on a new machine
+        if secret is None:
+            return
+        local = index_hit(index, toks, identity, namespace, block, set())
+        every = chains(chain_root(secret, identity.digest), toks, block)
+        heads = boundary_heads(every, toks, block)  # prefixes that end inside a block
+        want = Expect(namespace, secret=secret, block=block, identity=identity.digest)
+        bodies = self._run(lambda: self._deepest(index, namespace, every[1:], heads, want)) or []
+        found = best_record(bodies, toks)
+        if found is None or found[0] <= max(local[1] if local else 0, longer_than):
+            self._count(index, namespace, "misses")
+            return
+        usable, body = found
+        if not self._worth(costs, identity, namespace, body, usable, max_cost):
+            return
+        before = dict(self.tier.counters)
+        try:
+            t0 = time.perf_counter()
+            if self._run(lambda: pull(index, blobs, self.tier, self.keys, namespace, body, False)):
+                self._count(index, namespace, "hits")
+                moved = self.tier.counters.get("bytes_pulled", 0) - before.get("bytes_pulled", 0)
+                if costs is not None:
+                    costs.restored(identity, self.name, moved, time.perf_counter() - t0)
+        except EvictedError:  # a shorter hit or none, never an error
+            self._count(index, namespace, "incomplete")
+        except BadValue as e:
+            self._bad(index, namespace, e)
+        except CorruptBlobError as e:  # never a wrong cache: the local answer stands
+            self._count(index, namespace, "corrupt_skipped")
+            log.warning("persist: skipping a damaged shared snapshot: %s", e)
+        self._bytes(index, namespace, before)
+
+    def _deepest(
+        self, index: Index, namespace: str, chs: list[bytes], heads: list[bytes], want: Expect
+    ) -> list[dict[str, Any]]:
+        """Checked records of the deepest snapshots of the prompt the tier knows, in two
+        round trips: one MGET of every pointer, one pipelined GET of at most two records.
+        The candidates: the end of the longest run of the prompt's chains from the start
+        (an LRU may drop a parent and keep its child: only the consecutive run counts),
+        and the deepest head key (``heads[b]``: the prompt's 16 tokens after block
+        boundary b, under chain b) at a boundary at least that deep."""
+        items = [("blk", c) for c in chs] + [("head", h) for h in heads]
+        found = self.tier.pointers(namespace, items) if items else []
+        blk, hd = found[: len(chs)], found[len(chs) :]
+        depth = 0
+        while depth < len(blk) and blk[depth] is not None:
+            depth += 1
+        at = max((b for b, v in enumerate(hd) if v is not None), default=-1)
+        followed = [("head", heads[at], hd[at])] if at >= depth else []
+        if depth:
+            followed.append(("blk", chs[depth - 1], blk[depth - 1]))
+        rkeys: list[tuple[str, tuple[str, bytes]]] = []
+        for kind, key, value in followed:
+            try:
+                rkeys.append((self.keys.open_pointer(namespace, kind, key, value), (kind, key)))
+            except BadValue as e:
+                self._bad(index, namespace, e)
+        out = []
+        values = self.tier.records(namespace, [r for r, _ in rkeys])
+        for (rkey, via), value in zip(rkeys, values, strict=True):
+            if value is None:
+                continue
+            try:
+                want.rkey, want.via = rkey, via
+                out.append(open_record(self.keys, value, want))
+            except BadValue as e:
+                self._bad(index, namespace, e)
+        return out
+
+    def _worth(
+        self,
+        costs: CostModel | None,
+        identity: Any,
+        namespace: str,
+        body: dict[str, Any],
+        usable: int,
+        max_cost: float | None,
+    ) -> bool:
+        """Is pulling this record's blobs, then restoring ``usable`` tokens of them,
+        predicted to beat a prefill of those tokens?"""
+        if costs is None:
+            return True
+        nbytes = sum(int(v[0]) for v in body["blobs"].values())
+        via = [(self.name, nbytes), (LOCAL, nbytes)]
+        if costs.decide(identity, namespace, via, usable, max_cost).restore:
+            return True
+        self._count(costs.index, namespace, "declined")
+        return False
+
+
+def open_tiers(
+    shared: str | None, cold: str | None, tier_key: bytes | None = None
+) -> tuple[Shared | None, Shared | None]:
+    """The shared (Redis) and cold (S3) tiers of these URLs (None where not given), and
+    the operator key (``tier_key``, else ``$PERSIST_TIER_KEY``) that authenticates them."""
+    keys = Keys(check_key(tier_key) if tier_key is not None else tier_key_from_env())
+    c = Shared(S3Tier(cold), "cold", keys) if cold else None
+    s = Shared(RedisTier(shared), "shared", keys, c.tier if c else None) if shared else None
+    return s, c

@@ -1,0 +1,139 @@
+"""Pulling a checked record's snapshot into the local store: its blobs the store lacks,
+checked against the record before a byte is written, then the row committed exactly as a
+local save would commit it, its chains under this store's own namespace secret."""
+
+from __future__ import annotations
+
+import io
+import secrets
+import sqlite3
+import time
+from typing import Any
+
+from ...errors import CorruptBlobError
+from ...format.tokens import unpack_tokens
+from ...remote.redis_tier import namespace_tag
+from ...storage import writes
+from ...storage.blobs import BlobStore
+from ...storage.check import verify_blob
+from ...storage.index import Index
+from ...storage.rows import BlockRef, NewBlob
+from .records import ROW_FIELDS, TAG_BYTES, BadValue, Keys, block_of, chains_under
+
+__all__ = ["EvictedError", "pull"]
+
+Tier = Any  # a RedisTier or S3Tier
+
+
+class EvictedError(CorruptBlobError):
+    """A value the tier dropped (an LRU may drop anything): a miss, not damage."""
+
+
+def pull(
+    index: Index,
+    blobs: BlobStore,
+    tier: Tier,
+    keys: Keys,
+    namespace: str,
+    body: dict[str, Any],
+    named: bool,
+) -> int:
+    """Commit a checked record's snapshot into the local store (as a session if
+    ``named``, else an anonymous prefix); CorruptBlobError if a blob fails its checks.
+    Blobs this store holds are not fetched; the others a few at a time (the tier's
+    threads hold a few blobs in memory, never the whole session)."""
+    facts = body["blobs"]
+    files = {k: held[0] for k in facts if (held := index.live_blob(k)) is not None}
+    names = {keys.blob_name(k): k for k in facts if k not in files}  # on the tier
+    salt = secrets.token_hex(6)
+    index.begin_pending(salt)
+    written: list[NewBlob] = []
+    tag_bytes, where = TAG_BYTES if keys.key is not None else 0, namespace_tag(namespace).encode()
+
+    def then(name: str, data: bytes, tag: bytes) -> str:
+        # on a checking thread (fetch_all): the tag's HMAC (hashlib lets go of the
+        # GIL), the checks and the local write of one blob while the next arrives
+        key = names[name]
+        try:
+            keys.check(b"blob", tag, where, key.encode(), data)
+        except BadValue:
+            tier.marks.bad(namespace, name)  # the next push of it reads it and repairs it
+            raise
+        return _local(blobs, key, data, facts[key], salt, written)
+
+    try:
+        sizes = {n: int(facts[k][0]) for n, k in sorted(names.items())}
+        for name, file in tier.get_blobs(namespace, sizes, tag_bytes, then).items():
+            if file is None:
+                raise EvictedError(f"shared blob {names[name]}", "the tier no longer holds it")
+            files[names[name]] = file
+        return _commit(index, namespace, body, files, written, salt, named)
+    except BaseException:
+        for b in written:
+            blobs.delete(b.file)
+        index.end_pending(salt)
+        raise
+
+
+def _local(
+    blobs: BlobStore, key: str, data: bytes, facts: list[Any], salt: str, written: list[NewBlob]
+) -> str:
+    """The local file of blob ``key`` from the tier's bytes (its tag checked), checked
+    (its size, its header against the record, every tensor against its checksum)."""
+    where = f"shared blob {key}"
+    size, digest = facts[0], bytes(facts[1])
+    # every tensor checked in memory, before a byte is written or committed
+    problem = verify_blob(io.BytesIO(data), where, size, digest, len(data))
+    if problem is not None:
+        raise CorruptBlobError(where, problem)
+
+    def write(sink: Any) -> bytes:
+        sink.write(data)
+        sink.finish()
+        return digest
+
+    file, n, h = blobs.put(key, write, len(data), salt)
+    written.append(NewBlob(file, key, n, h))
+    return file
+
+
+def _commit(
+    index: Index,
+    namespace: str,
+    body: dict[str, Any],
+    files: dict[str, str],
+    written: list[NewBlob],
+    salt: str,
+    named: bool,
+) -> int:
+    r = {k: body["row"][k] for k in ROW_FIELDS}
+    # the tier's chains are under the tier's secret; this store's under its own
+    secret = index.secret(namespace)
+    assert secret is not None  # adopted (``secret``) before anything is pulled
+    chs, r["last_chain"] = chains_under(secret, r, len(body["blocks"]))
+    r["root"] = chs[0]
+    refs = [
+        BlockRef(i, c, files[k] if k else None)
+        for (i, _, k), c in zip(body["blocks"], chs[1:], strict=True)
+    ]
+    row = {
+        **r,
+        "namespace": namespace,
+        "name": r["name"] if named else None,
+        "owner": r["owner"] if named else None,
+        "role": r["role"] if named else "prefix",
+        "trimmable": int(bool(r["trimmable"])),
+        "tail": files[body["tail"]],
+        "bytes": sum(f[0] for f in body["blobs"].values()),
+        "pinned": 0,
+        "used": time.time(),
+    }
+    try:
+        with index.write() as db:
+            writes.add_blobs(db, namespace, written)
+            writes.finish_pending(db, salt)
+            sid = writes.insert(db, row, refs)
+            writes.add_heads(db, sid, chs, unpack_tokens(r["tokens"]), block_of(body))
+    except sqlite3.IntegrityError:  # the name was taken meanwhile (another pull, a save)
+        raise BadValue("conflict", "the local store took that name meanwhile") from None
+    return sid

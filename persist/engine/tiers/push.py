@@ -1,0 +1,289 @@
+"""The writing side of a tier: the namespace secret every machine must agree on, and
+the push of one committed snapshot (its missing blobs, its sealed record, its pointers).
+
+The chain secret decides every chain, so the records on a tier are chained under
+one secret, the tier's (the fleet's); a store keeps its own for its local rows
+and rechains a record at the tier's edge when the two differ (a store that
+shared before an operator key was set, or before the tier lost everything).
+With an operator key the tier's secret is derived, HMAC(key, namespace):
+nothing on a tier, nothing an LRU can evict.  Without one it lives on the tier,
+where eviction cannot lose it for good: every save writes it again and reads
+it back (SET NX, in the record's round trip: a machine that finds another one
+there uses that one from then on), every record carries it (a new machine
+restoring a session adopts it from the record), a machine that finds none
+recovers it from a record found by a bounded SCAN, else from the cold tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import msgpack
+
+from ...format.tokens import unpack_tokens
+from ...remote.redis_tier import TierUnavailable
+from ...storage.blobs import BlobStore
+from ...storage.chains import boundary_heads
+from ...storage.index import Index
+from .records import ROW_FIELDS, BadValue, Expect, Keys, chains_under, open_record, seal_record
+
+
+class Shared(Protocol):
+    """What of ``tiers.Shared`` the secret needs (a protocol: tiers imports this module)."""
+
+    tier: Any
+    name: str
+    keys: Keys
+    backup: Any
+    unreachable: int  # operations the tier was down for
+
+    def push(
+        self, index: Index, blobs: BlobStore, namespace: str, sid: int, verify: bool = False
+    ) -> str: ...
+
+    def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool: ...
+
+
+Tier = Any  # a RedisTier or S3Tier (their common methods)
+
+__all__ = ["namespace_secret", "push", "sync"]
+
+log = logging.getLogger("persist")
+
+
+def namespace_secret(
+    shared: Shared, index: Index, namespace: str, create: bool, last: bytes | None = None
+) -> bytes | None:
+    """The fleet's secret for this namespace on this tier, or None: none anywhere and
+    not ``create`` (a read never creates a namespace).  With a key it is derived.
+    Without one the tier's is the fleet's: one it lost is recovered (from its records,
+    else the cold tier) or planted again (SET NX, then read back, so machines that
+    race agree on one) from ``last`` (the one this process used), the store's own, or
+    a new one.  A store without a secret of its own for the namespace adopts it; a
+    store with another one keeps its own and rechains at the tier's edge (``push``,
+    ``tiers.pull``), so no secret that changed on a tier splits the fleet."""
+    fleet = shared.keys.namespace_secret(namespace)
+    if fleet is None:
+        fleet = shared.tier.get_secret(namespace)
+        if fleet is None:
+            found = _recovered(shared, index, namespace)
+            if found is None and not create:
+                return None
+            mine = found or last or index.secret(namespace) or os.urandom(32)
+            fleet = shared.tier.secret(namespace, mine)
+    if index.secret(namespace) is None:
+        index.set_secret(namespace, fleet)
+    return fleet
+
+
+def _recovered(shared: Shared, index: Index, namespace: str) -> bytes | None:
+    """A secret the tier lost, from one of its records (the first that opens: a bad one
+    is a counted miss, and the search is bounded, ``recovery_records``), else from the
+    cold tier (S3 evicts nothing)."""
+    for value in shared.tier.recovery_records(namespace):
+        try:
+            body = open_record(shared.keys, value, Expect(namespace))
+            secret = body.get("secret")
+            if secret is None:
+                continue  # a record written with an operator key carries none
+            open_record(shared.keys, value, Expect(namespace, secret=secret))  # its chains agree
+        except BadValue as e:
+            index.count(namespace, **{f"{shared.name}_{e.why}": 1})
+            continue
+        index.count(namespace, **{f"{shared.name}_secret_recovered": 1})
+        return bytes(secret)
+    if shared.backup is not None:
+        try:
+            held: bytes | None = shared.backup.get_secret(namespace)
+        except TierUnavailable:
+            return None
+        return held
+    return None
+
+
+def push(
+    index: Index,
+    blobs: BlobStore,
+    tier: Tier,
+    keys: Keys,
+    namespace: str,
+    sid: int,
+    secret: bytes,
+    verify: bool = False,
+) -> tuple[str, bytes | None]:
+    """Write a committed snapshot's missing blobs and its record to the tier: ``pushed``,
+    ``present`` (nothing was missing or wrong), ``skipped`` (gone meanwhile, or a
+    snapshot this tier does not keep); and the tier's secret after the write (without
+    a key).  The record's chains are under ``secret``, the tier's, whatever the
+    store's own.  A blob the tier holds is read and compared with what would be
+    written, once per process (``tier.marks``), or every time with ``verify``
+    (``sync``), and so is the record with ``verify``: a wrong value (a hostile
+    writer's, planted ahead of the save or written over it) is overwritten."""
+    with index.read() as db:
+        rows = Index.rows_where(db, "id = ?", [sid])
+        refs = Index.blocks_in(db, sid)
+    if not rows:
+        return "skipped", None  # evicted meanwhile
+    row = rows[0]
+    name = row.name if row.role == "session" else None
+    if name is not None:  # this version or a later one: an older record is a replay
+        index.saw(namespace, name, row.created)
+    if name is None and getattr(tier, "named_only", False):
+        return "skipped", None
+    files = [row.tail, *(r.blob for r in refs if r.blob)]
+    facts = index.blob_facts(files)
+    if len(facts) != len(set(files)):
+        return "skipped", None  # evicted or replaced meanwhile: nothing to share
+    by_key = {facts[f][0]: f for f in set(files)}
+    fields: dict[str, Any] = {k: getattr(row, k) for k in ROW_FIELDS}
+    chs = [r.chain for r in refs]
+    if secret != index.secret(namespace):  # this store chains the namespace otherwise
+        under, fields["last_chain"] = chains_under(secret, fields, len(refs))
+        fields["root"], chs = under[0], under[1:]
+    body: dict[str, Any] = {
+        "row": {**fields, "trimmable": bool(row.trimmable)},
+        "blocks": [
+            [r.idx, c, facts[r.blob][0] if r.blob else None] for r, c in zip(refs, chs, strict=True)
+        ],
+        "tail": facts[row.tail][0],
+        "blobs": {facts[f][0]: [facts[f][1], facts[f][2]] for f in sorted(set(files))},
+        "secret": None if keys.key is not None else secret,  # a derived one is kept nowhere
+    }
+    rkey, record = seal_record(keys, namespace, body)
+    names = {keys.blob_name(k): k for k in by_key}
+    missing = tier.missing_blobs(namespace, sorted(names))
+    present = [n for n in sorted(names) if n not in set(missing)]
+    if not verify:  # those this process wrote or read as right are not read again
+        present = [n for n in present if not tier.marks.is_good(namespace, n)]
+
+    def value(name: str) -> tuple[bytes, bytes | None]:
+        with blobs.open(by_key[names[name]]) as fh:
+            data = fh.read()
+        return data, keys.blob_tag(namespace, names[name], data)
+
+    def right(name: str) -> bool:
+        if tier.blob_matches(namespace, name, *value(name)):
+            tier.marks.good(namespace, name)
+            return True
+        log.warning("persist: replacing a wrong value of blob %s on %s", name, tier.url)
+        return False
+
+    def put(name: str, replace: bool = False) -> None:
+        data, tag = value(name)
+        tier.put_blob(namespace, name, data, bool(row.pinned), tag, replace=replace)
+
+    with ThreadPoolExecutor(4) as pool:  # the tier's client is thread-safe
+        wrong = [n for n, ok in zip(present, pool.map(right, present), strict=True) if not ok]
+        list(pool.map(put, missing))
+        list(pool.map(lambda n: put(n, replace=True), wrong))
+    held = tier.records(namespace, [rkey])[0] if verify else None
+    if verify:
+        good_record = held == record
+    else:
+        good_record = not missing and not wrong and tier.has_record(namespace, rkey)
+    ptrs = _pointers(keys, namespace, fields, chs, name, rkey)
+    bad = _wrong_pointers(tier, keys, namespace, ptrs, bool(row.trimmable)) if verify else set()
+    after = tier.put_record(
+        namespace, rkey, record, ptrs,
+        bool(row.trimmable), None if keys.key is not None else secret,
+        replace=verify and held is not None and not good_record,
+        replace_pointers=bad,
+    )  # fmt: skip
+    had = not missing and not wrong and good_record and not bad
+    return "present" if had else "pushed", after
+
+
+def _wrong_pointers(
+    tier: Tier,
+    keys: Keys,
+    namespace: str,
+    ptrs: list[tuple[str, bytes, bytes]],
+    trimmable: bool,
+) -> set[tuple[str, bytes]]:
+    """(kind, key) of the pointers a sync must write again: absent, not a pointer, not
+    authentic, or naming another record where this one's belongs.  An untrimmable
+    snapshot's chain pointers that name another authentic record stay: the first,
+    shortest snapshot to reach a chain keeps it."""
+    kept = [(kind, key, value) for kind, key, value in ptrs if kind in tier.pointer_kinds]
+    held = tier.pointers(namespace, [(kind, key) for kind, key, _ in kept])
+    out = set()
+    for (kind, key, value), got in zip(kept, held, strict=True):
+        if got is not None and bytes(got) == value:
+            continue
+        try:
+            if got is not None and kind != "sess" and not trimmable:
+                keys.open_pointer(namespace, kind, key, got)
+                continue  # another snapshot's own pointer
+        except BadValue:
+            pass
+        out.add((kind, key))
+    return out
+
+
+def _pointers(
+    keys: Keys,
+    namespace: str,
+    row: dict[str, Any],
+    chs: list[bytes],
+    name: str | None,
+    rkey: str,
+) -> list[tuple[str, bytes, bytes]]:
+    """(kind, key, value) of every pointer to the record: by name, chain, head key."""
+    block = int(msgpack.unpackb(row["manifest"], raw=False)["block"])
+    heads = boundary_heads([row["root"], *chs], unpack_tokens(row["tokens"]), block)
+    items = [("blk", c) for c in chs] + [("head", h) for h in heads]
+    if name is not None:
+        items.insert(0, ("sess", name.encode()))
+    return [(kind, key, keys.pointer(namespace, kind, key, rkey)) for kind, key in items]
+
+
+def sync(
+    index: Index,
+    blobs: BlobStore,
+    shared: Sequence[Shared],
+    namespace: str | None,
+    names: list[str],
+) -> dict[str, Any]:
+    """Push every local snapshot (of ``namespace``) to the tiers (each push reads what a
+    tier holds of it and writes what it lacks or holds wrong), then pull the named
+    sessions this store lacks.  The report says what happened: per tier, snapshots
+    pushed (a repaired one too), already there and right, failed."""
+    rows = index.snapshots(namespace, named_only=False)
+    per: dict[str, dict[str, int]] = {
+        t.name: {"pushed": 0, "present": 0, "failed": 0} for t in shared
+    }
+    failed: set[int] = set()
+    for row in rows:
+        for tier in shared:
+            how = tier.push(index, blobs, row.namespace, row.id, verify=True)
+            if how in per[tier.name]:
+                per[tier.name][how] += 1
+            if how == "failed":
+                failed.add(row.id)
+    pulled, unreached = [], []
+    for name in names:
+        ns = namespace or "default"
+        down = False
+        for tier in shared:
+            if index.by_name(ns, name) is None:
+                before = tier.unreachable
+                tier.pull_session(index, blobs, ns, name)
+                down = down or tier.unreachable > before
+        if index.by_name(ns, name) is not None:
+            pulled.append(name)
+        elif down:  # a tier that could not be asked: a failure, not "not in any tier"
+            unreached.append(name)
+    total = {k: sum(p[k] for p in per.values()) for k in ("pushed", "present", "failed")}
+    return {
+        **total,
+        "snapshots": len(rows),
+        "snapshots_failed": len(failed),
+        "tiers": per,
+        "pulled": pulled,
+        "unreached": sorted(set(unreached)),
+        "missing": sorted(set(names) - set(pulled) - set(unreached)),
+    }

@@ -1,0 +1,1 @@
+"""``persist serve``: mlx-lm's server with a durable, tiered prompt cache."""

@@ -1,0 +1,391 @@
+"""A durable prompt cache for mlx-lm's server: memory first, the store behind it.
+
+``PersistentPromptCache`` has the interface mlx-lm's server uses
+(``LRUPromptCache``: ``fetch_nearest_cache``, ``insert_cache``, ``trim_to``,
+``nbytes``, ``stats_by_type``, ...).  Memory stays the first tier.  On a miss,
+or when the store holds a strictly longer usable prefix, it restores from the
+store.  Every insert is written behind to the store by one background thread
+through a bounded queue; the server's own copy is never touched again (mlx-lm
+hands out deep copies), and its arrays are evaluated before hand-off.  The
+server's message-boundary snapshots of hybrid and sliding-window models are
+stored as they come, so they serve prefix hits after a restart too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache
+
+from ..codecs.snapshot import Snapshot, capture
+from ..engine.host.store_hooks import owner, served
+from ..engine.host.tier import DEVICE_MEMORY, EvictionWatch, HostTier, default_budget, placement
+from ..engine.store import Store
+from ..errors import InvalidArgumentError
+from ..identity import ModelIdentity
+from .metrics import ServeMetrics
+
+__all__ = ["PersistentPromptCache", "keep_freed_buffers", "host_budget"]
+
+log = logging.getLogger("persist")
+
+
+Resolver = Callable[[Any], "ModelIdentity | None"]
+
+
+def _constant(identity: ModelIdentity) -> Resolver:
+    return lambda _key: identity
+
+
+class PersistentPromptCache(LRUPromptCache):
+    """mlx-lm's prompt cache with the store behind it.
+
+    ``identity`` is either one ModelIdentity (every cache is that model's) or
+    a resolver from the server's model key (model path, adapter path, draft
+    model path) to the identity of the model loaded under that key.  Every
+    store entry is keyed by the identity of the model that computed it, and
+    looked up by the identity of the model that will consume it; a key the
+    resolver does not know never touches the store.
+    """
+
+    def __init__(
+        self,
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        *,
+        store: Store,
+        identity: ModelIdentity | Resolver,
+        namespace: str = "default",
+        queue_size: int = 64,
+        when_full: str = "block",
+        block_seconds: float = 30.0,
+        metrics: ServeMetrics | None = None,
+        host: HostTier | None = None,
+    ) -> None:
+        super().__init__(max_size, max_bytes)
+        self.host = host  # what mlx-lm evicts is kept there, asked before the store
+        if host is not None:
+            self._trie = EvictionWatch(self._trie, self._evicted)  # type: ignore[assignment]
+        self.metrics = metrics  # persist serve's Prometheus metrics (apps.metrics)
+        if metrics is not None:
+            metrics.caches.append(self)
+        self.store = store
+        self.identity_for: Resolver = (
+            _constant(identity) if isinstance(identity, ModelIdentity) else identity
+        )
+        if when_full not in ("block", "drop"):
+            raise InvalidArgumentError("when_full must be 'block' or 'drop'")
+        self.namespace = namespace
+        # Back-pressure when the disk is slower than generation: wait up to
+        # block_seconds for room (the request was already answered), or drop.
+        self.when_full, self.block_seconds = when_full, block_seconds
+        self.counters: Counter[str] = Counter()
+        self._queue: queue.Queue[tuple[ModelIdentity, list[int], Snapshot] | None] = queue.Queue(
+            queue_size
+        )
+        self._writer = threading.Thread(
+            target=self._write_behind, name="persist-writer", daemon=True
+        )
+        self._writer.start()
+
+    # -- the interface mlx-lm's server calls ---------------------------------
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        with self._on_thread("lookup"):
+            return self._nearer(model, tokens, cache, rest)
+
+    def _nearer(
+        self, model: Any, tokens: list[int], cache: Any, rest: list[int]
+    ) -> tuple[Any, list[int]]:
+        """A longer prefix than mlx-lm's own (``cache``): from the host tier or the store."""
+        have = len(tokens) - len(rest) if cache is not None else 0
+        identity = self.identity_for(model)
+        if identity is None:
+            self._count(unkeyed=1)
+            if self.metrics is not None:
+                self.metrics.prompt_only(len(tokens), have)
+            return cache, rest
+        m = self.metrics
+        probe = m.probe() if m is not None else None
+        memory, near = have, self._from_host(identity, tokens, have)
+        if near is not None:
+            cache, rest, have = near.cache, list(tokens[len(near.tokens) :]), len(near.tokens)
+        try:
+            # one index pass: a hit no longer than memory's or the host's is not read
+            hit = self.store.lookup(
+                tokens, identity=identity, namespace=self.namespace, longer_than=have
+            )
+            if m is not None and probe is not None:
+                n = len(hit.tokens) if hit is not None else 0
+                host = len(near.tokens) if near is not None else 0
+                m.looked_up(probe, len(tokens), memory, n, self.store.costs.last, host=host)
+            if hit is not None:
+                self._count(store_hits=1, restored_tokens=len(hit.tokens))
+                log.info(
+                    "persist: restored %d of %d prompt tokens from the store",
+                    len(hit.tokens),
+                    len(tokens),
+                )
+                return hit.cache, list(tokens[len(hit.tokens) :])
+        except Exception as e:  # the store must never take the server down
+            self._count(store_errors=1)
+            if self.metrics is not None:
+                self.metrics.store_errors.inc()
+            log.warning("persist: store lookup failed: %s", e)
+        if near is not None:
+            self._count(host_hits=1, host_tokens=len(near.tokens))
+        else:
+            self._count(memory_hits=int(cache is not None), misses=int(cache is None))
+        return cache, rest
+
+    def _from_host(self, identity: ModelIdentity, tokens: list[int], have: int) -> Any:
+        """A host-tier hit longer than memory's (a fresh copy), its rate told to the costs."""
+        if self.host is None:
+            return None
+        try:
+            who = self._owner(identity)
+            return served(self.host, self.store.costs, identity, who, tokens, have)
+        except Exception as e:  # the tier must never take the server down
+            log.warning("persist: host cache lookup failed: %s", e)
+            return None
+
+    def _evicted(self, model: Any, tokens: list[int], cache: list[Any]) -> None:
+        """Keep what mlx-lm evicts.  Called inside its bookkeeping (the entry is out of
+        its trie, its bytes not yet subtracted): nothing may escape from here."""
+        try:
+            identity = self.identity_for(model)
+            if self.host is not None and identity is not None:
+                with self._on_thread("keep"):
+                    self.host.keep(self._owner(identity), tokens, cache)
+        except Exception as e:  # the tier must never take the server down
+            log.warning("persist: could not keep an evicted cache in the host cache: %s", e)
+
+    def _owner(self, identity: ModelIdentity) -> str:
+        """The host tier's key for this cache's entries, as a Store keys its own: a
+        HostTier shared by tenants (namespaces) or backends never crosses them."""
+        return owner(self.namespace, identity, self.store.strict_backend)
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: list[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> None:
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        identity = self.identity_for(model)
+        if identity is None:  # no identity vouches for it: memory only
+            self._count(unkeyed=1)
+            return
+        try:
+            # Encoded and evaluated here, on the generation thread: the writer
+            # then handles host bytes only and never waits on this thread's stream.
+            with self._on_thread("capture"):
+                snap = capture(prompt_cache, tokens)
+        except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
+            self._count(persist_errors=1)
+            log.warning("persist: could not persist a cache: %s", e)
+            return
+        item = (identity, list(tokens), snap)
+        try:
+            with self._on_thread("queue"):  # a full write-behind queue holds the thread
+                if self.when_full == "block":
+                    self._queue.put(item, timeout=self.block_seconds)
+                else:
+                    self._queue.put_nowait(item)
+        except queue.Full:
+            self._count(queue_drops=1)
+            if self.metrics is not None:
+                self.metrics.drops.inc()
+            log.warning("persist: write-behind queue full; %d tokens not persisted", len(tokens))
+
+    # -- write-behind --------------------------------------------------------
+
+    def _write_behind(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                identity, tokens, snap = item
+                m = self.metrics
+                probe = m.probe(save=True) if m is not None else None
+                ok = False
+                try:
+                    self.store.save(snap, tokens, identity=identity, namespace=self.namespace)
+                    ok = True
+                finally:
+                    if m is not None and probe is not None:
+                        m.saved(probe, ok)
+                self._count(persisted=1)
+            except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
+                if self.metrics is not None:
+                    self.metrics.store_failed(e)
+                self._count(persist_errors=1)
+                log.warning("persist: could not persist a cache: %s", e)
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued insert is durable in the store."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._writer.join()
+
+    @contextlib.contextmanager
+    def _on_thread(self, step: str) -> Iterator[None]:
+        """Time a step persist adds to the generation thread (``/metrics``)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.metrics is not None:
+                self.metrics.on_generation_thread(step, time.perf_counter() - start)
+
+    def _count(self, **deltas: int) -> None:
+        deltas = {k: v for k, v in deltas.items() if v}
+        self.counters.update(deltas)
+        try:  # best effort: a full disk or a busy index never fails a request (counted)
+            if deltas:
+                self.store.count(self.namespace, **{f"serve_{k}": v for k, v in deltas.items()})
+        except Exception as e:
+            if self.metrics is not None:
+                self.metrics.store_failed(e, counter=True)
+
+
+def serve(
+    model_dir: str,
+    store_root: Any,
+    *,
+    max_bytes: int | None = None,
+    namespace: str = "default",
+    server_args: list[str] | None = None,
+    backlog: int = 128,
+    drain_timeout: float = 60.0,
+    queue_size: int = 64,
+    when_full: str = "block",
+    shared: str | None = None,
+    cold: str | None = None,
+    tier_key: bytes | None = None,
+    mlx_cache: int | None = None,
+    read_timeout: float = 30.0,
+    max_request_bytes: int = 4 << 20,
+    log_format: str = "text",
+    host_cache: int | None = None,
+    max_connections: int = 128,
+) -> None:
+    """Run mlx-lm's server (``mlx_lm.server``) with the store behind its prompt cache.
+
+    Blocks until SIGTERM or Ctrl-C, then stops in order: no new connections,
+    the accepted requests finish (up to ``drain_timeout`` seconds), the
+    write-behind queue is flushed, the store closed.  A second signal exits
+    at once.  If generation stops for good, the same stop runs and
+    InvalidStateError is raised (the CLI exits 1).  ``mlx_cache``: see
+    ``keep_freed_buffers``; ``read_timeout``, ``max_request_bytes``, ``max_connections``:
+    ``server_handler``, ``server_http``; ``host_cache``: bytes of evicted caches kept in
+    RAM (``engine.host.tier``; None: ``host_budget``; 0: none).
+    """
+    import functools
+    import sys
+
+    import mlx_lm.server as server
+
+    from .generation import GuardedGenerator
+    from .handler import PersistHandler, models_without_hf_cache
+    from .http_edge import serve_until_signal
+    from .logs import start_line, stop_line, use_log_format
+    from .model_identity import track_identities
+    from .prefill_rates import measure_prefills
+
+    keep_freed_buffers(mlx_cache)
+    by_model: dict[int, ModelIdentity] = {}
+    identities = track_identities(server, by_model)
+    store = Store(store_root, max_bytes=max_bytes, shared=shared, cold=cold, tier_key=tier_key)
+    measure_prefills(server, store, lambda model: by_model.get(id(model)))
+    metrics = ServeMetrics(store, namespace)
+    budget = host_budget(host_cache)
+    metrics.host = host = HostTier(budget) if budget > 0 else None
+    caches: list[PersistentPromptCache] = []
+
+    def make(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
+        pc = PersistentPromptCache(
+            max_size,
+            max_bytes,
+            store=store,
+            identity=identities.get,
+            namespace=namespace,
+            queue_size=queue_size,
+            when_full=when_full,
+            metrics=metrics,
+            host=host,
+        )
+        caches.append(pc)
+        return pc
+
+    real_run = server.run
+
+    def run(host: str, port: int, model_provider: Any, *args: Any, **kwargs: Any) -> None:
+        use_log_format(log_format)  # mlx-lm's main has configured logging by now
+        log.info(start_line(store, namespace, shared, cold, queue_size, when_full, metrics.host))
+        real_run(host, port, model_provider, *args, **kwargs)
+
+    server.LRUPromptCache = make  # type: ignore[assignment,misc]
+    server.ResponseGenerator = GuardedGenerator  # type: ignore[misc]
+    server.scan_cache_dir = models_without_hf_cache(server.scan_cache_dir)
+    server.run = run
+    server._run_http_server = functools.partial(
+        serve_until_signal,
+        server,
+        backlog=backlog,
+        drain_timeout=drain_timeout,
+        handler=PersistHandler,
+        metrics=metrics,
+        read_timeout=read_timeout,
+        max_request_bytes=max_request_bytes,
+        max_connections=max_connections,
+    )
+    sys.argv = ["mlx_lm.server", "--model", str(model_dir), *(server_args or [])]
+    try:
+        server.main()
+    finally:
+        for pc in caches:
+            pc.close()
+        log.info(stop_line(metrics.summary(), store))
+        store.close()
+
+
+def host_budget(host_cache: int | None) -> int:
+    """The host tier's bytes: ``host_cache`` if given, else the default budget where
+    the tier keeps entries off the device (host or pinned host memory); none on CUDA
+    without pinned memory, where it would hold what mlx-lm's eviction meant to free."""
+    if host_cache is not None:
+        return host_cache
+    return 0 if placement() == DEVICE_MEMORY else default_budget()
+
+
+def keep_freed_buffers(limit: int | None) -> int | None:
+    """Let MLX's CPU backend keep up to ``limit`` bytes of freed buffers for reuse
+    (None: its memory limit, as MLX does on GPUs); the old limit, or None off the CPU.
+
+    On the CPU MLX keeps only 32 MiB, so every restored cache (and every
+    growth of a live one) faults in fresh pages: 2-3x the cost of reading
+    the bytes on a VM.  A server restores all day; its freed caches should
+    be reused as they are on Metal and CUDA.
+    """
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return None
+    return int(mx.set_cache_limit(mx.get_memory_limit() if limit is None else limit))
