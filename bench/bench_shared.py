@@ -28,8 +28,8 @@ from typing import Any
 import mlx.core as mx
 
 import persist
-from bench.bench_throughput import IDENTITY, llama
 from bench.common import RESULTS, machine, raw_read, warm
+from bench.shapes import IDENTITY, llama
 from tests.tiers.conftest import RedisServer, S3Server
 
 REPS = 3

@@ -29,8 +29,8 @@ import mlx.core as mx
 import numpy as np
 
 import persist
-from bench.bench_throughput import IDENTITY, first_step, llama
 from bench.common import warm
+from bench.shapes import IDENTITY, first_step, llama
 from persist.cuda import pinned
 from persist.cuda.driver import Driver
 from persist.cuda.kernels import device_buffers

@@ -30,8 +30,8 @@ import numpy as np
 import xxhash
 
 import persist
-from bench.bench_throughput import IDENTITY, first_step, llama
 from bench.common import warm
+from bench.shapes import IDENTITY, first_step, llama
 from persist.cuda import pinned, reader_worker
 from persist.cuda.driver import Driver
 from persist.engine import loading

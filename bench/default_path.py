@@ -51,8 +51,8 @@ class DefaultPath:
 
 def _serve(conn: Any, build: str, tokens: int, root_name: str) -> None:
     import persist
-    from bench.bench_throughput import IDENTITY, first_step, llama, qwen3_next
     from bench.common import evict
+    from bench.shapes import IDENTITY, first_step, llama, qwen3_next
 
     root = Path(root_name)
     cache = {"llama3-8b": llama, "qwen3-next": qwen3_next}[build](tokens)

@@ -110,12 +110,14 @@ def _is_module(name: str) -> bool:
     return (ROOT / rel).with_suffix(".py").exists() or (ROOT / rel / "__init__.py").exists()
 
 
-def graph() -> dict[str, set[str]]:
+def graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Each module of ``package`` -> the modules of that same package it imports."""
+    prefix = package.name + "."
     edges: dict[str, set[str]] = {}
-    for path in PACKAGE.rglob("*.py"):
+    for path in package.rglob("*.py"):
         mod = module_name(path)
         found = imports(path)
-        edges[mod] = {i for i in found if i.startswith("persist.") and _is_module(i) and i != mod}
+        edges[mod] = {i for i in found if i.startswith(prefix) and _is_module(i) and i != mod}
     return edges
 
 
@@ -129,21 +131,20 @@ def test_every_arrow_points_down() -> None:
     assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))
 
 
-def test_no_import_circles() -> None:
-    edges = graph()
+def circles(edges: dict[str, set[str]]) -> list[str]:
+    """Every circle a depth-first walk of ``edges`` closes, written a -> b -> a."""
     # a module's package __init__ runs before it: parent packages are not arrows
-    for mod in edges:
-        edges[mod] = {t for t in edges[mod] if not mod.startswith(t + ".")}
+    edges = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in edges.items()}
     seen: dict[str, int] = {}
     stack: list[str] = []
-    circles: list[str] = []
+    found: list[str] = []
 
     def visit(m: str) -> None:
         seen[m] = 1
         stack.append(m)
         for t in sorted(edges.get(m, ())):
             if seen.get(t) == 1:
-                circles.append(" -> ".join([*stack[stack.index(t) :], t]))
+                found.append(" -> ".join([*stack[stack.index(t) :], t]))
             elif t not in seen:
                 visit(t)
         stack.pop()
@@ -152,7 +153,18 @@ def test_no_import_circles() -> None:
     for m in sorted(edges):
         if m not in seen:
             visit(m)
-    assert not circles, "import circles:\n" + "\n".join(circles)
+    return found
+
+
+def test_no_import_circles() -> None:
+    found = circles(graph())
+    assert not found, "import circles:\n" + "\n".join(found)
+
+
+def test_no_import_circles_in_bench() -> None:
+    """The benchmarks import each other too (shared cache shapes, servers, results)."""
+    found = circles(graph(ROOT / "bench"))
+    assert not found, "import circles in bench/:\n" + "\n".join(found)
 
 
 def test_low_layers_never_import_mlx() -> None:
@@ -170,3 +182,11 @@ def test_the_graph_sees_real_arrows() -> None:
     assert "persist.storage.index" in edges["persist.engine.store"]
     assert "persist.kinds" in edges["persist.codecs"]
     assert "persist.codecs" not in edges["persist.kinds"]
+
+
+def test_the_circle_search_finds_circles() -> None:
+    """A circle through three modules, and one through a function-level import, are found."""
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a -> b -> c -> a"]
+    bench = graph(ROOT / "bench")
+    assert "bench.common" in bench["bench.bench_throughput"]
+    assert "bench.shapes" in bench["bench.default_path"]  # imported inside its child's function
