@@ -109,3 +109,12 @@ def test_long_names_keep_the_columns(tmp_path: Path) -> None:
     data = [line for line in out if " tok " in line]
     assert len(data) == 2 and len({line.index(" tok ") for line in data}) == 1, out
     assert len({line.index(" used ") for line in data}) == 1, out
+
+
+def test_a_huge_limit_lists_everything_not_a_traceback(tmp_path: Path) -> None:
+    """``ls --limit 2**63`` overflowed SQLite's integer (found by an attack on the
+    listing commands): past sys.maxsize a limit is every row."""
+    root = made(tmp_path / "s", "w")
+    r = CliRunner().invoke(cli, ["ls", "--limit", str(2**63), "--store", root])
+    assert r.exit_code == 0, r.output
+    assert "w" in r.output.split()
