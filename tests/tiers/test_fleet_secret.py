@@ -138,3 +138,49 @@ def test_a_lost_shared_secret_comes_back_from_the_cold_tier(
     assert redis_server.client().get(f"{P}secret") == first
     with persist.Store(tmp_path / "c", shared=redis_server.url) as c:
         assert c.restore("two", identity=ident).tokens == t2
+
+
+def test_one_malformed_record_never_blocks_secret_recovery(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """README: a value that is not persist's is a miss for that key only; an evicted
+    secret is recovered from a record.  The recovery SCAN opens only the first record."""
+    from persist.remote.redis_tier import SCAN_COUNT
+
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    p = RedisTier.prefix("default")
+    doc = tokens_for(300, seed=3)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, doc)[0], doc, identity=ident)  # an anonymous prefix
+    r = redis_server.client()
+    r.delete(f"{p}secret")  # evicted
+    for i in range(200):  # bounded: until SCAN meets a bad record first
+        r.set(f"{p}rec:{i:032x}", b"not a record")
+        first = r.scan(0, match=f"{p}rec:*", count=SCAN_COUNT)[1]
+        if first and r.get(first[0]) == b"not a record":
+            break
+    with persist.Store(tmp_path / "b", shared=redis_server.url) as b:  # a new machine
+        hit = b.lookup([*doc[:280], 9], identity=ident)
+        assert hit is not None and hit.tokens == doc[:280]
+
+
+def test_a_secret_of_another_type_breaks_only_that_key(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """README: a value that is not persist's (another type) is a miss for that key only,
+    never a broken namespace; a secret that disappeared is recovered from a record."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    p = RedisTier.prefix("default")
+    doc, other = tokens_for(300, seed=3), tokens_for(300, seed=4)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, doc)[0], doc, identity=ident)
+    r = redis_server.client()
+    r.delete(f"{p}secret")
+    r.rpush(f"{p}secret", b"a")  # a key of another type where the secret was
+    with persist.Store(tmp_path / "b", shared=redis_server.url) as b:  # a new machine
+        hit = b.lookup([*doc[:280], 9], identity=ident)
+        b.save(prefill(model, other)[0], other, identity=ident, session="o")
+        assert b.sync()["failed"] == 0
+        assert hit is not None and hit.tokens == doc[:280]

@@ -248,3 +248,26 @@ def test_ctrl_c_during_a_pull_leaves_a_consistent_store(
         assert not list((tmp_path / "b" / "blobs").rglob("*.safetensors"))
         monkeypatch.undo()
         assert b.restore("s", identity=ident).tokens == toks  # and the next try works
+
+
+def test_a_session_continued_on_a_machine_with_a_slow_clock_is_still_newer(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """A session's version is its save time, but never earlier than the one the saving
+    store knows: a machine whose clock is behind continues a session and the machines
+    that saw the older version take the newer one."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    t1, t2 = tokens_for(300, seed=1), tokens_for(300, seed=2)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, t1)[0], t1, identity=ident, session="x")
+        ahead = a.entry("x").created + 3600.0
+        a.index.saw("default", "x", ahead)  # as if a's clock were an hour ahead
+        a.delete("x")
+    with persist.Store(tmp_path / "b", shared=redis_server.url) as b:
+        b.restore("x", identity=ident)
+        b.index.saw("default", "x", ahead)  # b pulled the version of a's fast clock
+        b.save(prefill(model, t2)[0], t2, identity=ident, session="x")
+        assert b.entry("x").created > ahead
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        assert a.restore("x", identity=ident).tokens == t2

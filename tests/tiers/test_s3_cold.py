@@ -10,7 +10,11 @@ from typing import Any
 import pytest
 
 import persist
+from persist.remote.redis_tier import RedisTier
 from tests.helpers import check_against_child, persist_cli, prefill, run_child, tokens_for
+from tests.tiers.tier_values import blob_keys
+
+KEY = bytes(range(32))
 
 
 @pytest.mark.long
@@ -86,3 +90,24 @@ def test_the_cli_takes_a_session_to_a_new_machine_through_s3(
     first = generate("a", "a session kept in the durable tier", PERSIST_COLD=s3_server.url)
     second = generate("b", " and resumed on a new machine", PERSIST_COLD=s3_server.url)
     assert second["source"] == "session" and second["reused_tokens"] == first["session_tokens"]
+
+
+def test_a_junk_blob_without_the_tag_is_a_miss_and_the_cold_tier_serves(
+    tiny: Any, redis_server: Any, s3_server: Any, tmp_path: Path
+) -> None:
+    """With a key, a value without the key's tag is a miss (README threat model) and the
+    next tier is asked.  A blob replaced by a few bytes (shorter than its size, so no tag
+    fits) is instead CorruptBlobError from the restore: a machine without the key
+    stops a session that S3 still holds intact."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    r, p = redis_server.client(), RedisTier.prefix("default")
+    toks = tokens_for(300, seed=6)
+    tiers = {"shared": redis_server.url, "cold": s3_server.url, "tier_key": KEY}
+    with persist.Store(tmp_path / "a", **tiers) as a:
+        a.save(prefill(model, toks)[0], toks, identity=ident, session="s")
+    for k in blob_keys(r, p):
+        r.set(k, b"garbage")
+    with persist.Store(tmp_path / "b", **tiers) as b:
+        assert b.restore("s", identity=ident).tokens == toks
+        assert b.stats().counters["shared_unauthenticated"] >= 1

@@ -78,3 +78,19 @@ def test_hostile_cold_values_are_misses(tiny: Any, s3_server: Any, tmp_path: Pat
             b.restore("x", identity=ident)
         assert b.restore("y", identity=ident).tokens == toks
         assert b.cold is not None and b.cold.tier.counters.get("errors", 0) == 0
+
+
+def test_a_name_with_a_lone_surrogate_is_refused_before_any_tier(
+    tiny: Any, s3_server: Any, tmp_path: Path
+) -> None:
+    """check_name takes any text without NUL that UTF-8 can hold: a lone surrogate (no
+    S3 key can hold it) is InvalidNameError at the save, never a UnicodeError from the
+    cold tier's push, and nothing reaches S3."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    t = tokens_for(260, seed=1)
+    with persist.Store(tmp_path / "a", cold=s3_server.url) as a:
+        with pytest.raises(persist.errors.InvalidNameError, match="lone surrogate"):
+            a.save(prefill(model, t)[0], t, identity=ident, session="a\udcffb")
+        assert a.sessions() == []
+    assert "Contents" not in s3_server.client().list_objects_v2(Bucket="persist-test")

@@ -135,3 +135,42 @@ def test_a_cluster_that_lost_the_secret_recovers_it(
         hit = b.lookup([*doc[:280], 9], identity=ident)
         assert hit is not None and hit.tokens == doc[:280]
         assert_same_state(live_state(hit.cache), live_state(prefill(model, doc[:280])[0]))
+
+
+def test_a_redis_restart_never_splits_a_keyless_fleet(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """README: Redis is a cache (what it holds is gone with its memory) and the namespace
+    secret is recovered when it disappears, so allkeys-lru never splits a fleet.  Losing
+    everything (a restart, or an LRU that took every key) and a new machine saving first:"""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    t1, t2, t3 = tokens_for(300, seed=11), tokens_for(300, seed=12), tokens_for(300, seed=13)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, t1)[0], t1, identity=ident, session="from-a")
+    redis_server.client().flushall()  # the server restarted (no persistence, as advised)
+    with persist.Store(tmp_path / "b", shared=redis_server.url) as b:  # a new machine
+        b.save(prefill(model, t2)[0], t2, identity=ident, session="from-b")
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, t3)[0], t3, identity=ident, session="from-a-again")
+        assert a.restore("from-b", identity=ident).tokens == t2
+    with persist.Store(tmp_path / "c", shared=redis_server.url) as c:
+        assert c.restore("from-a-again", identity=ident).tokens == t3
+
+
+def test_sync_pull_with_the_tier_down_is_a_failure_not_a_miss(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """README: sync reports what failed and exits 1 if anything failed.  A pull that could
+    not ask the only tier is a failure, not 'not in any tier'."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    t = tokens_for(300, seed=1)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, t)[0], t, identity=ident, session="x")
+    redis_server.stop()  # x is on the tier; the tier is down
+    out = persist_cli(
+        tmp_path / "b", "sync", "--shared", redis_server.url, "--pull", "x", check=False
+    )
+    assert out.returncode == 1, out.stdout
+    assert "not in any tier" not in out.stdout, out.stdout

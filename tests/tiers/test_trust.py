@@ -14,7 +14,7 @@ import xxhash
 import persist
 from persist.remote import redis_tier
 from persist.remote.redis_tier import RedisTier
-from tests.helpers import assert_same_state, live_state, prefill, tokens_for
+from tests.helpers import assert_same_state, live_state, persist_cli, prefill, tokens_for
 
 KEY = bytes(range(32))
 
@@ -229,8 +229,7 @@ def test_a_huge_part_count_is_refused_before_the_first_get(
 
 
 def test_packed_chains_are_the_stores_chains() -> None:
-    from persist.engine.tiers.exchange.records import packed_chains
-
+    from persist.engine.tiers.records import packed_chains
     from persist.format.tokens import pack_tokens
     from persist.storage.chains import chains
 
@@ -240,3 +239,119 @@ def test_packed_chains_are_the_stores_chains() -> None:
             packed_chains(b"r" * 16, pack_tokens(toks), 256, n)
             == chains(b"r" * 16, toks, 256)[: n + 1]
         )
+
+
+def test_a_replayed_old_pointer_is_refused_by_every_store_that_saw_the_newer_one(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """An old authentic sess: pointer replayed (by anyone who can write the tier, key or
+    not): a store that saved, pulled or pushed a newer version of the session refuses
+    it (``shared_stale``), even after deleting its own copy; one that holds the session
+    serves its own.  A new machine, which has seen nothing, can be given the older
+    authentic state of that same session, never another session's (README, threat
+    model; docs/FORMAT.md section 6)."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    r, p = redis_server.client(), RedisTier.prefix("default")
+    old, new = tokens_for(300, seed=1), tokens_for(320, seed=2)
+    with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY) as a:
+        a.save(prefill(model, old)[0], old, identity=ident, session="x")
+        stale = r.get(f"{p}sess:x")
+        a.save(prefill(model, new)[0], new, identity=ident, session="x")
+    with persist.Store(tmp_path / "c", shared=redis_server.url, tier_key=KEY) as c:
+        assert c.restore("x", identity=ident).tokens == new  # c sees the newer version
+        c.delete("x")
+    assert r.get(f"{p}sess:x") != stale
+    r.set(f"{p}sess:x", stale)  # the attacker replays the authentic old pointer
+    with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY) as a:
+        assert a.restore("x", identity=ident).tokens == new  # its own copy, not the tier's
+    with persist.Store(tmp_path / "c", shared=redis_server.url, tier_key=KEY) as c:
+        with pytest.raises(persist.SessionNotFoundError):
+            c.restore("x", identity=ident)  # deleted here, and the tier's is older
+        assert c.stats().counters["shared_stale"] == 1
+    with persist.Store(tmp_path / "b", shared=redis_server.url, tier_key=KEY) as b:
+        assert b.restore("x", identity=ident).tokens == old  # documented: x, never y's
+
+
+def test_adding_an_operator_key_to_an_existing_fleet_keeps_it_sharing(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """The README's rollout of an operator key to a fleet that ran without one: machine
+    a's store keeps its old random chain secret and rechains at the tier's edge, so
+    what it saves with the key is shared; its keyless records are misses for keyed
+    machines (``shared_unauthenticated``: they are trusted by nobody) until ``sync``
+    publishes them again under the key."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    before, after = tokens_for(300, seed=5), tokens_for(300, seed=6)
+    with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
+        a.save(prefill(model, before)[0], before, identity=ident, session="before")
+    with persist.Store(tmp_path / "c", shared=redis_server.url, tier_key=KEY) as c:
+        with pytest.raises(persist.SessionNotFoundError):
+            c.restore("before", identity=ident)
+        assert c.stats().counters["shared_unauthenticated"] == 1
+    with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY) as a:
+        a.save(prefill(model, after)[0], after, identity=ident, session="after")
+        assert a.sync()["failed"] == 0
+    with persist.Store(tmp_path / "b", shared=redis_server.url, tier_key=KEY) as b:
+        assert b.restore("after", identity=ident).tokens == after  # saved by a with the key
+        assert b.restore("before", identity=ident).tokens == before  # published by sync
+        hit = b.lookup([*before[:280], 9], identity=ident)  # a's chains, rechained
+        assert hit is not None and hit.tokens == before[:280]
+
+
+def test_an_empty_or_short_tier_key_is_refused(redis_server: Any, tmp_path: Path) -> None:
+    """$PERSIST_TIER_KEY and --tier-key-file refuse a key under 16 bytes; the library takes
+    b'' and b'x', so every record's 'authentic' tag is one any writer can forge."""
+    for i, k in enumerate([b"", b"x"]):
+        with pytest.raises(persist.errors.InvalidArgumentError):
+            persist.Store(tmp_path / f"s{i}", shared=redis_server.url, tier_key=k).close()
+
+
+def test_a_tier_key_of_the_wrong_type_is_a_typed_error(redis_server: Any, tmp_path: Path) -> None:
+    """A key passed as its hex text is refused when the store opens, not at a save's
+    HMAC as a TypeError."""
+    with pytest.raises(persist.errors.InvalidArgumentError, match="must be bytes, not str"):
+        persist.Store(tmp_path / "s", shared=redis_server.url, tier_key=KEY.hex())  # type: ignore[arg-type]
+
+
+def test_a_key_file_with_two_keys_is_refused(redis_server: Any, tmp_path: Path) -> None:
+    """A key file where a rotated key was appended (or one pasted twice) is silently a
+    third, 64-byte key: the machine given it shares with nobody and says nothing."""
+    kf = tmp_path / "tier.key"
+    kf.write_text(KEY.hex() + "\n" + bytes(32).hex() + "\n")
+    out = persist_cli(
+        tmp_path / "h",
+        "sync",
+        "--shared",
+        redis_server.url,
+        "--tier-key-file",
+        str(kf),
+        check=False,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "must hold one tier key (hex), not several words" in out.stderr, out.stderr
+
+
+def test_a_huge_pointer_value_is_not_read_whole(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """A pointer is under 100 bytes (S3 reads at most 128); on Redis a hostile value of
+    any size (up to 512 MB, times every chain key a lookup asks for) is read whole."""
+    model, tok, _ = tiny("llama")
+    ident, toks = two(model, tok, redis_server.url, tmp_path / "a")
+    r, p = redis_server.client(), RedisTier.prefix("default")
+    big = b"0" * (32 << 20)
+    r.set(f"{p}sess:x", big)
+    for k in r.keys(p.encode() + b"blk:*") + r.keys(p.encode() + b"head:*"):
+        r.set(k, big)
+
+    def sent() -> int:
+        return int(r.info("stats")["total_net_output_bytes"])
+
+    with persist.Store(tmp_path / "b", shared=redis_server.url) as b:
+        before = sent()
+        with pytest.raises(persist.SessionNotFoundError):
+            b.restore("x", identity=ident)
+        assert b.lookup([*toks["y"], 5], identity=ident) is None
+        assert sent() - before < 1 << 20, f"{sent() - before} bytes read for pointers"

@@ -1,7 +1,8 @@
-"""Attacks on issue 24's fleet tiers, second round: values a hostile writer corrupts or
-plants ahead of time are never repaired (blobs are SET NX / If-None-Match, and a push
-asks only whether a key exists), so ``sync`` reports them as there and the fleet loses
-that cache for good."""
+"""``sync`` repairs what a writer without the operator key replaced or planted on a
+tier (blobs, records, pointers), and says truthfully what it pushed.  Blobs are
+written SET NX / If-None-Match, so a push that only asked whether a key exists left
+such damage for good and reported the session present (found by attacks on the
+fleet tiers)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,9 @@ from typing import Any
 import persist
 from persist.remote.redis_tier import RedisTier
 from tests.helpers import prefill, tokens_for
+from tests.tiers.tier_values import blob_keys, keys_of
 
 KEY = bytes(range(32))
-
-
-def _blob_keys(r: Any, p: str) -> list[bytes]:
-    return sorted(k for k in r.scan_iter(f"{p}blob:*") if b":" not in k[len(p) + 5 :])
 
 
 def test_sync_repairs_a_blob_a_hostile_writer_corrupted(
@@ -32,7 +30,7 @@ def test_sync_repairs_a_blob_a_hostile_writer_corrupted(
     toks = tokens_for(300, seed=3)
     with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY) as a:
         a.save(prefill(model, toks)[0], toks, identity=ident, session="s")
-        for k in _blob_keys(r, p):
+        for k in blob_keys(r, p):
             r.set(k, b"\0" * len(r.get(k) or b""))  # the hostile write
         report = a.sync()
         assert report["tiers"]["shared"] == {"pushed": 1, "present": 0, "failed": 0}
@@ -56,7 +54,7 @@ def test_a_blob_planted_ahead_of_the_save_never_blocks_the_cache(
     cache = prefill(model, toks)[0]
     with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY) as a:
         a.save(cache, toks, identity=ident, session="probe")  # the attacker's rehearsal
-    names = _blob_keys(r, p)
+    names = blob_keys(r, p)
     r.flushall()  # the tier loses everything; the attacker then plants ahead of anyone
     for k in names:
         r.set(k, b"garbage")
@@ -88,27 +86,6 @@ def test_sync_repairs_a_corrupted_object_on_the_cold_tier(
         assert b.restore("s", identity=ident).tokens == toks
 
 
-def test_a_junk_blob_without_the_tag_is_a_miss_and_the_cold_tier_serves(
-    tiny: Any, redis_server: Any, s3_server: Any, tmp_path: Path
-) -> None:
-    """With a key, a value without the key's tag is a miss (README threat model) and the
-    next tier is asked.  A blob replaced by a few bytes (shorter than its size, so no tag
-    fits) is instead CorruptBlobError from the restore: a machine without the key
-    stops a session that S3 still holds intact."""
-    model, tok, _ = tiny("llama")
-    ident = persist.ModelIdentity.of(model, tok)
-    r, p = redis_server.client(), RedisTier.prefix("default")
-    toks = tokens_for(300, seed=6)
-    tiers = {"shared": redis_server.url, "cold": s3_server.url, "tier_key": KEY}
-    with persist.Store(tmp_path / "a", **tiers) as a:
-        a.save(prefill(model, toks)[0], toks, identity=ident, session="s")
-    for k in _blob_keys(r, p):
-        r.set(k, b"garbage")
-    with persist.Store(tmp_path / "b", **tiers) as b:
-        assert b.restore("s", identity=ident).tokens == toks
-        assert b.stats().counters["shared_unauthenticated"] >= 1
-
-
 def test_blob_marks_forget_the_oldest_and_a_bad_mark_wins() -> None:
     """The set of blobs verified good is bounded (a long-lived server reads the oldest
     again), and a blob a restore found wrong is never taken as good until rewritten."""
@@ -122,3 +99,47 @@ def test_blob_marks_forget_the_oldest_and_a_bad_mark_wins() -> None:
     assert not m.is_good("ns", "c")
     m.good("ns", "c")  # rewritten (or read back right)
     assert m.is_good("ns", "c")
+
+
+def test_sync_repairs_pointers_of_an_untrimmable_snapshot(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """A recurrent model's snapshot (untrimmable) is found by prompt through its blk/head
+    pointers.  A machine without the key can read those keys (SCAN) and overwrite their
+    values with junk, without a TTL.  The owner's sync must put them back; today the
+    pointers are written SET NX, the junk stays for good and no other machine's
+    lookup of that prompt ever hits the tier again."""
+    model, tok, _ = tiny("mamba2")
+    ident = persist.ModelIdentity.of(model, tok)
+    r, p = redis_server.client(), RedisTier.prefix("default")
+    toks = tokens_for(300, seed=7)
+    with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY) as a:
+        a.save(prefill(model, toks)[0], toks, identity=ident, session="s")
+        ptrs = keys_of(r, p, "blk") + keys_of(r, p, "head")
+        assert ptrs
+        for k in ptrs:
+            r.set(k, b"junk")  # the hostile write, no TTL
+        a.sync()
+    held = [r.get(k) for k in ptrs]
+    with persist.Store(tmp_path / "b", shared=redis_server.url, tier_key=KEY) as b:
+        assert b.lookup([*toks, 1], identity=ident) is not None
+    assert b"junk" not in held, "sync left planted pointers in place"
+
+
+def test_sync_reports_a_repaired_session_pointer_as_pushed(
+    tiny: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """A hostile writer replaces session s's pointer (``sess:s``) with junk: no machine
+    can restore s from the tier.  The owner's sync writes it again (so s is restorable),
+    but reports the snapshot as already there and right: ``present`` 1, ``pushed`` 0."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    r, p = redis_server.client(), RedisTier.prefix("default")
+    toks = tokens_for(300, seed=8)
+    with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY) as a:
+        a.save(prefill(model, toks)[0], toks, identity=ident, session="s")
+        r.set(f"{p}sess:s", b"junk")
+        report = a.sync()
+    with persist.Store(tmp_path / "b", shared=redis_server.url, tier_key=KEY) as b:
+        assert b.restore("s", identity=ident).tokens == toks  # repaired
+    assert report["tiers"]["shared"] == {"pushed": 1, "present": 0, "failed": 0}
