@@ -34,6 +34,7 @@ from .unverified import inherit_mark
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
     from ..codecs.snapshot import Snapshot
+    from .explain import Explanation
     from .saving import Target
     from .tiers.exchange import Shared
 
@@ -302,6 +303,35 @@ class Store(StoreUpkeep):
         check_name(namespace, "namespace")
         found = index_hit(self.index, toks, identity, namespace, self.block_tokens, set())
         return None if found is None else (self._info(found[0]), found[1])
+
+    def explain(
+        self,
+        tokens: Sequence[int],
+        *,
+        identity: ModelIdentity,
+        namespace: str = "default",
+        tokenizer: Any = None,
+        limit: int = 5,
+        other_namespaces: bool = False,
+    ) -> Explanation:
+        """Why ``lookup`` of ``tokens`` would miss or hit short, from the index alone.
+
+        The nearest snapshots by shared prefix (this identity and any other),
+        where the prompt diverges from each (decoded with ``tokenizer``), and
+        the reason the best usable hit is shorter than the longest shared
+        prefix (``persist.engine.explain.REASONS``).  Reads no blob, counts
+        nothing.  ``other_namespaces`` adds a count (never content) of longer
+        shared prefixes elsewhere: for an operator, never for a tenant.
+        """
+        from .explain import explain
+
+        toks = check_tokens(tokens)
+        check_name(namespace, "namespace")
+        return explain(
+            self.index, self.blobs, self.costs, toks, identity, namespace,
+            limit=limit, tokenizer=tokenizer, other_namespaces=other_namespaces,
+            strict_backend=self.strict_backend,
+        )  # fmt: skip
 
     # -- listing and maintenance --------------------------------------------
 

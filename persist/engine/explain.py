@@ -1,0 +1,230 @@
+"""Why a prompt missed, or hit shorter than what the store shares with it.
+
+``Store.explain`` reads the index only (no blob is read, nothing is counted or
+touched): every snapshot of the namespace that shares a prefix with the prompt,
+where the prompt diverges from each, and the reason the best usable hit is
+shorter than the longest shared prefix.  Other namespaces are never read for
+content: at most their count of longer shared prefixes is reported, and only
+when the caller asks (an operator; never a tenant of ``persist serve``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .. import policy
+from ..format.tokens import unpack_tokens
+from ..identity import ModelIdentity
+from ..storage.blobs import BlobStore
+from ..storage.index import Index
+from ..storage.rows import SnapshotRow, listed_info
+from .costs import CostModel, local_hit
+from .reading import _other_backend as computed_elsewhere
+from .reading import saved_identity
+from .unverified import marked
+
+__all__ = ["Near", "Explanation", "explain", "REASONS"]
+
+# Every reason ``explain`` gives, by code: the code is stable (metrics label it),
+# the message is for people.
+REASONS = {
+    "hit": "the best usable hit covers the whole shared prefix",
+    "empty": "nothing stored in this namespace shares a token with the prompt",
+    "identity": "the longest shared prefix was computed by another model identity",
+    "last-token": "one prompt token must be left to compute, so a hit stops one short",
+    "floor": "the snapshot serves no prefix below its resume floor",
+    "exact-only": "the snapshot serves only its own length (its state cannot be cut back)",
+    "unverified": "the snapshot's tokens are the caller's word (imported unverified)",
+    "damaged": "the snapshot's index row fails its checksum",
+    "declined": "the cost model predicts prefilling the prefix is faster than restoring it",
+    "backend": "the snapshot was computed on another backend (a strict store)",
+}
+CONTEXT = 4  # tokens shown on each side of a divergence
+
+
+@dataclass(frozen=True)
+class Near:
+    """One stored snapshot sharing ``shared`` tokens with the prompt."""
+
+    id: int
+    session: str | None
+    role: str
+    tokens: int  # the snapshot's length
+    shared: int  # longest common prefix with the prompt
+    usable: int  # what a lookup may restore from it (0: nothing)
+    reason: str  # a REASONS code: why usable < shared ("hit" when equal)
+    detail: str  # the facts behind the reason, for people
+    identity_fields: list[str] = field(default_factory=list)  # differing fields, by name
+    prompt_next: list[int] = field(default_factory=list)  # the prompt's tokens at divergence
+    stored_next: list[int] = field(default_factory=list)  # the snapshot's tokens there
+    before: list[int] = field(default_factory=list)  # shared tokens just before it
+    text: dict[str, str] = field(default_factory=dict)  # the above decoded, with a tokenizer
+    in_markup: bool = False  # the divergence is at a special (chat template) token
+
+
+@dataclass(frozen=True)
+class Explanation:
+    prompt_tokens: int
+    namespace: str
+    best: Near | None  # the best usable hit for this identity (None: a miss)
+    longest: Near | None  # the snapshot sharing the most tokens, any identity
+    reason: str  # why best.usable < longest.shared (a REASONS code)
+    message: str
+    nearest: list[Near]
+    other_namespaces: int | None = None  # snapshots elsewhere sharing more (when asked)
+    cost: dict[str, Any] | None = None  # the cost model's prediction for the best hit
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _why_short(row: SnapshotRow, shared: int, prompt_len: int, kinds: list[str]) -> tuple[str, str]:
+    """(reason, detail) for a same-identity snapshot whose usable prefix is below ``shared``."""
+    p = min(shared, prompt_len - 1, row.n_tokens)
+    if p < shared:
+        return "last-token", f"the prompt is {prompt_len} tokens; a hit keeps the last to compute"
+    if p < row.min_resume:
+        what = ", ".join(sorted({k for k in kinds if k != "kv"})) or "its layers"
+        return "floor", f"no prefix below {row.min_resume} tokens ({what})"
+    if not row.trimmable:
+        what = ", ".join(sorted({k for k in kinds if k not in ("kv", "concat-kv")})) or "state"
+        return "exact-only", f"only at exactly {row.n_tokens} tokens ({what} cannot be cut)"
+    return "hit", ""
+
+
+def _near(
+    row: SnapshotRow,
+    toks: list[int],
+    identity: ModelIdentity,
+    decode: Callable[[list[int]], str] | None,
+    special: set[int],
+) -> Near:
+    stored = unpack_tokens(row.tokens)
+    shared = _shared(stored, toks)
+    info = listed_info(row)
+    fields: list[str] = []
+    if row.identity != identity.digest:
+        fields = identity.diff(saved_identity(row)) or ["digest"]
+        reason, detail, usable = "identity", "differs in " + ", ".join(fields), 0
+    else:
+        n = len(toks)
+        usable = policy.usable_prefix(row.n_tokens, shared, n, row.trimmable, row.min_resume)
+        reason, detail = _why_short(row, shared, n, info.kinds) if usable < shared else ("hit", "")
+        if marked(row.metadata):
+            detail = (detail + "; " if detail else "") + REASONS["unverified"]
+    p_next, s_next = toks[shared : shared + CONTEXT], stored[shared : shared + CONTEXT]
+    before = toks[max(0, shared - CONTEXT) : shared]
+    text = {}
+    if decode is not None:
+        text = {"before": decode(before), "prompt_next": decode(p_next)}
+        text["stored_next"] = decode(s_next)
+    markup = bool(special) and any(t in special for t in p_next[:1] + s_next[:1])
+    return Near(
+        row.id, row.name, row.role, row.n_tokens, shared, usable, reason, detail, fields,
+        p_next, s_next, before, text, markup,
+    )  # fmt: skip
+
+
+def explain(
+    index: Index,
+    blobs: BlobStore,
+    costs: CostModel,
+    tokens: Sequence[int],
+    identity: ModelIdentity,
+    namespace: str,
+    *,
+    limit: int = 5,
+    tokenizer: Any = None,
+    other_namespaces: bool = False,
+    strict_backend: bool = False,
+) -> Explanation:
+    toks = list(tokens)
+    decode = None if tokenizer is None else (lambda ids: str(tokenizer.decode(ids)))
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    rows = index.snapshots(namespace, named_only=False)
+    damaged = {r.id for r, _ in _damaged(index)}
+    nears = [n for n in (_near(r, toks, identity, decode, special) for r in rows) if n.shared]
+    for i, n in enumerate(nears):
+        if n.id in damaged:
+            nears[i] = _replace(n, usable=0, reason="damaged", detail=REASONS["damaged"])
+    if strict_backend:
+        nears = [_other_backend(n, index, identity) for n in nears]
+    nears.sort(key=lambda n: (-n.usable, -n.shared, n.id))
+    best = next((n for n in nears if n.usable), None)
+    longest = max(nears, key=lambda n: (n.shared, n.usable), default=None)
+    cost = None
+    if best is not None:
+        cost, best = _priced(index, blobs, costs, identity, best)
+    reason, message = _verdict(best, longest)
+    others = _elsewhere(index, namespace, toks, longest) if other_namespaces else None
+    shown = sorted(nears, key=lambda n: (-n.shared, -n.usable, n.id))[:limit]
+    return Explanation(len(toks), namespace, best, longest, reason, message, shown, others, cost)
+
+
+def _replace(n: Near, **kw: Any) -> Near:
+    return Near(**{**asdict(n), **kw})
+
+
+def _damaged(index: Index) -> list[tuple[SnapshotRow, str]]:
+    with index.read() as db:
+        return Index.damaged_rows(db)
+
+
+def _other_backend(n: Near, index: Index, identity: ModelIdentity) -> Near:
+    row = index.get(n.id)
+    if n.usable and row is not None and computed_elsewhere(row, identity):
+        return _replace(n, usable=0, reason="backend", detail=REASONS["backend"])
+    return n
+
+
+def _priced(
+    index: Index, blobs: BlobStore, costs: CostModel, identity: ModelIdentity, best: Near
+) -> tuple[dict[str, Any] | None, Near | None]:
+    """The cost model's verdict on ``best``, predicted without recording a decision."""
+    row = index.get(best.id)
+    if row is None:
+        return None, best
+    tier, nbytes = local_hit(index, blobs, row, best.usable)
+    restore = costs.restore_seconds(identity, tier, nbytes)
+    prefill = costs.prefill_seconds(identity, 0, best.usable)
+    d = policy.decide_cost(best.usable, nbytes, tier, restore, prefill, None)
+    if d.restore:
+        return asdict(d), best
+    detail = f"restore {restore:.3f} s predicted against prefill {prefill:.3f} s"
+    return asdict(d), _replace(best, reason="declined", detail=detail)
+
+
+def _verdict(best: Near | None, longest: Near | None) -> tuple[str, str]:
+    if longest is None:
+        return "empty", REASONS["empty"]
+    if best is not None and best.reason == "declined":
+        return "declined", f"{REASONS['declined']}: {best.detail}"
+    got = best.usable if best is not None else 0
+    if got >= longest.shared:
+        return "hit", f"{REASONS['hit']} ({got} tokens)"
+    why = longest.reason if longest.reason != "hit" else "last-token"
+    detail = f": {longest.detail}" if longest.detail else ""
+    return why, (
+        f"{longest.shared} tokens shared with snapshot {longest.id}, {got} usable; "
+        f"{REASONS[why]}{detail}"
+    )
+
+
+def _elsewhere(index: Index, namespace: str, toks: list[int], longest: Near | None) -> int:
+    """How many snapshots of other namespaces share more than ``longest`` (a count only)."""
+    floor = longest.shared if longest is not None else 0
+    n = 0
+    for r in index.snapshots(None, named_only=False):
+        if r.namespace != namespace and _shared(unpack_tokens(r.tokens), toks) > floor:
+            n += 1
+    return n
