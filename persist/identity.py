@@ -102,15 +102,29 @@ def _weights(
     return provenance.weights_digest(model)
 
 
-def _layer_count(model: Any) -> int:
-    """The layers of the model's own ``make_prompt_cache`` (empty caches, no compute);
-    0 when it cannot make them (a model mlx-lm does not know how to cache)."""
+Window = tuple[int, int, int]  # (layer, max_size, keep) of one ring
+RING_CLASSES = ("RotatingKVCache", "BatchRotatingKVCache")
+
+
+def _cache_layout(model: Any, max_kv_size: int | None) -> tuple[int, tuple[Window, ...] | None]:
+    """(layers, rings) of the caches mlx-lm makes for ``model`` under ``max_kv_size``
+    (``make_prompt_cache``: empty caches, no compute; a model's own ``make_cache``
+    ignores ``max_kv_size``); (0, None) when it cannot make them."""
     try:
         from mlx_lm.models.cache import make_prompt_cache
 
-        return len(make_prompt_cache(model))
+        caches = make_prompt_cache(model, max_kv_size=max_kv_size)
     except Exception:
-        return 0
+        return 0, None
+    rings = [(i, *ring) for i, c in enumerate(caches) for ring in _rings(c)]
+    return len(caches), tuple(rings)
+
+
+def _rings(cache: Any) -> list[tuple[int, int]]:
+    """(max_size, keep) of every ring in one layer's cache, a CacheList's in order."""
+    if type(cache).__name__ in RING_CLASSES:
+        return [(int(cache.max_size), int(getattr(cache, "keep", 0)))]
+    return [r for inner in getattr(cache, "caches", ()) or () for r in _rings(inner)]
 
 
 def _tokenizer_digests(tokenizer: Any) -> tuple[str, str]:
@@ -212,6 +226,10 @@ class ModelIdentity:
     # how many layers the model's own make_prompt_cache makes (0: unknown): not
     # digested; a save of a cache list of another length is refused
     layers: int = field(default=0, compare=False)
+    # (layer, max_size, keep) of every ring those caches hold, under the identity's
+    # max_kv_size: not digested (the config and max_kv_size decide it); None:
+    # unknown (an identity made by hand or by a persist before it), no claim
+    windows: tuple[Window, ...] | None = field(default=None, compare=False)
 
     def _digested(self) -> tuple[str, ...]:
         return DIGEST_FIELDS + tuple(k for k in OPTIONAL_FIELDS if getattr(self, k))
@@ -248,6 +266,8 @@ class ModelIdentity:
         """
         model_type, config = config_digest(model)
         tok, template = _tokenizer_digests(tokenizer)
+        cfg = _cache_config(cache_config)
+        layers, windows = _cache_layout(model, dict(cfg).get("max_kv_size"))
         return cls(
             model_type=model_type,
             config=config,
@@ -255,11 +275,12 @@ class ModelIdentity:
             modules=provenance.modules_digest(model),  # never remembered: cheap, and in memory
             tokenizer=tok,
             chat_template=template,
-            cache_config=_cache_config(cache_config),
+            cache_config=cfg,
             name=name or model_type,  # one display rule: the model_type unless named
             versions=tuple(sorted(provenance.versions().items())),
             backend=current_backend(),
-            layers=_layer_count(model),
+            layers=layers,
+            windows=windows,
         )
 
     @classmethod
@@ -315,6 +336,7 @@ class ModelIdentity:
             "digest": self.digest,
             **({"backend": self.backend} if self.backend else {}),
             **({"layers": self.layers} if self.layers else {}),
+            **({"windows": [list(w) for w in self.windows]} if self.windows is not None else {}),
         }
 
     @classmethod
@@ -334,6 +356,7 @@ class ModelIdentity:
         layers = d.get("layers", 0)
         if type(layers) is not int or not 0 <= layers <= 1 << 20:
             raise InvalidArgumentError("identity field layers must be a small int")
+        windows = _windows_of(d.get("windows"))
         cc, ver = d.get("cache_config"), d.get("versions", {})
         if not isinstance(cc, dict) or not isinstance(ver, dict):
             raise InvalidArgumentError("identity cache_config and versions must be maps")
@@ -350,7 +373,27 @@ class ModelIdentity:
             modules=modules,
             backend=backend,
             layers=layers,
+            windows=windows,
         )
         if d.get("digest") != ident.digest:
             raise InvalidArgumentError("identity digest does not match its fields")
         return ident
+
+
+def _windows_of(raw: Any) -> tuple[Window, ...] | None:
+    """An identity map's ``windows``: None when absent (unknown), else (layer, size, keep)
+    triples of small non-negative ints."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) > 1 << 20:
+        raise InvalidArgumentError("identity field windows must be a list")
+    out = []
+    for w in raw:
+        if (
+            not isinstance(w, list)
+            or len(w) != 3
+            or not all(type(x) is int and 0 <= x < 1 << 40 for x in w)
+        ):
+            raise InvalidArgumentError("identity windows must be [layer, max_size, keep] ints")
+        out.append((w[0], w[1], w[2]))
+    return tuple(out)

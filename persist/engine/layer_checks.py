@@ -18,6 +18,13 @@ configured; two facts of the cache itself can contradict it cheaply:
   record's floor, ``min_resume_offset``; a ``delayed-quantized`` wrapper's
   ``converted_at``) is a state no fresh run has: refused.  Its snapshots
   serve no prefix of S tokens or fewer (``policy.quantized_floor``).
+- rings.  Every ring (``rotating-kv``, ``batch-rotating-kv``, anywhere in a
+  layer's tree), and every layer without one, must be what the identity's
+  model makes under its ``max_kv_size`` (``ModelIdentity.windows``: a model's
+  own sliding-window layers, or ``--max-kv-size`` rings of keep 4): a ring
+  handed to a user whose caches attend to every position (or to another
+  window) continues differently once it wraps.  An identity that records no
+  windows (made by hand, or by a persist before them) makes no claim.
 
 Checked on the captured records (``Snapshot.records``), so a snapshot handed
 to ``Store.save`` is checked as a live cache list is.
@@ -35,6 +42,7 @@ from ..records import Record
 
 __all__ = [
     "check_layers",
+    "check_windows",
     "check_quantized",
     "refuse_quantized",
     "refuse_early",
@@ -44,6 +52,7 @@ __all__ = [
 ]
 
 QUANTIZING_KINDS = ("quantized-kv", "delayed-quantized")
+RING_KINDS = ("rotating-kv", "batch-rotating-kv")
 MLX_LM_GROUP_SIZE = 64  # kv_group_size when an identity with kv_bits names none
 
 
@@ -63,6 +72,41 @@ def check_layers(cache: Any, identity: ModelIdentity) -> None:
             f"{n} layers",
             f"{identity.display()}, whose caches have {identity.layers} layers",
         )
+
+
+def check_windows(records: Sequence[Record], identity: ModelIdentity) -> None:
+    """Refuse a layer whose rings (window, keep) are not those the identity's model
+    makes under its max_kv_size.  With a draft only the model's own layers are
+    compared (the draft's layout is its own)."""
+    if identity.windows is None:
+        return
+    upto = identity.layers if identity.draft else len(records)
+    for i, record in enumerate(records[:upto]):
+        got = list(_rings(record))
+        want = [(size, keep) for layer, size, keep in identity.windows if layer == i]
+        if got != want:
+            window = dict(identity.cache_config).get("max_kv_size")
+            raise IdentityMismatchError(
+                "this cache",
+                ["max_kv_size"],
+                f"layer {i} {_show_rings(got)}",
+                f"{identity.display()} with max_kv_size={window}, "
+                f"whose layer {i} {_show_rings(want)}",
+            )
+
+
+def _rings(record: Record) -> Iterator[tuple[int, int]]:
+    """(max_size, keep) of every ring in ``record``'s tree, in order."""
+    if parse_kind(record.kind).name in RING_KINDS:
+        yield int(record.meta.get("max_size", 0)), int(record.meta.get("keep", 0))
+    for child in record.children:
+        yield from _rings(child)
+
+
+def _show_rings(rings: list[tuple[int, int]]) -> str:
+    if not rings:
+        return "holds no ring (every position attended to)"
+    return "is a ring of " + ", ".join(f"{size} positions (keep {keep})" for size, keep in rings)
 
 
 def check_quantized(records: Sequence[Record], identity: ModelIdentity) -> None:

@@ -34,7 +34,13 @@ from ..storage import retention, writes
 from ..storage.blobs import BlobStore
 from ..storage.index import BlockRef, Index, NewBlob, SnapshotRow
 from .blocks import Parts, Piece, Plan, chain_root, chains, content_key, head_key, materialize, plan
-from .layer_checks import check_layers, check_quantized, holds_quantized, quantized_start
+from .layer_checks import (
+    check_layers,
+    check_quantized,
+    check_windows,
+    holds_quantized,
+    quantized_start,
+)
 from .unverified import UNVERIFIED_KEY, inherits_unverified
 
 __all__ = ["Target", "save_snapshot"]
@@ -90,6 +96,7 @@ def save_snapshot(
     p = plan(snap, block_tokens, dtype_name)
     estimate = sum(s.nbytes for s in p.specs.values())
     for budget in (budgets.max_bytes, budgets.of(namespace)):
+    check_windows(snap.records, identity)
         if budget is not None and estimate > budget:
             raise StoreFullError(estimate, budget)
     secret = index.secret(namespace, lambda: os.urandom(32))
