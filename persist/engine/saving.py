@@ -90,13 +90,13 @@ def save_snapshot(
     check_layers(cache, identity)
     snap = cache if isinstance(cache, Snapshot) else capture(cache, tokens)
     check_quantized(snap.records, identity)  # before anything is written
+    check_windows(snap.records, identity)
     if isinstance(cache, Snapshot) and snap.tokens != check_tokens(tokens):
         raise NotResumableError("a captured snapshot is saved with the tokens it was captured with")
     toks = snap.tokens or []
     p = plan(snap, block_tokens, dtype_name)
     estimate = sum(s.nbytes for s in p.specs.values())
     for budget in (budgets.max_bytes, budgets.of(namespace)):
-    check_windows(snap.records, identity)
         if budget is not None and estimate > budget:
             raise StoreFullError(estimate, budget)
     secret = index.secret(namespace, lambda: os.urandom(32))
