@@ -28,6 +28,7 @@ __all__ = [
     "InvalidMetadataError",
     "InvalidStateError",
     "StoreBusyError",
+    "SaveLostError",
     "SessionConflictError",
     "StorageError",
     "StoreNotFoundError",
@@ -106,6 +107,17 @@ class SessionConflictError(PersistError, RuntimeError):
 class StoreBusyError(PersistError, RuntimeError):
     """Concurrent writers kept replacing what this operation needed, or held the
     store's index locked past the wait; retrying may succeed."""
+
+
+class SaveLostError(PersistError, RuntimeError):
+    """A save whose in-flight files or registration were removed before it committed
+    (a ``persist check --fix`` that could not see its lease); nothing was saved."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(
+            f"the save was not committed: {why} while it ran (a check or repair from "
+            "another machine or an older persist?); nothing was saved, save again"
+        )
 
 
 class StorageError(PersistError, OSError):

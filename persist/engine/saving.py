@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +23,13 @@ import msgpack
 from .. import policy
 from ..codecs.base import dtype_name
 from ..codecs.snapshot import Snapshot, capture
-from ..errors import NotResumableError, SessionConflictError, StoreBusyError, StoreFullError
+from ..errors import (
+    NotResumableError,
+    SaveLostError,
+    SessionConflictError,
+    StoreBusyError,
+    StoreFullError,
+)
 from ..format.container import write_tensors
 from ..format.manifest import blob_metadata
 from ..format.tokens import check_tokens, pack_tokens, unpack_tokens
@@ -33,6 +38,7 @@ from ..records import Progress
 from ..storage import retention, writes
 from ..storage.blobs import BlobStore
 from ..storage.index import BlockRef, Index, NewBlob, SnapshotRow
+from ..storage.leases import Lease
 from .blocks import Parts, Piece, Plan, chain_root, chains, content_key, head_key, materialize, plan
 from .layer_checks import (
     check_layers,
@@ -104,36 +110,51 @@ def save_snapshot(
     chs = chains(chain_root(secret, identity.digest), toks, block_tokens)
     for _attempt in range(3):
         written: list[NewBlob] = []
-        salt = secrets.token_hex(6)
-        index.begin_pending(salt)
+        # held until the pending row is gone: check leaves a save alone while it is
+        lease = _take_lease(blobs, estimate, budgets)
+        salt = lease.salt
         try:
+            index.begin_pending(salt)
             refs, tail = _write_blobs(
                 index, blobs, p, chs, secret, block_tokens, written, progress, salt
             )
-            done = _commit(index, p, snap, chs, refs, tail, written, target, salt, budgets)
+            done = _commit(index, blobs, p, snap, chs, refs, tail, written, target, salt, budgets)
         except BaseException as e:
             # Decide by the index, not by the exception: a Ctrl-C that lands
             # just after the COMMIT must not unlink what the commit references.
-            if not _committed(index, salt):
+            if isinstance(e, SaveLostError) or not _committed(index, salt):
                 for b in written:
                     blobs.delete(b.file)
                 with contextlib.suppress(Exception):
                     index.end_pending(salt)
+            lease.release()
             if isinstance(e, OSError) and e.errno in DISK_FULL:
-                raise StoreFullError(
-                    estimate,
-                    budgets.max_bytes or 0,
-                    f"the disk is full ({e.strerror}); nothing was saved",
-                ) from e
+                raise _full(estimate, budgets, e) from e
             raise
         if done is not None:
+            lease.release()
             retention.collect(index, blobs)
             index.count(namespace, saves=1, bytes_written=sum(b.size for b in written))
             return done
         for b in written:  # a reused blob died under us: write everything again
             blobs.delete(b.file)
         index.end_pending(salt)
+        lease.release()
     raise StoreBusyError("the store kept collecting blobs this save meant to reuse")
+
+
+def _take_lease(blobs: BlobStore, estimate: int, budgets: retention.Budgets) -> Lease:
+    try:
+        return blobs.lease()
+    except OSError as e:
+        if e.errno in DISK_FULL:
+            raise _full(estimate, budgets, e) from e
+        raise
+
+
+def _full(estimate: int, budgets: retention.Budgets, e: OSError) -> StoreFullError:
+    why = f"the disk is full ({e.strerror}); nothing was saved"
+    return StoreFullError(estimate, budgets.max_bytes or 0, why)
 
 
 def _committed(index: Index, salt: str) -> bool:
@@ -246,6 +267,7 @@ def _put(index: Index, secret: bytes, role: bytes, mats: Hashed, writes: _Writes
 
 def _commit(
     index: Index,
+    blobs: BlobStore,
     p: Plan,
     snap: Snapshot,
     chs: list[bytes],
@@ -267,7 +289,7 @@ def _commit(
         if not writes.blobs_alive(db, used):
             return None
         writes.add_blobs(db, namespace, written)
-        writes.finish_pending(db, salt)
+        writes.finish_pending(db, salt, sorted(new_files), blobs.exists)
         now = time.time()
         if t.name is not None:
             now = writes.version_after(db, namespace, t.name, now)

@@ -3,7 +3,8 @@
 Layout::
 
     <root>/blobs/ab/<key>.<salt>.safetensors   immutable once renamed into place
-    <root>/tmp/<pid>-<random>.tmp              partial writes; garbage after a crash
+    <root>/tmp/<salt>.<random>.tmp             partial writes; garbage once their lease is free
+    <root>/tmp/<salt>.lease                    held (flock) by the save of that salt (leases.py)
 
 ``key`` is the blob's namespace-salted content key; ``salt`` makes every
 written file name unique, so a concurrent garbage collection that deletes an
@@ -28,6 +29,7 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 from ..errors import CorruptBlobError
 from ..format.container import Sink, atomic_write, fsync_dir
 from ..format.opening import open_regular
+from . import leases
 
 __all__ = ["BlobStore", "FileBlobs", "FILE_RE"]
 
@@ -39,6 +41,8 @@ PREFETCH_BYTES = 1 << 20  # per WILLNEED (one call reads ahead at most the devic
 
 
 class BlobStore(Protocol):
+    def lease(self) -> leases.Lease: ...
+
     def put(
         self, key: str, write: Callable[[Sink], T], size_hint: int = 0, salt: str | None = None
     ) -> tuple[str, int, T]: ...
@@ -76,6 +80,11 @@ class FileBlobs:
             raise ValueError(f"not a blob file name: {file!r}")
         return self.blobs / file[:2] / f"{file}.safetensors"
 
+    def lease(self) -> leases.Lease:
+        """A new save's salt, its lease held (``check`` leaves the save alone while it is)."""
+        _require_real_dir(self.tmp)
+        return leases.take(self.tmp)
+
     def put(
         self, key: str, write: Callable[[Sink], T], size_hint: int = 0, salt: str | None = None
     ) -> tuple[str, int, T]:
@@ -94,7 +103,8 @@ class FileBlobs:
         except FileExistsError:
             pass
         _require_real_dir(final.parent)
-        tmp = self.tmp / f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
+        # named by the save's salt: check leaves it while that save's lease is held
+        tmp = self.tmp / f"{file[-12:]}.{secrets.token_hex(8)}.tmp"
         size, result = atomic_write(tmp, final, write, size_hint, FILE_MODE)
         return file, size, result
 

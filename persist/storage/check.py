@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import CorruptBlobError
 from ..format.opening import file_kind
 from ..records import Progress
-from . import full, writes
+from . import full, leases, writes
 from .blobs import FILE_RE, FileBlobs
 from .check_damage import Cutter, damaged, quarantine, repair, verify_blob
 from .index import Index
@@ -28,7 +28,7 @@ from .types import Problem
 
 __all__ = ["check_store", "verify_blob", "TMP_GRACE_SECONDS"]
 
-TMP_GRACE_SECONDS = 3600.0  # a tmp file this old, or whose writer is gone, is debris
+TMP_GRACE_SECONDS = 3600.0  # an older persist's tmp file (no lease) this old is debris
 
 
 def check_store(
@@ -86,7 +86,7 @@ def _sqlite(index: Index) -> list[Problem]:
     return [Problem("index-corrupt", "index.sqlite", "; ".join(rows[:5]) + "; " + hint)]
 
 
-TMP_RE = re.compile(r"(\d+)-[0-9a-f]{16}\.tmp")
+LEGACY_TMP_RE = re.compile(r"(\d+)-[0-9a-f]{16}\.tmp")
 
 
 def _folders(blobs: FileBlobs, fix: bool) -> list[Problem]:
@@ -158,28 +158,53 @@ def _links(blobs: FileBlobs) -> list[Problem]:
 
 
 def _tmp(blobs: FileBlobs, fix: bool) -> list[Problem]:
-    """Partial writes whose writer is gone; only names persist writes, only regular files."""
+    """Partial writes and leases of saves whose lease is free; only names persist
+    writes, only regular files.  A held lease is a save in flight, whatever its pid,
+    PID namespace or clock (``leases``)."""
     out = []
-    now = time.time()
     for p in blobs.tmp_files():
-        m = TMP_RE.fullmatch(p.name)
         try:
             st = p.lstat()
         except FileNotFoundError:
             continue  # renamed into place (or removed) while we looked
         if stat.S_ISLNK(st.st_mode):
             continue  # reported by _links
-        if m is None or not stat.S_ISREG(st.st_mode):
+        salt = _tmp_salt(p.name)
+        if salt is None or not stat.S_ISREG(st.st_mode):
             out.append(Problem("stray-file", str(p), "not a name persist writes; left", False))
             continue
-        age = now - st.st_mtime
-        if _alive(int(m.group(1))) and age < TMP_GRACE_SECONDS:
-            continue  # another process is writing it
-        if fix:
+        if salt == "" and _legacy_live(p.name, st.st_mtime):
+            continue
+        if salt:
+            with leases.claim(blobs.tmp, salt, remove=False) as free:
+                if not free:
+                    continue  # its save holds the lease
+                if fix:
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+        elif fix:
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
-        out.append(Problem("orphan-tmp", str(p), f"partial write, {age:.0f} s old", fix))
+        what = "a dead save's lease" if p.name.endswith(".lease") else "partial write"
+        out.append(Problem("orphan-tmp", str(p), f"{what}, its writer is gone", fix))
     return out
+
+
+def _tmp_salt(name: str) -> str | None:
+    """The salt whose lease covers a tmp/ entry; "" for an older persist's ``<pid>-``
+    name; None for a name persist does not write."""
+    m = leases.LEASE_RE.fullmatch(name) or leases.SALT_TMP_RE.fullmatch(name)
+    if m is not None:
+        return m.group(1)
+    return "" if LEGACY_TMP_RE.fullmatch(name) else None
+
+
+def _legacy_live(name: str, mtime: float) -> bool:
+    """An older persist's partial write (named by pid, no lease): kept while its pid
+    lives and it is younger than the grace (the only sign such a writer gave)."""
+    m = LEGACY_TMP_RE.fullmatch(name)
+    assert m is not None
+    return _alive(int(m.group(1))) and time.time() - mtime < TMP_GRACE_SECONDS
 
 
 def _alive(pid: int) -> bool:
@@ -227,8 +252,6 @@ def _orphans(
     fix: bool,
     n_snapshots: int,
 ) -> list[Problem]:
-    out = []
-    now = time.time()
     # An index that vouches for nothing (no snapshot, no blob, no save in flight)
     # beside blob files lost its contents: those files are not orphans, and
     # deleting them would make the loss irreversible.
@@ -239,37 +262,32 @@ def _orphans(
             "index.sqlite back, or move the store away to start afresh)"
         )
         return [Problem("unvouched-blobs", str(blobs.blobs), detail, False)]
-    in_flight = {
-        s for s, (pid, made) in pending.items() if _alive(pid) and now - made < TMP_GRACE_SECONDS
-    }
-    # Never delete a file younger than the oldest save still in flight.
-    oldest = min((pending[s][1] for s in in_flight), default=now)
+    out, dead = [], set()
+    for s in sorted(pending):
+        with leases.claim(blobs.tmp, s, remove=fix) as free:
+            if not free:
+                continue  # a save in flight: its writer holds the lease
+            # ended before its files go: that save can never commit now
+            if not fix or index.end_pending(s):
+                dead.add(s)
+    # Read again after the ends: a save that committed since the first read has rows
+    # now, and one still pending (its lease held, or registered since) keeps its files.
+    rows, now_pending = index.blob_rows_and_pending()
+    for s in sorted(dead):
+        if fix or s in now_pending:  # not one that committed meanwhile
+            out.append(Problem("stale-pending", s, "a save that never committed", fix))
     for f in sorted(on_disk):
-        row = rows.get(f)
-        if row is None and f.split(".")[1] in in_flight:
-            continue  # a save in another process has not committed yet
-        if row is None and _mtime(blobs.path(f)) >= oldest - 1:
+        row, salt = rows.get(f), f.split(".")[1]
+        if row is None and salt in now_pending and salt not in dead:
             continue
         if row is None or row[3]:
             if fix:
                 blobs.delete(f)
             what = "no index entry" if row is None else "unreferenced, awaiting deletion"
             out.append(Problem("orphan-blob", f, what, fix))
-    stale = [s for s in pending if s not in in_flight]
-    for s in stale:
-        if fix:
-            index.end_pending(s)
-        out.append(Problem("stale-pending", s, "a save that never committed", fix))
     if fix:
         index.forget([f for f, r in rows.items() if r[3]])
     return out
-
-
-def _mtime(p: Path) -> float:
-    try:
-        return p.lstat().st_mtime
-    except (FileNotFoundError, NotADirectoryError):
-        return 0.0
 
 
 def _rows(

@@ -154,9 +154,10 @@ class Index:
                 [salt, os.getpid(), time.time()],
             )
 
-    def end_pending(self, salt: str) -> None:
+    def end_pending(self, salt: str) -> bool:
+        """Forget a save's registration; whether it was there."""
         with self.write() as db:
-            db.execute("DELETE FROM pending WHERE salt = ?", [salt])
+            return db.execute("DELETE FROM pending WHERE salt = ?", [salt]).rowcount > 0
 
     def pending(self) -> dict[str, tuple[int, float]]:
         with self.read() as db:

@@ -10,9 +10,10 @@ same in a store of a thousand sessions and of a hundred thousand.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..errors import SaveLostError
 from . import keys
 from .index import MAX_VARIABLES, Index
 from .rows import BlockRef, NewBlob, SnapshotRow, row_digest
@@ -159,8 +160,18 @@ def blob_sizes(db: sqlite_utils.Database, files: Sequence[str]) -> dict[str, int
     return out
 
 
-def finish_pending(db: sqlite_utils.Database, salt: str) -> None:
-    """The save registered under ``salt`` commits in this transaction."""
+def finish_pending(
+    db: sqlite_utils.Database, salt: str, files: Sequence[str], present: Callable[[str], bool]
+) -> None:
+    """The save registered under ``salt`` commits in this transaction, if its pending row
+    and every blob file it wrote (``files``) are still there: a check that could not see
+    its lease (another kernel, an older persist) may have removed them, and committing
+    would list a session whose blobs are gone.  Otherwise SaveLostError, nothing changed."""
+    if db.execute("SELECT 1 FROM pending WHERE salt = ?", [salt]).fetchone() is None:
+        raise SaveLostError("its registration in the index was removed")
+    missing = [f for f in files if not present(f)]
+    if missing:
+        raise SaveLostError(f"{len(missing)} of its blob files were removed ({missing[0]})")
     db.execute("DELETE FROM pending WHERE salt = ?", [salt])
 
 

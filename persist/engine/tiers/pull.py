@@ -5,7 +5,6 @@ local save would commit it, its chains under this store's own namespace secret."
 from __future__ import annotations
 
 import io
-import secrets
 import sqlite3
 import time
 from typing import Any
@@ -45,8 +44,8 @@ def pull(
     facts = body["blobs"]
     files = {k: held[0] for k in facts if (held := index.live_blob(k)) is not None}
     names = {keys.blob_name(k): k for k in facts if k not in files}  # on the tier
-    salt = secrets.token_hex(6)
-    index.begin_pending(salt)
+    lease = blobs.lease()  # held until the pending row is gone (check leaves the pull alone)
+    salt = lease.salt
     written: list[NewBlob] = []
     tag_bytes, where = TAG_BYTES if keys.key is not None else 0, namespace_tag(namespace).encode()
 
@@ -62,17 +61,20 @@ def pull(
         return _local(blobs, key, data, facts[key], salt, written)
 
     try:
+        index.begin_pending(salt)
         sizes = {n: int(facts[k][0]) for n, k in sorted(names.items())}
         for name, file in tier.get_blobs(namespace, sizes, tag_bytes, then).items():
             if file is None:
                 raise EvictedError(f"shared blob {names[name]}", "the tier no longer holds it")
             files[names[name]] = file
-        return _commit(index, namespace, body, files, written, salt, named)
+        return _commit(index, blobs, namespace, body, files, written, salt, named)
     except BaseException:
         for b in written:
             blobs.delete(b.file)
         index.end_pending(salt)
         raise
+    finally:
+        lease.release()
 
 
 def _local(
@@ -99,6 +101,7 @@ def _local(
 
 def _commit(
     index: Index,
+    blobs: BlobStore,
     namespace: str,
     body: dict[str, Any],
     files: dict[str, str],
@@ -131,7 +134,7 @@ def _commit(
     try:
         with index.write() as db:
             writes.add_blobs(db, namespace, written)
-            writes.finish_pending(db, salt)
+            writes.finish_pending(db, salt, [b.file for b in written], blobs.exists)
             sid = writes.insert(db, row, refs)
             writes.add_heads(db, sid, chs, unpack_tokens(r["tokens"]), block_of(body))
     except sqlite3.IntegrityError:  # the name was taken meanwhile (another pull, a save)

@@ -1,0 +1,178 @@
+"""``persist check --fix`` beside a save in flight: a lease, not pids and clocks.
+
+A real writer process stops with every blob of its save on disk, just before
+its commit; a real ``persist check --fix`` process runs beside it with a
+clock two hours ahead, or while the save is older than ``TMP_GRACE_SECONDS``
+by the writer's clock, or from another PID namespace (where the writer's pid
+does not exist).  Then the writer commits: every committed session (the one
+saved before and the new one) restores bit for bit like a fresh prefill.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import persist
+from persist.storage.check import TMP_GRACE_SECONDS
+from tests.helpers import ROOT, assert_same_state, live_state, prefill, pythonpath, tokens_for
+
+AHEAD = 2 * 3600.0
+# persist's CLI with this process's clock moved (the checker's clock stepped)
+SHIFTED_CLI = (
+    "import sys, time; real, shift = time.time, float(sys.argv.pop(1)); "
+    "time.time = lambda: real() + shift; sys.argv[0] = 'persist'; "
+    "from persist.cli import main; main()"
+)
+
+
+class Writer:
+    """tests/reliability/lease_child.py: a save stopped just before its commit."""
+
+    def __init__(self, model_dir: Path, root: Path, tmp: Path, shift: float = 0.0) -> None:
+        self.go = tmp / "go"
+        env = {**os.environ, "PYTHONPATH": pythonpath()}
+        args = [str(model_dir), str(root), "chat", "300", "7", str(self.go), str(shift)]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.reliability.lease_child", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline().strip() == "paused"
+        self.age(root, 60.0 - shift)
+
+    @staticmethod
+    def age(root: Path, seconds: float) -> None:
+        """Date the save's blobs ``seconds`` back, as written at its start (a save
+        runs a while: its first blobs are as old as it), without waiting."""
+        db = sqlite3.connect(root / "index.sqlite")
+        (salt,) = db.execute("SELECT salt FROM pending").fetchone()
+        db.close()
+        when = time.time() - seconds
+        for f in (root / "blobs").rglob(f"*.{salt}.safetensors"):
+            os.utime(f, (when, when))
+
+    def finish(self) -> str:
+        self.go.touch()
+        out, _ = self.proc.communicate(timeout=120)
+        assert self.proc.returncode == 0
+        return out.strip()
+
+
+@pytest.fixture
+def beside(tiny: Any, tmp_path: Path) -> Iterator[tuple[Any, Path, list[int]]]:
+    """A store holding one committed session, ``kept``."""
+    model, tok, model_dir = tiny("llama")
+    identity = persist.ModelIdentity.of(model, tok)
+    root = tmp_path / "store"
+    kept = tokens_for(200, seed=3)
+    with persist.Store(root) as store:
+        store.save(prefill(model, kept)[0], kept, identity=identity, session="kept")
+    yield model_dir, root, kept
+
+
+def check_cli(root: Path, *prefix: str, shift: float = 0.0) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    args = ["check", "--fix", "--store", str(root)]
+    cmd = [*prefix, sys.executable, "-c", SHIFTED_CLI, str(shift), *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode in (0, 1), out.stderr  # 1: problems found (none of them ours)
+    assert "Traceback" not in out.stderr
+    return out
+
+
+def assert_nothing_lost(tiny: Any, root: Path, kept: list[int], saved: bool) -> None:
+    model, tok, _ = tiny("llama")
+    identity = persist.ModelIdentity.of(model, tok)
+    want = {"kept": kept, **({"chat": tokens_for(300, seed=7)} if saved else {})}
+    with persist.Store(root) as store:
+        assert {s.session for s in store.sessions()} == set(want)
+        for name, toks in want.items():
+            got = store.restore(name, identity=identity)
+            assert got.tokens == toks
+            assert_same_state(live_state(got.cache), live_state(prefill(model, toks)[0]))
+        assert store.check(fix=True) == []
+
+
+@pytest.mark.parametrize(
+    "shift, writer_shift",
+    [(AHEAD, 0.0), (0.0, -(TMP_GRACE_SECONDS + AHEAD))],
+    ids=["checker-clock-2h-ahead", "save-longer-than-grace"],
+)
+def test_check_beside_a_save_loses_nothing(
+    tiny: Any, tmp_path: Path, beside: Any, shift: float, writer_shift: float
+) -> None:
+    model_dir, root, kept = beside
+    writer = Writer(model_dir, root, tmp_path, writer_shift)
+    try:
+        out = check_cli(root, shift=shift)
+    finally:
+        result = writer.finish()
+    assert "orphan-blob" not in out.stdout + out.stderr
+    assert result == "saved"
+    assert_nothing_lost(tiny, root, kept, saved=True)
+
+
+def test_check_from_another_pid_namespace(tiny: Any, tmp_path: Path, beside: Any) -> None:
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "--pid", "--fork", "true"], capture_output=True)
+    if unshare is None or probe.returncode != 0:
+        pytest.skip("no PID namespace here: unshare --pid is missing or not permitted")
+    model_dir, root, kept = beside
+    writer = Writer(model_dir, root, tmp_path)
+    try:
+        check_cli(root, unshare, "--pid", "--fork")
+    finally:
+        result = writer.finish()
+    assert result == "saved"
+    assert_nothing_lost(tiny, root, kept, saved=True)
+
+
+def test_a_save_whose_files_were_removed_does_not_commit(
+    tiny: Any, tmp_path: Path, beside: Any
+) -> None:
+    """A check that cannot see the lease at all (another kernel over a network
+    filesystem, an older persist) ends the save's row and removes its files:
+    the save then fails typed instead of listing a session whose blobs are gone."""
+    model_dir, root, kept = beside
+    writer = Writer(model_dir, root, tmp_path)
+    try:
+        db = sqlite3.connect(root / "index.sqlite")
+        with db:
+            (salt,) = db.execute("SELECT salt FROM pending").fetchone()
+            db.execute("DELETE FROM pending")
+        db.close()
+        for f in (root / "blobs").rglob(f"*.{salt}.safetensors"):
+            f.unlink()
+    finally:
+        result = writer.finish()
+    assert result == "lost SaveLostError"
+    assert_nothing_lost(tiny, root, kept, saved=False)
+
+
+def test_a_save_whose_row_alone_was_ended_does_not_commit(
+    tiny: Any, tmp_path: Path, beside: Any
+) -> None:
+    model_dir, root, kept = beside
+    writer = Writer(model_dir, root, tmp_path)
+    try:
+        db = sqlite3.connect(root / "index.sqlite")
+        with db:
+            db.execute("DELETE FROM pending")
+        db.close()
+    finally:
+        result = writer.finish()
+    assert result == "lost SaveLostError"
+    assert_nothing_lost(tiny, root, kept, saved=False)
