@@ -98,6 +98,21 @@ from .app import cli, default_store, open_store, parse_size, plain, store_option
     "'auto': min(10% of available memory, 8G); 0: none.  On CUDA they are kept in "
     "pinned host memory and restored over PCIe ('auto' there: none if pinning fails).",
 )
+@click.option(
+    "--max-tokens-limit",
+    type=click.IntRange(1),
+    default=32768,
+    show_default=True,
+    help="Most tokens one request may ask for (max_tokens above it: 400); every answer "
+    "is also cut to what the model's context leaves after the prompt.",
+)
+@click.option(
+    "--allowed-models",
+    default="",
+    metavar="NAMES",
+    help="Comma-separated further models (folders or repo ids) a request's model field may "
+    "name; by default only the served model, under its names.",
+)
 @store_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(
@@ -114,6 +129,8 @@ def serve_cmd(
     log_format: str,
     max_connections: int,
     host_cache: str,
+    max_tokens_limit: int,
+    allowed_models: str,
     store_dir: Path | None,
     server_args: tuple[str, ...],
 ) -> None:
@@ -156,6 +173,9 @@ def serve_cmd(
             log_format=log_format,
             max_connections=max_connections,
             host_cache=None if host_cache == "auto" else parse_size(host_cache),
+            max_tokens_limit=max_tokens_limit,
+            allowed_models=[m.strip() for m in allowed_models.split(",") if m.strip()],
+            model_names=[model_dir] if model_dir else [],
             **tier_urls(),
         )
 

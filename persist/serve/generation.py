@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from queue import Empty
 from typing import Any
 
@@ -35,11 +35,16 @@ import mlx.core as mx
 from mlx_lm.server import ResponseGenerator, _make_logits_processors, _make_sampler
 
 from ..errors import InvalidStateError
+from .bounds import capped, context_length
+from .disconnect import AbandonableQueue, ClientGone, client_gone
 from .request_checks import BadRequest
 
 __all__ = ["GenerationFailed", "GuardedGenerator", "RestartBudget", "take_error_status"]
 
 log = logging.getLogger("persist")
+POLL = 0.25  # seconds a handler waits for its next response before asking about its client
+_NOTHING = object()
+CLIENT_CLOSED = 499  # nginx's status for a request whose client closed the connection
 _status = threading.local()  # the HTTP status of the last failed generate() of this thread
 
 
@@ -113,6 +118,8 @@ class GuardedGenerator(ResponseGenerator):
         self.death: str | None = None  # why generation stopped for good
         self.died = threading.Event()
         self.loaded = threading.Event()  # the default model is loaded (or never will be)
+        self.abandoned = 0  # requests whose client closed its connection before the answer
+        self.wasted_tokens = 0  # tokens generated for them after they were abandoned
         self._picked: weakref.WeakSet[Any] = weakref.WeakSet()  # response queues it took
         super().__init__(model_provider, prompt_cache)
 
@@ -177,26 +184,69 @@ class GuardedGenerator(ResponseGenerator):
                 "logit_bias",
             )
         check_sampling(args, tokenizer, limit)
+        args.max_tokens = capped(
+            args.max_tokens, len(out[0]), context_length(self.model_provider.model)
+        )
         return out
 
     # -- the handler threads ---------------------------------------------------
 
-    def _await_response(self, response_queue: Any) -> Any:
-        while True:
-            try:
-                return response_queue.get(timeout=0.5)
-            except Empty:
-                if not self.generation_available():
-                    raise GenerationFailed(self._why()) from None
+    def _take(self, q: AbandonableQueue) -> Any:
+        """The request's next response; ClientGone (the request abandoned: its generation
+        stops at its next token) once the watched client closed its connection."""
+        try:
+            while True:
+                try:
+                    item = q.get(timeout=POLL)
+                except Empty:
+                    if not self.generation_available():
+                        raise GenerationFailed(self._why()) from None
+                    item = _NOTHING
+                if client_gone():
+                    raise ClientGone("the client closed its connection")
+                if item is not _NOTHING:
+                    return item
+        except ClientGone:
+            q.abandon()
+            self.abandoned += 1
+            raise
+
+    def _responses(self, q: AbandonableQueue, progress: Any) -> Iterator[Any]:
+        """mlx-lm's response iterator, over ``_take``."""
+        n = 0
+        try:
+            while (response := self._take(q)) is not None:
+                if isinstance(response, Exception):
+                    raise response
+                if isinstance(response, tuple):
+                    if progress is not None:
+                        progress(*response)
+                    continue
+                n += 1
+                yield response
+        except ClientGone:
+            log.info("persist: a client closed its connection; its generation stopped after "
+                     "%d tokens", n)  # fmt: skip
+            raise
+
+    def _waste(self) -> None:
+        self.wasted_tokens += 1
 
     def _why(self) -> str:
         return f"generation has stopped: {self.death or 'the server is stopping'}"
 
     def generate(self, request: Any, generation_args: Any, progress_callback: Any = None) -> Any:
+        """mlx-lm's ``generate`` over an abandonable queue: a handler thread inside
+        ``disconnect.watching`` stops its request when its client leaves."""
         try:
             if not self.generation_available():
                 raise GenerationFailed(self._why())
-            return super().generate(request, generation_args, progress_callback)
+            q = AbandonableQueue(self._waste)
+            self.requests.put((q, request, generation_args))
+            ctx = self._take(q)
+            if isinstance(ctx, Exception):
+                raise ctx
+            return ctx, self._responses(q, progress_callback)
         except Exception as e:  # mlx-lm answers 404 for all; the handler asks for this one
             _status.code = status_for(e)
             raise
@@ -207,6 +257,8 @@ def status_for(e: Exception) -> int | None:
     or tokenizer refusing it), 503 once generation failed; None: mlx-lm's 404."""
     if isinstance(e, GenerationFailed):
         return 503
+    if isinstance(e, ClientGone):
+        return CLIENT_CLOSED
     if isinstance(e, (BadRequest, ValueError, TypeError, KeyError, IndexError)):
         return 400
     return None

@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_lm.server import APIHandler
 
-from .generation import GenerationFailed, take_error_status
+from .bounds import RequestLimits
+from .disconnect import ClientGone, watching
+from .generation import CLIENT_CLOSED, GenerationFailed, take_error_status
 from .metrics import CONTENT_TYPE
 from .request_checks import BadRequest, check_request, normalize, parse_json
 
@@ -56,6 +58,7 @@ class PersistHandler(APIHandler):
     """One connection (HTTP/1.0: one request).  ``self.server`` is a DrainingServer."""
 
     server: DrainingServer
+    limits = RequestLimits()  # persist serve's subclass holds the operator's (server.serve)
 
     def setup(self) -> None:
         super().setup()
@@ -146,10 +149,11 @@ class PersistHandler(APIHandler):
         try:
             body = parse_json(raw)
             check_request(endpoint, body, images=self._takes_images(body))
+            renamed = self.limits.admit(body)
         except BadRequest as e:
-            self._json(400, e.body())
+            self._json(getattr(e, "status", 400), e.body())
             return
-        if normalize(body):
+        if normalize(body) or renamed:
             raw = json.dumps(body).encode()
         # mlx-lm's do_POST reads the body again: from memory, exactly these bytes
         self.path = endpoint  # and routes on the path without its query string
@@ -158,7 +162,8 @@ class PersistHandler(APIHandler):
         self.headers["Content-Length"] = str(len(raw))
         take_error_status(0)  # nothing left from an earlier request
         try:
-            super().do_POST()
+            with watching(self.connection):  # a client that leaves stops its generation
+                super().do_POST()
         except Exception as e:  # failed after generation started: answer it if still possible
             self._failed(e)
 
@@ -213,11 +218,16 @@ class PersistHandler(APIHandler):
     def _set_completion_headers(self, status_code: int = 200) -> None:
         # mlx-lm answers 404 for every exception of generate(); ask which one it was
         code = take_error_status(404) if status_code == 404 else status_code
+        if code == CLIENT_CLOSED:  # nobody to answer: skip mlx-lm's error body
+            raise ClientGone("the client closed its connection")
         if code >= 400:  # mlx-lm writes {"error": "..."}: the documented shape instead
             self.wfile = DocumentedErrors(self.wfile)  # type: ignore[assignment]
         super()._set_completion_headers(code)
 
     def _failed(self, e: Exception) -> None:
+        if isinstance(e, ClientGone):  # counted as nginx does; nothing left to answer
+            self._code, self.close_connection = CLIENT_CLOSED, True
+            return
         if isinstance(e, (GenerationFailed, ConnectionError, TimeoutError)):
             log.warning("persist: a request failed during generation: %s", e)
         else:

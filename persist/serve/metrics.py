@@ -369,6 +369,7 @@ class _Gauges:
         )
         failures.add_metric([], getattr(m.generator, "failures", 0))
         yield failures
+        yield from _abandoned(m.generator)
         up = GaugeMetricFamily(
             "persist_tier_up", "1 unless the tier's breaker skips it after a failure.",
             labels=["tier"],
@@ -387,6 +388,20 @@ class _Gauges:
         budget = m.store.budgets.max_bytes
         if budget is not None:
             yield _gauge("persist_store_budget_bytes", "The store's budget (--max-bytes).", budget)
+
+
+def _abandoned(generator: Any) -> Iterator[CounterMetricFamily]:
+    """Requests whose client left before the answer (``serve.disconnect``), and the tokens
+    generated for them after that: what they cost once nobody would read them."""
+    gone = CounterMetricFamily(
+        "persist_requests_abandoned", "Requests stopped because their client closed."
+    )
+    gone.add_metric([], getattr(generator, "abandoned", 0))
+    wasted = CounterMetricFamily(
+        "persist_abandoned_tokens", "Tokens generated for a request after its client closed."
+    )
+    wasted.add_metric([], getattr(generator, "wasted_tokens", 0))
+    return iter((gone, wasted))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

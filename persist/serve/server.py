@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache
@@ -285,6 +285,9 @@ def serve(
     log_format: str = "text",
     host_cache: int | None = None,
     max_connections: int = 128,
+    max_tokens_limit: int | None = None,
+    allowed_models: Sequence[str] = (),
+    model_names: Sequence[str] = (),
 ) -> None:
     """Run mlx-lm's server (``mlx_lm.server``) with the store behind its prompt cache.
 
@@ -295,13 +298,17 @@ def serve(
     InvalidStateError is raised (the CLI exits 1).  ``mlx_cache``: see
     ``keep_freed_buffers``; ``read_timeout``, ``max_request_bytes``, ``max_connections``:
     ``server_handler``, ``server_http``; ``host_cache``: bytes of evicted caches kept in
-    RAM (``engine.host.tier``; None: ``host_budget``; 0: none).
+    RAM (``engine.host.tier``; None: ``host_budget``; 0: none).  ``max_tokens_limit``,
+    ``allowed_models`` (beside the served model and ``model_names``, its other names):
+    ``serve.bounds``, ``serve.allowed_models``.
     """
     import functools
     import sys
 
     import mlx_lm.server as server
 
+    from .allowed_models import listing_only
+    from .bounds import limits_for
     from .generation import GuardedGenerator
     from .handler import PersistHandler, models_without_hf_cache
     from .http_edge import serve_until_signal
@@ -343,14 +350,18 @@ def serve(
 
     server.LRUPromptCache = make  # type: ignore[assignment,misc]
     server.ResponseGenerator = GuardedGenerator  # type: ignore[misc]
-    server.scan_cache_dir = models_without_hf_cache(server.scan_cache_dir)
+    limits = limits_for(model_dir, model_names, allowed_models, max_tokens_limit)
+    handler = type("PersistHandler", (PersistHandler,), {"limits": limits})
+    server.scan_cache_dir = listing_only(
+        models_without_hf_cache(server.scan_cache_dir), limits.models
+    )
     server.run = run
     server._run_http_server = functools.partial(
         serve_until_signal,
         server,
         backlog=backlog,
         drain_timeout=drain_timeout,
-        handler=PersistHandler,
+        handler=handler,
         metrics=metrics,
         read_timeout=read_timeout,
         max_request_bytes=max_request_bytes,
