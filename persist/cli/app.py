@@ -243,6 +243,7 @@ COMMANDS = {
     **dict.fromkeys(["inspect", "verify"], "files"),
     "serve": "serve",
     "make-model": "models",
+    "explain": "explain",
 }
 
 
