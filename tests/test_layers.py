@@ -26,6 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "records": {"errors"},
     "policy": BASE,
+    # which prefix lengths a layer's recorded facts serve: one pure rule per kind
+    "servable": BASE,
     "kinds": BASE,
     # which cache objects came from an unverified session (no mlx): codecs and engine ask
     "marks": set(),
@@ -35,14 +37,25 @@ ALLOWED: dict[str, set[str]] = {
     "identity": BASE | {"provenance"},
     "caches": BASE,
     "format": BASE,
-    "codecs": BASE | {"format", "policy", "kinds", "caches", "marks", "cuda"},
+    "codecs": BASE | {"format", "policy", "servable", "kinds", "caches", "marks", "cuda"},
     # CUDA transport (driver, kernels, pinned staging, reader processes)
     "cuda": BASE,
-    "storage": BASE | {"format", "policy"},
+    "storage": BASE | {"format", "policy", "servable"},
     # clients of the tiers beyond one machine (Redis, S3)
     "remote": BASE,
     "engine": BASE
-    | {"format", "policy", "kinds", "identity", "codecs", "storage", "remote", "cuda", "marks"},
+    | {
+        "format",
+        "policy",
+        "servable",
+        "kinds",
+        "identity",
+        "codecs",
+        "storage",
+        "remote",
+        "cuda",
+        "marks",
+    },
     "apps": BASE
     | {
         "format",
@@ -66,6 +79,7 @@ NEVER_MLX = {
     "errors",
     "records",
     "policy",
+    "servable",
     "kinds",
     "storage",
     "remote",

@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import servable
 from ..errors import NotResumableError
 from ..records import INT_DTYPES, Record, RecordSpec, ResumeFacts
 from .base import (
@@ -160,7 +161,7 @@ class BatchRotatingKVCodec(LeafCodec):
 
     def trim(self, record: Record, n: int) -> Record:
         m, t = record.meta, record.tensors
-        if m["rotated"] or m["position"] >= m["max_size"]:
+        if not servable.batch_rotating(m).trimmable:
             raise NotResumableError("batch-rotating-kv: a ring that has wrapped cannot be trimmed")
         drop = _single_row(record, "batch-rotating-kv") - n
         idx = m["idx"] - drop
@@ -172,7 +173,13 @@ class BatchRotatingKVCodec(LeafCodec):
     def facts(self, cache: Any) -> ResumeFacts:
         return ResumeFacts(
             offset=single_row_offset(cache),
-            trimmable=int(cache._offset) < int(cache.max_size),
+            trimmable=servable.batch_rotating(
+                {
+                    "rotated": bool(cache.rotated),
+                    "position": int(cache._offset),
+                    "max_size": int(cache.max_size),
+                }
+            ).trimmable,
             min_resume_offset=0,
             bytes_per_token=0,
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import policy
+from .. import policy, servable
 from ..errors import NotResumableError
 from ..records import Record, RecordSpec, ResumeFacts
 from .base import blank, expect_tensor_names, invalid, meta_int, meta_opt_int
@@ -58,7 +58,7 @@ class DelayedQuantizedCodec:
 
     def trim(self, record: Record, n: int) -> Record:
         converted = record.meta["converted_at"]
-        if converted is not None and n < converted:
+        if n < servable.delayed(record.meta).floor:
             raise NotResumableError(f"delayed-quantized: cannot trim to {n}, below {converted}")
         kids = (trim_record(record.children[0], n),)
         return Record(record.kind, record.version, record.meta, record.tensors, kids)

@@ -8,6 +8,7 @@ from typing import Any
 from ..errors import NotResumableError, UnsupportedVersionError
 from ..kinds import class_for, codec_for, kind_of, require_known
 from ..records import Record, RecordSpec, ResumeFacts
+from ..servable import of_record
 from .base import invalid
 
 __all__ = ["encode_cache", "check_spec", "decode_record", "facts_of", "trim_record", "capacity_of"]
@@ -37,6 +38,14 @@ def trim_record(record: Record, n: int) -> Record:
     trim = getattr(codec_for(record.kind), "trim", None)
     if trim is None:
         raise NotResumableError(f"{record.kind}: this kind cannot be trimmed")
+    rule = of_record(record)  # the one rule of what a cut may keep (persist.servable)
+    if rule is not None and not (rule.trimmable and rule.floor <= n):
+        raise NotResumableError(
+            f"{record.kind}: a cut to {n} positions is not a state a fresh prefill gives"
+            f" (this state serves cuts from {rule.floor} on)"
+            if rule.trimmable
+            else f"{record.kind}: this state serves only its own length"
+        )
     out: Record = trim(record, n)
     return out
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import servable
 from ..errors import NotResumableError
 from ..records import Record, RecordSpec, ResumeFacts
 from .base import (
@@ -154,18 +155,22 @@ class ChunkedKVCodec(LeafCodec):
 
     def trim(self, record: Record, n: int) -> Record:
         start = record.meta["start_position"]
-        if n < start:
-            raise NotResumableError(f"chunked-kv: cannot trim to {n}, below its front {start}")
+        floor = servable.chunked(record.meta).floor
+        if n < floor:
+            raise NotResumableError(
+                f"chunked-kv: cannot trim to {n}, below {floor} (front {start})"
+            )
         meta = {**record.meta, "offset": n}
         return Record(record.kind, record.version, meta, cut(record.tensors, n - start))
 
     def facts(self, cache: Any) -> ResumeFacts:
         start = int(cache.start_position)
+        meta = {"offset": int(cache.offset), "start_position": start}
+        rule = servable.chunked({**meta, "chunk_size": int(cache.chunk_size)})
         return ResumeFacts(
             offset=int(cache.offset),
-            trimmable=True,
-            # trim() never goes below the dropped front
-            min_resume_offset=start,
+            trimmable=rule.trimmable,
+            min_resume_offset=rule.floor,
             bytes_per_token=kv_bytes_per_token(cache.keys, cache.values),
             token_axes={"keys": 2, "values": 2},
             first_token=start,

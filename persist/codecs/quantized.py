@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import servable
 from ..errors import NotResumableError
 from ..records import FLOAT_DTYPES, Record, RecordSpec, ResumeFacts
 from .base import (
@@ -101,7 +102,7 @@ class QuantizedKVCodec(LeafCodec):
         return c
 
     def trim(self, record: Record, n: int) -> Record:
-        floor = record.meta["min_resume_offset"]
+        floor = servable.quantized(record.meta).floor
         if n < floor:
             raise NotResumableError(f"quantized-kv: cannot trim to {n}, below its floor {floor}")
         meta = {**record.meta, "offset": n}
@@ -119,7 +120,9 @@ class QuantizedKVCodec(LeafCodec):
         return ResumeFacts(
             offset=offset,
             trimmable=True,
-            min_resume_offset=offset if floor is None else min(int(floor), offset),
+            min_resume_offset=servable.quantized(
+                {"offset": offset, "min_resume_offset": offset if floor is None else int(floor)}
+            ).floor,
             bytes_per_token=per_token,
             token_axes={f"{kv}.{p}": 2 for kv in ("keys", "values") for p in PARTS},
         )

@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import servable
 from ..errors import NotResumableError
 from ..records import Record, RecordSpec, ResumeFacts
 from .base import LeafCodec, blank, cut, invalid, meta_int, round_up, with_capacity
@@ -96,7 +97,7 @@ class RotatingKVCodec(LeafCodec):
 
     def trim(self, record: Record, n: int) -> Record:
         m = record.meta
-        if m["offset"] != m["idx"] or m["offset"] >= m["max_size"]:
+        if not servable.rotating(m).trimmable:
             raise NotResumableError("rotating-kv: a ring that has wrapped cannot be trimmed")
         meta = {**m, "offset": n, "idx": n}
         return Record(record.kind, record.version, meta, cut(record.tensors, n))
@@ -104,9 +105,10 @@ class RotatingKVCodec(LeafCodec):
     def facts(self, cache: Any) -> ResumeFacts:
         offset, max_size = int(cache.offset), int(cache.max_size)
         in_order = offset == int(cache._idx) and offset <= max_size
+        meta = {"offset": offset, "idx": int(cache._idx), "max_size": max_size}
         return ResumeFacts(
             offset=offset,
-            trimmable=offset < max_size,
+            trimmable=servable.rotating(meta).trimmable,
             min_resume_offset=0,
             bytes_per_token=kv_bytes_per_token(cache.keys, cache.values) if in_order else 0,
             token_axes={"keys": 2, "values": 2} if in_order else {},

@@ -33,6 +33,7 @@ from ..format.container import checksum, read_header
 from ..format.manifest import blob_manifest
 from ..format.opening import open_regular
 from ..records import Progress
+from ..servable import of_row
 from . import writes
 from .index import Index
 from .rows import SnapshotRow
@@ -153,7 +154,8 @@ def _hurt(db: sqlite_utils.Database, sid: int, bad: set[str]) -> Hurt | None:
             block = 0
         upto = first if first is not None else row.n_blocks
         keep = upto * block
-        if not max(1, row.min_resume) <= keep < row.n_tokens:
+        rule = of_row(row.trimmable, row.min_resume, row.manifest)  # what a cut may keep
+        if not (keep < row.n_tokens and rule.serves(keep, row.n_tokens)):
             keep = 0
     return Hurt(row, first, keep)
 

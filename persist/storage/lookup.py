@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..format.tokens import common_prefix_packed, pack_tokens
 from ..policy import COULD_SERVE_SQL, Candidate
 from ..policy import best_candidate as choose_by_policy
+from ..servable import of_row
 from . import keys
 from .chains import HEAD_TOKENS
 from .index import BLOCKS_THEN_SNAPSHOTS, Index
@@ -179,7 +180,10 @@ def _pick(
             return None
         (row,) = candidate_rows(db, [picked.candidate.id])
         lcp = common_prefix_packed(row.tokens, packed)  # tokens decide
-        if choose_by_policy([(picked.candidate, lcp)], len(toks)) == picked:
+        rule = of_row(row.trimmable, row.min_resume, row.manifest)  # and its layers' rules
+        if choose_by_policy([(picked.candidate, lcp)], len(toks)) == picked and rule.serves(
+            picked.prefix, row.n_tokens
+        ):
             return row, picked.prefix
         del cands[picked.candidate.id]
     return None

@@ -41,7 +41,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ... import policy
+from ... import policy, servable
 from ...codecs import encode_cache, facts_of, trim_record
 from ...codecs.snapshot import Snapshot, rebuild, require_covers
 from ...cuda import pinned
@@ -193,6 +193,11 @@ class HostTier:
             trimmable = policy.combine_trimmable(f.trimmable for f in facts)
         if min_resume is None:
             min_resume = policy.combine_floor(f.min_resume_offset for f in facts)
+        # narrowed by the rules over the records themselves (persist.servable), as a
+        # durable row is: a row's facts may predate a rule
+        ruled = [s for r in records if (s := servable.of_record(r)) is not None]
+        rule = servable.intersect([servable.Servable(trimmable, min_resume), *ruled])
+        trimmable, min_resume = rule.trimmable, rule.floor
         if copy and self.holder is None:  # pages are a copy already
             records = [copied(r) for r in records]
         arrays = arrays_of(records)

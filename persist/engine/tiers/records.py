@@ -29,6 +29,7 @@ from ... import policy
 from ...errors import CorruptBlobError, InvalidArgumentError
 from ...format.tokens import common_prefix_packed, pack_tokens, unpack_tokens
 from ...remote.redis_tier import namespace_tag
+from ...servable import of_row
 from ...storage.chains import HEAD_TOKENS, chain_root, head_key
 
 __all__ = [
@@ -328,8 +329,10 @@ def best_record(bodies: list[dict[str, Any]], toks: list[int]) -> tuple[int, dic
     for body in bodies:
         row = body["row"]
         lcp = common_prefix_packed(row["tokens"], prompt)  # memcmp, not a loop per token
-        n, trim, floor = row["n_tokens"], bool(row["trimmable"]), int(row["min_resume"])
-        p = policy.usable_prefix(n, lcp, len(toks), trim, floor)
+        # the record's columns narrowed by the rules over its layers (an older peer's
+        # columns may predate a rule)
+        rule = of_row(bool(row["trimmable"]), int(row["min_resume"]), row["manifest"])
+        p = policy.usable_prefix(row["n_tokens"], lcp, len(toks), rule.trimmable, rule.floor)
         if p and (best is None or p > best[0]):
             best = (p, body)
     return best

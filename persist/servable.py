@@ -1,0 +1,181 @@
+"""Which prefix lengths a layer's saved state can serve: one pure rule per cache kind.
+
+Each rule reads only what the layer's record states (its meta, and the
+answers of its inner records), so a save (the index's ``trimmable`` and
+``min_resume`` columns), a codec's trim, a lookup's confirmation of a row, a
+repair, an import and a tier pull all answer the question the same way.  A
+cut to ``n`` positions is served when it gives exactly the state a fresh
+prefill of those ``n`` tokens (fed the same chunks) would continue from.
+docs/FORMAT.md section "Servable prefixes" states every rule.  No mlx here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+__all__ = [
+    "Servable",
+    "EXACT",
+    "ANY",
+    "RULES",
+    "intersect",
+    "of_record",
+    "of_layers",
+    "of_manifest",
+    "of_row",
+]
+
+
+@dataclass(frozen=True)
+class Servable:
+    """A state of ``length`` positions serves ``length`` itself and, when
+    ``trimmable``, every length in [``floor``, ``length``]; never below ``floor``."""
+
+    trimmable: bool
+    floor: int
+
+    def serves(self, n: int, length: int) -> bool:
+        """May a state of ``length`` positions be cut to (or kept at) ``n``?"""
+        return 0 < n <= length and self.floor <= n and (n == length or self.trimmable)
+
+
+EXACT = Servable(False, 0)  # only the saved length (recurrent state: no positions to cut)
+ANY = Servable(True, 0)  # any prefix (a plain growing KV cache)
+
+
+def intersect(parts: Iterable[Servable]) -> Servable:
+    """What every part serves: a wrapper, a cache list, a whole snapshot."""
+    got = list(parts)
+    return Servable(all(p.trimmable for p in got), max((p.floor for p in got), default=0))
+
+
+def _int(meta: Mapping[str, Any], key: str, default: int = 0) -> int:
+    v = meta.get(key, default)
+    return v if type(v) is int else default
+
+
+def chunked(meta: Mapping[str, Any], inner: Sequence[Servable] = ()) -> Servable:
+    """``chunked-kv`` holds positions [start_position, offset).  Cut to n < offset, it
+    continues like a fresh prefill of n tokens only if mlx-lm's next front drop
+    (which keeps the last chunk_size positions) leaves both holding the same
+    positions: nothing was dropped (start 0), or n >= start_position + chunk_size.
+    Between, a position attends to chunk positions the cut no longer holds."""
+    offset, start = _int(meta, "offset"), _int(meta, "start_position")
+    chunk = max(1, _int(meta, "chunk_size", 1))
+    return ANY if start == 0 else Servable(True, min(start + chunk, offset))
+
+
+def rotating(meta: Mapping[str, Any], inner: Sequence[Servable] = ()) -> Servable:
+    """``rotating-kv``: a ring that never wrapped (write index = offset < max_size)
+    holds every position in order and cuts anywhere; a wrapped one (or a long
+    prefill's oversized buffer) lost positions and keeps its ``keep`` head in
+    ring order, so it serves only its own length."""
+    offset, idx = _int(meta, "offset"), _int(meta, "idx", -1)
+    return ANY if offset == idx and offset < _int(meta, "max_size") else EXACT
+
+
+def quantized(meta: Mapping[str, Any], inner: Sequence[Servable] = ()) -> Servable:
+    """``quantized-kv``: positions below the conversion point were quantized at
+    once; a cut below ``min_resume_offset`` is a state no fresh run holds."""
+    return Servable(True, min(_int(meta, "min_resume_offset"), _int(meta, "offset")))
+
+
+def batch_rotating(meta: Mapping[str, Any], inner: Sequence[Servable] = ()) -> Servable:
+    """``batch-rotating-kv``: as a ring, cut only before it turned."""
+    turned = meta.get("rotated") is not False
+    return EXACT if turned or _int(meta, "position") >= _int(meta, "max_size") else ANY
+
+
+def delayed(meta: Mapping[str, Any], inner: Sequence[Servable] = ()) -> Servable:
+    """``delayed-quantized``: its inner cache's set, never below the conversion."""
+    converted = meta.get("converted_at")
+    floor = converted if type(converted) is int else 0
+    return intersect([*inner, Servable(True, floor)])
+
+
+def every_part(meta: Mapping[str, Any], inner: Sequence[Servable] = ()) -> Servable:
+    """``cache-list``: what every inner cache serves."""
+    return intersect(inner)
+
+
+def _any(meta: Mapping[str, Any], inner: Sequence[Servable] = ()) -> Servable:
+    return ANY
+
+
+def _exact(meta: Mapping[str, Any], inner: Sequence[Servable] = ()) -> Servable:
+    return EXACT
+
+
+Rule = Callable[[Mapping[str, Any], Sequence[Servable]], Servable]
+
+# base kind name -> its rule (a kind's arguments name its inner records)
+RULES: dict[str, Rule] = {
+    "kv": _any,
+    "concat-kv": _any,
+    "batch-kv": _any,
+    "chunked-kv": chunked,
+    "rotating-kv": rotating,
+    "batch-rotating-kv": batch_rotating,
+    "quantized-kv": quantized,
+    "arrays": _exact,  # recurrent state: only its exact checkpoint
+    "gated-delta": _exact,
+    "deepseek-v4-layer": _exact,  # compressed groups: see codecs/deepseek.py
+    "delayed-quantized": delayed,
+    "cache-list": every_part,
+}
+
+
+def _base(kind: str) -> str:
+    return kind.split("(", 1)[0]
+
+
+def of_record(rec: Any) -> Servable | None:
+    """The set a record (``Record`` or ``RecordSpec``: kind, meta, children) serves;
+    None for a kind without a built-in rule (a registered codec's own facts decide)."""
+    rule = RULES.get(_base(rec.kind))
+    if rule is None:
+        return None
+    inner = [of_record(c) for c in rec.children]
+    if any(s is None for s in inner):
+        return None
+    return rule(rec.meta, [s for s in inner if s is not None])
+
+
+def of_layers(layers: Sequence[Mapping[str, Any]]) -> Servable | None:
+    """The set a snapshot serves, from its manifest's layer maps (kind, meta, children)."""
+
+    class _Map:
+        def __init__(self, m: Mapping[str, Any]) -> None:
+            self.kind = str(m.get("kind", ""))
+            meta = m.get("meta")
+            self.meta = meta if isinstance(meta, Mapping) else {}
+            self.children = [_Map(c) for c in m.get("children") or () if isinstance(c, Mapping)]
+
+    found = [of_record(_Map(m)) for m in layers]
+    if any(s is None for s in found):
+        return None
+    return intersect(s for s in found if s is not None)
+
+
+def of_manifest(manifest: bytes) -> Servable | None:
+    """The set a stored snapshot's manifest (its layers' records) serves; None when
+    the manifest names a kind without a rule or cannot be read (check reports it)."""
+    try:
+        layers = msgpack.unpackb(manifest, raw=False)["layers"]
+    except Exception:
+        return None
+    return of_layers(layers) if isinstance(layers, list) else None
+
+
+def of_row(trimmable: bool, floor: int, manifest: bytes) -> Servable:
+    """A stored row's set: its columns (written by the rules at save, plus what the
+    identity and unverified tokens add) narrowed by the rules over its manifest, so a
+    row saved before a rule was tightened (or pulled from an older peer) serves no
+    cut the rules refuse today."""
+    stored = Servable(trimmable, floor)
+    ruled = of_manifest(manifest)
+    return stored if ruled is None else intersect([stored, ruled])
