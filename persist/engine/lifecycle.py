@@ -135,6 +135,12 @@ class StoreUpkeep:
         cut = cutter(self.index, self.blobs, self.block_tokens, self.budgets)
         return check_store(self.index, self.blobs, fix, progress, cut)
 
+    def tidy(self) -> list[Problem]:
+        """Remove what killed writers left (``storage.check.tidy``); saves in flight stay."""
+        from ..storage.check import tidy
+
+        return full.with_room(self.root, lambda: tidy(self.index, self.blobs))
+
     def sync(self, *, namespace: str | None = None, pull: Sequence[str] = ()) -> dict[str, Any]:
         """Push what the tiers lack (every snapshot), pull the named sessions ``pull``."""
         from .tiers.exchange import sync

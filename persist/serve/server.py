@@ -320,6 +320,7 @@ def serve(
     by_model: dict[int, ModelIdentity] = {}
     identities = track_identities(server, by_model)
     store = Store(store_root, max_bytes=max_bytes, shared=shared, cold=cold, tier_key=tier_key)
+    tidied = store.tidy()  # what killed writers left: no cron job for check --fix
     measure_prefills(server, store, lambda model: by_model.get(id(model)))
     metrics = ServeMetrics(store, namespace)
     budget = host_budget(host_cache)
@@ -346,6 +347,8 @@ def serve(
     def run(host: str, port: int, model_provider: Any, *args: Any, **kwargs: Any) -> None:
         use_log_format(log_format)  # mlx-lm's main has configured logging by now
         log.info(start_line(store, namespace, shared, cold, queue_size, when_full, metrics.host))
+        if tidied:
+            log.info("persist: removed %d leftovers of interrupted saves", len(tidied))
         real_run(host, port, model_provider, *args, **kwargs)
 
     server.LRUPromptCache = make  # type: ignore[assignment,misc]

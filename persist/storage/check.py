@@ -26,7 +26,7 @@ from .index import Index
 from .rows import listed_info, row_digest
 from .types import Problem
 
-__all__ = ["check_store", "verify_blob", "TMP_GRACE_SECONDS"]
+__all__ = ["check_store", "tidy", "verify_blob", "TMP_GRACE_SECONDS"]
 
 TMP_GRACE_SECONDS = 3600.0  # an older persist's tmp file (no lease) this old is debris
 
@@ -72,6 +72,19 @@ def check_store(
             blobs.delete(f)
         index.forget(dead)
     return problems
+
+
+def tidy(index: Index, blobs: FileBlobs) -> list[Problem]:
+    """Remove what killed writers left (partial writes, pending rows and blob files of
+    saves whose lease is free, dead blobs' files), as ``check --fix`` would, without
+    reading a blob: ``persist serve`` runs it at start, so no cron job is needed.
+    Saves in flight in other processes (their leases held) are left alone."""
+    problems = _tmp(blobs, True)
+    on_disk = set(blobs.files())  # listed before the rows are read, as check_store
+    rows, pending = index.blob_rows_and_pending()
+    with index.read() as db:
+        n_rows = int(db.execute("SELECT COUNT(*) FROM snapshots").fetchone()[0])
+    return problems + _orphans(index, blobs, rows, pending, on_disk, True, n_rows)
 
 
 def _sqlite(index: Index) -> list[Problem]:

@@ -11,7 +11,9 @@ saved before and the new one) restores bit for bit like a fresh prefill.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from typing import Any
 import pytest
 
 import persist
+from bench.servers import Server
 from persist.storage.check import TMP_GRACE_SECONDS
 from tests.helpers import ROOT, assert_same_state, live_state, prefill, pythonpath, tokens_for
 
@@ -38,10 +41,12 @@ SHIFTED_CLI = (
 class Writer:
     """tests/reliability/lease_child.py: a save stopped just before its commit."""
 
-    def __init__(self, model_dir: Path, root: Path, tmp: Path, shift: float = 0.0) -> None:
-        self.go = tmp / "go"
+    def __init__(
+        self, model_dir: Path, root: Path, tmp: Path, shift: float = 0.0, name: str = "chat"
+    ) -> None:
+        self.go = tmp / f"go-{name}"
         env = {**os.environ, "PYTHONPATH": pythonpath()}
-        args = [str(model_dir), str(root), "chat", "300", "7", str(self.go), str(shift)]
+        args = [str(model_dir), str(root), name, "300", "7", str(self.go), str(shift)]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.reliability.lease_child", *args],
             cwd=ROOT,
@@ -55,14 +60,15 @@ class Writer:
 
     @staticmethod
     def age(root: Path, seconds: float) -> None:
-        """Date the save's blobs ``seconds`` back, as written at its start (a save
+        """Date the saves' blobs ``seconds`` back, as written at their start (a save
         runs a while: its first blobs are as old as it), without waiting."""
         db = sqlite3.connect(root / "index.sqlite")
-        (salt,) = db.execute("SELECT salt FROM pending").fetchone()
+        salts = [r[0] for r in db.execute("SELECT salt FROM pending")]
         db.close()
         when = time.time() - seconds
-        for f in (root / "blobs").rglob(f"*.{salt}.safetensors"):
-            os.utime(f, (when, when))
+        for salt in salts:
+            for f in (root / "blobs").rglob(f"*.{salt}.safetensors"):
+                os.utime(f, (when, when))
 
     def finish(self) -> str:
         self.go.touch()
@@ -176,3 +182,26 @@ def test_a_save_whose_row_alone_was_ended_does_not_commit(
         result = writer.finish()
     assert result == "lost SaveLostError"
     assert_nothing_lost(tiny, root, kept, saved=False)
+
+
+def test_serve_removes_what_killed_writers_left(tiny: Any, tmp_path: Path, beside: Any) -> None:
+    """A writer killed mid-save leaves its pending row, blob files and lease; a
+    restarted ``persist serve`` removes them at start, and leaves a save that is
+    still in flight in another process alone."""
+    model_dir, root, kept = beside
+    killed = Writer(model_dir, root, tmp_path, name="killed")
+    killed.proc.send_signal(signal.SIGKILL)
+    killed.proc.wait(timeout=60)
+    writer = Writer(model_dir, root, tmp_path)
+    try:
+        srv = Server(
+            ["persist", "serve", "--model", str(model_dir), "--store", str(root)], tmp_path / "log"
+        )
+        srv.stop()
+    finally:
+        result = writer.finish()
+    assert result == "saved"
+    assert re.search(
+        r"removed [1-9]\d* leftovers of interrupted saves", (tmp_path / "log").read_text()
+    )
+    assert_nothing_lost(tiny, root, kept, saved=True)
