@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by
     from .explain import Explanation
     from .saving import Target
     from .tiers.exchange import Shared
+    from .warm import WarmReport
 
 __all__ = ["Store", "check_name"]
 
@@ -332,6 +333,21 @@ class Store(StoreUpkeep):
             limit=limit, tokenizer=tokenizer, other_namespaces=other_namespaces,
             strict_backend=self.strict_backend,
         )  # fmt: skip
+
+    def warm(self, identity: ModelIdentity, n: int, *, namespace: str | None = None) -> WarmReport:
+        """Read the ``n`` most valuable entries of ``identity`` (pinned, then most
+        recently used; of ``namespace``, or of every namespace when None) into the
+        host tier, as many as its budget holds, so their first lookups are served
+        from RAM.  Needs ``host_cache``."""
+        from .warm import warm
+
+        if self.host is None:
+            raise InvalidArgumentError("warm start needs a host tier: Store(..., host_cache=N)")
+        if type(n) is not int or n < 0:
+            raise InvalidArgumentError(f"warm takes a count of entries, at least 0: {n!r}")
+        if namespace is not None:
+            check_name(namespace, "namespace")
+        return warm(self.index, self.blobs, self.host, identity, n, namespace, self.strict_backend)
 
     # -- listing and maintenance --------------------------------------------
 
