@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -162,6 +163,7 @@ def read_mlx_lm(path: str | os.PathLike[str]) -> tuple[list[Any], dict[str, str]
         read_header(f, where)  # persist's bounded, validating reader before mx.load
     loaded: Any = mx.load(where, return_metadata=True)
     arrays, meta = loaded
+    _check_keys(where, [*meta, *arrays])  # tree_unflatten would allocate what they claim
     try:
         user, names, scalars = tree_unflatten(list(meta.items()))
         assert isinstance(names, list) and all(isinstance(n, str) for n in names)
@@ -186,6 +188,27 @@ def read_mlx_lm(path: str | os.PathLike[str]) -> tuple[list[Any], dict[str, str]
     except Exception as e:
         raise CorruptBlobError(where, f"a layer does not hold a valid cache: {e}") from None
     return cache, {str(k): str(v) for k, v in dict(user or {}).items()}
+
+
+INDEX_RE = re.compile(r"0|[1-9][0-9]{0,8}")
+
+
+def _check_keys(where: str, keys: list[str]) -> None:
+    """Every list index in an mlx-lm file's keys is a plain number no greater than the
+    file's count of keys: ``tree_unflatten`` makes a list as long as its largest index
+    (a key ``1.<N>`` allocated N slots, a MemoryError for N = 10**11). A real file's
+    lists have an entry per index, each at least one key, but for empty states."""
+    bound = len(keys)
+    for key in keys:
+        for part in key.split("."):
+            try:
+                int(part)  # what tree_unflatten takes for a list index ("1_0", " 7", ...)
+            except ValueError:
+                continue
+            if not INDEX_RE.fullmatch(part) or int(part) > bound:
+                raise CorruptBlobError(
+                    where, f"malformed mlx-lm prompt-cache key {key[:80]!r} (list index)"
+                )
 
 
 ATTENTION = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")

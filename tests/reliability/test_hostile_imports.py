@@ -9,9 +9,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from persist.errors import CorruptBlobError
 from tests.helpers import ROOT
 
 MAKE = """
@@ -59,3 +61,50 @@ def test_a_file_declaring_eleven_million_tokens(tmp_path: Path) -> None:
         assert out.startswith("1 ") and "larger than" in out, out
         assert rss - base < EXTRA_BYTES, (args[0], rss - base)
     assert not store.exists() or not list((store / "blobs").rglob("*.safetensors"))
+
+
+HUGE_INDEX = """
+import sys
+import mlx.core as mx
+from mlx_lm.models import cache as mc
+c = mc.KVCache()
+c.update_and_fetch(mx.zeros((1, 2, 4, 8)), mx.zeros((1, 2, 4, 8)))
+mc.save_prompt_cache(sys.argv[1], [c])
+arrays, meta = mx.load(sys.argv[1], return_metadata=True)
+meta["1." + sys.argv[2]] = "KVCache"  # a class list of N + 1 entries, says the key
+mx.save_safetensors(sys.argv[1], arrays, meta)
+"""
+
+
+def make_huge_index(path: Path, index: str) -> None:
+    make = [sys.executable, "-c", HUGE_INDEX, str(path), index]
+    subprocess.run(make, cwd=ROOT, check=True, timeout=300)
+
+
+# long: four fresh persist processes with mlx (about 10 s each on 2 cores)
+@pytest.mark.long
+def test_an_mlx_lm_file_whose_keys_claim_a_huge_list(tmp_path: Path, model_dir: Any) -> None:
+    """Round 5: a 66 KB mlx-lm cache file with the metadata key ``1.<N>`` made
+    ``persist import`` allocate N list slots (850 MiB for 10**7; MemoryError, exit 3,
+    for 10**11) in mlx's tree_unflatten, before any check."""
+    tiny = ROOT / "tests" / "golden" / "v1" / "kv-10.safetensors"
+    base, _ = peak_rss("inspect", str(tiny))
+    for index in ("100000000000", "10000000", "01"):
+        hostile = tmp_path / f"h{index}.safetensors"
+        make_huge_index(hostile, index)
+        model = str(model_dir("llama"))
+        args = ("import", str(hostile), "--model", model, "--prompt", "hi")
+        rss, out = peak_rss(*args, "--store", str(tmp_path / "store"))
+        assert out.startswith("1 ") and "malformed mlx-lm prompt-cache" in out, out
+        assert "Traceback" not in out
+        assert rss - base < EXTRA_BYTES, (index, rss - base)
+
+
+def test_an_mlx_lm_key_that_python_reads_as_a_number(tmp_path: Path) -> None:
+    """``int("1_0")`` is 10: such a key is no list index a real file has."""
+    from persist.engine.transfer import read_mlx_lm
+
+    hostile = tmp_path / "h.safetensors"
+    make_huge_index(hostile, "1_0")
+    with pytest.raises(CorruptBlobError, match="malformed mlx-lm prompt-cache key"):
+        read_mlx_lm(hostile)
