@@ -26,11 +26,16 @@ __all__ = [
     "retire",
     "covers",
     "EvictEntry",
+    "eviction_key",
     "plan_eviction",
     "partial_blocks",
     "rate_bucket",
     "prefill_seconds",
     "restore_seconds",
+    "RateEstimate",
+    "rate_of",
+    "restore_estimate",
+    "RestoreEstimate",
     "CostDecision",
     "decide_cost",
 ]
@@ -188,6 +193,16 @@ class EvictEntry:
     used: float
     pinned: bool
     blobs: tuple[str, ...]
+    ttl: float = 0.0  # a retention hint: kept first for ttl seconds after its last use
+    priority: int = 0  # a retention hint: higher is evicted later
+
+
+def eviction_key(e: EvictEntry, now: float) -> tuple[bool, int, float, int]:
+    """The order entries are evicted in, first to last: entries whose retention hint
+    has lapsed (or that have none), lowest priority first, least recently used
+    first; entries a ttl still protects come last, in the same order.  Hints only
+    order: a budget still evicts a protected entry when nothing else is left."""
+    return (e.ttl > 0 and e.used + e.ttl > now, e.priority, e.used, e.id)
 
 
 def plan_eviction(
@@ -195,8 +210,10 @@ def plan_eviction(
     blob_sizes: dict[str, int],
     budget: int,
     protect: frozenset[int] = frozenset(),
+    now: float = 0.0,
 ) -> list[int]:
-    """Least recently used unpinned entries to drop until unique bytes fit ``budget``.
+    """Unpinned entries to drop, in ``eviction_key`` order (at ``now``; without hints:
+    least recently used first), until unique bytes fit ``budget``.
 
     Bytes are unique bytes on disk: a blob is freed when the last entry that
     references it goes.  Pinned and protected entries are never chosen.
@@ -207,7 +224,7 @@ def plan_eviction(
             refs[b] = refs.get(b, 0) + 1
     total = sum(blob_sizes.get(b, 0) for b in refs)
     out = []
-    for e in sorted(entries, key=lambda e: (e.used, e.id)):
+    for e in sorted(entries, key=lambda e: eviction_key(e, now)):
         if total <= budget:
             break
         if e.pinned or e.id in protect:
@@ -275,9 +292,81 @@ def restore_seconds(rates: Mapping[int, float], nbytes: int) -> float | None:
     return None if rate is None else nbytes / rate
 
 
+# A rate is read from the latest few samples of its bucket, never from one: the
+# median is the estimate, the upper quartile the optimistic end of it, and a hit
+# is declined only on MIN_SAMPLES or more (one run slowed by load declined every
+# later hit of a bucket, for good: issue 39).
+MIN_SAMPLES = 3  # samples before an estimate may decline a hit
+KEEP_SAMPLES = 5  # the latest samples a bucket keeps (two fast runs outvote old slow ones)
+
+
+@dataclass(frozen=True)
+class RateEstimate:
+    """What the samples of a bucket say: the median rate, the upper quartile (the
+    optimistic end) and how many samples stand behind them."""
+
+    typical: float
+    best: float
+    samples: int
+
+
+def rate_of(samples: Sequence[float]) -> RateEstimate | None:
+    """The estimate from ``samples`` (rates per second; non-positive ones ignored)."""
+    good = sorted(r for r in samples if r > 0)
+    if not good:
+        return None
+    n = len(good)
+    mid = good[n // 2] if n % 2 else (good[n // 2 - 1] + good[n // 2]) / 2
+    best = good[min(n - 1, -(-3 * n // 4) - 1)]  # nearest rank of the 75th percentile
+    return RateEstimate(mid, max(best, mid), n)
+
+
+@dataclass(frozen=True)
+class RestoreEstimate:
+    """Predicted seconds of a restore (``seconds``), its optimistic end (``best``)
+    and the samples behind it."""
+
+    seconds: float
+    best: float
+    samples: int
+
+
+def restore_estimate(samples: Mapping[int, Sequence[float]], nbytes: int) -> RestoreEstimate | None:
+    """Seconds to restore ``nbytes`` from per-bucket samples of bytes/s; None unmeasured.
+
+    A bucket of fewer than MIN_SAMPLES borrows its neighbours' samples; a bucket
+    never measured takes the nearest one's.  A larger bucket's confident estimate
+    bounds this one from above: restoring fewer bytes never takes longer than
+    the fewest bytes of that bucket did (restores of the next bucket up were 22x
+    faster while one slow sample here declined every hit)."""
+    measured = [k for k, s in samples.items() if any(r > 0 for r in s)]
+    if not measured:
+        return None
+    b = rate_bucket(nbytes)
+    pool = list(samples.get(b, ()))
+    if len(pool) < MIN_SAMPLES:
+        pool += [*samples.get(b - 1, ()), *samples.get(b + 1, ())]
+    est = rate_of(pool) or rate_of(samples[min(measured, key=lambda k: (abs(k - b), k))])
+    assert est is not None
+    seconds, best = nbytes / est.typical, nbytes / est.best
+    for k in measured:
+        above = rate_of(samples[k]) if k > b else None
+        if above is not None and above.samples >= MIN_SAMPLES:
+            lo = 1 << (k - 1)  # the fewest bytes of bucket k: more than nbytes
+            seconds, best = min(seconds, lo / above.typical), min(best, lo / above.best)
+    return RestoreEstimate(seconds, min(best, seconds), est.samples)
+
+
+Reason = Literal["unmeasured", "faster", "slower", "max_cost", "learning", "uncertain", "explore"]
+
+
 @dataclass(frozen=True)
 class CostDecision:
-    """Restore a hit of ``tokens`` tokens (``nbytes`` to read), or prefill them again."""
+    """Restore a hit of ``tokens`` tokens (``nbytes`` to read), or prefill them again.
+
+    ``restore_s`` is the predicted restore (the median rate), ``best_s`` its
+    optimistic end (the upper quartile rate) and ``samples`` the measurements
+    behind it: the decision's confidence."""
 
     tokens: int
     nbytes: int
@@ -285,7 +374,9 @@ class CostDecision:
     restore_s: float | None  # predicted; None: never measured here
     prefill_s: float | None
     restore: bool
-    reason: Literal["unmeasured", "faster", "slower", "max_cost"]
+    reason: Reason
+    best_s: float | None = None
+    samples: int | None = None  # None: as many as confidence needs
 
 
 def decide_cost(
@@ -295,19 +386,34 @@ def decide_cost(
     restore_s: float | None,
     prefill_s: float | None,
     max_cost: float | None = None,
+    *,
+    best_s: float | None = None,
+    samples: int | None = None,
+    explore: bool = False,
 ) -> CostDecision:
-    """Take a hit only when restoring it is predicted to beat prefilling the same tokens.
+    """Take a hit unless restoring it is confidently predicted to lose to a prefill.
 
-    ``max_cost`` (seconds) replaces the predicted prefill as the limit.  Before
-    anything was measured a hit is restored: persist's behaviour without a model.
+    ``max_cost`` (seconds) replaces the predicted prefill as a hard limit (no
+    learning, no exploring past it).  Before anything was measured a hit is
+    restored: persist's behaviour without a model.  Against a prefill, a hit
+    predicted slower is still restored (and so measured again) while fewer than
+    MIN_SAMPLES stand behind the estimate ("learning"), while its optimistic end
+    ``best_s`` beats the prefill ("uncertain"), or when the caller says an
+    exploration is due ("explore": a wrong estimate corrects itself).
     """
+
+    def out(ok: bool, reason: Reason) -> CostDecision:
+        return CostDecision(tokens, nbytes, tier, restore_s, prefill_s, ok, reason, best_s, samples)
+
     if restore_s is None or (prefill_s is None and max_cost is None):
-        return CostDecision(tokens, nbytes, tier, restore_s, prefill_s, True, "unmeasured")
+        return out(True, "unmeasured")
     if max_cost is not None:
-        ok = restore_s <= max_cost
-        return CostDecision(tokens, nbytes, tier, restore_s, prefill_s, ok, "max_cost")
+        return out(restore_s <= max_cost, "max_cost")
     assert prefill_s is not None
-    ok = restore_s < prefill_s
-    return CostDecision(
-        tokens, nbytes, tier, restore_s, prefill_s, ok, "faster" if ok else "slower"
-    )
+    if restore_s < prefill_s:
+        return out(True, "faster")
+    if samples is not None and samples < MIN_SAMPLES:
+        return out(True, "learning")
+    if best_s is not None and best_s < prefill_s:
+        return out(True, "uncertain")
+    return out(True, "explore") if explore else out(False, "slower")

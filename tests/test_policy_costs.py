@@ -86,3 +86,67 @@ def test_a_partial_read_covers_the_hit_and_no_more(
         return  # the whole snapshot is read
     assert keep is not None and split and keep < n
     assert need <= blocks and need * block >= keep and (need - 1) * block < max(keep, 1)
+
+
+def test_an_estimate_is_the_median_of_its_samples_with_an_optimistic_end() -> None:
+    assert policy.rate_of([]) is None and policy.rate_of([0.0, -1.0]) is None
+    one = policy.rate_of([5.0])
+    assert one == policy.RateEstimate(5.0, 5.0, 1)
+    five = policy.rate_of([1.0, 100.0, 3.0, 2.0, 4.0])  # one fast outlier moves nothing
+    assert five == policy.RateEstimate(3.0, 4.0, 5)
+    four = policy.rate_of([1.0, 1.0, 9.0, 9.0])
+    assert four is not None and four.typical == 5.0 and four.best == 9.0
+
+
+@given(st.lists(st.floats(1e-3, 1e9), min_size=1, max_size=9))
+def test_the_optimistic_end_is_never_below_the_median(samples: list[float]) -> None:
+    got = policy.rate_of(samples)
+    assert got is not None and min(samples) <= got.typical <= got.best <= max(samples)
+    assert got.samples == len(samples)
+
+
+def test_a_thin_bucket_borrows_its_neighbours_samples() -> None:
+    nbytes = 3 << 20  # bucket 22
+    b = policy.rate_bucket(nbytes)
+    got = policy.restore_estimate({b: [1e6], b - 1: [1e9, 1e9], b + 1: [1e9]}, nbytes)
+    assert got is not None and got.samples == 4 and got.seconds == nbytes / 1e9
+    alone = policy.restore_estimate({b: [1e6, 1e6, 1e6], b + 3: [1e9]}, nbytes)
+    assert alone is not None and alone.samples == 3 and alone.seconds == nbytes / 1e6
+
+
+def test_a_faster_larger_bucket_bounds_a_slow_estimate() -> None:
+    """Restoring fewer bytes never takes longer than the fewest bytes of a larger
+    bucket did: one slow bucket next to a 22x faster one up (issue 39)."""
+    nbytes = 3 << 20
+    b = policy.rate_bucket(nbytes)
+    slow = [1e7] * 5
+    got = policy.restore_estimate({b: slow, b + 1: [2.2e8] * 3}, nbytes)
+    assert got is not None and got.seconds == (1 << b) / 2.2e8 < nbytes / 1e7
+    thin = policy.restore_estimate({b: slow, b + 2: [2.2e8] * 2}, nbytes)  # not confident
+    assert thin is not None and thin.seconds == nbytes / 1e7
+
+
+@given(st.dictionaries(st.integers(1, 40), st.lists(st.floats(1.0, 1e12), min_size=1, max_size=5),
+                       min_size=1, max_size=6), st.integers(1, 1 << 40))  # fmt: skip
+def test_an_estimate_is_positive_and_its_best_no_slower(
+    samples: dict[int, list[float]], nbytes: int
+) -> None:
+    got = policy.restore_estimate(samples, nbytes)
+    assert got is not None and 0 < got.best <= got.seconds and got.samples >= 1
+
+
+def test_one_slow_sample_never_declines_and_a_confident_one_may_explore() -> None:
+    def decide(samples: int, best: float, explore: bool = False) -> policy.CostDecision:
+        return policy.decide_cost(
+            100, 1 << 20, "local", 2.0, 1.0, best_s=best, samples=samples, explore=explore
+        )
+
+    assert (decide(1, 2.0).restore, decide(1, 2.0).reason) == (True, "learning")
+    assert (decide(2, 2.0).restore, decide(2, 2.0).reason) == (True, "learning")
+    assert (decide(3, 0.5).restore, decide(3, 0.5).reason) == (True, "uncertain")
+    assert (decide(3, 2.0).restore, decide(3, 2.0).reason) == (False, "slower")
+    assert (decide(3, 2.0, True).restore, decide(3, 2.0, True).reason) == (True, "explore")
+    # a caller's limit is a limit: no learning, no exploring past it
+    capped = policy.decide_cost(100, 1, "local", 2.0, 1.0, 1.5, samples=1, explore=True)
+    assert (capped.restore, capped.reason) == (False, "max_cost")
+    assert (decide(3, 0.5).samples, decide(3, 0.5).best_s) == (3, 0.5)

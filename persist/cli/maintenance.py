@@ -143,16 +143,21 @@ def stats_cmd(namespace: str | None, store_dir: Path | None, as_json: bool) -> N
 
 
 def _render_rate(r: dict[str, Any]) -> str:
-    """One measured rate: restores in bytes/s per tier, prefills in tokens/s per model."""
+    """One measured rate (the median of its latest runs): restores in bytes/s per tier,
+    prefills in tokens/s per model; a process's first run (one-time costs) apart."""
     lo = 1 << max(0, r["bucket"] - 1)
-    if r["what"] == "restore":
-        return (
-            f"rate {r['machine']} restore from {r['key']} ({human_bytes(lo)}+): "
-            f"{human_bytes(int(r['rate']))}/s ({plural(r['samples'], 'run')})"
+    what, first = str(r["what"]).removesuffix("-first"), str(r["what"]).endswith("-first")
+    runs = f"{plural(r['samples'], 'run')}, latest {len(r.get('recent') or [])}"
+    if what == "restore":
+        head = (
+            f"first restore from {r['key']} in a process" if first else f"restore from {r['key']}"
         )
+        speed = human_bytes(int(r["rate"]))
+        return f"rate {r['machine']} {head} ({human_bytes(lo)}+): {speed}/s ({runs})"
+    head = "first prefill in a process" if first else "prefill"
     return (
-        f"rate {r['machine']} prefill at {lo}+ tokens of {r['key'][:12]}: "
-        f"{r['rate']:.0f} tokens/s ({plural(r['samples'], 'run')})"
+        f"rate {r['machine']} {head} at {lo}+ tokens of {r['key'][:12]}: "
+        f"{r['rate']:.0f} tokens/s ({runs})"
     )
 
 
@@ -161,9 +166,12 @@ def _render_decision(d: dict[str, Any]) -> str:
         return "unmeasured" if v is None else f"{v:.3f} s"
 
     chosen = "restore" if d["restore"] else "recompute"
+    why = d["reason"]
+    if d.get("samples") is not None:
+        why += f", {plural(d['samples'], 'sample')}"
     return (
         f"decision {chosen}: {d['tokens']} tokens from {d['tier']}, restore "
-        f"{secs(d['restore_s'])} vs prefill {secs(d['prefill_s'])} ({d['reason']})"
+        f"{secs(d['restore_s'])} vs prefill {secs(d['prefill_s'])} ({why})"
     )
 
 
@@ -176,6 +184,24 @@ def config_group() -> None:
       persist config set max-bytes 5G
       persist config get max-bytes
     """
+
+
+@config_group.command("reset-rates")
+@click.option("--machine", default=None, help="Only this machine's (as persist stats names it).")
+@store_option
+@json_option
+def config_reset_rates(machine: str | None, store_dir: Path | None, as_json: bool) -> None:
+    """Forget the measured restore and prefill rates: the cost model learns again.
+
+    \b
+    Example:
+      persist config reset-rates
+    """
+    from ..storage import rates
+
+    with open_store(store_dir) as store:
+        n = rates.reset(store.index, machine)
+    emit(as_json, {"reset": n}, lambda _: click.echo(f"forgot {plural(n, 'rate')}"))
 
 
 @config_group.command("set")

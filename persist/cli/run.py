@@ -143,6 +143,12 @@ def _cache_options(f: Any) -> Any:
     help="With --chat: JSON of further apply_chat_template arguments.",
 )
 @click.option("--trust-remote-code", is_flag=True, help="Trust remote code for the tokenizer.")
+@click.option(
+    "--max-cost",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds a stored prefix may take to restore (default: less than its prefill).",
+)
 @_namespace
 @store_option
 @json_option
@@ -159,6 +165,7 @@ def generate_cmd(
     system: str | None,
     chat_template_config: str | None,
     trust_remote_code: bool,
+    max_cost: float | None,
     namespace: str,
     store_dir: Path | None,
     as_json: bool,
@@ -194,6 +201,7 @@ def generate_cmd(
     for t in extra_eos_token:
         tok.add_eos_token(t)
     with open_store(store_dir, create=True) as store:
+        store.costs.max_cost = max_cost  # the limit of every prefix hit of this run
         r = generate(
             model_,
             tok,

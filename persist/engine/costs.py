@@ -6,14 +6,24 @@ and prefills where they happen (``persist.prefill``, ``persist generate``,
 ``persist serve``); the rates live in the index
 (``persist.storage.rates``), per machine, so every process on this machine
 learns from the others.  No measurement yet: restore, as persist always did.
+
+The model keeps learning (issue 39): an estimate is the median of a bucket's
+latest samples with its optimistic end and sample count (``policy.rate_of``);
+the first restore from a tier and the first prefill of a model in a process
+carry one-time costs (kernels compiled, pinned memory allocated, pages
+faulted in) and are kept apart as ``<what>-first``, never as a rate (they
+price only a process's own first run, against its first prefill); a hit
+declined as slower is restored anyway now and then (``EXPLORE_EVERY``
+declines of its bucket in this process, or its bucket unmeasured for
+``EXPLORE_AFTER`` seconds) so a wrong estimate is measured again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -35,6 +45,9 @@ LOCAL_DISK = "local-disk"  # the same, when the disk must read them first
 SAMPLE = 8  # blob files probed per hit (the tail and up to 7 blocks)
 WARM = 0.9  # share of a hit's sampled pages in the page cache that makes it LOCAL
 MIN_PREFILL = 16  # tokens: shorter forwards are decode steps, not a prefill rate
+FIRST = "-first"  # appended to what a process's first run of a kind is kept as
+EXPLORE_EVERY = 8  # at most one in this many declined hits of a bucket is restored anyway
+EXPLORE_AFTER = 600.0  # seconds: a bucket not measured for this long is measured again
 
 
 def _blocks_read(row: SnapshotRow, prefix: int) -> int | None:
@@ -90,23 +103,67 @@ class CostModel:
         self.index = index
         self.last: policy.CostDecision | None = None
         self.clock: Callable[[], float] = time.perf_counter  # tests inject one: no timing verdicts
+        self.wall: Callable[[], float] = time.time  # when samples are taken: their age
+        self.max_cost: float | None = None  # a lookup's limit when it names none (--max-cost)
+        self._warm: set[tuple[str, str]] = set()  # (what, key) measured once in this process
+        self._declined: dict[tuple[str, int], int] = {}  # (tier, bucket) -> declines since
 
-    def begin(self, max_cost: float | None) -> None:
-        """A lookup starts: ``max_cost`` must be seconds (>= 0; ``math.inf``: always)."""
-        if max_cost is not None and not max_cost >= 0:
-            raise InvalidArgumentError(f"max_cost is seconds, at least 0: not {max_cost!r}")
+    def begin(self, max_cost: float | None) -> float | None:
+        """A lookup starts: its limit (``max_cost``, else ``self.max_cost``) must be
+        seconds (>= 0; ``math.inf``: always); returned."""
+        limit = self.max_cost if max_cost is None else max_cost
+        if limit is not None and not limit >= 0:
+            raise InvalidArgumentError(f"max_cost is seconds, at least 0: not {limit!r}")
         self.last = None
+        return limit
 
     def _machine(self, identity: ModelIdentity) -> str:
         return rates.machine_name(identity.backend)
 
+    def _samples(self, identity: ModelIdentity, what: str, key: str) -> dict[int, rates.Samples]:
+        """The samples that price this process's next run of ``what``: its first runs'
+        while it has made none (a fresh process pays the one-time costs too), else
+        (or when none were kept) the rates'."""
+        here = self._machine(identity)
+        if (what, key) not in self._warm:
+            first = rates.samples(self.index, here, what + FIRST, key)
+            if first:
+                return first
+        return rates.samples(self.index, here, what, key)
+
+    def restore_estimate(
+        self, identity: ModelIdentity, tier: str, nbytes: int
+    ) -> policy.RestoreEstimate | None:
+        got = self._samples(identity, "restore", tier)
+        return policy.restore_estimate({b: s.values for b, s in got.items()}, nbytes)
+
     def restore_seconds(self, identity: ModelIdentity, tier: str, nbytes: int) -> float | None:
-        got = rates.rates(self.index, self._machine(identity), "restore", tier)
-        return policy.restore_seconds(got, nbytes)
+        est = self.restore_estimate(identity, tier, nbytes)
+        return None if est is None else est.seconds
 
     def prefill_seconds(self, identity: ModelIdentity, start: int, end: int) -> float | None:
-        got = rates.rates(self.index, self._machine(identity), "prefill", identity.digest)
-        return policy.prefill_seconds(got, start, end)
+        got = self._samples(identity, "prefill", identity.digest)
+        typical = {b: est.typical for b, s in got.items() if (est := policy.rate_of(s.values))}
+        return policy.prefill_seconds(typical, start, end)
+
+    def predict(
+        self,
+        identity: ModelIdentity,
+        tiers: list[tuple[str, int]],
+        tokens: int,
+        max_cost: float | None,
+    ) -> policy.CostDecision:
+        """The decision on ``tokens`` tokens through ``tiers``, recorded nowhere, no exploring."""
+        parts = [self.restore_estimate(identity, t, n) for t, n in tiers]
+        prefill = self.prefill_seconds(identity, 0, tokens)
+        tier, nbytes = tiers[0]
+        known = [p for p in parts if p is not None]
+        if len(known) < len(parts):
+            return policy.decide_cost(tokens, nbytes, tier, None, prefill, max_cost)
+        return policy.decide_cost(
+            tokens, nbytes, tier, sum(p.seconds for p in known), prefill, max_cost,
+            best_s=sum(p.best for p in known), samples=min(p.samples for p in known),
+        )  # fmt: skip
 
     def decide(
         self,
@@ -116,28 +173,50 @@ class CostModel:
         tokens: int,
         max_cost: float | None,
     ) -> policy.CostDecision:
-        """Restore ``tokens`` tokens through ``tiers`` ((tier, bytes) read from each)?"""
-        parts = [self.restore_seconds(identity, t, n) for t, n in tiers]
-        restore = None if any(p is None for p in parts) else sum(p for p in parts if p)
-        prefill = self.prefill_seconds(identity, 0, tokens)
-        d = policy.decide_cost(tokens, tiers[0][1], tiers[0][0], restore, prefill, max_cost)
+        """Restore ``tokens`` tokens through ``tiers`` ((tier, bytes) read from each)?
+        ``max_cost`` None: the model's own (``self.max_cost``, persist's --max-cost)."""
+        limit = self.max_cost if max_cost is None else max_cost
+        d = self.predict(identity, tiers, tokens, limit)
+        if d.reason == "slower" and self._explore_due(identity, *tiers[0]):
+            d = dataclasses.replace(d, restore=True, reason="explore")
         self.last = d
-        rates.note_decision(self.index, namespace, asdict(d))
+        rates.note_decision(self.index, namespace, dataclasses.asdict(d))
         which = "cost_restored" if d.restore else "cost_recomputed"
         best_effort(self.index.count, namespace, **{which: 1})
         return d
 
+    def _explore_due(self, identity: ModelIdentity, tier: str, nbytes: int) -> bool:
+        """Measure a declined hit again? Every EXPLORE_EVERY-th decline of its bucket
+        in this process, or when its bucket's newest sample is EXPLORE_AFTER old."""
+        key = (tier, policy.rate_bucket(nbytes))
+        n = self._declined.get(key, 0) + 1
+        got = self._samples(identity, "restore", tier).get(key[1])
+        stale = got is not None and self.wall() - got.updated >= EXPLORE_AFTER
+        if n >= EXPLORE_EVERY or stale:
+            self._declined[key] = 0
+            return True
+        self._declined[key] = n
+        return False
+
+    def _what(self, what: str, key: str) -> str:
+        """``what``, or ``what`` + FIRST for this process's first run of it."""
+        if (what, key) in self._warm:
+            return what
+        self._warm.add((what, key))
+        return what + FIRST
+
     def restored(self, identity: ModelIdentity, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
             here, bucket = self._machine(identity), policy.rate_bucket(nbytes)
-            rates.record(self.index, here, "restore", tier, bucket, nbytes / seconds)
+            what = self._what("restore", tier)
+            rates.record(self.index, here, what, tier, bucket, nbytes / seconds, self.wall())
 
     def prefilled(self, identity: ModelIdentity, start: int, end: int, seconds: float) -> None:
         """A measured prefill of positions [start, end) (the forward and its evaluation)."""
         if end - start >= MIN_PREFILL and seconds > 0:
             here, bucket = self._machine(identity), policy.rate_bucket((start + end) // 2)
-            rate = (end - start) / seconds
-            rates.record(self.index, here, "prefill", identity.digest, bucket, rate)
+            rate, what = (end - start) / seconds, self._what("prefill", identity.digest)
+            rates.record(self.index, here, what, identity.digest, bucket, rate, self.wall())
 
     @contextmanager
     def timing_restore(self, identity: ModelIdentity, tier: str, nbytes: int) -> Iterator[None]:

@@ -3,8 +3,10 @@
 A rate is kept per machine (host name and MLX backend: a store on a shared
 disk serves machines of different speeds), per what was measured ("restore"
 keyed by tier, "prefill" keyed by model identity) and per power-of-two
-bucket of the amount (``policy.rate_bucket``), as an exponential moving
-average so that one noisy run moves it only part of the way.  Recording is
+bucket of the amount (``policy.rate_bucket``), as its latest
+``policy.KEEP_SAMPLES`` samples: an estimate is read from several runs
+(``policy.rate_of``), so one noisy run moves it only part of the way, and a
+run measured again replaces the oldest.  Recording is
 best effort: a read never fails because its statistics could not be written
 (a full disk drops them, counted by ``full.dropped``).
 """
@@ -13,10 +15,11 @@ from __future__ import annotations
 
 import platform
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
+from .. import policy
 from .full import best_effort
 from .index import Index
 
@@ -24,6 +27,9 @@ __all__ = [
     "machine_name",
     "record",
     "rates",
+    "samples",
+    "Samples",
+    "reset",
     "all_rates",
     "note_decision",
     "decisions",
@@ -31,7 +37,6 @@ __all__ = [
     "paths",
 ]
 
-WEIGHT = 0.3  # of a new measurement in the moving average
 KEEP_DECISIONS = 32  # per namespace, for persist stats
 
 
@@ -40,42 +45,106 @@ def machine_name(backend: str) -> str:
     return f"{platform.node() or 'unknown'}/{backend or 'unknown'}"
 
 
-def record(index: Index, machine: str, what: str, key: str, bucket: int, rate: float) -> None:
-    """Fold one measured rate (per second) into the moving average of its bucket."""
+def record(
+    index: Index,
+    machine: str,
+    what: str,
+    key: str,
+    bucket: int,
+    rate: float,
+    at: float | None = None,
+) -> None:
+    """Add one measured rate (per second) to its bucket's latest samples (``at``:
+    when, in ``time.time`` seconds; now by default)."""
     if not rate > 0 or rate == float("inf"):
         return
-    best_effort(_record, index, machine, what, key, bucket, rate)
+    best_effort(_record, index, machine, what, key, bucket, rate, time.time() if at is None else at)
 
 
-def _record(index: Index, machine: str, what: str, key: str, bucket: int, rate: float) -> None:
+def _recent(raw: Any, rate: float, samples: int) -> list[float]:
+    """A row's kept samples (a row older than schema 6 kept its average alone)."""
+    if raw is not None:
+        try:
+            got = msgpack.unpackb(bytes(raw), raw=False)
+            if isinstance(got, list):
+                return [float(r) for r in got if isinstance(r, (int, float))]
+        except Exception:  # a damaged list: start again from the row's average
+            pass
+    return [rate] if samples > 0 else []
+
+
+def _record(
+    index: Index, machine: str, what: str, key: str, bucket: int, rate: float, at: float
+) -> None:
+    where = [machine, what, key, bucket]
     with index.write() as db:
+        row = db.execute(
+            "SELECT rate, samples, recent FROM rates "
+            "WHERE machine = ? AND what = ? AND key = ? AND bucket = ?",
+            where,
+        ).fetchone()
+        kept = [] if row is None else _recent(row[2], float(row[0]), int(row[1]))
+        kept = [*kept, rate][-policy.KEEP_SAMPLES :]
+        est = policy.rate_of(kept)
+        assert est is not None
+        n = 1 if row is None else int(row[1]) + 1
         db.execute(
-            "INSERT INTO rates(machine, what, key, bucket, rate, samples, updated) "
-            "VALUES (?, ?, ?, ?, ?, 1, ?) ON CONFLICT(machine, what, key, bucket) DO UPDATE "
-            f"SET rate = rate * {1 - WEIGHT} + excluded.rate * {WEIGHT}, "
-            "samples = samples + 1, updated = excluded.updated",
-            [machine, what, key, bucket, rate, time.time()],
+            "INSERT OR REPLACE INTO rates(machine, what, key, bucket, rate, samples, updated, "
+            "recent) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [*where, est.typical, n, at, msgpack.packb(kept)],
         )
 
 
-def rates(index: Index, machine: str, what: str, key: str) -> dict[int, float]:
-    """Bucket -> rate per second measured here for ``what``/``key``."""
+class Samples(NamedTuple):
+    """A bucket's latest samples (per second) and when the newest was taken."""
+
+    values: list[float]
+    updated: float
+
+
+def samples(index: Index, machine: str, what: str, key: str) -> dict[int, Samples]:
+    """Bucket -> its latest samples measured here for ``what``/``key``."""
     with index.read() as db:
         got = db.execute(
-            "SELECT bucket, rate FROM rates WHERE machine = ? AND what = ? AND key = ?",
+            "SELECT bucket, rate, samples, updated, recent FROM rates "
+            "WHERE machine = ? AND what = ? AND key = ?",
             [machine, what, key],
         ).fetchall()
-    return {int(b): float(r) for b, r in got}
+    return {int(b): Samples(_recent(raw, float(r), int(n)), float(u)) for b, r, n, u, raw in got}
+
+
+def rates(index: Index, machine: str, what: str, key: str) -> dict[int, float]:
+    """Bucket -> the median rate per second measured here for ``what``/``key``."""
+    out = {}
+    for b, s in samples(index, machine, what, key).items():
+        est = policy.rate_of(s.values)
+        if est is not None:
+            out[b] = est.typical
+    return out
+
+
+def reset(index: Index, machine: str | None = None) -> int:
+    """Forget the measured rates (of ``machine`` only, if given); how many went."""
+    sql, args = "DELETE FROM rates", []
+    if machine is not None:
+        sql, args = sql + " WHERE machine = ?", [machine]
+    with index.write() as db:
+        return int(db.execute(sql, args).rowcount)
 
 
 def all_rates(index: Index) -> list[dict[str, Any]]:
+    """Every rate kept: its median (``rate``), runs ever measured (``samples``) and
+    the latest runs (``recent``) its estimate is read from."""
     with index.read() as db:
         got = db.execute(
-            "SELECT machine, what, key, bucket, rate, samples FROM rates "
+            "SELECT machine, what, key, bucket, rate, samples, recent FROM rates "
             "ORDER BY machine, what, key, bucket"
         ).fetchall()
     cols = ("machine", "what", "key", "bucket", "rate", "samples")
-    return [dict(zip(cols, r, strict=True)) for r in got]
+    return [
+        {**dict(zip(cols, r[:6], strict=True)), "recent": _recent(r[6], float(r[4]), int(r[5]))}
+        for r in got
+    ]
 
 
 def note_decision(index: Index, namespace: str, body: dict[str, Any]) -> None:

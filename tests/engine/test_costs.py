@@ -63,11 +63,29 @@ class SlowBlobs(FileBlobs):
 
 
 def slowed(store: persist.Store, delay: float) -> persist.Store:
-    """Restores from ``store`` take ``delay`` seconds per blob, on the fake clock."""
+    """Restores from ``store`` take ``delay`` seconds per blob, on the fake clock (the
+    model's wall clock too: the age of samples is the test's)."""
     clock = Clock()
-    store.costs.clock = clock
+    store.costs.clock = store.costs.wall = clock
     store.blobs = SlowBlobs(store.root, delay, clock)
     return store
+
+
+def learned(store: persist.Store, prompt: list[int], ident: Any, most: int = 8) -> list[str]:
+    """Look ``prompt`` up until a hit is declined (at most ``most`` times): the reasons.
+    The first restore of a process is kept apart (one-time costs), and fewer than
+    policy.MIN_SAMPLES samples decline nothing."""
+    reasons = []
+    for _ in range(most):
+        hit = store.lookup(prompt, identity=ident)
+        assert store.costs.last is not None
+        reasons.append(store.costs.last.reason)
+        if hit is None:
+            break
+    return reasons
+
+
+TO_DECLINE = ["unmeasured", "unmeasured", "learning", "learning", "slower"]
 
 
 def prefill_rate(store: persist.Store, tokens_per_second: float) -> persist.Store:
@@ -79,6 +97,12 @@ def prefill_rate(store: persist.Store, tokens_per_second: float) -> persist.Stor
 
     store.costs.prefilled = at_rate  # type: ignore[method-assign]
     return store
+
+
+def taught(store: persist.Store, ident: Any, tokens: int = 1024) -> None:
+    """Prefills of ``tokens`` tokens measured here (the first is a process's warm-up)."""
+    for _ in range(3):
+        store.record_prefill(ident, 0, tokens, 1.0)
 
 
 TINY_PREFILL = 20_000.0  # tokens/s: 600 tokens in 0.03 s
@@ -106,12 +130,9 @@ def test_a_slow_tier_is_declined_and_the_answer_is_a_plain_prefill(
     prompt = [*toks, 5, 6, 7]
     with _primed(model, tok, tmp_path / "s", toks) as store:
         slowed(store, 0.3)
-        first = store.lookup(prompt, identity=ident)  # no restore measured yet: restore
-        assert first is not None and store.costs.last is not None
-        assert store.costs.last.restore and store.costs.last.reason == "unmeasured"
-        assert store.lookup(prompt, identity=ident) is None  # now known to be slow
+        assert learned(store, prompt, ident) == TO_DECLINE  # now known to be slow
         d = store.costs.last
-        assert d is not None and not d.restore and d.reason == "slower"
+        assert d is not None and not d.restore and d.reason == "slower" and d.samples == 3
         assert d.restore_s is not None and d.prefill_s is not None and d.restore_s > d.prefill_s
         assert d.tokens == 600 and d.tier == "local"
         # what the caller does with a declined hit: a plain prefill, bit for bit the same
@@ -122,10 +143,12 @@ def test_a_slow_tier_is_declined_and_the_answer_is_a_plain_prefill(
             continue_run(model, fresh, [9])[0][0]
         )
         stats = store.stats()
-        assert stats.counters["cost_recomputed"] == 1 and stats.counters["cost_restored"] == 1
+        assert stats.counters["cost_recomputed"] == 1 and stats.counters["cost_restored"] == 4
         newest = stats.decisions[0]
         assert newest["restore"] is False and newest["restore_s"] > newest["prefill_s"]
-        assert {r["what"] for r in stats.rates} == {"restore", "prefill"}
+        assert {r["what"] for r in stats.rates} == {
+            "restore", "restore-first", "prefill", "prefill-first"
+        }  # fmt: skip
         # a caller who accepts a slower restore says so in seconds
         assert store.lookup(prompt, identity=ident, max_cost=math.inf) is not None
         assert store.costs.last is not None and store.costs.last.reason == "max_cost"
@@ -180,10 +203,16 @@ def test_generate_reports_the_decision(tiny: Any, tmp_path: Path) -> None:
         want = generate(model, tok, ident, plain, session="a", prompt=text, max_tokens=6)
     with prefill_rate(persist.Store(tmp_path / "s"), TINY_PREFILL) as store:
         generate(model, tok, ident, store, session="a", prompt=text, max_tokens=6)
+        taught(store, ident)
         slowed(store, 0.3)
-        generate(model, tok, ident, store, session="b", prompt=text, max_tokens=6)  # measures
-        got = generate(model, tok, ident, store, session="c", prompt=text, max_tokens=6)
-    assert got.decision is not None and got.decision["restore"] is False
+        reasons = []
+        for session in "bcdefgh":  # measured until known to be slow
+            got = generate(model, tok, ident, store, session=session, prompt=text, max_tokens=6)
+            assert got.decision is not None
+            reasons.append(got.decision["reason"])
+            if not got.decision["restore"]:
+                break
+    assert reasons == TO_DECLINE and got.decision["restore"] is False
     assert got.source == "none" and got.reused_tokens == 0
     assert got.text == want.text and got.to_dict()["decision"]["reason"] == "slower"
 
@@ -194,10 +223,11 @@ def test_persist_stats_shows_rates_and_decisions(tiny: Any, tmp_path: Path) -> N
     toks = tokens_for(600, seed=73)
     with _primed(model, tok, tmp_path / "s", toks) as store:
         slowed(store, 0.3)
-        store.lookup([*toks, 1], identity=ident)
-        store.lookup([*toks, 1], identity=ident)
+        assert learned(store, [*toks, 1], ident) == TO_DECLINE
     out = persist_cli(tmp_path, "stats", "--store", str(tmp_path / "s")).stdout
-    assert "decision recompute: 600 tokens from local" in out and "(slower)" in out
+    assert "first restore from local in a process" in out and "(learning, 1 sample)" in out
+    assert "(slower, 3 samples)" in out and "restore from local (128.0 KiB+)" in out
+    assert "decision recompute: 600 tokens from local" in out
     assert "decision restore: 600 tokens from local" in out and "(unmeasured)" in out
     assert "prefill at" in out and "tokens/s" in out and "restore from local" in out
     got = json.loads(
