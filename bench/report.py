@@ -1,6 +1,6 @@
-"""Print the README's benchmark section from bench/results/*.json.
+"""Print the benchmarks page (docs/benchmarks.md) from bench/results/*.json.
 
-python -m bench.report > /tmp/section.md    # then paste it over "## Benchmarks"
+python -m bench.report > /tmp/section.md    # then paste it over the start of docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def main() -> None:
     serve = load("serve")
     m = load("throughput-cpu")["machine"]
     lines = [
-        "## Benchmarks",
+        "# Benchmarks",
         "",
         f"Measured on this project's CI machine ({m['cpus']} CPUs, 24 GiB, a VM whose fresh "
         "memory and page cache are slow) and on an NVIDIA H200 through MLX's CUDA backend; "
