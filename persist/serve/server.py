@@ -30,6 +30,7 @@ from ..engine.host.tier import DEVICE_MEMORY, EvictionWatch, HostTier, default_b
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
+from .coverage import covered_key
 from .metrics import ServeMetrics
 
 __all__ = ["PersistentPromptCache", "keep_freed_buffers", "host_budget"]
@@ -181,6 +182,12 @@ class PersistentPromptCache(LRUPromptCache):
         *,
         cache_type: str = "assistant",
     ) -> None:
+        # kept under what its layers cover: a speculative turn's is one short of its key
+        covered = covered_key(tokens, prompt_cache)
+        if covered is None:
+            log.warning("persist: a cache that covers no key was not kept")
+            return
+        tokens = covered
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         identity = self.identity_for(model)
         if identity is None:  # no identity vouches for it: memory only
