@@ -11,6 +11,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,6 +41,7 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+MAX_SIZE = (1 << 63) - 1  # what SQLite's integers and the budgets hold
 
 
 def human_bytes(n: float) -> str:
@@ -75,10 +77,14 @@ def _escape(m: re.Match[str]) -> str:
 
 def parse_size(text: str) -> int:
     """'500M', '2GiB', '1.5g', '1000' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b)?\s*", text.lower())
     if not m:
         raise click.BadParameter(f"{text!r} is not a size like 500M or 2G")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+    # exact decimal arithmetic: a float of 400 digits is inf, and int(inf) raised
+    size = int(Decimal(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+    if size > MAX_SIZE:
+        raise click.BadParameter(f"{text[:40]!r} is larger than persist takes (at most 8E)")
+    return size
 
 
 def emit(as_json: bool, data: Any, render: Callable[[Any], None]) -> None:

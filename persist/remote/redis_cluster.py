@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..errors import InvalidArgumentError
@@ -24,8 +25,10 @@ def cluster_client(url: str, timeouts: dict[str, Any]) -> Any:
     nodes = []
     for h in hosts.rstrip("/").split(","):
         host, _, port = h.strip().rpartition(":")
-        if not host or not port.isdigit():
-            raise InvalidArgumentError(f"a cluster node is host:port, not {h!r} in {url!r}")
+        if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
+            raise InvalidArgumentError(
+                f"a cluster node is host:port (a port from 1 to 65535), not {h!r} in {url!r}"
+            )
         nodes.append(ClusterNode(host, int(port)))
     return RedisCluster(
         startup_nodes=nodes,

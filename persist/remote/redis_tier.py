@@ -56,6 +56,8 @@ def namespace_tag(namespace: str) -> str:
 class TierUnavailable(PersistError, ConnectionError):
     """The shared tier did not answer (down, timed out, or refused by its ACL)."""
 
+    denied = False  # an ACL's refusal: an answer (not this user's), not an outage
+
 
 class RedisTier:
     pointer_kinds = ("sess", "blk", "head")  # what put_record writes
@@ -91,7 +93,7 @@ class RedisTier:
             self._client_: Any = None
             self._connect = lambda: cluster_client(self.url, timeouts)
         else:
-            self._client_ = redis.Redis.from_url(self.url, **timeouts)
+            self._client_ = _from_url(redis, self.url, timeouts)
         self.ttl_s, self.retry_after_s, self.clock = ttl_s, retry_after_s, clock
         self._down_until = 0.0
         self.counters: dict[str, int] = {}
@@ -110,7 +112,9 @@ class RedisTier:
         except self._redis.exceptions.NoPermissionError as e:
             # an ACL confines this user to other namespaces: a refusal, not an outage
             self._count("denied")
-            raise TierUnavailable(f"shared tier {self.url} refused {what}: {e}") from None
+            refused = TierUnavailable(f"shared tier {self.url} refused {what}: {e}")
+            refused.denied = True
+            raise refused from None
         except self._redis.ResponseError as e:
             if isinstance(e, self._redis.exceptions.ClusterError):
                 raise self._outage(what, e) from None
@@ -398,3 +402,14 @@ class RedisTier:
         out: list[bytes | None] = self._call("records", run)
         self._ok()
         return out
+
+
+def _from_url(redis: Any, url: str, timeouts: dict[str, Any]) -> Any:
+    """redis-py's client of ``url``; a host, port or database it cannot read (a bad
+    IPv6 address, a port out of range or not a number) is InvalidArgumentError."""
+    try:
+        return redis.Redis.from_url(url, **timeouts)
+    except ValueError as e:
+        raise InvalidArgumentError(
+            f"the shared tier URL {url!r} is not redis://host:port/db: {e}"
+        ) from None

@@ -39,6 +39,13 @@ log = logging.getLogger("persist")
 FETCHERS = 4  # objects fetched at once (each a request: latency, not the CPU, bounds them)
 
 
+def brief(e: BaseException) -> str:
+    """An object store error in one line: obstore's text goes on with a ~40-line
+    "Debug source:" dump of its internal structures after the first line."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return (first or type(e).__name__)[:300]
+
+
 class S3Tier:
     pointer_kinds = ("sess",)  # the cold tier keeps named sessions only
     named_only = True  # named sessions only: prefix lookups are the shared tier's job
@@ -92,16 +99,16 @@ class S3Tier:
             return None
         except (ex.PermissionDeniedError, ex.UnauthenticatedError) as e:
             self._count("denied")
-            raise TierUnavailable(f"cold tier {self.url} refused {what}: {e}") from None
+            raise TierUnavailable(f"cold tier {self.url} refused {what}: {brief(e)}") from None
         except Exception as e:
             if not _outage(e):  # the server answered about this one key: no breaker
                 self._count("refused")
-                raise TierUnavailable(f"cold tier {self.url} refused {what}: {e}") from None
+                raise TierUnavailable(f"cold tier {self.url} refused {what}: {brief(e)}") from None
             if self._down_until == 0.0:  # network, timeouts, a 5xx: an outage
-                log.warning("persist: cold tier %s failed (%s): %s", self.url, what, e)
+                log.warning("persist: cold tier %s failed (%s): %s", self.url, what, brief(e))
             self._down_until = self.clock() + self.retry_after_s
             self._count("errors")
-            raise TierUnavailable(f"cold tier {self.url}: {what}: {e}") from None
+            raise TierUnavailable(f"cold tier {self.url}: {what}: {brief(e)}") from None
         self._down_until = 0.0
         return out
 
