@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from persist.cuda.pinned_pool import Page, PagedHolder, PagePool, Part
+from persist.engine.host.records import arrays_of
+from persist.engine.host.tier import HostTier
 
 WHERE = "host memory pages"
 
@@ -88,3 +91,25 @@ def host_holder(
     c = chunks if chunks is not None else HostChunks()
     pool = PagePool(budget, c.alloc, c.free, page_bytes=page_bytes, chunk_bytes=chunk_bytes)
     return PagedHolder(pool, pack, unpack, WHERE)
+
+
+def holds_no_array(tier: HostTier) -> bool:
+    """Every entry's arrays are in pages: the tier keeps no buffer of MLX's."""
+    return all(not arrays_of(k.records) for k in tier._entries.values())
+
+
+def pages_in_use(tier: HostTier) -> int:
+    assert tier.holder is not None
+    pool = tier.holder.pool  # type: ignore[attr-defined]
+    return int(pool.used_pages * pool.page_bytes)
+
+
+DTYPES = [mx.uint8, mx.bfloat16, mx.float16, mx.float32, mx.uint32, mx.int64, mx.bool_]
+
+
+def sample(n: int, dtype: Any, seed: int) -> mx.array:
+    """``n`` elements of any bit pattern (NaN payloads and -0.0 included)."""
+    raw = np.random.default_rng(seed).integers(0, 256, n * dtype.size, dtype=np.uint8)
+    if dtype == mx.bool_:
+        raw &= 1
+    return mx.array(raw).view(dtype)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import persist
+from persist.codecs import encode_cache, trim_record
+from persist.codecs.snapshot import rebuild
+from tests.helpers import raw
 
 # What a killed writer may leave behind, and nothing else.
 CRASH_DEBRIS = frozenset({"orphan-tmp", "orphan-blob", "stale-pending"})
@@ -29,3 +33,20 @@ def clean(store: persist.Store) -> None:
     problems = store.check()
     assert problems == [], problems
     assert store.stats().unique_bytes == disk_bytes(store.root)
+
+
+def full_then_trim(store: persist.Store, session: str, ident: Any, k: int) -> list[Any]:
+    whole = store.restore(session, identity=ident).cache
+    return rebuild([trim_record(encode_cache(c), k) for c in whole])
+
+
+def whole_buffers(cache: list[Any]) -> list[list[tuple[tuple[int, ...], bytes]]]:
+    """Every layer's key/value buffers, room past the offset included."""
+    out = []
+    for c in cache:
+        arrays: list[Any] = []
+        for name in ("keys", "values"):
+            v = getattr(c, name, None)
+            arrays += list(v) if isinstance(v, (tuple, list)) else [] if v is None else [v]
+        out.append([(tuple(a.shape), raw(a)) for a in arrays])
+    return out

@@ -9,10 +9,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
 import persist
 import persist.provenance as provenance
+from tests.helpers import prefill, tokens_for
 
 
 @pytest.fixture
@@ -241,3 +243,100 @@ def test_the_server_stamps_what_its_provider_loads(
     assert provenance.remembered(provider.model, d, None) == files.weights
     provider.model.set_dtype(__import__("mlx.core").core.float16)
     assert provenance.remembered(provider.model, d, None) is None
+
+
+def test_a_lora_adapter_fused_in_code_is_not_the_files_model(
+    model_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """linear_to_lora_layers, trained (random lora_b), then fused back into plain
+    Linear layers: same classes, dtypes and shapes as the files, other weights."""
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    monkeypatch.setenv("PERSIST_IDENTITY_CACHE", str(tmp_path / "memo"))
+    d = model_dir("llama")
+    model, tok = _fresh(d)
+    base = persist.ModelIdentity.of(model, tok, path=d)  # remembered
+    linear_to_lora_layers(model, 2, {"rank": 4, "scale": 10.0, "dropout": 0.0})
+    for _, m in model.named_modules():
+        if hasattr(m, "lora_b"):
+            m.lora_b = mx.random.normal(m.lora_b.shape, key=mx.random.key(1)) * 0.1
+    fused = [(n, m.fuse()) for n, m in model.named_modules() if hasattr(m, "fuse")]
+    model.update_modules(tree_unflatten(fused))
+    mx.eval(model.parameters())
+    hashed = persist.ModelIdentity.of(model, tok)
+    assert hashed.digest != base.digest
+    assert persist.ModelIdentity.of(model, tok, path=d).digest == hashed.digest
+
+
+def test_a_cast_and_back_is_not_the_files_model(
+    model_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 -> fp16 -> bf16 rounds the weights: the files' digest no longer holds."""
+    import mlx.core as mx
+
+    monkeypatch.setenv("PERSIST_IDENTITY_CACHE", str(tmp_path / "memo"))
+    d = model_dir("llama")
+    model, tok = _fresh(d)
+    base = persist.ModelIdentity.of(model, tok, path=d)
+    dtype = model.parameters()["model"]["embed_tokens"]["weight"].dtype
+    model.set_dtype(mx.float16 if dtype != mx.float16 else mx.bfloat16)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    hashed = persist.ModelIdentity.of(model, tok)
+    assert hashed.digest != base.digest
+    assert persist.ModelIdentity.of(model, tok, path=d).digest == hashed.digest
+
+
+def test_a_weight_file_rewritten_in_place_is_not_the_remembered_model(
+    model_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same size, same inode, mtime restored (rsync --inplace -t, a tool that keeps
+    times, a filesystem with a coarse clock): the files changed, the key did not."""
+    import shutil
+
+    from persist.provenance import load_model
+
+    monkeypatch.setenv("PERSIST_IDENTITY_CACHE", str(tmp_path / "memo"))
+    d = tmp_path / "m"
+    shutil.copytree(model_dir("llama"), d)
+    base = persist.ModelIdentity.from_path(d)  # remembered
+    f = d / "model.safetensors"
+    st = os.stat(f)
+    with open(f, "r+b") as g:  # new values for the last 4 KiB of weights, in place
+        g.seek(st.st_size - 4096)
+        data = bytearray(g.read(4096))
+        data[::2] = bytes(b ^ 0x40 for b in data[::2])
+        g.seek(st.st_size - 4096)
+        g.write(data)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    model, tok = load_model(d)[:2]
+    hashed = persist.ModelIdentity.of(model, tok)
+    assert hashed.digest != base.digest  # the weights did change
+    assert persist.ModelIdentity.from_path(d).digest == hashed.digest
+
+
+def test_a_rope_changed_in_memory_is_another_identity(
+    model_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Context extension done in code after loading (a new nn.RoPE per layer): the
+    model computes other logits, so the unmodified model's caches are wrong for it."""
+    import mlx.nn as nn
+
+    from persist.provenance import load_model
+
+    monkeypatch.setenv("PERSIST_IDENTITY_CACHE", str(tmp_path / "memo"))
+    d = model_dir("llama")
+    model, tok = load_model(d)[:2]
+    remembered = persist.ModelIdentity.of(model, tok, path=d)
+    hashed = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(40, seed=1)
+    _, before = prefill(model, toks)
+    for layer in model.model.layers:
+        r = layer.self_attn.rope
+        layer.self_attn.rope = nn.RoPE(r.dims, traditional=r.traditional, base=r.base * 4)
+    _, after = prefill(model, toks)
+    assert not mx.array_equal(before, after).item()  # another model now
+    assert persist.ModelIdentity.of(model, tok).digest != hashed.digest
+    assert persist.ModelIdentity.of(model, tok, path=d).digest != remembered.digest

@@ -174,3 +174,59 @@ def test_an_export_mlx_lm_generate_continues(tiny: Any, model_dir: Any, tmp_path
     other = str(model_dir("llama_hd64"))  # a file claims its model: never another one
     wrong = cli(home, "export", "w", str(out), "--format", "mlx-lm", "--model", other, "--force")
     assert wrong.returncode == 1 and "another model" in wrong.stderr
+
+
+def _fake_hf_repo(hub: Path, repo: str, src: Path) -> None:
+    """``repo`` in a Hugging Face cache at ``hub``, holding ``src``'s files."""
+    import shutil
+
+    root = hub / ("models--" + repo.replace("/", "--"))
+    snap = root / "snapshots" / ("a" * 40)
+    shutil.copytree(src, snap)
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text("a" * 40)
+
+
+def test_an_mlx_lm_export_for_a_repo_id_of_another_model_is_refused(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """`mlx_lm generate --prompt-cache-file OUT` without --model loads the file's
+    `model`: here another llama, which would continue this llama's cache."""
+    from persist.apps.demo import make_model
+
+    d = tiny("llama")[2]
+    other = tmp_path / "other"
+    make_model(other, "llama", seed=1)
+    hub = tmp_path / "hub"
+    _fake_hf_repo(hub, "someone/other-llama", other)
+    home = tmp_path / "home"
+    env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+    persist_cli(home, "generate", "--model", str(d), "--session", "s", "--prompt", "Hello",
+                "--max-tokens", "2", env=env)  # fmt: skip
+    out = tmp_path / "s.safetensors"
+    got = persist_cli(home, "export", "s", str(out), "--format", "mlx-lm",
+                      "--model", "someone/other-llama", check=False, env=env)  # fmt: skip
+    assert got.returncode == 1 and not out.exists(), got.stdout + got.stderr
+    assert "another model" in got.stderr
+    _fake_hf_repo(hub, "someone/this-llama", d)  # the session's own model, by repo id
+    ok = persist_cli(home, "export", "s", str(out), "--format", "mlx-lm",
+                     "--model", "someone/this-llama", env=env)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    _, meta = load_prompt_cache(str(out), return_metadata=True)
+    assert meta["model"] == "someone/this-llama"
+    out.unlink()
+    for model, says in (
+        (str(tmp_path / "nowhere"), "no such folder"),  # a path that does not exist
+        ("someone/not-cached", "not in the Hugging Face cache"),  # never downloaded
+        (str(d / "config.json"), "not a folder"),
+    ):
+        got = persist_cli(home, "export", "s", str(out), "--format", "mlx-lm",
+                          "--model", model, check=False, env=env)  # fmt: skip
+        assert got.returncode == 1 and says in got.stderr, got.stderr
+        assert not out.exists()
+    with persist.Store(home) as store:  # the API cannot resolve a repo id: it must be told
+        with pytest.raises(persist.ModelNotFoundError, match="not a folder"):
+            store.export("s", out, format="mlx-lm", model="someone/this-llama")
+        snap = hub / "models--someone--this-llama" / "snapshots" / ("a" * 40)
+        store.export("s", out, format="mlx-lm", model="someone/this-llama", model_dir=snap)
+        assert out.exists()

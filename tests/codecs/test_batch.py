@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import KVCache, save_prompt_cache
 
 import persist
 from tests.helpers import (
@@ -79,3 +80,77 @@ def test_extracted_rows_continue_like_single_runs(variant: str, tiny: Any, tmp_p
     for row, single, out, tokens in refs:
         check_against_child(model, row, out, tokens)  # restored == extracted, state too
         check_against_child(model, single, out, tokens, state=False)  # == a single run
+
+
+def _two_rows(cache: list[Any], n: int) -> list[Any]:
+    """The same KV layers with the batch axis doubled (a file of a batch of 2)."""
+    out = []
+    for c in cache:
+        k = KVCache()
+        keys, values = c.keys[..., :n, :], c.values[..., :n, :]
+        k.update_and_fetch(mx.concatenate([keys, keys]), mx.concatenate([values, values]))
+        out.append(k)
+    return out
+
+
+def test_an_import_of_a_two_row_file_is_refused(tiny: Any, tmp_path: Path) -> None:
+    """An mlx-lm file of a batch of 2 would serve one prompt's lookups with two rows
+    (the next step fails in the model, or continues two sequences): refused, naming
+    the layer and the file, and nothing is kept."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(40, seed=3)
+    cache, _ = prefill(model, toks)
+    path = tmp_path / "b2.safetensors"
+    save_prompt_cache(str(path), _two_rows(cache, 40))
+    with persist.Store(tmp_path / "s") as store:
+        with pytest.raises(persist.NotResumableError) as e:
+            store.import_file(path, identity=ident, tokens=toks, model=model, session="x")
+        assert "layer 0 (kv) holds a batch of 2 rows" in str(e.value) and str(path) in str(e.value)
+        assert store.sessions() == [] and store.lookup([*toks, 7], identity=ident) is None
+
+
+def test_a_save_of_a_batch_of_two_is_refused_for_every_serial_kind(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """Store.save (and save_file with tokens) of two rows: plain KV, quantized KV,
+    a CacheList around them, recurrent state (also with unverified tokens, and as
+    an mlx-lm import with --unverified-tokens); a one-row batch cache still saves."""
+    from mlx_lm.models.cache import BatchKVCache, CacheList
+
+    model, tok, _ = tiny("llama_hd64")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(40, seed=3)
+    two = _two_rows(prefill(model, toks)[0], 40)
+    q = [c.to_quantized(group_size=32, bits=4) for c in _two_rows(prefill(model, toks)[0], 40)]
+    q_ident = persist.ModelIdentity.of(model, tok, kv_bits=4, kv_group_size=32)
+    m_model, m_tok, _ = tiny("mamba2")
+    m_ident = persist.ModelIdentity.of(m_model, m_tok)
+    rec, _ = prefill(m_model, toks)
+    for c in rec:
+        c.cache = [mx.concatenate([a, a]) for a in c.cache]
+    with persist.Store(tmp_path / "s") as store:
+        for cache, who, kw in (
+            (two, ident, {}),
+            ([CacheList(c) for c in two], ident, {}),
+            (q, q_ident, {}),
+            (rec, m_ident, {}),
+            (rec, m_ident, {"unverified_tokens": True}),
+        ):
+            with pytest.raises(persist.NotResumableError, match="holds a batch of 2 rows"):
+                store.save(cache, toks, identity=who, session="b", **kw)
+            with pytest.raises(persist.NotResumableError, match="holds a batch of 2 rows"):
+                persist.save_file(tmp_path / "b.safetensors", cache, toks)
+        path = tmp_path / "m2.safetensors"
+        save_prompt_cache(str(path), rec)
+        with pytest.raises(persist.NotResumableError, match=r"layer 0 \(arrays\) holds a batch"):
+            store.import_file(path, identity=m_ident, tokens=toks, model=m_model,
+                              session="m", unverified_tokens=True)  # fmt: skip
+        assert store.sessions() == [] and store.stats().entries == 0
+        one = []
+        for c in prefill(model, toks)[0]:
+            b = BatchKVCache(left_padding=[0])
+            b.update_and_fetch(c.keys[..., :40, :], c.values[..., :40, :])
+            one.append(b)
+        store.save(one, toks, identity=ident, session="one")  # a batch of one: one sequence
+        assert [e.session for e in store.sessions()] == ["one"]

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import persist
 from persist.codecs.snapshot import capture
+from tests.engine.host_checks import GIB, durable, ident, scribble_all
 from tests.helpers import (
     NEXT,
     assert_same_state,
@@ -26,13 +27,6 @@ from tests.helpers import (
 )
 from tests.store_helpers import clean
 
-GIB = 1 << 30
-
-
-def ident(tiny: Any, variant: str, **cfg: Any) -> tuple[Any, persist.ModelIdentity]:
-    model, tok, _ = tiny(variant)
-    return model, persist.ModelIdentity.of(model, tok, **cfg)
-
 
 def ticking(store: persist.Store) -> None:
     """Copies take 1 ms by the tier's clock: rates without wall-clock verdicts."""
@@ -41,23 +35,9 @@ def ticking(store: persist.Store) -> None:
     store.host.clock = lambda: next(ticks) / 1000
 
 
-def scribble(a: mx.array) -> None:
-    """Zero ``a``'s bytes through a numpy view of its buffer, under MLX's feet."""
-    v = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
-    mx.eval(v)
-    np.asarray(memoryview(v))[...] = 0
-
-
 def rooms(cache: list[Any]) -> list[Any]:
     """Each attention layer's buffer shape: its live positions and the room past them."""
     return [getattr(c, "keys", None) is not None and tuple(c.keys.shape) for c in cache]
-
-
-def durable(root: Path, prompt: list[int], identity: persist.ModelIdentity) -> Any:
-    with persist.Store(root) as s:  # no host tier: the files answer
-        got = s.lookup(prompt, identity=identity)
-        assert got is None or got.source == "local"
-        return got
 
 
 @pytest.mark.parametrize("variant", ["llama", "gemma3", "qwen3_next"])
@@ -106,17 +86,6 @@ def test_a_quantized_floor_holds_in_ram_too(tiny: Any, tmp_path: Path) -> None:
         want = durable(root, [*toks, 5], identity)
         assert hit is not None and want is not None and hit.source == "host"
         assert_same_state(live_state(hit.cache), live_state(want.cache))
-
-
-def scribble_all(cache: list[Any]) -> None:
-    """Zero every array of every layer's state (nested lists too), in place."""
-    stack = [c.state for c in cache]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, mx.array) and x.size:
-            scribble(x)
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3_next"])
@@ -269,3 +238,106 @@ def test_a_host_hit_is_a_fresh_evaluated_cache(tiny: Any, tmp_path: Path) -> Non
         assert hit is not None
         assert all(a is not b for a, b in zip(hit.cache, cache, strict=True))
         assert isinstance(hit.cache[0].keys, mx.array)
+
+
+def size_of(tiny: Any, tmp_path: Path) -> tuple[Any, Any, list[int], list[Any], int]:
+    model, identity = ident(tiny, "llama")
+    toks = tokens_for(50, seed=26)
+    cache, _ = prefill(model, toks)
+    with persist.Store(tmp_path / "probe", host_cache=GIB) as probe:
+        probe.save(cache, toks, identity=identity)
+        size = probe.stats().host_cache["bytes"]  # type: ignore[index]
+    return model, identity, toks, cache, size
+
+
+@pytest.mark.parametrize("delta", [0, -1, 1])
+def test_budget_edges(tiny: Any, tmp_path: Path, delta: int) -> None:
+    _, identity, toks, cache, size = size_of(tiny, tmp_path)
+    with persist.Store(tmp_path / "s", host_cache=size + delta) as store:
+        store.save(cache, toks, identity=identity)
+        host = store.stats().host_cache
+        assert host is not None and host["budget_bytes"] == size + delta
+        assert host["bytes"] <= host["budget_bytes"]
+        hit = store.lookup([*toks, 1], identity=identity)
+        assert hit is not None
+        assert hit.source == ("local" if delta < 0 else "host")
+        assert host["entries"] == (0 if delta < 0 else 1)
+
+
+def test_tiny_and_huge_budgets(tiny: Any, tmp_path: Path) -> None:
+    _, identity, toks, cache, _ = size_of(tiny, tmp_path)
+    for budget in (1, 1 << 62):
+        with persist.Store(tmp_path / f"s{budget}", host_cache=budget) as store:
+            store.save(cache, toks, identity=identity)
+            hit = store.lookup([*toks, 1], identity=identity)
+            assert hit is not None and hit.source == ("local" if budget == 1 else "host")
+            host = store.stats().host_cache
+            assert host is not None and host["bytes"] <= budget
+
+
+def test_close_then_use_is_typed(tiny: Any, tmp_path: Path) -> None:
+    _, identity, toks, cache, _ = size_of(tiny, tmp_path)
+    store = persist.Store(tmp_path / "s", host_cache=GIB)
+    store.save(cache, toks, identity=identity)
+    store.close()
+    with pytest.raises(persist.PersistError):
+        store.lookup([*toks, 1], identity=identity)
+    with pytest.raises(persist.PersistError):
+        store.save(cache, toks, identity=identity)
+
+
+def test_host_misses_are_counted(tiny: Any, tmp_path: Path) -> None:
+    _, identity, toks, cache, _ = size_of(tiny, tmp_path)
+    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
+        store.save(cache, toks, identity=identity)
+        assert store.lookup(tokens_for(40, seed=99), identity=identity) is None
+        assert store.stats().counters["misses"] == 1  # the store counted it
+        host = store.stats().host_cache
+        assert host is not None and host["hits"] == 0
+        assert host["misses"] == 1
+
+
+def test_a_host_copy_declined_for_cost_is_not_read_from_disk(tiny: Any, tmp_path: Path) -> None:
+    _, identity, toks, cache, _ = size_of(tiny, tmp_path)
+    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
+        store.save(cache, toks, identity=identity)
+        for _ in range(2):  # the first copy is a process's one-time cost; the second a rate
+            assert store.lookup([*toks, 1], identity=identity) is not None
+        declined = store.lookup([*toks, 1], identity=identity, max_cost=0.0)
+        assert declined is None, (declined.source, store.costs.last)
+
+
+def test_threads_save_and_look_up_in_one_store(tiny: Any, tmp_path: Path) -> None:
+    model, identity = ident(tiny, "llama")
+    prompts = [tokens_for(40 + 7 * i, seed=30 + i) for i in range(6)]
+    caches = [prefill(model, p)[0] for p in prompts]
+    states = [live_state(c) for c in caches]
+    errors: list[BaseException] = []
+    got: list[tuple[int, Any]] = []
+    lock = threading.Lock()
+    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
+
+        def work(i: int) -> None:
+            try:
+                for _ in range(3):
+                    store.save(caches[i], prompts[i], identity=identity)
+                    for j in range(len(prompts)):
+                        hit = store.lookup([*prompts[j], 1], identity=identity)
+                        if hit is not None:
+                            with lock:
+                                got.append((j, hit))
+            except BaseException as e:
+                errors.append(e)
+
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errors, errors
+        for j, hit in got:
+            assert hit.tokens == prompts[j]
+            assert_same_state(live_state(hit.cache), states[j])
+        host = store.stats().host_cache
+        assert host is not None and host["entries"] == len(prompts)
+        assert host["hits"] == sum(1 for _, h in got if h.source == "host")

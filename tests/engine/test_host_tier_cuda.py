@@ -26,12 +26,9 @@ from persist.cuda.driver import Driver
 from persist.cuda.kernels import addresses, device_buffers
 from persist.cuda.pinned_pool import cuda_holder
 from persist.engine.host.tier import HostTier
-from tests.engine.test_host_tier_pages import holds_no_array, pages_in_use
-from tests.format.test_pinned_pool import DTYPES, sample
 from tests.helpers import NEXT, ON_CUDA, assert_same_state, live_state, prefill, tokens_for
-from tests.host_pages import raw_bytes
-from tests.serve.test_serve import TURN1, TURN2, cached, text
-from tests.serve.test_serve_host_cache import OTHER, lookups, metrics, scrape
+from tests.host_pages import DTYPES, holds_no_array, pages_in_use, raw_bytes, sample
+from tests.serve.servers import OTHER, TURN1, TURN2, cached, hits, metrics, scrape, text
 
 pytestmark = pytest.mark.skipif(
     not ON_CUDA or pinned.data_path().path != pinned.CUDA_PINNED,
@@ -151,7 +148,7 @@ def test_serve_restores_an_evicted_conversation_from_pinned_memory(
             srv.stop()
         assert cached(answers[-1]) >= one["usage"]["prompt_tokens"] - 8
         source = "host" if name == "host" else "local"
-        assert lookups(after, source) - lookups(before, source) == 1
+        assert hits(after, source) - hits(before, source) == 1
     assert "host cache off" in (tmp_path / "store.log").read_text()
     assert f"in {PINNED}" in (tmp_path / "host.log").read_text()  # the start line
     assert health["host_cache"]["where"] == PINNED and health["host_cache"]["pinned_bytes"] > 0

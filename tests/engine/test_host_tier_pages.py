@@ -19,10 +19,10 @@ import persist
 from persist.cuda import pinned
 from persist.cuda.pinned import CUDA_PINNED, Choice
 from persist.engine.host import tier as host_tier
-from persist.engine.host.records import arrays_of
 from persist.engine.host.tier import DEVICE_MEMORY, HostTier, default_budget
+from persist.errors import NotResumableError
 from persist.serve.server import PersistentPromptCache, host_budget
-from tests.engine.test_host_store import scribble_all
+from tests.engine.host_checks import scribble_all
 from tests.helpers import (
     NEXT,
     assert_same_state,
@@ -33,7 +33,7 @@ from tests.helpers import (
     raw,
     tokens_for,
 )
-from tests.host_pages import WHERE, HostChunks, host_holder
+from tests.host_pages import WHERE, HostChunks, holds_no_array, host_holder, pages_in_use
 
 GIB = 1 << 30
 FAMILIES = ["llama", "gemma3", "qwen3_next", "mamba2", "falcon_h1", "llama4"]
@@ -47,11 +47,6 @@ def plain_tier(budget: int = GIB) -> HostTier:
     """The tier without pages (MLX arrays kept as they are), also on CUDA."""
     with pinned.use(Choice(pinned.HOST, "the plain tier")):
         return HostTier(budget)
-
-
-def holds_no_array(tier: HostTier) -> bool:
-    """Every entry's arrays are in pages: the tier keeps no buffer of MLX's."""
-    return all(not arrays_of(k.records) for k in tier._entries.values())
 
 
 def rooms(cache: list[Any]) -> list[Any]:
@@ -76,12 +71,6 @@ class Spoiled:
 
     def give(self, held: Any) -> list[mx.array]:
         return list(self.spoil(self.inner.give(held)))
-
-
-def pages_in_use(tier: HostTier) -> int:
-    assert tier.holder is not None
-    pool = tier.holder.pool  # type: ignore[attr-defined]
-    return int(pool.used_pages * pool.page_bytes)
 
 
 @pytest.mark.parametrize("variant", [*FAMILIES, "quantized"])
@@ -274,3 +263,41 @@ def test_a_tier_whose_pages_fail_their_check_keeps_nothing(
     model, _, _ = tiny("llama")
     toks = tokens_for(40, seed=3)
     assert not tier.keep("m", toks, prefill(model, toks)[0]) and len(tier) == 0
+
+
+def test_a_cache_kept_under_other_tokens_is_refused(tiny: Any) -> None:
+    model, _, _ = tiny("llama")
+    toks = tokens_for(100, seed=5)
+    cache = prefill(model, toks)[0]
+    for tier in (HostTier(1 << 30), HostTier(1 << 30, holder=host_holder(1 << 30))):
+        with pytest.raises(NotResumableError, match="covers 100 positions but 101"):
+            tier.keep("m", [*toks, 7], cache)
+        assert len(tier) == 0
+
+
+def test_a_closed_tier_pins_nothing_more(tiny: Any) -> None:
+    """A save that committed beside Store.close kept its copy in the cleared tier: pages
+    pinned for the life of the process."""
+    model, _, _ = tiny("llama")
+    toks = tokens_for(40, seed=6)
+    chunks = HostChunks()
+    tier = HostTier(1 << 30, holder=host_holder(1 << 30, chunks=chunks))
+    assert tier.keep("m", toks, prefill(model, toks)[0], copy=True)
+    tier.clear(close=True)
+    assert not tier.keep("m", toks, prefill(model, toks)[0], copy=True)
+    assert len(tier) == 0 and tier.stats().get("pinned_bytes", 0) == 0
+
+
+def test_a_small_host_cache_on_cuda_is_checked_within_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A --host-cache below the page-spanning check's 4 MiB turned the tier off,
+    saying its pages had failed."""
+    monkeypatch.setattr(
+        host_tier,
+        "cuda_holder",
+        lambda budget: host_holder(budget, page_bytes=2 << 20, chunk_bytes=2 << 20),
+    )
+    with pinned.use(Choice(CUDA_PINNED, "a test's stand-in")):
+        tier = HostTier(3 << 20)
+    assert tier.holder is not None and tier.max_bytes == 3 << 20

@@ -16,8 +16,8 @@ import persist
 from persist.engine.staged.lane_work import GAP, Job, Work, tasks
 from persist.engine.staged.slot_reads import Want
 from persist.records import TensorSpec
-from tests.engine.test_staging import HostLane, host_ring, staged
 from tests.helpers import assert_same_state, live_state, prefill, tokens_for
+from tests.host_lanes import HostLane, host_ring, staged
 
 
 def wants_of(sizes_and_gaps: list[tuple[int, int]]) -> list[Want]:

@@ -13,18 +13,12 @@ import pytest
 from mlx_lm.models import cache as C
 
 import persist
-from persist.codecs import encode_cache, trim_record
-from persist.codecs.snapshot import rebuild
 from persist.engine.partial import room_for
 from persist.format.manifest import snapshot_specs
-from tests.helpers import assert_same_state, kv_quantized, live_state, prefill, raw, tokens_for
+from tests.helpers import assert_same_state, kv_quantized, live_state, prefill, tokens_for
+from tests.store_helpers import full_then_trim, whole_buffers
 
 BLOCK = 16
-
-
-def full_then_trim(store: persist.Store, session: str, ident: Any, k: int) -> list[Any]:
-    whole = store.restore(session, identity=ident).cache
-    return rebuild([trim_record(encode_cache(c), k) for c in whole])
 
 
 def opened(store: persist.Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -37,18 +31,6 @@ def opened(store: persist.Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(store.blobs, "open", spy)
     return seen
-
-
-def whole_buffers(cache: list[Any]) -> list[list[tuple[tuple[int, ...], bytes]]]:
-    """Every layer's key/value buffers, room past the offset included."""
-    out = []
-    for c in cache:
-        arrays: list[Any] = []
-        for name in ("keys", "values"):
-            v = getattr(c, name, None)
-            arrays += list(v) if isinstance(v, (tuple, list)) else [] if v is None else [v]
-        out.append([(tuple(a.shape), raw(a)) for a in arrays])
-    return out
 
 
 def floor(cache: list[Any], at: int) -> list[Any]:

@@ -40,7 +40,6 @@ from persist.cuda.readers import Readers
 from persist.engine.staged import restore as staging
 from persist.engine.staged import slot_reads
 from persist.errors import CorruptBlobError
-from tests.engine.test_partial_reads import full_then_trim, whole_buffers
 from tests.helpers import (
     CUDA_RTOL,
     ON_CUDA,
@@ -52,64 +51,11 @@ from tests.helpers import (
     raw,
     tokens_for,
 )
+from tests.host_lanes import HostLane, host_buffers, host_ring, host_scatter, staged
+from tests.store_helpers import full_then_trim, whole_buffers
 
 BLOCK = 16
 FAMILIES = ["llama", "gemma3", "qwen3_next", "mamba2", "falcon_h1", "llama4"]
-
-
-class HostLane:
-    """A lane without a GPU: its copies are memmoves, done when ``put`` returns."""
-
-    def __init__(self, size: int) -> None:
-        self.slots = [np.zeros(size, dtype=np.uint8) for _ in range(2)]
-        self.turn = self.taken = self.copies = self.fetched = 0
-
-    def enter(self) -> None:
-        pass
-
-    def take(self) -> int:
-        self.turn ^= 1
-        self.taken += 1
-        return self.turn
-
-    def put(self, slot: int, dst: int, n: int) -> None:
-        ctypes.memmove(dst, self.slots[slot].ctypes.data, n)
-        self.copies += 1
-
-    def drain(self) -> None:
-        pass
-
-    def fetch(self, slot: int, src: int, n: int) -> None:
-        ctypes.memmove(self.slots[slot].ctypes.data, src, n)
-        self.fetched += 1
-
-    def settle(self, slot: int) -> None:
-        pass
-
-    def current(self) -> None:
-        pass
-
-
-def host_buffers(sizes: list[int]) -> list[tuple[mx.array, int]]:
-    """MLX host buffers (zeroed) and their addresses, as the zeroing kernel gives on CUDA."""
-    outs = [mx.zeros((max(1, -(-n // 16)), 16), dtype=mx.uint8) for n in sizes]
-    mx.eval(outs)
-    return [(o, address(o)) for o in outs]
-
-
-def address(a: mx.array) -> int:
-    return int(np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data)
-
-
-def host_scatter(staged: mx.array, placed: list[Placed]) -> None:
-    base = address(staged)
-    for c in (c for p in placed for c in staging.placement(p)):
-        for r in range(c.height):
-            ctypes.memmove(c.dst + r * c.dpitch, base + c.src + r * c.spitch, c.width)
-
-
-def host_ring(lanes: int, size: int) -> Ring:
-    return Ring([HostLane(size) for _ in range(lanes)], host_buffers, host_scatter)
 
 
 def small_ring(processes: bool = False) -> Ring:
@@ -168,10 +114,6 @@ def ring_for(rings: dict[str, Ring], monkeypatch: pytest.MonkeyPatch) -> Any:
         return rings[name]
 
     return get
-
-
-def staged(ring: Ring) -> Any:
-    return pinned.use(Choice(CUDA_PINNED, "test ring", ring))
 
 
 def host() -> Any:

@@ -13,8 +13,8 @@ import persist
 from persist.codecs.snapshot import capture
 from persist.engine.host.tier import HostTier
 from persist.marks import carries_unverified, mark_unverified
-from tests.engine.test_host_store import ident
-from tests.helpers import NEXT, prefill, tokens_for
+from tests.engine.host_checks import ident
+from tests.helpers import NEXT, assert_same_state, live_state, prefill, tokens_for
 
 GIB = 1 << 30
 
@@ -75,3 +75,94 @@ def test_a_layer_without_attributes_is_marked_by_weak_reference() -> None:
     a, b = _Slotted(), _Slotted()
     mark_unverified([a])
     assert carries_unverified([a]) and not carries_unverified([b])
+
+
+def test_an_unverified_session_continued_elsewhere_never_serves(tiny: Any, tmp_path: Path) -> None:
+    model, identity = ident(tiny, "mamba2")
+    toks = tokens_for(40, seed=40)
+    cache, _ = prefill(model, toks)
+    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
+        store.save(cache, toks, identity=identity, session="u", unverified_tokens=True)
+        got = store.restore("u", identity=identity)
+        more, _ = prefill(model, NEXT, cache=got.cache)
+        store.save(more, [*toks, *NEXT], identity=identity, session="v")
+        hit = store.lookup([*toks, *NEXT, 1], identity=identity)
+        assert hit is None, hit.source
+
+
+def test_an_unverified_session_exported_and_imported_elsewhere_stays_unverified(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """A persist-format export of an unverified session carries its tokens as if
+    checked: imported into another store it must still serve no lookup."""
+    model, tok, _ = tiny("mamba2")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(40, seed=3)
+    cache, _ = prefill(model, toks)
+    out = tmp_path / "m.cache"
+    with persist.Store(tmp_path / "a") as a:
+        a.save(cache, toks, identity=ident, session="m", unverified_tokens=True)
+        a.export("m", out)
+    with persist.Store(tmp_path / "b") as b:
+        b.import_file(out, identity=ident)
+        assert b.entry("m").metadata["persist.unverified_tokens"] == "true"
+        for prompt in ([*toks, 1], toks):
+            assert b.lookup(prompt, identity=ident) is None
+        got = b.restore("m", identity=ident)  # its own name still restores it
+        assert_same_state(live_state(got.cache), live_state(cache))
+        # the restored cache carries the mark (persist.marks): a caller's own cache
+        # of those tokens, saved elsewhere, is checked, so the test can fail
+        b.save(prefill(model, toks)[0], toks, identity=ident, session="checked")
+        assert b.lookup([*toks, 1], identity=ident) is not None
+
+
+def test_a_checkpoint_of_an_unverified_session_serves_no_lookup(tiny: Any, tmp_path: Path) -> None:
+    """A checkpoint owned by an unverified session, of its tokens continued, begins
+    with what nothing checked: it must not serve another prompt either."""
+    from tests.helpers import NEXT, continue_run
+
+    model, tok, _ = tiny("mamba2")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(40, seed=4)
+    cache, _ = prefill(model, toks)
+    with persist.Store(tmp_path / "s") as store:
+        store.save(cache, toks, identity=ident, session="m", unverified_tokens=True)
+        got = store.restore("m", identity=ident)
+        _, greedy = continue_run(model, got.cache, NEXT)
+        more = [*toks, *NEXT, *greedy]
+        store.checkpoint(got.cache, more, identity=ident, session="m")
+        assert store.lookup([*more, 5], identity=ident) is None
+        store.checkpoint(got.cache, more, identity=ident, session="other")  # still marked
+        assert store.lookup([*more, 5], identity=ident) is None
+        fresh, _ = prefill(model, more)  # the caller's own cache of them: checked
+        store.checkpoint(fresh, more, identity=ident, session="other")
+        assert store.lookup([*more, 5], identity=ident) is not None
+
+
+def test_a_turn_of_an_unverified_session_kept_under_name_2_stays_unverified(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """persist generate --session on an unverified session whose session another
+    writer saved meanwhile keeps the turn as NAME~2: that one continues the
+    unverified tokens too, and must serve no lookup."""
+    from persist.apps.resume import resume_text, save_turn
+    from tests.helpers import NEXT, continue_run
+
+    model, tok, _ = tiny("mamba2")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(40, seed=6)
+    cache, _ = prefill(model, toks)
+    with persist.Store(tmp_path / "s") as store:
+        store.save(cache, toks, identity=ident, session="m", unverified_tokens=True)
+        got = resume_text(store, "m", list(NEXT), ident, "default", None)
+        store.save(cache, toks, identity=ident, session="m")  # another writer's turn
+        assert got.cache is not None
+        _, greedy = continue_run(model, got.cache, got.tokens[got.covered :])
+        more = [*got.tokens, *greedy]
+        name = save_turn(
+            store, got.cache, more, identity=ident, session="m", namespace="default",
+            version=got.version, unverified=got.unverified,
+        )  # fmt: skip
+        assert name == "m~2"
+        assert store.entry("m~2").metadata["persist.unverified_tokens"] == "true"
+        assert store.lookup([*more, 5], identity=ident) is None

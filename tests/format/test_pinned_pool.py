@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from persist.cuda.pinned_pool import PagedHolder, PagePool
 from persist.errors import HostCacheFullError, InvalidArgumentError, InvalidStateError
-from tests.host_pages import HostChunks, host_holder, raw_bytes
+from tests.host_pages import DTYPES, HostChunks, host_holder, raw_bytes, sample
 
 PAGE = 4096
 
@@ -117,17 +117,6 @@ def test_any_sequence_keeps_the_books(ops: list[tuple[bool, int]]) -> None:
         assert p.pinned_pages <= max_pages and chunks.nbytes == p.pinned_pages * PAGE
         assert chunks.made <= -(-max_pages // 5)  # chunks only when no page was free
         assert all(any(c <= h < c + 5 * PAGE for c in chunks.chunks) for h in held)
-
-
-DTYPES = [mx.uint8, mx.bfloat16, mx.float16, mx.float32, mx.uint32, mx.int64, mx.bool_]
-
-
-def sample(n: int, dtype: Any, seed: int) -> mx.array:
-    """``n`` elements of any bit pattern (NaN payloads and -0.0 included)."""
-    raw = np.random.default_rng(seed).integers(0, 256, n * dtype.size, dtype=np.uint8)
-    if dtype == mx.bool_:
-        raw &= 1
-    return mx.array(raw).view(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

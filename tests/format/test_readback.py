@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from persist.cuda import pinned, readback
 from persist.cuda.pinned import CUDA_PINNED, Choice, Ring
-from tests.engine.test_staging import HostLane, host_buffers, host_scatter
+from tests.host_lanes import HostLane, host_buffers, host_scatter
 
 SLOT = 1024
 

@@ -1,17 +1,26 @@
-"""The host-RAM tier (engine.host_tier): budget, LRU by bytes, fresh copies, bit-exact."""
+"""The host-RAM tier (engine.host_tier): budget, LRU by bytes, fresh copies, bit-exact;
+a keep that fails inside mlx-lm's eviction, or a lookup beside a close, never breaks
+the server, and tenants sharing one tier never see each other's caches (cases from
+attacks on the host tier)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+import persist
+from persist.engine.host.store_hooks import from_host
 from persist.engine.host.tier import HostTier, default_budget
-from persist.errors import InvalidArgumentError, PersistError
+from persist.errors import InvalidArgumentError, InvalidStateError, PersistError
+from persist.identity import ModelIdentity
+from persist.serve.server import PersistentPromptCache
+from tests.helpers import prefill, tokens_for
 
 PROMPT = list(range(3, 40))
 
@@ -129,3 +138,68 @@ def test_a_hit_shares_no_memory_with_the_entry(tiny: Any) -> None:
     assert again is not None
     got = recurrent(again.cache)
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+IDENT = ModelIdentity("llama", "c", "w", "t", "ct")
+
+
+class UnknownCache(KVCache):  # a model's own cache class persist has no codec for
+    pass
+
+
+def _unknown() -> list[Any]:
+    c = UnknownCache()
+    c.update_and_fetch(mx.zeros((1, 2, 8, 4)), mx.zeros((1, 2, 8, 4)))
+    return [c]
+
+
+def test_a_keep_that_fails_in_an_eviction_never_reaches_mlx_lm(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A keep that raised inside mlx-lm's eviction left its byte count wrong and failed
+    every later insert (persist serve answered 503, then exited)."""
+    with persist.Store(tmp_path / "s") as store:
+        pc = PersistentPromptCache(2, 40000, store=store, identity=IDENT, host=HostTier(1 << 30))
+        try:
+            with caplog.at_level(logging.WARNING, logger="persist"):
+                for i in range(6):
+                    pc.insert_cache("m", [i] * 8 + [1, 2], _unknown())
+            assert len(pc) == 2 and pc.nbytes == 2 * sum(c.nbytes for c in _unknown())
+            assert "could not keep an evicted cache" in caplog.text
+        finally:
+            pc.close()
+
+
+def test_a_lookup_beside_a_close_is_a_typed_error(tmp_path: Path) -> None:
+    class Closing:
+        index = persist.Store(tmp_path / "s").index
+        costs = None
+        host = None  # the close dropped the tier between host_hit() and from_host()
+        blobs = None
+        block_tokens = 16
+        strict_backend = False
+
+    with pytest.raises(InvalidStateError, match="closed"):
+        from_host(Closing(), [1, 2, 3], IDENT, "default", "who", 0, None)  # type: ignore[arg-type]
+
+
+def test_a_shared_host_tier_keeps_tenants_apart(tiny: Any, tmp_path: Path) -> None:
+    """Two tenants' prompt caches over one RAM budget (the README's library server)."""
+    model, tok, _ = tiny("llama")
+    identity = persist.ModelIdentity.of(model, tok)
+    a_toks, b_toks = tokens_for(60, seed=1), tokens_for(60, seed=2)
+    host = HostTier(1 << 30)
+    with persist.Store(tmp_path / "store") as store:
+        a = PersistentPromptCache(1, store=store, identity=identity, namespace="a", host=host)
+        b = PersistentPromptCache(1, store=store, identity=identity, namespace="b", host=host)
+        try:
+            a.insert_cache("m", a_toks, prefill(model, a_toks)[0])
+            a.insert_cache("m", b_toks, prefill(model, b_toks)[0])  # a_toks evicted to RAM
+            a.flush()
+            assert store.lookup([*a_toks, 1], identity=identity, namespace="b") is None
+            cache, rest = b.fetch_nearest_cache("m", [*a_toks, 1])
+            # tenant b never sent these tokens: nothing of tenant a's may answer it
+            assert cache is None and len(rest) == 61
+        finally:
+            a.close()
+            b.close()

@@ -1,8 +1,10 @@
-"""Attacks on the host-RAM tier (``Store(root, host_cache=N)``), issue 27 item 3."""
+"""The host-RAM tier (``Store(root, host_cache=N)``) for every cache family: a hit,
+trimmed or whole, equals the durable store's and continues as a fresh prefill does,
+never aliases what was saved or handed out before, and an untrimmable cache serves
+only its own length (cases from an attack on the host tier)."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import persist
-from tests.engine.test_host_store import durable, ident, scribble_all
+from tests.engine.host_checks import GIB, durable, ident, same_continuation, scribble_all
 from tests.helpers import (
     NEXT,
     assert_same_state,
@@ -18,19 +20,8 @@ from tests.helpers import (
     kv_quantized,
     live_state,
     prefill,
-    raw,
     tokens_for,
 )
-
-GIB = 1 << 30
-
-
-def same_continuation(model: Any, got: list[Any], want: list[Any]) -> None:
-    a_logits, a = continue_run(model, got, NEXT, n_greedy=3)
-    b_logits, b = continue_run(model, want, NEXT, n_greedy=3)
-    assert a == b
-    assert all(raw(x) == raw(y) for x, y in zip(a_logits, b_logits, strict=True))
-
 
 # trimmable families: (variant, saved length, prefix asked); rings and chunks before they wrap
 TRIMMABLE = [("llama", 100, 60), ("gemma3", 30, 20), ("llama4", 30, 20)]
@@ -154,88 +145,6 @@ def test_max_kv_size_is_an_identity_option(tiny: Any, tmp_path: Path) -> None:
         same_continuation(model, hit.cache, fresh)
 
 
-def size_of(tiny: Any, tmp_path: Path) -> tuple[Any, Any, list[int], list[Any], int]:
-    model, identity = ident(tiny, "llama")
-    toks = tokens_for(50, seed=26)
-    cache, _ = prefill(model, toks)
-    with persist.Store(tmp_path / "probe", host_cache=GIB) as probe:
-        probe.save(cache, toks, identity=identity)
-        size = probe.stats().host_cache["bytes"]  # type: ignore[index]
-    return model, identity, toks, cache, size
-
-
-@pytest.mark.parametrize("delta", [0, -1, 1])
-def test_budget_edges(tiny: Any, tmp_path: Path, delta: int) -> None:
-    _, identity, toks, cache, size = size_of(tiny, tmp_path)
-    with persist.Store(tmp_path / "s", host_cache=size + delta) as store:
-        store.save(cache, toks, identity=identity)
-        host = store.stats().host_cache
-        assert host is not None and host["budget_bytes"] == size + delta
-        assert host["bytes"] <= host["budget_bytes"]
-        hit = store.lookup([*toks, 1], identity=identity)
-        assert hit is not None
-        assert hit.source == ("local" if delta < 0 else "host")
-        assert host["entries"] == (0 if delta < 0 else 1)
-
-
-def test_tiny_and_huge_budgets(tiny: Any, tmp_path: Path) -> None:
-    _, identity, toks, cache, _ = size_of(tiny, tmp_path)
-    for budget in (1, 1 << 62):
-        with persist.Store(tmp_path / f"s{budget}", host_cache=budget) as store:
-            store.save(cache, toks, identity=identity)
-            hit = store.lookup([*toks, 1], identity=identity)
-            assert hit is not None and hit.source == ("local" if budget == 1 else "host")
-            host = store.stats().host_cache
-            assert host is not None and host["bytes"] <= budget
-
-
-def test_close_then_use_is_typed(tiny: Any, tmp_path: Path) -> None:
-    _, identity, toks, cache, _ = size_of(tiny, tmp_path)
-    store = persist.Store(tmp_path / "s", host_cache=GIB)
-    store.save(cache, toks, identity=identity)
-    store.close()
-    with pytest.raises(persist.PersistError):
-        store.lookup([*toks, 1], identity=identity)
-    with pytest.raises(persist.PersistError):
-        store.save(cache, toks, identity=identity)
-
-
-def test_threads_save_and_look_up_in_one_store(tiny: Any, tmp_path: Path) -> None:
-    model, identity = ident(tiny, "llama")
-    prompts = [tokens_for(40 + 7 * i, seed=30 + i) for i in range(6)]
-    caches = [prefill(model, p)[0] for p in prompts]
-    states = [live_state(c) for c in caches]
-    errors: list[BaseException] = []
-    got: list[tuple[int, Any]] = []
-    lock = threading.Lock()
-    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
-
-        def work(i: int) -> None:
-            try:
-                for _ in range(3):
-                    store.save(caches[i], prompts[i], identity=identity)
-                    for j in range(len(prompts)):
-                        hit = store.lookup([*prompts[j], 1], identity=identity)
-                        if hit is not None:
-                            with lock:
-                                got.append((j, hit))
-            except BaseException as e:
-                errors.append(e)
-
-        ts = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        assert not errors, errors
-        for j, hit in got:
-            assert hit.tokens == prompts[j]
-            assert_same_state(live_state(hit.cache), states[j])
-        host = store.stats().host_cache
-        assert host is not None and host["entries"] == len(prompts)
-        assert host["hits"] == sum(1 for _, h in got if h.source == "host")
-
-
 FAMILIES = [
     ("llama", 90),
     ("gemma3", 30),
@@ -270,37 +179,3 @@ def test_every_prefix_the_host_serves_is_the_durable_one(
             assert_same_state(live_state(hit.cache), live_state(want.cache))
             fresh, _ = prefill(model, toks[:k])
             same_continuation(model, hit.cache, fresh)
-
-
-def test_host_misses_are_counted(tiny: Any, tmp_path: Path) -> None:
-    _, identity, toks, cache, _ = size_of(tiny, tmp_path)
-    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
-        store.save(cache, toks, identity=identity)
-        assert store.lookup(tokens_for(40, seed=99), identity=identity) is None
-        assert store.stats().counters["misses"] == 1  # the store counted it
-        host = store.stats().host_cache
-        assert host is not None and host["hits"] == 0
-        assert host["misses"] == 1
-
-
-def test_a_host_copy_declined_for_cost_is_not_read_from_disk(tiny: Any, tmp_path: Path) -> None:
-    _, identity, toks, cache, _ = size_of(tiny, tmp_path)
-    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
-        store.save(cache, toks, identity=identity)
-        for _ in range(2):  # the first copy is a process's one-time cost; the second a rate
-            assert store.lookup([*toks, 1], identity=identity) is not None
-        declined = store.lookup([*toks, 1], identity=identity, max_cost=0.0)
-        assert declined is None, (declined.source, store.costs.last)
-
-
-def test_an_unverified_session_continued_elsewhere_never_serves(tiny: Any, tmp_path: Path) -> None:
-    model, identity = ident(tiny, "mamba2")
-    toks = tokens_for(40, seed=40)
-    cache, _ = prefill(model, toks)
-    with persist.Store(tmp_path / "s", host_cache=GIB) as store:
-        store.save(cache, toks, identity=identity, session="u", unverified_tokens=True)
-        got = store.restore("u", identity=identity)
-        more, _ = prefill(model, NEXT, cache=got.cache)
-        store.save(more, [*toks, *NEXT], identity=identity, session="v")
-        hit = store.lookup([*toks, *NEXT, 1], identity=identity)
-        assert hit is None, hit.source
