@@ -18,7 +18,7 @@ import persist
 from persist.apps.resume import CHAT_KEY
 from persist.cli import cli
 from tests.golden.cases import IDENTITY, kvs
-from tests.helpers import ROOT
+from tests.helpers import ROOT, persist_cli
 
 
 def made(root: Path, *names: str, metadata: dict[str, str] | None = None) -> str:
@@ -118,3 +118,19 @@ def test_a_huge_limit_lists_everything_not_a_traceback(tmp_path: Path) -> None:
     r = CliRunner().invoke(cli, ["ls", "--limit", str(2**63), "--store", root])
     assert r.exit_code == 0, r.output
     assert "w" in r.output.split()
+
+
+# click's own usage errors printed an argument raw: escape sequences reached the terminal
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ls", "n\x1b]0;forged\x07"],  # an extra argument: click's own usage error
+        ["show", "a", "b\x1b[2J"],
+        ["ls", "--bogus\x1b[2J\r"],
+        ["--bogus\x1b[2J\u202e"],
+    ],
+)
+def test_usage_errors_escape_control_characters(tmp_path: Path, args: list[str]) -> None:
+    out = persist_cli(tmp_path / "store", *args, check=False)
+    assert out.returncode == 2, out.stderr
+    assert not any(c in out.stdout + out.stderr for c in "\x1b\x07\r\u202e"), out.stderr

@@ -3,19 +3,26 @@
 Restore gives CorruptBlobError, never a wrong cache; lookup skips damaged
 snapshots and still returns only correct caches; check() lists every
 damaged blob; check(fix=True) quarantines without touching healthy sessions.
+Index columns of the wrong SQLite type are damage each command reports with its
+own exit status, never a traceback; ``show`` and ``ls`` mark a row that fails
+its checksum.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
+import sqlite3
 from pathlib import Path
 from typing import Any
 
 import pytest
+from mlx_lm.models import cache as mc
 
 import persist
-from tests.helpers import assert_same_state, live_state, prefill, tokens_for
+from tests.golden.cases import IDENTITY, kvs
+from tests.helpers import assert_same_state, live_state, persist_cli, prefill, tokens_for
 from tests.reliability.conftest import scale
 
 TRIALS = scale(12, 150)
@@ -112,3 +119,117 @@ def test_random_damage(pristine: Any, tiny: Any, tmp_path: Path, tally: Any) -> 
                 r = store.restore(name, identity=identity)
                 correct(model, r.cache, r.tokens)
             tally.add("corruption", detected=1, data_lost=0)
+
+
+def saved(root: Path, names: tuple[str, ...] = ("keep", "other"), n: int = 300) -> None:
+    for seed, name in enumerate(names, 1):
+        c = mc.KVCache()
+        c.update_and_fetch(*kvs(seed, n))
+        with persist.Store(root) as s:
+            s.save([c], list(range(n)), identity=IDENTITY, session=name)
+
+
+def edit(root: Path, sql: str) -> None:
+    db = sqlite3.connect(root / "index.sqlite")
+    with db:
+        db.execute(sql)
+    db.close()
+
+
+def exits(root: Path, *commands: list[str]) -> list[int]:
+    """Each command's exit status, in order; none may print a traceback."""
+    codes = []
+    for args in commands:
+        out = persist_cli(root, *args, check=False)
+        assert "Traceback" not in out.stdout + out.stderr, out.stdout + out.stderr
+        codes.append(out.returncode)
+    return codes
+
+
+# SQLite does not enforce column types: what a damaged or hand-edited index holds.  A
+# column the row checksum covers is damage (check exits 1, --fix repairs); the mutable
+# ones (size, times) read as a default.  These made ls/stats/show/check exit 3 with a
+# TypeError (an attack on fault handling).
+@pytest.mark.parametrize(
+    ("change", "check_code"),
+    [
+        ("manifest = 'hello'", 1),
+        ("tokens = 'abc'", 1),
+        ("identity_map = 'x'", 1),
+        ("metadata = 7", 1),
+        ("n_tokens = 'abc'", 1),
+        ("bytes = 'x'", 0),
+        ("created = 'zz'", 0),
+        ("used = x'00'", 0),
+    ],
+)
+def test_a_row_with_a_wrongly_typed_column_is_damage_not_a_crash(
+    tmp_path: Path, change: str, check_code: int
+) -> None:
+    root = tmp_path / "store"
+    saved(root)
+    edit(root, f"UPDATE snapshots SET {change} WHERE name = 'keep'")
+    listing = (["ls"], ["ls", "--json"], ["stats"], ["show", "keep"])
+    assert exits(root, *listing, ["check"]) == [0, 0, 0, 0, check_code]
+    assert exits(root, ["check", "--fix"], ["check"], ["ls"]) == [0, 0, 0]
+    with persist.Store(root) as s:  # the undamaged session is untouched
+        assert s.restore("other", identity=IDENTITY).tokens == list(range(300))
+
+
+@pytest.mark.parametrize(
+    ("change", "codes", "other"),
+    [
+        # a blob's head checksum of another type: that blob is damage
+        ("UPDATE blobs SET head_xxh3 = 'x' WHERE rowid = 1", [0, 0, 0, 1, 0, 0], None),
+        # every session's chains: both sessions are damage, --fix takes both
+        (
+            "UPDATE snapshot_blocks SET chain = 'x'",
+            [0, 0, 0, 1, 0, 0],
+            persist.SessionNotFoundError,
+        ),
+        # the block size every command needs: a typed refusal of the store, every time
+        (
+            "UPDATE meta SET value = 'abc' WHERE key = 'block_tokens'",
+            [1, 1, 1, 1, 1, 1],
+            persist.CorruptBlobError,
+        ),
+        # a namespace secret of another type: every command goes on
+        ("UPDATE namespaces SET secret = 'x'", [0, 0, 0, 0, 0, 0], None),
+    ],
+)
+def test_other_tables_with_a_wrongly_typed_column_are_typed_damage(
+    tmp_path: Path, change: str, codes: list[int], other: type[Exception] | None
+) -> None:
+    root = tmp_path / "store"
+    saved(root)
+    edit(root, change)
+    commands = (["ls"], ["stats"], ["show", "keep"], ["check"], ["check", "--fix"], ["ls"])
+    assert exits(root, *commands) == codes
+    if other is None:
+        with persist.Store(root) as s:
+            assert s.restore("other", identity=IDENTITY).tokens == list(range(300))
+        return
+    with pytest.raises(other), persist.Store(root) as s:
+        s.restore("other", identity=IDENTITY)
+
+
+def test_show_marks_a_row_that_fails_its_checksum(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    saved(root)
+    edit(root, "UPDATE snapshots SET n_tokens = 200 WHERE name = 'keep'")
+    out = persist_cli(root, "show", "keep")
+    assert "DAMAGED" in out.stdout and "checksum" in out.stdout, out.stdout
+    data = json.loads(persist_cli(root, "show", "keep", "--json").stdout)
+    assert data["damaged"], data
+    assert "DAMAGED" not in persist_cli(root, "show", "other").stdout
+
+
+def test_ls_marks_a_row_that_fails_its_checksum(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    saved(root)
+    edit(root, "UPDATE snapshots SET n_tokens = 200 WHERE name = 'keep'")
+    lines = persist_cli(root, "ls").stdout.splitlines()
+    assert [ln for ln in lines if "DAMAGED" in ln and " keep " in ln], lines
+    assert not [ln for ln in lines if "DAMAGED" in ln and " other " in ln], lines
+    data = json.loads(persist_cli(root, "ls", "--json").stdout)
+    assert [e["session"] for e in data if e["damaged"]] == ["keep"], data

@@ -4,11 +4,15 @@ Round 3 found a FIFO in place of a blob hanging ``check``, ``check --fix``,
 ``export``, ``Store.restore`` and ``persist inspect FIFO`` forever (a plain
 open waits for a writer), and ``blobs/`` or ``tmp/`` replaced by a regular
 file making ``check`` exit 3 and ``restore`` raise a raw NotADirectoryError.
+A later attack found such a file named "not a regular file", and a FIFO or folder
+in place of the ``reserve`` file passing ``check`` (leaving the full-disk path,
+which frees only a regular reserve, nothing to free).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -138,3 +142,35 @@ def test_cli_check_reports_a_folder_replaced_by_a_file(tmp_path: Path) -> None:
     (home / "blobs").write_bytes(b"x")
     out = persist_cli(home, "check", check=False)
     assert out.returncode == 1 and "not-a-folder" in out.stdout, out
+
+
+@pytest.mark.parametrize("folder", ["tmp", "blobs"])
+def test_a_folder_replaced_by_a_file_is_named_a_regular_file(tmp_path: Path, folder: str) -> None:
+    root = tmp_path / "store"
+    saved(root)
+    target = root / folder
+    if folder == "tmp":
+        target.rmdir()
+    else:
+        shutil.rmtree(target)
+    target.write_text("x")
+    out = persist_cli(root, "check", check=False)
+    assert out.returncode == 1, out.stderr
+    assert f"{folder}: is a regular file, not a folder" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir"])
+def test_an_odd_file_in_place_of_the_reserve_is_reported_and_replaced(
+    tmp_path: Path, kind: str
+) -> None:
+    root = tmp_path / "store"
+    saved(root)
+    reserve = root / "reserve"
+    reserve.unlink()
+    os.mkfifo(reserve) if kind == "fifo" else reserve.mkdir()
+    out = persist_cli(root, "check", check=False)
+    assert out.returncode == 1 and "reserve" in out.stdout, out.stdout
+    fixed = persist_cli(root, "check", "--fix", check=False)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr  # replaced: the store is whole
+    assert reserve.is_file() and not reserve.is_symlink() and reserve.stat().st_size > 0
+    assert persist_cli(root, "check").returncode == 0
