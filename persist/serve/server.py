@@ -31,6 +31,7 @@ from ..engine.store import Store
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
 from .coverage import covered_key
+from .kept_keys import KeptKeys
 from .metrics import ServeMetrics
 
 __all__ = ["PersistentPromptCache", "keep_freed_buffers", "host_budget"]
@@ -88,6 +89,7 @@ class PersistentPromptCache(LRUPromptCache):
         # block_seconds for room (the request was already answered), or drop.
         self.when_full, self.block_seconds = when_full, block_seconds
         self.counters: Counter[str] = Counter()
+        self._kept = KeptKeys()  # what this process stored or queued: captured once
         self._queue: queue.Queue[tuple[ModelIdentity, list[int], Snapshot] | None] = queue.Queue(
             queue_size
         )
@@ -115,6 +117,11 @@ class PersistentPromptCache(LRUPromptCache):
                 self.metrics.prompt_only(len(tokens), have)
             return cache, rest
         m = self.metrics
+        if have >= len(tokens) - 1:  # memory leaves one token: no tier holds longer
+            self._count(memory_hits=1)
+            if m is not None:
+                m.prompt_only(len(tokens), have)
+            return cache, rest
         probe = m.probe() if m is not None else None
         memory, near = have, self._from_host(identity, tokens, have)
         if near is not None:
@@ -193,6 +200,10 @@ class PersistentPromptCache(LRUPromptCache):
         if identity is None:  # no identity vouches for it: memory only
             self._count(unkeyed=1)
             return
+        key = self._kept.key(identity.digest, self.namespace, tokens)
+        if key in self._kept:  # this process stored (or queued) these very tokens
+            self._count(captures_skipped=1)
+            return
         try:
             # Encoded and evaluated here, on the generation thread: the writer
             # then handles host bytes only and never waits on this thread's stream.
@@ -209,6 +220,7 @@ class PersistentPromptCache(LRUPromptCache):
                     self._queue.put(item, timeout=self.block_seconds)
                 else:
                     self._queue.put_nowait(item)
+            self._kept.add(key)
         except queue.Full:
             self._count(queue_drops=1)
             if self.metrics is not None:

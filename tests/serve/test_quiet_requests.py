@@ -1,0 +1,84 @@
+"""A request that gains nothing costs nothing (issue 39): the same tokens are captured
+once per process, and a prompt memory already answers asks no other tier.  Real
+tiny models, a real store; the store's lookups are counted, not replaced."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import persist
+from persist.serve.kept_keys import KeptKeys
+from persist.serve.server import PersistentPromptCache
+from tests.helpers import prefill, tokens_for
+
+
+def _asked(store: persist.Store) -> list[int]:
+    """The store's lookups from now on, counted (each still runs)."""
+    calls: list[int] = []
+    real = store.lookup
+
+    def lookup(tokens: Any, **kw: Any) -> Any:
+        calls.append(len(tokens))
+        return real(tokens, **kw)
+
+    store.lookup = lookup  # type: ignore[method-assign]
+    return calls
+
+
+def test_the_same_tokens_are_captured_once(tiny: Any, tmp_path: Path) -> None:
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks, other = tokens_for(80, seed=90), tokens_for(80, seed=91)
+    with persist.Store(tmp_path / "s") as store:
+        pc = PersistentPromptCache(4, store=store, identity=ident)
+        try:
+            for _ in range(3):  # a retried request answered the same way
+                pc.insert_cache("m", toks, prefill(model, toks)[0])
+            pc.insert_cache("m", other, prefill(model, other)[0])
+            pc.flush()
+            assert pc.counters["captures_skipped"] == 2 and pc.counters["persisted"] == 2
+            assert len(store.entries()) == 2
+            assert store.stats().counters["serve_captures_skipped"] == 2
+        finally:
+            pc.close()
+        again = PersistentPromptCache(4, store=store, identity=ident, namespace="other")
+        try:  # another namespace's copy is its own
+            again.insert_cache("m", toks, prefill(model, toks)[0])
+            again.flush()
+            assert again.counters["persisted"] == 1 and "captures_skipped" not in again.counters
+        finally:
+            again.close()
+
+
+def test_a_prompt_memory_answers_asks_no_other_tier(tiny: Any, tmp_path: Path) -> None:
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(80, seed=92)
+    with persist.Store(tmp_path / "s") as store:
+        pc = PersistentPromptCache(4, store=store, identity=ident)
+        try:
+            pc.insert_cache("m", toks, prefill(model, toks)[0])
+            pc.flush()
+            asked = _asked(store)
+            cache, rest = pc.fetch_nearest_cache("m", toks)  # all of it in memory
+            assert cache is not None and rest == [] and asked == []
+            cache, rest = pc.fetch_nearest_cache("m", [*toks, 5])  # all but the last token
+            assert cache is not None and rest == [5] and asked == []
+            assert pc.counters["memory_hits"] == 2
+            cache, rest = pc.fetch_nearest_cache("m", [*toks, 5, 6])  # the store may be longer
+            assert cache is not None and rest == [5, 6] and asked == [82]
+        finally:
+            pc.close()
+
+
+def test_kept_keys_are_bounded_and_exact() -> None:
+    kept = KeptKeys(keep=2)
+    a, b, c = (KeptKeys.key("d", "ns", [1, 2, i]) for i in range(3))
+    assert KeptKeys.key("d", "ns", [1, 2]) != KeptKeys.key("d", "ns2", [1, 2])
+    assert KeptKeys.key("d", "n", [1]) != KeptKeys.key("dn", "", [1])  # no run-together
+    kept.add(a)
+    kept.add(b)
+    assert a in kept  # a is now the most recent
+    kept.add(c)
+    assert a in kept and c in kept and b not in kept and len(kept) == 2
