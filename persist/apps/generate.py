@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,9 @@ class GenerateResult:
     # restore or recompute (``policy.CostDecision`` as a map), when a lookup was made
     decision: dict[str, Any] | None = None
     sampling: dict[str, Any] | None = None  # the Sampling the turn's tokens were drawn with
+    # stopped early (``should_stop``): the turn so far was saved, if anything new was computed
+    interrupted: bool = False
+    saved: bool = True  # False: interrupted before anything new was computed, nothing saved
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,6 +145,8 @@ def generate(
     system: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
     prefill_step_size: int = 2048,
+    should_stop: Callable[[], bool] | None = None,
+    new: bool = False,
 ) -> GenerateResult:
     """Resume ``session`` (or the best stored prefix), append ``prompt``, generate, save.
 
@@ -149,7 +154,12 @@ def generate(
     template (``system`` opens a new chat; ``template_kwargs`` go to
     ``apply_chat_template``, as mlx_lm.generate's --chat-template-config), and
     the session keeps its messages.  The caches follow ``identity.cache_config``
-    (kv_bits and max_kv_size, as ``load_model`` set them).
+    (kv_bits and max_kv_size, as ``load_model`` set them).  ``should_stop`` is asked
+    between prefill chunks and after every token: once it says True the turn ends there
+    and what the caches hold (the prompt prefilled so far, the answer so far) is saved
+    as the session's next version, which the next turn continues (``interrupted``).
+    ``new``: start a new conversation under ``session`` without asking for the one the
+    store or a tier holds (saved beside it as ``session~N`` if one exists here).
     """
     if system is not None and not chat:
         raise InvalidArgumentError("--system needs --chat")
@@ -170,22 +180,42 @@ def generate(
             namespace,
             bar("restore"),
             template_kwargs=template_kwargs,
+            fresh=new,
         )
     else:
-        new = list(tokenizer.encode(prompt, add_special_tokens=False))
-        got = resume_text(store, session, new, identity, namespace, bar("restore"))
+        prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        got = resume_text(store, session, prompt_ids, identity, namespace, bar("restore"), new)
     if len(got.tokens) == got.covered:
         raise InvalidArgumentError("the prompt is empty after tokenization")
     tokens, covered = got.tokens, got.covered
     decision = store.costs.last
     sampling = sampling or Sampling()
     cache = got.cache if got.cache is not None else _new_cache(model, identity)
-    run = _Run(model, tokenizer, identity, sampling, prefill_step_size)
+    run = _Run(model, tokenizer, identity, sampling, prefill_step_size, should_stop)
     started = time.perf_counter()
-    out, text, first = run(tokens[covered:], cache, max_tokens, bar("prefill"), on_text, t0)
+    got_run = run(tokens[covered:], cache, max_tokens, bar("prefill"), on_text, t0)
+    out, text, first = got_run.tokens, got_run.text, got_run.first
     elapsed = time.perf_counter() - t0
     if out:  # the prompt's forward (and one step) until the first token: a prefill rate
         store.record_prefill(identity, covered, len(tokens), t0 + first - started)
+    if got_run.prefilled is not None:  # stopped inside the prefill: the prompt so far
+        tokens = tokens[: covered + got_run.prefilled]
+    result = GenerateResult(
+        session=session,
+        text=text,
+        prompt_tokens=len(tokens),
+        reused_tokens=covered,
+        source=got.source,
+        generated_tokens=len(out),
+        first_token_seconds=first,
+        generate_seconds=elapsed,
+        session_tokens=len(tokens) + len(out),
+        decision=None if decision is None else asdict(decision),
+        sampling=asdict(sampling),
+        interrupted=got_run.stopped,
+    )
+    if got_run.stopped and len(tokens) + len(out) <= covered:
+        return replace(result, saved=False)  # nothing new was computed: nothing to keep
     saved_as = save_turn(
         store,
         cache,
@@ -198,20 +228,7 @@ def generate(
         progress=bar("save"),
         unverified=got.unverified,
     )
-    return GenerateResult(
-        session=saved_as,
-        text=text,
-        prompt_tokens=len(tokens),
-        reused_tokens=covered,
-        source=got.source,
-        generated_tokens=len(out),
-        first_token_seconds=first,
-        generate_seconds=elapsed,
-        session_tokens=len(tokens) + len(out),
-        conflict_with=session if saved_as != session else None,
-        decision=None if decision is None else asdict(decision),
-        sampling=asdict(sampling),
-    )
+    return replace(result, session=saved_as, conflict_with=session if saved_as != session else None)
 
 
 def _new_cache(model: Any, identity: ModelIdentity) -> list[Any]:
@@ -224,6 +241,31 @@ def _new_cache(model: Any, identity: ModelIdentity) -> list[Any]:
 
 
 @dataclass(frozen=True)
+class _Ran:
+    """What a run left: the answer's tokens and text, seconds to the first token, and
+    whether it was stopped (``prefilled``: stopped inside the prefill after so many of
+    the prompt's tokens, which the caches then hold; None: the prefill ran whole)."""
+
+    tokens: list[int]
+    text: str
+    first: float
+    stopped: bool = False
+    prefilled: int | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        # unpacks as the (tokens, text, first) a run returned before it could stop
+        return iter((self.tokens, self.text, self.first))
+
+
+class _PrefillStopped(Exception):
+    """Asked to stop between two prefill chunks (the caches hold ``done`` prompt tokens)."""
+
+    def __init__(self, done: int) -> None:
+        super().__init__(done)
+        self.done = done
+
+
+@dataclass(frozen=True)
 class _Run:
     """mlx-lm's generate_step with the identity's cache options and the sampling."""
 
@@ -232,6 +274,20 @@ class _Run:
     identity: ModelIdentity
     sampling: Sampling
     prefill_step_size: int
+    should_stop: Callable[[], bool] | None = None
+
+    def _progress(self, bar: Progress | None) -> Progress:
+        """The prefill's callback: the bar, then a stop between chunks.  Never at the
+        last report (done == total): generate_step makes it after feeding the first
+        answer token, which is not yielded yet."""
+
+        def report(done: int, total: int) -> None:
+            if bar is not None:
+                bar(done, total)
+            if done < total and self.should_stop is not None and self.should_stop():
+                raise _PrefillStopped(done)
+
+        return report
 
     def __call__(
         self,
@@ -241,7 +297,7 @@ class _Run:
         bar: Progress | None,
         on_text: Callable[[str], None] | None,
         t0: float,
-    ) -> tuple[list[int], str, float]:
+    ) -> _Ran:
         from mlx_lm.generate import generate_step
 
         cfg = dict(self.identity.cache_config)
@@ -251,14 +307,16 @@ class _Run:
             prompt_cache=cache,
             max_tokens=max_tokens,
             sampler=self.sampling.sampler(self.tokenizer),
-            prompt_progress_callback=bar,
+            prompt_progress_callback=self._progress(bar),
             prefill_step_size=self.prefill_step_size,
             kv_bits=cfg.get("kv_bits"),
             kv_group_size=cfg.get("kv_group_size", 64),
             quantized_kv_start=cfg.get("quantized_kv_start", 5000),
         )
         try:
-            return _decode(steps, self.tokenizer, on_text, t0)
+            return _decode(steps, self.tokenizer, on_text, t0, self.should_stop)
+        except _PrefillStopped as e:
+            return _Ran([], "", 0.0, stopped=True, prefilled=e.done)
         except ValueError as e:  # mlx's quantize refuses a group size the heads do not divide
             if "kv_bits" not in cfg or "quantiz" not in str(e):
                 raise
@@ -269,14 +327,20 @@ class _Run:
 
 
 def _decode(
-    steps: Any, tokenizer: Any, on_text: Callable[[str], None] | None, t0: float
-) -> tuple[list[int], str, float]:
-    """Run the generation steps to the end or an EOS: (tokens, text, seconds to the first)."""
+    steps: Any,
+    tokenizer: Any,
+    on_text: Callable[[str], None] | None,
+    t0: float,
+    should_stop: Callable[[], bool] | None = None,
+) -> _Ran:
+    """Run the generation steps to the end, an EOS or a stop (``should_stop``, asked
+    after each token: every token yielded is in the caches already)."""
     detok = tokenizer.detokenizer
     detok.reset()
     out: list[int] = []
     first = 0.0
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    stopped = False
     for tok, _ in steps:
         if not out:
             first = time.perf_counter() - t0
@@ -287,11 +351,14 @@ def _decode(
         segment = detok.last_segment  # reading it consumes it
         if on_text is not None and segment:
             on_text(segment)
+        if should_stop is not None and should_stop():
+            stopped = True
+            break
     detok.finalize()
     segment = detok.last_segment
     if on_text is not None and segment:
         on_text(segment)
-    return out, detok.text, first
+    return _Ran(out, detok.text, first, stopped)
 
 
 def prime(

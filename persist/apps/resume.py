@@ -50,8 +50,13 @@ def resume_text(
     identity: ModelIdentity,
     namespace: str,
     bar: Progress | None,
+    fresh: bool = False,
 ) -> Resumed:
+    """``fresh``: a new transcript whatever the session holds (``--new``): its save does
+    not replace the session, it is kept beside it (``save_turn``)."""
     try:
+        if fresh:
+            raise SessionNotFoundError(session, namespace)
         restored = store.restore(session, identity=identity, namespace=namespace, progress=bar)
     except SessionNotFoundError:
         hit = store.lookup(new, identity=identity, namespace=namespace)
@@ -117,10 +122,14 @@ def resume_chat(
     namespace: str,
     bar: Progress | None,
     template_kwargs: dict[str, Any] | None = None,
+    fresh: bool = False,
 ) -> tuple[Resumed, list[dict[str, str]]]:
-    """The turn's start and the chat's messages with the new user message appended."""
+    """The turn's start and the chat's messages with the new user message appended
+    (``fresh``: a new chat, as ``resume_text``)."""
+    restored = None
     try:
-        restored = store.restore(session, identity=identity, namespace=namespace, progress=bar)
+        if not fresh:
+            restored = store.restore(session, identity=identity, namespace=namespace, progress=bar)
     except SessionNotFoundError:
         restored = None
     messages: list[dict[str, str]] = []

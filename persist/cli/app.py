@@ -298,6 +298,7 @@ class PersistGroup(click.Group):
             _quiet_stdout()
             sys.exit(0)
         except KeyboardInterrupt:
+            end_line()  # never glued to the answer's line or a bar
             _fail(as_json, "interrupted", "KeyboardInterrupt", 130)
         except click.ClickException as e:
             if not as_json:

@@ -11,7 +11,8 @@ import click
 if TYPE_CHECKING:  # generation imports mlx-lm: loaded by these commands only
     from ..apps.generate import GenerateResult, PrimeResult
 from .app import cli, complete_sessions, emit, json_option, open_store, plain, store_option
-from .terminal import end_line, progress, write_answer
+from .interrupts import deferred_sigint
+from .terminal import end_line, progress, stdout_closed, write_answer
 
 _model = click.option(
     "--model",
@@ -144,6 +145,13 @@ def _cache_options(f: Any) -> Any:
 )
 @click.option("--trust-remote-code", is_flag=True, help="Trust remote code for the tokenizer.")
 @click.option(
+    "--new",
+    "new",
+    is_flag=True,
+    help="Start a new conversation under --session without asking for the one the store "
+    "or a tier holds (kept beside it as NAME~2 if one exists).",
+)
+@click.option(
     "--max-cost",
     type=click.FloatRange(min=0),
     default=None,
@@ -165,6 +173,7 @@ def generate_cmd(
     system: str | None,
     chat_template_config: str | None,
     trust_remote_code: bool,
+    new: bool,
     max_cost: float | None,
     namespace: str,
     store_dir: Path | None,
@@ -200,7 +209,7 @@ def generate_cmd(
     )
     for t in extra_eos_token:
         tok.add_eos_token(t)
-    with open_store(store_dir, create=True) as store:
+    with open_store(store_dir, create=True) as store, deferred_sigint() as stop:
         store.costs.max_cost = max_cost  # the limit of every prefix hit of this run
         r = generate(
             model_,
@@ -218,8 +227,36 @@ def generate_cmd(
             system=system,
             template_kwargs=template,
             prefill_step_size=prefill_step_size,
+            should_stop=stop,
+            new=new,
         )
     emit(as_json, r.to_dict(), lambda _: _render_generate(r))
+    _say_kept(r)
+
+
+def _say_kept(r: GenerateResult) -> None:
+    """What a turn cut short kept, on stderr: a closed stdout (the turn was saved all
+    the same), Ctrl-C (the turn so far, then exit 130)."""
+    if stdout_closed():
+        click.echo(
+            f"persist: stdout was closed before the whole answer was written; the turn "
+            f"was saved as session {plain(r.session)!r} ({r.session_tokens} tokens)",
+            err=True,
+        )
+    if not r.interrupted:
+        return
+    end_line()
+    if r.saved:
+        new = r.prompt_tokens - r.reused_tokens
+        click.echo(
+            f"persist: interrupted; kept the turn so far as session {plain(r.session)!r}: "
+            f"{r.session_tokens} tokens ({new} prompt tokens prefilled, "
+            f"{r.generated_tokens} generated); the next generate continues it",
+            err=True,
+        )
+    else:
+        click.echo("persist: interrupted before anything new was computed; nothing saved", err=True)
+    sys.exit(130)
 
 
 SAMPLING = (

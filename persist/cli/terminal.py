@@ -9,6 +9,7 @@ so quick saves and restores leave the terminal as the answer left it.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -16,21 +17,45 @@ from typing import TextIO
 
 import click
 
-__all__ = ["Bar", "progress", "write_answer", "end_line", "BAR_AFTER_S"]
+__all__ = ["Bar", "progress", "write_answer", "end_line", "stdout_closed", "BAR_AFTER_S"]
 
 BAR_AFTER_S = 0.5  # work shorter than this draws no bar
 WIDTH = 30
 
 _open_line = False  # the answer's last line has no newline yet
+_closed = False  # stdout was closed under us (``| head``): the answer is no longer written
 _active: Bar | None = None  # a bar drawn and not finished: its line is open too
 
 
 def write_answer(text: str) -> None:
-    """Stream a piece of the answer to stdout."""
+    """Stream a piece of the answer to stdout; a closed stdout ends the writing, never
+    the turn (``stdout_closed`` says so afterwards)."""
     global _open_line
-    if text:
-        click.echo(text, nl=False)
+    if text and not _closed:
+        try:
+            click.echo(text, nl=False)
+        except BrokenPipeError:
+            _stdout_gone()
+            return
         _open_line = not text.endswith("\n")
+
+
+def stdout_closed() -> bool:
+    """Whether stdout was closed while the answer was written (its reader left)."""
+    return _closed
+
+
+def _stdout_gone() -> None:
+    """Stop writing to a stdout whose reader left, and point it at /dev/null so a later
+    write or the interpreter's final flush stays silent."""
+    global _closed, _open_line
+    _closed, _open_line = True, False
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def end_line() -> None:
@@ -40,8 +65,11 @@ def end_line() -> None:
     if _active is not None:
         _active.close()
     if _open_line:
-        click.echo()
         _open_line = False
+        try:
+            click.echo()
+        except BrokenPipeError:
+            _stdout_gone()
 
 
 class Bar:
