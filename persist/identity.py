@@ -230,6 +230,9 @@ class ModelIdentity:
     # max_kv_size: not digested (the config and max_kv_size decide it); None:
     # unknown (an identity made by hand or by a persist before it), no claim
     windows: tuple[Window, ...] | None = field(default=None, compare=False)
+    # the folder persist loaded the model from, as ``mlx_lm --model`` accepts it (an
+    # mlx-lm export claims it): not digested; "" when unknown
+    source: str = field(default="", compare=False)
 
     def _digested(self) -> tuple[str, ...]:
         return DIGEST_FIELDS + tuple(k for k in OPTIONAL_FIELDS if getattr(self, k))
@@ -251,6 +254,7 @@ class ModelIdentity:
         name: str | None = None,
         path: str | os.PathLike[str] | None = None,
         adapter_path: str | os.PathLike[str] | None = None,
+        source: str | None = None,
         **cache_config: Any,
     ) -> ModelIdentity:
         """The identity of a loaded mlx-lm model (and its tokenizer).
@@ -263,6 +267,8 @@ class ModelIdentity:
         quantized, fused with an adapter or updated after loading is hashed.
         Not seen: a write into a weight array in place (``w[...] = x``, ``w += x``), which
         keeps the array object; code that edits weights so passes no ``path``.
+        ``source`` (recorded, not digested): where mlx-lm finds the model; ``path``
+        made absolute unless given.
         """
         model_type, config = config_digest(model)
         tok, template = _tokenizer_digests(tokenizer)
@@ -281,6 +287,7 @@ class ModelIdentity:
             backend=current_backend(),
             layers=layers,
             windows=windows,
+            source=_source(source, path),
         )
 
     @classmethod
@@ -337,6 +344,7 @@ class ModelIdentity:
             **({"backend": self.backend} if self.backend else {}),
             **({"layers": self.layers} if self.layers else {}),
             **({"windows": [list(w) for w in self.windows]} if self.windows is not None else {}),
+            **({"source": self.source} if self.source else {}),
         }
 
     @classmethod
@@ -351,8 +359,12 @@ class ModelIdentity:
                 raise InvalidArgumentError(f"identity field {k} must be a string")
             strs[k] = v
         draft, backend, modules = d.get("draft", ""), d.get("backend", ""), d.get("modules", "")
-        if not all(isinstance(v, str) and len(v) <= 4096 for v in (draft, backend, modules)):
-            raise InvalidArgumentError("identity fields draft, modules and backend must be strings")
+        source = d.get("source", "")
+        texts = (draft, backend, modules, source)
+        if not all(isinstance(v, str) and len(v) <= 4096 for v in texts):
+            raise InvalidArgumentError(
+                "identity fields draft, modules, backend and source must be strings"
+            )
         layers = d.get("layers", 0)
         if type(layers) is not int or not 0 <= layers <= 1 << 20:
             raise InvalidArgumentError("identity field layers must be a small int")
@@ -374,6 +386,7 @@ class ModelIdentity:
             backend=backend,
             layers=layers,
             windows=windows,
+            source=source,
         )
         if d.get("digest") != ident.digest:
             raise InvalidArgumentError("identity digest does not match its fields")
@@ -397,3 +410,9 @@ def _windows_of(raw: Any) -> tuple[Window, ...] | None:
             raise InvalidArgumentError("identity windows must be [layer, max_size, keep] ints")
         out.append((w[0], w[1], w[2]))
     return tuple(out)
+
+
+def _source(source: str | None, path: str | os.PathLike[str] | None) -> str:
+    if source is not None:
+        return source
+    return str(Path(path).absolute()) if path is not None else ""

@@ -32,7 +32,8 @@ _force = click.option("--force", is_flag=True, help="Replace what is already the
     default=None,
     help="For --format mlx-lm: the model (folder, or repo id in the Hugging Face cache), "
     "as you will give it to mlx_lm generate: recorded in the file, and its files are "
-    "checked against the session's model.",
+    "checked against the session's model. Default: the folder the session's model "
+    "was loaded from.",
 )
 @_namespace
 @_force

@@ -23,6 +23,7 @@ from typing import Any
 from ..errors import (
     CorruptBlobError,
     IdentityMismatchError,
+    InvalidArgumentError,
     ModelNotFoundError,
     NotResumableError,
     PersistError,
@@ -329,12 +330,7 @@ def write_mlx_lm(
     """A file mlx-lm's ``load_prompt_cache`` reads: its writer, then fsync and rename."""
     from mlx_lm.models.cache import save_prompt_cache
 
-    foreign = sorted({type(c).__name__ for c in cache} - set(_classes()))
-    if foreign:  # load_prompt_cache looks classes up in mlx_lm.models.cache alone
-        raise UnsupportedFormatError(
-            f"mlx-lm cannot load caches of {', '.join(foreign)} (not mlx-lm classes); "
-            "export this session in the persist format"
-        )
+    mlx_lm_classes_only(cache)
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp.safetensors")
     try:
@@ -349,6 +345,17 @@ def write_mlx_lm(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def mlx_lm_classes_only(cache: list[Any]) -> None:
+    """UnsupportedFormatError for a cache list mlx-lm's ``load_prompt_cache`` cannot
+    read: it looks classes up in mlx_lm.models.cache alone."""
+    foreign = sorted({type(c).__name__ for c in cache} - set(_classes()))
+    if foreign:
+        raise UnsupportedFormatError(
+            f"mlx-lm cannot load caches of {', '.join(foreign)} (not mlx-lm classes); "
+            "export this session in the persist format"
+        )
 
 
 def write_file(
@@ -379,7 +386,10 @@ def export_row(
 ) -> None:
     """``Store.export``: a stored snapshot, restored, written as one file.  An mlx-lm
     file claims ``model`` (mlx-lm loads it when not told another): the session is
-    checked against the files of ``model_dir``, or of ``model`` when it is a folder."""
+    checked against the files of ``model_dir``, or of ``model`` when it is a folder.
+    Without ``model`` it claims the folder the session's model was loaded from
+    (``ModelIdentity.source``), checked alike; a session that records none is
+    refused (InvalidArgumentError naming --model): never a name mlx-lm cannot load."""
     from ..format.tokens import unpack_tokens
     from ..storage.rows import entry_info
     from .loading import load_snapshot
@@ -389,17 +399,29 @@ def export_row(
     meta = entry_info(row).metadata
     identity = saved_identity(row)
     if format == "mlx-lm":
-        if model is not None:  # the file will claim this model: it must be the session's
-            folder = model_dir if model_dir is not None else model
-            if not Path(folder).is_dir():
-                raise ModelNotFoundError(
-                    f"model {model}: not a folder, so the session cannot be checked against "
-                    "it; give the folder that holds it (model_dir=, or persist export "
-                    "--model, which finds a repo id in the Hugging Face cache)"
-                )
-            _same_model(identity, ModelIdentity.from_path(folder), model)
-        meta = mlx_lm_metadata(meta, model or identity.name)
+        mlx_lm_classes_only(cache)
+        model = model if model is not None else _recorded_model(identity)
+        # the file will claim this model: it must be the session's
+        folder = model_dir if model_dir is not None else model
+        if not Path(folder).is_dir():
+            raise ModelNotFoundError(
+                f"model {model}: not a folder, so the session cannot be checked against "
+                "it; give the folder that holds it (model_dir=, or persist export "
+                "--model, which finds a repo id in the Hugging Face cache)"
+            )
+        _same_model(identity, ModelIdentity.from_path(folder), model)
+        meta = mlx_lm_metadata(meta, model)
     write_file(path, cache, unpack_tokens(row.tokens), identity, meta, format)
+
+
+def _recorded_model(identity: ModelIdentity) -> str:
+    """The folder the session's model was loaded from, which the file will claim."""
+    if not identity.source:
+        raise InvalidArgumentError(
+            f"this session records no folder for its model ({identity.display()}), and an "
+            "mlx-lm file must name one mlx-lm can load: give it with --model (model=)"
+        )
+    return identity.source
 
 
 def _same_model(saved: ModelIdentity, given: ModelIdentity, where: str) -> None:

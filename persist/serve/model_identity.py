@@ -56,7 +56,12 @@ def track_identities(
         if files and not getattr(self, "is_distributed", False):
             provenance.stamp(self.model, str(local[0]), local[1])
         ident = ModelIdentity.of(
-            self.model, self.tokenizer, path=local[0], adapter_path=local[1], **config
+            self.model,
+            self.tokenizer,
+            path=local[0],
+            adapter_path=local[1],
+            source=None if local[0] is not None else _snapshot(model_path),
+            **config,
         )
         if self.draft_model is not None:
             ident = ident.with_draft(ModelIdentity.of(self.draft_model))
@@ -66,3 +71,14 @@ def track_identities(
 
     server.ModelProvider._load = _load
     return identities
+
+
+def _snapshot(model_path: Any) -> str:
+    """The Hugging Face cache folder mlx-lm loaded a repo id from ("" if none): what
+    an mlx-lm export of its sessions claims (``ModelIdentity.source``)."""
+    from ..apps.hub import resolve_model
+
+    try:
+        return str(resolve_model(str(model_path), download=False).absolute())
+    except Exception:  # a distributed or otherwise unusual load: no folder to name
+        return ""
