@@ -26,6 +26,7 @@ __all__ = [
     "retire",
     "covers",
     "EvictEntry",
+    "eviction_key",
     "plan_eviction",
     "partial_blocks",
     "rate_bucket",
@@ -192,6 +193,16 @@ class EvictEntry:
     used: float
     pinned: bool
     blobs: tuple[str, ...]
+    ttl: float = 0.0  # a retention hint: kept first for ttl seconds after its last use
+    priority: int = 0  # a retention hint: higher is evicted later
+
+
+def eviction_key(e: EvictEntry, now: float) -> tuple[bool, int, float, int]:
+    """The order entries are evicted in, first to last: entries whose retention hint
+    has lapsed (or that have none), lowest priority first, least recently used
+    first; entries a ttl still protects come last, in the same order.  Hints only
+    order: a budget still evicts a protected entry when nothing else is left."""
+    return (e.ttl > 0 and e.used + e.ttl > now, e.priority, e.used, e.id)
 
 
 def plan_eviction(
@@ -199,8 +210,10 @@ def plan_eviction(
     blob_sizes: dict[str, int],
     budget: int,
     protect: frozenset[int] = frozenset(),
+    now: float = 0.0,
 ) -> list[int]:
-    """Least recently used unpinned entries to drop until unique bytes fit ``budget``.
+    """Unpinned entries to drop, in ``eviction_key`` order (at ``now``; without hints:
+    least recently used first), until unique bytes fit ``budget``.
 
     Bytes are unique bytes on disk: a blob is freed when the last entry that
     references it goes.  Pinned and protected entries are never chosen.
@@ -211,7 +224,7 @@ def plan_eviction(
             refs[b] = refs.get(b, 0) + 1
     total = sum(blob_sizes.get(b, 0) for b in refs)
     out = []
-    for e in sorted(entries, key=lambda e: (e.used, e.id)):
+    for e in sorted(entries, key=lambda e: eviction_key(e, now)):
         if total <= budget:
             break
         if e.pinned or e.id in protect:

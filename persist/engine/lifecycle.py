@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidStateError, SessionNotFoundError
+from ..errors import InvalidArgumentError, InvalidStateError, SessionNotFoundError
 from ..records import Progress
 from ..storage import full, rates, retention, writes
 from ..storage.check_damage import clear_quarantine
@@ -81,6 +81,24 @@ class StoreUpkeep:
             raise SessionNotFoundError(session, namespace)
 
     def delete(self, session: str, *, namespace: str = "default") -> None:
+    def retain(
+        self,
+        session: str,
+        *,
+        ttl: float | None = None,
+        priority: int | None = None,
+        namespace: str = "default",
+    ) -> None:
+        """Retention hints for a session and its checkpoints (``Store.save``'s ``ttl``
+        and ``priority``); both None or 0 clear them.  They order eviction within the
+        budget, never exceed it: ``pin`` is the only way to keep an entry for good."""
+        check_name(session, "session")
+        ttl_s, prio = check_hints(ttl, priority) or (0.0, 0)
+        with self.index.write() as db:
+            changed = writes.set_session_hints(db, namespace, session, ttl_s, prio)
+        if not changed:
+            raise SessionNotFoundError(session, namespace)
+
         """Delete a session and its checkpoints (also those an interrupted prime left
         without a session: the name owns them); files go after the commit."""
         check_name(session, "session")
@@ -146,3 +164,21 @@ class StoreUpkeep:
         from .tiers.exchange import sync
 
         return sync(self.index, self.blobs, self.tiers, namespace, list(pull))
+
+
+MAX_PRIORITY = 1000  # |priority|: an order, not a quantity; bounded so it is plain data
+
+
+def check_hints(ttl: float | None, priority: int | None) -> tuple[float, int] | None:
+    """(ttl seconds, priority), checked; None when neither is given."""
+    if ttl is None and priority is None:
+        return None
+    t = 0.0 if ttl is None else ttl
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+        raise InvalidArgumentError(f"ttl is seconds, at least 0 and finite: not {ttl!r}")
+    p = 0 if priority is None else priority
+    if type(p) is not int or abs(p) > MAX_PRIORITY:
+        raise InvalidArgumentError(
+            f"priority is a whole number from -{MAX_PRIORITY} to {MAX_PRIORITY}: not {priority!r}"
+        )
+    return float(t), p

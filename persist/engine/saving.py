@@ -72,6 +72,8 @@ class Target:
     if_version: int | None = None
     # the tokens are the caller's word (an imported recurrent cache): see unverified.py
     unverified: bool = False
+    # retention hints (ttl seconds, priority): policy.eviction_key; None: the session's
+    hints: tuple[float, int] | None = None
 
 
 def save_snapshot(
@@ -325,6 +327,7 @@ def _commit(
             row["metadata"] = msgpack.packb(
                 {**t.metadata, UNVERIFIED_KEY: "true"}, use_bin_type=True
             )
+        hints = _hints(db, t, namespace, who)  # read before the session's old row goes
         if t.name is not None:
             _retire(db, namespace, t.name, t.identity.digest, snap.trimmable, floor, toks)
         elif t.role == "prefix":
@@ -334,6 +337,8 @@ def _commit(
         elif t.owner is not None:  # a checkpoint saved again (a resumed prime): one row
             _replace_same_checkpoint(db, namespace, t.owner, t.identity.digest, toks)
         sid = writes.insert(db, row, refs)
+        if hints is not None:
+            writes.set_hints(db, [sid], *hints)
         writes.add_heads(db, sid, chs, toks, p.block)
         # read back in this transaction: another process may evict it right after
         (committed,) = Index.rows_where(db, "id = ?", [sid])
@@ -360,6 +365,14 @@ def _retire(
             writes.remove(db, old.id)
         elif action == "demote":
             writes.demote(db, old.id)
+
+
+def _hints(db: Any, t: Target, namespace: str, who: str | None) -> tuple[float, int] | None:
+    """The new row's retention hints: the save's own, else its session's (a session
+    keeps its hints from turn to turn, and its checkpoints share them)."""
+    if t.hints is not None:
+        return t.hints
+    return writes.session_hints(db, namespace, who) if who is not None else None
 
 
 def _check_version(db: Any, t: Target) -> None:

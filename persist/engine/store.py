@@ -29,7 +29,7 @@ from ..storage.rows import check_name, listed_info, store_root
 from ..storage.schema import connect
 from ..storage.types import EntryInfo, Restored
 from .costs import CostModel
-from .lifecycle import StoreUpkeep
+from .lifecycle import StoreUpkeep, check_hints
 from .unverified import inherit_mark
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
@@ -142,17 +142,26 @@ class Store(StoreUpkeep):
         (``Restored.entry.id``; 0 for a session that must not exist yet): if the
         session changed meanwhile the save is refused (``SessionConflictError``)
         and nothing is written, instead of one writer's turn silently replacing
+        ttl: float | None = None,
+        priority: int | None = None,
         another's.
         """
         from .saving import Target
+        ``ttl`` (seconds) and ``priority`` are retention hints: within the budget,
+        an entry is evicted after every entry whose hints have lapsed, for ``ttl``
+        seconds after its last use, and higher priorities after lower ones
+        (``policy.eviction_key``).  A session keeps its hints from save to save;
+        without any, eviction is least recently used first.
+
 
         role = "prefix" if session is None else "session"
         meta = check_metadata(metadata)
         if unverified_tokens and session is None:
             raise InvalidArgumentError("unverified tokens are kept only under a session name")
         target = Target(
-            identity, namespace, session, None, role, pin, meta, if_version, unverified_tokens
-        )
+            identity, namespace, session, None, role, pin, meta, if_version, unverified_tokens,
+            hints=check_hints(ttl, priority),
+        )  # fmt: skip
         return self._save(cache, tokens, target, progress)
 
     def checkpoint(

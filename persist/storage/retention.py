@@ -6,10 +6,12 @@ what the same transaction removes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import policy
 from ..errors import InvalidArgumentError
 from . import keys, writes
 from .blobs import BlobStore
@@ -97,12 +99,18 @@ def anonymous_prefixes_of(
 
 
 def lru_victim(
-    db: sqlite_utils.Database, namespace: str | None, protect: frozenset[int]
+    db: sqlite_utils.Database,
+    namespace: str | None,
+    protect: frozenset[int],
+    now: float | None = None,
 ) -> int | None:
-    """The least recently used unpinned snapshot (of ``namespace``), not in ``protect``.
+    """The next unpinned snapshot to evict (of ``namespace``), not in ``protect``.
 
-    The SQL form of ``policy.plan_eviction``'s order (used, then id).
+    The SQL form of ``policy.eviction_key``: the least recently used entry
+    without retention hints is one index seek, however many are pinned; the
+    few hinted entries are ordered apart, and the lower key of the two wins.
     """
+    now = time.time() if now is None else now
     where, args = "pinned = 0", list[Any]()
     if namespace is not None:
         where, args = "namespace = ? AND pinned = 0", [namespace]
@@ -111,11 +119,23 @@ def lru_victim(
         args += sorted(protect)
     # (pinned, used): the oldest unpinned entry is one seek, however many are pinned
     index = "snapshots_ns_lru" if namespace is not None else "snapshots_lru"
-    row = db.execute(
-        f"SELECT id FROM snapshots INDEXED BY {index} WHERE {where} ORDER BY used, id LIMIT 1",
+    plain = db.execute(
+        f"SELECT id, used FROM snapshots INDEXED BY {index} WHERE {where}"
+        " AND id NOT IN (SELECT snapshot FROM retention_hints) ORDER BY used, id LIMIT 1",
         args,
     ).fetchone()
-    return None if row is None else int(row[0])
+    hinted = db.execute(
+        "SELECT id, used, ttl, priority FROM retention_hints JOIN snapshots ON id = snapshot"
+        f" WHERE {where} ORDER BY (ttl > 0 AND used + ttl > ?), priority, used, id LIMIT 1",
+        [*args, now],
+    ).fetchone()
+    found = []
+    if plain is not None:
+        found.append(policy.eviction_key(policy.EvictEntry(plain[0], plain[1], False, ()), now))
+    if hinted is not None:
+        e = policy.EvictEntry(hinted[0], hinted[1], False, (), hinted[2], hinted[3])
+        found.append(policy.eviction_key(e, now))
+    return min(found)[3] if found else None
 
 
 def evict_lru(

@@ -1,6 +1,6 @@
 """The SQLite index: schema, migrations, connection settings.  No mlx here.
 
-Schema version 6.  Each migration is a list of statements applied in one
+Schema version 7.  Each migration is a list of statements applied in one
 transaction, then its Python step if it has one (a backfill);
 ``meta.schema_version`` records where a store is.
 """
@@ -28,7 +28,7 @@ else:
 
 __all__ = ["SCHEMA_VERSION", "connect", "Database"]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 MIGRATIONS: dict[int, list[str]] = {
     1: [
@@ -223,6 +223,16 @@ MIGRATIONS: dict[int, list[str]] = {
         # The latest samples of each rate (msgpack list of per-second figures): an
         # estimate is their median, never one run (persist.storage.rates).
         """ALTER TABLE rates ADD COLUMN recent BLOB""",
+    ],
+    7: [
+        # Retention hints (policy.eviction_key): a ttl protects an entry for that long
+        # after its last use, a priority orders it.  Few rows: eviction reads them all,
+        # and the unhinted rest through snapshots_lru as before.
+        """CREATE TABLE retention_hints (
+            snapshot INTEGER PRIMARY KEY,
+            ttl REAL NOT NULL,
+            priority INTEGER NOT NULL
+        )""",
     ],
 }
 

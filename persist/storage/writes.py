@@ -104,6 +104,7 @@ def remove(db: sqlite_utils.Database, snapshot_id: int) -> None:
         )
     ]
     keys.remove(db, snapshot_id)
+    db.execute("DELETE FROM retention_hints WHERE snapshot = ?", [snapshot_id])
     db.execute("DELETE FROM snapshot_blocks WHERE snapshot = ?", [snapshot_id])
     db.execute("DELETE FROM snapshots WHERE id = ?", [snapshot_id])
     for f in files:
@@ -120,6 +121,40 @@ def set_pinned(db: sqlite_utils.Database, namespace: str, name: str, pinned: boo
     for sid in ids:
         db.execute("UPDATE snapshots SET pinned = ? WHERE id = ?", [int(pinned), sid])
     return True
+
+
+def set_hints(db: sqlite_utils.Database, ids: Sequence[int], ttl: float, priority: int) -> None:
+    """Retention hints of snapshots ``ids`` (``policy.eviction_key``); none for (0, 0).
+    Not in the row checksum: they order eviction, they never change what a row holds."""
+    for sid in ids:
+        if ttl <= 0 and priority == 0:
+            db.execute("DELETE FROM retention_hints WHERE snapshot = ?", [sid])
+        else:
+            db.execute(
+                "INSERT OR REPLACE INTO retention_hints(snapshot, ttl, priority) VALUES (?, ?, ?)",
+                [sid, float(ttl), int(priority)],
+            )
+
+
+def session_hints(
+    db: sqlite_utils.Database, namespace: str, name: str
+) -> tuple[float, int] | None:
+    """The retention hints of a session's named snapshot (None: none)."""
+    got = db.execute(
+        "SELECT ttl, priority FROM retention_hints JOIN snapshots ON id = snapshot"
+        " WHERE namespace = ? AND name = ?",
+        [namespace, name],
+    ).fetchone()
+    return None if got is None else (float(got[0]), int(got[1]))
+
+
+def set_session_hints(
+    db: sqlite_utils.Database, namespace: str, name: str, ttl: float, priority: int
+) -> bool:
+    """Hints for a session and its checkpoints (as ``set_pinned``); False: no session."""
+    ids = _session_ids(db, namespace, name)
+    set_hints(db, ids, ttl, priority)
+    return bool(ids)
 
 
 def _session_ids(db: sqlite_utils.Database, namespace: str, name: str) -> list[int]:
