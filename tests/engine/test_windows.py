@@ -17,8 +17,8 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 import persist
-from tests.codecs.test_trim_exact import diverging, hit_equals_prefill
 from tests.helpers import prefill, tokens_for
+from tests.trim_checks import diverging, hit_equals_prefill
 
 
 def rings(model: Any, size: int, keep: int = 0) -> list[Any]:

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import persist
 from bench.servers import Server
 from persist.serve.server import PersistentPromptCache
-from tests.serve.test_serve import TURN1, TURN2, cached, text
+from tests.serve.servers import TURN1, TURN2, cached, text
 
 DRAFT_TOKENS = 12
 
