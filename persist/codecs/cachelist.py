@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import policy
+from .. import policy, servable
 from ..records import Record, RecordSpec, ResumeFacts
 from .base import blank, expect_tensor_names, invalid, meta_int
 from .dispatch import decode_record, encode_cache, facts_of, trim_record
@@ -21,10 +21,13 @@ def combine_facts(parts: list[ResumeFacts]) -> ResumeFacts:
     offset = policy.common_offset((f.offset for f in parts), "inner caches")
     axes = {f"{i}.{k}": a for i, f in enumerate(parts) for k, a in f.token_axes.items()}
     starts = {f.first_token for f in parts if f.token_axes}
+    rule = servable.every_part(
+        {}, [servable.Servable(f.trimmable, f.min_resume_offset) for f in parts]
+    )
     return ResumeFacts(
         offset=offset,
-        trimmable=policy.combine_trimmable(f.trimmable for f in parts),
-        min_resume_offset=policy.combine_floor(f.min_resume_offset for f in parts),
+        trimmable=rule.trimmable,
+        min_resume_offset=rule.floor,
         bytes_per_token=sum(f.bytes_per_token for f in parts),
         token_axes=axes if len(starts) <= 1 else {},
         first_token=starts.pop() if len(starts) == 1 else 0,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import policy, servable
+from .. import servable
 from ..errors import NotResumableError
 from ..records import Record, RecordSpec, ResumeFacts
 from .base import blank, expect_tensor_names, invalid, meta_int, meta_opt_int
@@ -65,11 +65,14 @@ class DelayedQuantizedCodec:
 
     def facts(self, cache: Any) -> ResumeFacts:
         inner = facts_of(cache.inner)
-        floor = policy.combine_floor([inner.min_resume_offset, cache.converted_at or 0])
+        rule = servable.delayed(
+            {"converted_at": cache.converted_at},
+            [servable.Servable(inner.trimmable, inner.min_resume_offset)],
+        )
         return ResumeFacts(
             offset=inner.offset,
-            trimmable=inner.trimmable,
-            min_resume_offset=floor,
+            trimmable=rule.trimmable,
+            min_resume_offset=rule.floor,
             bytes_per_token=inner.bytes_per_token,
             token_axes={f"0.{k}": a for k, a in inner.token_axes.items()},
             first_token=inner.first_token,
