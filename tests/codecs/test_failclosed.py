@@ -98,10 +98,8 @@ def test_unknown_kind_refused_before_any_tensor(
         rec["kind"] = kind
 
     bad = edit_manifest(good, tmp_path / "bad.safetensors", edit)
-    with pytest.raises((UnknownKindError, CorruptBlobError)) as e:
+    with pytest.raises(UnknownKindError):  # a malformed kind is a kind persist does not know
         persist.load_file(bad)
-    if kind != "kv(arrays)" and "Kv" not in kind and kind != "cache-list":
-        assert e.type is UnknownKindError
 
 
 def test_newer_codec_version_refused(good: Path, tmp_path: Path, no_load: None) -> None:
