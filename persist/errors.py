@@ -27,8 +27,11 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidMetadataError",
     "InvalidStateError",
+    "BlockSizeMismatchError",
     "StoreBusyError",
     "SaveLostError",
+    "UnsafeStoreError",
+    "ReadOnlyStoreError",
     "SessionConflictError",
     "StorageError",
     "StoreNotFoundError",
@@ -104,6 +107,15 @@ class SessionConflictError(PersistError, RuntimeError):
         )
 
 
+class BlockSizeMismatchError(PersistError, ValueError):
+    """A shared tier whose namespace is cut in blocks of another size than this store's:
+    their prefix lookups would never find each other's snapshots, so it is refused."""
+
+    def __init__(self, tier: int, store: int, detail: str) -> None:
+        self.tier, self.store = tier, store
+        super().__init__(detail)
+
+
 class StoreBusyError(PersistError, RuntimeError):
     """Concurrent writers kept replacing what this operation needed, or held the
     store's index locked past the wait; retrying may succeed."""
@@ -118,6 +130,36 @@ class SaveLostError(PersistError, RuntimeError):
             f"the save was not committed: {why} while it ran (a check or repair from "
             "another machine or an older persist?); nothing was saved, save again"
         )
+
+
+class UnsafeStoreError(PersistError, PermissionError):
+    """A store folder or index another user owns or can write: refused, as ssh
+    refuses such a ~/.ssh (they could plant sessions), with the command that fixes it."""
+
+    def __init__(self, path: object, why: str, fix: str) -> None:
+        self.path = path
+        super().__init__(f"refusing the store: {path} {why}; {fix}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ReadOnlyStoreError(PersistError, PermissionError):
+    """A write to a store opened read-only (a read-only mount, files without write access)."""
+
+    def __init__(self, root: object, detail: str = "") -> None:
+        self.root = root
+        super().__init__(
+            f"the store at {root} is read-only: "
+            + (
+                detail
+                or "ls, show, inspect, export and restore work; saving, deleting "
+                "and repairs need write access"
+            )
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class StorageError(PersistError, OSError):

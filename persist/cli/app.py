@@ -197,7 +197,7 @@ def open_index(store_dir: Path | None) -> Iterator[Any]:
     no ``Store``, so a listing imports neither the engine (costs, retention, tiers) nor
     the blob files and their format; its first rows come after SQLite's open.  A folder
     without a store is refused, as ``open_store`` refuses it."""
-    from ..storage import full
+    from ..storage import access, full
     from ..storage.index import Index
     from ..storage.rows import store_root
     from ..storage.schema import connect
@@ -207,13 +207,18 @@ def open_index(store_dir: Path | None) -> Iterator[Any]:
     if not path.is_file():
         raise StoreNotFoundError(root)
     try:  # block size 256 is only a default: adopt keeps the store's own
-        db = full.with_room(root, lambda: connect(path, 256, adopt=True))
+        access.check_owner(root)  # as Store(): another user's store is refused
+        read_only = access.read_only(root)
+        if read_only:
+            db = access.connect_read_only(path)
+        else:
+            db = full.with_room(root, lambda: connect(path, 256, adopt=True))
     except PersistError:
         raise
     except OSError as e:  # as Store(): permissions, a file where a folder goes
         raise StorageError(f"cannot open the store at {root}", e) from e
     try:
-        yield Index(db)
+        yield Index(db, root if read_only else None)
     finally:
         db.conn.close()
 

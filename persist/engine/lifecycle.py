@@ -40,6 +40,7 @@ class StoreUpkeep:
     tiers: list[Shared]
     _index: Index | None
     host: HostTier | None = None  # Store(host_cache=...): engine.host_store
+    read_only: bool = False  # opened read-only (storage/access.read_only): writes refused
 
     # -- context manager --------------------------------------------------
 
@@ -157,6 +158,8 @@ class StoreUpkeep:
         """Remove what killed writers left (``storage.check.tidy``); saves in flight stay."""
         from ..storage.check import tidy
 
+        if self.read_only:
+            return []  # nothing to remove with, and no writer of its own left anything
         return full.with_room(self.root, lambda: tidy(self.index, self.blobs))
 
     def sync(self, *, namespace: str | None = None, pull: Sequence[str] = ()) -> dict[str, Any]:

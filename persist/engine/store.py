@@ -15,12 +15,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidArgumentError, PersistError, SessionNotFoundError, StorageError
+from ..errors import (
+    InvalidArgumentError,
+    PersistError,
+    ReadOnlyStoreError,
+    SessionNotFoundError,
+    StorageError,
+)
 from ..format.manifest import check_metadata
 from ..format.tokens import check_tokens, unpack_tokens
 from ..identity import ModelIdentity
 from ..records import Progress
-from ..storage import full, retention
+from ..storage import access, full, retention
 from ..storage.blobs import FileBlobs
 from ..storage.check_damage import pop_notice
 from ..storage.housekeeping import remembered_budget
@@ -79,26 +85,16 @@ class Store(StoreUpkeep):
         self.strict_backend = strict_backend  # refuse caches another MLX backend computed
         try:
             if not self.root.exists():
-                self.root.mkdir(mode=0o700, parents=True)
+                access.private_mkdir(self.root)  # and every folder above it: 0700
+            access.check_owner(self.root)  # another user's store is refused, as ssh does
+            self.read_only = access.read_only(self.root)
             self.blobs = FileBlobs(self.root)
-            # a fresh connection needs room for SQLite's -shm: on a full disk, the reserve's
-            db = full.with_room(
-                self.root,
-                lambda: connect(
-                    self.root / "index.sqlite",
-                    block_tokens or DEFAULT_BLOCK,
-                    adopt=block_tokens is None,
-                ),
-            )
-            for suffix in ("", "-wal", "-shm"):
-                p = self.root / f"index.sqlite{suffix}"
-                if p.exists() and not p.is_symlink():
-                    os.chmod(p, 0o600)
+            db = self._connect(block_tokens)
         except PersistError:
             raise
         except OSError as e:  # permissions, a missing folder, a file where a folder goes
             raise StorageError(f"cannot open the store at {self.root}", e) from e
-        self._index: Index | None = Index(db)
+        self._index: Index | None = Index(db, self.root if self.read_only else None)
         if max_bytes is None:  # a budget remembered for this store binds every opener
             self.budgets = retention.Budgets(remembered_budget(self._index), namespace_max_bytes)
         self.costs = CostModel(self._index)  # restore or recompute, from measured rates
@@ -112,6 +108,24 @@ class Store(StoreUpkeep):
         self.block_tokens = int(
             db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0]
         )
+
+    def _connect(self, block_tokens: int | None) -> Any:
+        if self.read_only:  # lists, shows, exports and restores; writes are refused
+            return access.connect_read_only(self.root / "index.sqlite")
+        # a fresh connection needs room for SQLite's -shm: on a full disk, the reserve's
+        db = full.with_room(
+            self.root,
+            lambda: connect(
+                self.root / "index.sqlite",
+                block_tokens or DEFAULT_BLOCK,
+                adopt=block_tokens is None,
+            ),
+        )
+        for suffix in ("", "-wal", "-shm"):
+            p = self.root / f"index.sqlite{suffix}"
+            if p.exists() and not p.is_symlink():
+                os.chmod(p, 0o600)
+        return db
 
     # -- saving -----------------------------------------------------------
 
@@ -188,6 +202,8 @@ class Store(StoreUpkeep):
     ) -> EntryInfo:
         from .saving import save_snapshot
 
+        if self.read_only:
+            raise ReadOnlyStoreError(self.root)
         check_name(target.namespace, "namespace")
         target = inherit_mark(cache, target)  # a continuation of unverified tokens
         for name in (target.name, target.owner):

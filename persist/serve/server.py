@@ -200,6 +200,8 @@ class PersistentPromptCache(LRUPromptCache):
         if identity is None:  # no identity vouches for it: memory only
             self._count(unkeyed=1)
             return
+        if self.store.read_only:  # served from, never written: memory only
+            return
         key = self._kept.key(identity.digest, self.namespace, tokens)
         if key in self._kept:  # this process stored (or queued) these very tokens
             self._count(captures_skipped=1)
@@ -368,6 +370,8 @@ def serve(
         log.info(start_line(store, namespace, shared, cold, queue_size, when_full, metrics.host))
         if tidied:
             log.info("persist: removed %d leftovers of interrupted saves", len(tidied))
+        if store.read_only:
+            log.warning("persist: store %s is read-only: serving, saving nothing", store.root)
         real_run(host, port, model_provider, *args, **kwargs)
 
     server.LRUPromptCache = make  # type: ignore[assignment,misc]

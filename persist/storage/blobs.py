@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import mmap
 import os
@@ -72,8 +73,13 @@ class FileBlobs:
         self.blobs = root / "blobs"
         self.tmp = root / "tmp"
         for d in (self.blobs, self.tmp):
-            with contextlib.suppress(FileExistsError):
+            try:
                 d.mkdir(mode=DIR_MODE)  # a link stays a link: writes refuse it, check reports it
+            except FileExistsError:
+                pass
+            except OSError as e:  # a read-only store: its writes are refused before they start
+                if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise
 
     def path(self, file: str) -> Path:
         if not FILE_RE.fullmatch(file):

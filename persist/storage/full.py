@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import StoreFullError
+from ..errors import ReadOnlyStoreError, StoreFullError
 
 if TYPE_CHECKING:
     import logging
@@ -139,9 +139,11 @@ def with_room(root: Path, write: Callable[[], T]) -> T:
 
 def best_effort(write: Callable[..., object], *args: Any, **kwargs: Any) -> bool:
     """``write(*args, **kwargs)``, a statistics write: on a full disk it is dropped
-    (counted) instead of failing the read it belongs to."""
+    (counted) instead of failing the read it belongs to; on a read-only store, dropped."""
     try:
         write(*args, **kwargs)
+    except ReadOnlyStoreError:
+        return False  # a read-only store serves reads: their statistics are not kept
     except Exception as e:
         if not full_disk(e):
             raise

@@ -15,9 +15,16 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CorruptBlobError, StorageError, StoreBusyError, StoreFullError
+from ..errors import (
+    CorruptBlobError,
+    ReadOnlyStoreError,
+    StorageError,
+    StoreBusyError,
+    StoreFullError,
+)
 from .rows import (
     SNAPSHOT_COLS,
     BlockRef,
@@ -86,15 +93,18 @@ MAX_VARIABLES = 500  # keys per IN (...) list: far below SQLite's limit
 class Index:
     """The index of one store; safe to share between threads."""
 
-    def __init__(self, db: sqlite_utils.Database) -> None:
+    def __init__(self, db: sqlite_utils.Database, read_only: Path | None = None) -> None:
         self.db = db
         self.lock = threading.RLock()
+        self.read_only = read_only  # the root of a store opened read-only: no write runs
 
     @contextlib.contextmanager
     def write(self) -> Iterator[sqlite_utils.Database]:
         # Every statement that begins or ends a transaction sits inside the block
         # that ends it: a Ctrl-C is raised as a statement returns or is about to
         # run, and the transaction must never outlive the call.
+        if self.read_only is not None:
+            raise ReadOnlyStoreError(self.read_only)
         with self.lock, corruption_is_typed():
             self._end("ROLLBACK")  # one left open is never this call's to commit
             try:

@@ -1,0 +1,127 @@
+"""Who may change a store: its owner alone (as ssh treats ``~/.ssh``), and a store no
+one may change (read-only), which still lists, shows, exports and restores.
+
+Round 5: a store root or ``blobs/`` that another local user created or could
+write was used as it was; that user swapped in an index and blobs of their
+own, and the victim's next ``generate --session`` resumed the planted text.
+No mlx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sqlite3
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+from ..errors import ReadOnlyStoreError, UnsafeStoreError
+
+if TYPE_CHECKING:
+    import sqlite_utils
+
+__all__ = ["GROUP_ENV", "check_owner", "private_mkdir", "read_only", "connect_read_only"]
+
+GROUP_ENV = "PERSIST_GROUP_STORE"  # "1": the members of the store's group share it
+CHECKED = ("", "blobs", "tmp", "index.sqlite", "index.sqlite-wal", "index.sqlite-shm")
+
+
+def private_mkdir(path: Path) -> None:
+    """Make ``path`` and every missing folder above it 0700 (``mkdir -p`` gave 0755)."""
+    missing = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            d.mkdir(mode=0o700)
+
+
+def check_owner(root: Path) -> None:
+    """Refuse a store whose root, ``blobs/``, ``tmp/`` or index another user owns or
+    can write (with ``PERSIST_GROUP_STORE=1``: any member of its group, not others)."""
+    group = os.environ.get(GROUP_ENV) == "1"
+    for name in CHECKED:
+        p = root / name if name else root
+        try:  # the root may be a link (a store on another disk); inside, links are refused
+            st = os.stat(p) if not name else os.lstat(p)
+        except FileNotFoundError:
+            continue
+        why = _unsafe(st, group)
+        if why is not None:
+            raise UnsafeStoreError(p, why, _fix(p, st, group))
+
+
+def _unsafe(st: os.stat_result, group: bool) -> str | None:
+    uid = os.geteuid()
+    if st.st_mode & stat.S_IWOTH:
+        return "can be written by every user"
+    if group:
+        if st.st_gid not in {os.getegid(), *os.getgroups()}:
+            return f"belongs to group {st.st_gid}, not one of yours ({GROUP_ENV}=1)"
+        return None
+    if st.st_uid != uid:
+        return f"is owned by user {st.st_uid}, not by you ({uid})"
+    if st.st_mode & stat.S_IWGRP:
+        return "can be written by its group"
+    return None
+
+
+def _fix(p: Path, st: os.stat_result, group: bool) -> str:
+    if not group and st.st_uid != os.geteuid():
+        return (
+            f"if you trust it: chown -R {os.geteuid()} {p}; or share it with a group "
+            f"(chgrp -R GROUP, chmod -R g+w, o-w) and set {GROUP_ENV}=1"
+        )
+    if group:
+        return f"chmod o-w {p}, and its group one of yours"
+    return f"chmod go-w {p} (or, to share it with a group, set {GROUP_ENV}=1)"
+
+
+def read_only(root: Path) -> bool:
+    """Whether this process cannot change the store: a read-only mount, or a root or
+    index it may not write (a root user may write anything but a read-only mount)."""
+    try:
+        if os.statvfs(root).f_flag & os.ST_RDONLY:
+            return True
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise
+        return False
+    index = root / "index.sqlite"
+    return not os.access(root, os.W_OK) or (index.exists() and not os.access(index, os.W_OK))
+
+
+def connect_read_only(path: Path) -> sqlite_utils.Database:
+    """The index opened for reading alone: no journal-mode switch, no migration, no
+    -shm made.  ``immutable`` (SQLite reads no lock and no log) only when there is no
+    write-ahead log to miss; a store left with one must be opened writable once."""
+    from .lost import damaged_index
+    from .schema import SCHEMA_VERSION, Database
+
+    wal = path.with_name(path.name + "-wal")
+    uris = [f"file:{quote(str(path))}?mode=ro"]
+    if not wal.exists() or wal.stat().st_size == 0:
+        uris.append(uris[0] + "&immutable=1")
+    error: sqlite3.Error | None = None
+    for uri in uris:
+        try:
+            conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+            conn.text_factory = lambda b: b.decode("utf-8", "replace")  # as schema.connect
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        except sqlite3.Error as e:
+            error = e
+            continue
+        if row is None or row[0] != str(SCHEMA_VERSION):
+            conn.close()
+            why = f"its index (version {row and row[0]}) needs an upgrade, which writes"
+            raise ReadOnlyStoreError(path.parent, why)
+        return Database(conn)
+    if isinstance(error, sqlite3.OperationalError) and "unable to open" in str(error):
+        why = "it holds a write-ahead log that only a writable open merges (run any "
+        raise ReadOnlyStoreError(path.parent, why + "persist command on it writable once)")
+    raise damaged_index(path, f"the index is not a usable SQLite file: {error}")

@@ -1,0 +1,155 @@
+"""A store only its owner can change, and a store no one can change.
+
+Round 5: a store root or ``blobs/`` another local user created (or could write)
+was used as it was, so that user could plant sessions; a ``PERSIST_HOME`` that
+persist made was 0755; a read-only store was reported as a damaged index by
+every command, and ``persist serve`` on it did not start.  Real files owned by
+another uid (``os.chown``: the tests run as root, else they are skipped) and a
+real read-only bind mount (skipped where mounting is not permitted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import persist
+from bench.servers import Server
+from persist.storage.access import GROUP_ENV
+from tests.helpers import assert_same_state, live_state, persist_cli, prefill, tokens_for
+
+OTHER = 12345  # a uid no one on the test machine has
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid needs root")
+
+
+def made(root: Path) -> Path:
+    persist.Store(root).close()
+    return root
+
+
+@root_only
+@pytest.mark.parametrize("part", ["", "blobs", "tmp", "index.sqlite"])
+def test_a_store_part_another_user_owns_is_refused(tmp_path: Path, part: str) -> None:
+    root = made(tmp_path / "store")
+    target = root / part if part else root
+    os.chown(target, OTHER, OTHER)
+    with pytest.raises(persist.UnsafeStoreError, match=f"is owned by user {OTHER}"):
+        persist.Store(root)
+    out = persist_cli(tmp_path, "ls", "--store", str(root), check=False)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert f"refusing the store: {target} is owned by user {OTHER}" in out.stderr
+    assert f"chown -R {os.geteuid()}" in out.stderr and GROUP_ENV in out.stderr
+
+
+@pytest.mark.parametrize(
+    "part, mode, why",
+    [
+        ("", 0o777, "can be written by every user"),
+        ("blobs", 0o770, "can be written by its group"),
+        ("index.sqlite", 0o666, "can be written by every user"),
+    ],
+)
+def test_a_store_others_can_write_is_refused(
+    tmp_path: Path, part: str, mode: int, why: str
+) -> None:
+    root = made(tmp_path / "store")
+    target = root / part if part else root
+    os.chmod(target, mode)
+    with pytest.raises(persist.UnsafeStoreError, match=why):
+        persist.Store(root)
+    out = persist_cli(tmp_path, "ls", "--store", str(root), check=False)
+    assert out.returncode == 1 and "go-w" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_group_store_when_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = made(tmp_path / "store")
+    for d in (root, root / "blobs", root / "tmp"):
+        os.chmod(d, 0o770)
+    monkeypatch.setenv(GROUP_ENV, "1")
+    persist.Store(root).close()  # its group is ours: accepted
+    os.chmod(root, 0o777)
+    with pytest.raises(persist.UnsafeStoreError, match="every user"):
+        persist.Store(root)  # never writable by everyone
+
+
+def test_every_folder_persist_makes_is_private(tmp_path: Path) -> None:
+    home = tmp_path / "a" / "b" / "home"
+    persist.Store(home).close()  # PERSIST_HOME's store, as persist generate makes it
+    for d in (tmp_path / "a", tmp_path / "a" / "b", home, home / "blobs", home / "tmp"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+
+
+@contextlib.contextmanager
+def read_only_mount(path: Path) -> Iterator[None]:
+    """``path`` bind-mounted read-only over itself; skip where mounting is refused."""
+    if subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True).returncode:
+        pytest.skip("mount --bind is not permitted here (a read-only store needs a mount)")
+    try:
+        remount = ["mount", "-o", "remount,bind,ro", str(path)]
+        subprocess.run(remount, check=True, capture_output=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.fixture
+def read_only_store(tiny: Any, tmp_path: Path) -> Iterator[tuple[Path, list[int]]]:
+    model, tok, _ = tiny("llama")
+    root, toks = tmp_path / "store", tokens_for(200, seed=5)
+    with persist.Store(root) as store:
+        ident = persist.ModelIdentity.of(model, tok)
+        store.save(prefill(model, toks)[0], toks, identity=ident, session="chat")
+    with read_only_mount(root):
+        yield root, toks
+
+
+def test_a_read_only_store_reads_and_refuses_writes_in_one_line(
+    tiny: Any, tmp_path: Path, read_only_store: Any
+) -> None:
+    root, toks = read_only_store
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    at = ("--store", str(root))
+    assert "chat" in persist_cli(tmp_path, "ls", *at).stdout
+    assert "chat" in persist_cli(tmp_path, "show", "chat", *at).stdout
+    out = tmp_path / "chat.persist"
+    persist_cli(tmp_path, "export", "chat", str(out), *at)
+    persist_cli(tmp_path, "inspect", str(out))
+    with persist.Store(root) as store:
+        assert store.read_only
+        got = store.restore("chat", identity=ident)
+        assert_same_state(live_state(got.cache), live_state(prefill(model, toks)[0]))
+        hit = store.lookup(toks + [1, 2], identity=ident)
+        assert hit is not None and hit.tokens == toks
+        with pytest.raises(persist.ReadOnlyStoreError, match="is read-only"):
+            store.save(got.cache, toks, identity=ident, session="again")
+    for cmd in (("rm", "chat"), ("gc",), ("check", "--fix")):
+        refused = persist_cli(tmp_path, *cmd, *at, check=False)
+        assert refused.returncode == 1, (cmd, refused.stderr)
+        assert refused.stderr.count("\n") == 1 and "is read-only" in refused.stderr, cmd
+        assert ".recover" not in refused.stderr
+
+
+def test_serve_on_a_read_only_store_serves_and_says_so(
+    tiny: Any, tmp_path: Path, read_only_store: Any
+) -> None:
+    root, _ = read_only_store
+    _, _, model_dir = tiny("llama")
+    log = tmp_path / "log"
+    srv = Server(["persist", "serve", "--model", str(model_dir), "--store", str(root)], log)
+    try:
+        answer = srv.chat([{"role": "user", "content": "hello"}], max_tokens=4)
+        assert answer["choices"][0]["message"]["content"] is not None
+    finally:
+        srv.stop()
+    text = log.read_text()
+    assert "is read-only: serving, saving nothing" in text
+    assert "Traceback" not in text and " 0 write errors" in text
+    assert srv.proc.returncode == 0
