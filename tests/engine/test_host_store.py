@@ -280,9 +280,9 @@ def test_close_then_use_is_typed(tiny: Any, tmp_path: Path) -> None:
     store = persist.Store(tmp_path / "s", host_cache=GIB)
     store.save(cache, toks, identity=identity)
     store.close()
-    with pytest.raises(persist.PersistError):
+    with pytest.raises(persist.errors.InvalidStateError, match="closed"):
         store.lookup([*toks, 1], identity=identity)
-    with pytest.raises(persist.PersistError):
+    with pytest.raises(persist.errors.InvalidStateError, match="closed"):
         store.save(cache, toks, identity=identity)
 
 
