@@ -92,7 +92,7 @@ def fleet(model: Any, tok: Any, root: Path, **tiers: Any) -> tuple[Any, Oracle]:
     return ident, Oracle(model, x, [*doc[:420], 7, 7])
 
 
-# long: 15 + 10 s; the deterministic hostile-tier tests (test_trust, test_attack_24) run quickly
+# long: 15 + 10 s; the deterministic hostile-tier tests (test_trust, test_sync_repair) run quickly
 @pytest.mark.long
 @pytest.mark.parametrize("key", [None, KEY], ids=["no-key", "key"])
 def test_random_redis_mutations_never_give_a_wrong_cache(
