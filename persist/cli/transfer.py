@@ -210,7 +210,9 @@ def sync_cmd(
     """Push what the tiers (--shared, --cold) lack; fetch named sessions this store lacks.
 
     Reports, per tier, snapshots pushed, already there and failed; exits 1 when any
-    push failed (a tier down, refused, or holding another namespace secret).
+    push failed (a tier down, refused, or holding another namespace secret) or met a
+    conflict (a session here that does not continue the tier's session of its name:
+    pushed beside it as NAME~N, the tier's kept).
 
     \b
     Example:
@@ -232,11 +234,18 @@ def sync_cmd(
             click.echo(f"not in any tier: {plain(', '.join(r['missing']))}")
         if r["unreached"]:
             click.echo(f"a tier was down, not pulled: {plain(', '.join(r['unreached']))}")
+        for c in r["conflicts"]:
+            click.echo(
+                f"conflict: session {plain(c['session'])!r} here does not continue the "
+                f"{c['tier']} tier's; pushed as {plain(c['kept_as'])!r}, the tier's kept"
+            )
 
     emit(as_json, r, render)
     if r["failed"]:  # a push that did not happen is not a success
         click.echo(f"persist: {r['snapshots_failed']} snapshots did not reach a tier", err=True)
     if r["unreached"]:  # nor is a pull from a tier that could not be asked
         click.echo(f"persist: {len(r['unreached'])} sessions not pulled: a tier was down", err=True)
-    if r["failed"] or r["unreached"]:
+    if r["conflicts"]:  # nor is a history kept under another name
+        click.echo(f"persist: {len(r['conflicts'])} sessions conflicted with a tier's", err=True)
+    if r["failed"] or r["unreached"] or r["conflicts"]:
         sys.exit(1)

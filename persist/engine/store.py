@@ -251,9 +251,7 @@ class Store(StoreUpkeep):
 
         check_name(namespace, "namespace")
         check_name(session, "session")
-        for tier in self.tiers:  # the shared tier first, then the durable one
-            if not self.has_session(session, namespace=namespace):
-                tier.pull_session(self.index, self.blobs, namespace, session)
+        self._pull_named(session, namespace)
         i, strict = self.index, self.strict_backend
         cache, row = restore_named(
             i, self.blobs, namespace, session, identity, progress, strict, self.costs
@@ -262,6 +260,23 @@ class Store(StoreUpkeep):
         if notice is not None:  # said once, here and to whoever logs
             log.warning("persist: %s", notice)
         return Restored(cache, unpack_tokens(row.tokens), self._info(row), notice)
+
+    def _pull_named(self, session: str, namespace: str) -> None:
+        """A session this store lacks, from the tiers (the shared one first, then the
+        durable one); SessionUnreachableError when it is still not here and a tier that
+        may hold it could not be asked (a "not found" then would fork its history)."""
+        down = []
+        for tier in self.tiers:
+            if not self.has_session(session, namespace=namespace):
+                before = tier.unreachable
+                tier.pull_session(self.index, self.blobs, namespace, session)
+                if tier.unreachable > before:
+                    down.append(tier)
+        if down and not self.has_session(session, namespace=namespace):
+            from .tiers.lineage import SessionUnreachableError, shown_url
+
+            tiers = [f"{t.name} tier ({shown_url(t.tier.url)})" for t in down]
+            raise SessionUnreachableError(session, namespace, tiers)
 
     def lookup(
         self,

@@ -150,3 +150,26 @@ def _get(srv: Server, path: str) -> bytes:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}{path}", timeout=60) as r:
         return bytes(r.read())
+
+
+def test_a_closed_socket_is_told_from_a_quiet_one_and_abandoning_stops_its_context() -> None:
+    from mlx_lm.server import GenerationContext, Response
+
+    from persist.serve.disconnect import AbandonableQueue, closed
+
+    here, there = socket.socketpair()
+    assert not closed(here)  # a client waiting quietly for its answer
+    there.sendall(b"GET")  # bytes waiting (a pipelined request) are not a hang-up
+    assert not closed(here) and here.recv(3) == b"GET"
+    there.close()
+    assert closed(here)
+    here.close()
+
+    wasted: list[int] = []
+    q = AbandonableQueue(lambda: wasted.append(1))
+    q.abandon()  # before the generation thread handed over the context
+    ctx = GenerationContext(False, False, None, None, "normal", [1, 2])  # type: ignore[arg-type]
+    q.put(ctx)
+    assert ctx._should_stop  # stopped as it arrives
+    q.put(Response("a", 65, 0.0, None, ()))  # type: ignore[arg-type]
+    assert wasted == [1] and q.wasted == 1

@@ -49,6 +49,7 @@ class Shared:
         self._held: dict[str, tuple[bytes, float]] = {}  # namespace -> (secret, ask again at)
         self._none_until: dict[str, float] = {}
         self.unreachable = 0  # operations the tier was down for (sync tells a miss from these)
+        self.conflicts: list[tuple[str, str]] = []  # (session, NAME~N it was pushed as)
 
     def _count(self, index: Index, namespace: str, what: str) -> None:
         index.count(namespace, **{f"{self.name}_{what}": 1})
@@ -88,8 +89,8 @@ class Shared:
     def _run(self, op: Any) -> Any:
         try:
             return op()
-        except TierUnavailable:
-            self.unreachable += 1
+        except TierUnavailable as e:
+            self.unreachable += not e.denied  # an ACL's refusal is an answer
             return None
 
     def _bytes(self, index: Index, namespace: str, before: dict[str, int]) -> None:
@@ -103,16 +104,21 @@ class Shared:
         self, index: Index, blobs: BlobStore, namespace: str, sid: int, verify: bool = False
     ) -> str:
         """Push one committed snapshot: ``pushed``, ``present`` (the tier had all of it),
-        ``skipped`` (not this tier's, or gone meanwhile) or ``failed``; ``verify``: read
-        every value the tier holds of it (``sync``), not once per process."""
+        ``conflict`` (a session that does not continue the tier's one of its name, pushed
+        beside it as ``NAME~N``: ``conflicts``), ``skipped`` (not this tier's, or gone
+        meanwhile) or ``failed``; ``verify``: read every value the tier holds of it
+        (``sync``), not once per process."""
         secret = self.secret(index, namespace, create=True)
         if secret is None:
             self._count(index, namespace, "errors")
             return "failed"
         before = dict(self.tier.counters)
         for _ in range(2):
+            forks = len(self.conflicts)
             got = self._run(
-                lambda s=secret: push(index, blobs, self.tier, self.keys, namespace, sid, s, verify)
+                lambda s=secret: push(
+                    index, blobs, self.tier, self.keys, namespace, sid, s, verify, self.conflicts
+                )
             )
             done, after = got if got is not None else (None, None)
             if after is None or after == secret:
@@ -124,6 +130,15 @@ class Shared:
         if done in ("pushed", None):
             self._count(index, namespace, "pushes" if done else "errors")
         self._bytes(index, namespace, before)
+        if done is not None and len(self.conflicts) > forks:
+            self._count(index, namespace, "conflicts")
+            name, kept = self.conflicts[-1]
+            log.warning(
+                "persist: session %r here does not continue the %s tier's %r; pushed as %r "
+                "beside it",
+                name, self.name, name, kept,
+            )  # fmt: skip
+            return "conflict"
         return done or "failed"
 
     def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool:

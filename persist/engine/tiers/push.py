@@ -29,6 +29,7 @@ from ...remote.redis_tier import TierUnavailable
 from ...storage.blobs import BlobStore
 from ...storage.chains import boundary_heads
 from ...storage.index import Index
+from .lineage import kept_name
 from .records import ROW_FIELDS, BadValue, Expect, Keys, chains_under, open_record, seal_record
 
 
@@ -40,6 +41,7 @@ class Shared(Protocol):
     keys: Keys
     backup: Any
     unreachable: int  # operations the tier was down for
+    conflicts: list[tuple[str, str]]  # (session, the name its other history was pushed as)
 
     def push(
         self, index: Index, blobs: BlobStore, namespace: str, sid: int, verify: bool = False
@@ -114,6 +116,7 @@ def push(
     sid: int,
     secret: bytes,
     verify: bool = False,
+    conflicts: list[tuple[str, str]] | None = None,
 ) -> tuple[str, bytes | None]:
     """Write a committed snapshot's missing blobs and its record to the tier: ``pushed``,
     ``present`` (nothing was missing or wrong), ``skipped`` (gone meanwhile, or a
@@ -122,7 +125,9 @@ def push(
     store's own.  A blob the tier holds is read and compared with what would be
     written, once per process (``tier.marks``), or every time with ``verify``
     (``sync``), and so is the record with ``verify``: a wrong value (a hostile
-    writer's, planted ahead of the save or written over it) is overwritten."""
+    writer's, planted ahead of the save or written over it) is overwritten.  A session
+    that does not continue the tier's session of its name is pushed as ``NAME~N``
+    beside it (``lineage.kept_name``), and (name, kept name) is added to ``conflicts``."""
     with index.read() as db:
         rows = Index.rows_where(db, "id = ?", [sid])
         refs = Index.blocks_in(db, sid)
@@ -130,8 +135,7 @@ def push(
         return "skipped", None  # evicted meanwhile
     row = rows[0]
     name = row.name if row.role == "session" else None
-    if name is not None:  # this version or a later one: an older record is a replay
-        index.saw(namespace, name, row.created)
+    seen = index.seen(namespace, name) if name is not None else None  # before this push
     if name is None and getattr(tier, "named_only", False):
         return "skipped", None
     files = [row.tail, *(r.blob for r in refs if r.blob)]
@@ -154,6 +158,14 @@ def push(
         "secret": None if keys.key is not None else secret,  # a derived one is kept nowhere
     }
     rkey, record = seal_record(keys, namespace, body)
+    if name is not None:
+        toks = unpack_tokens(row.tokens)
+        kept = kept_name(tier, keys, namespace, name, secret, toks, rkey, seen)
+        if kept != name:  # another history holds the name: both are kept
+            if conflicts is not None:
+                conflicts.append((name, kept))
+            name = fields["name"] = body["row"]["name"] = kept
+            rkey, record = seal_record(keys, namespace, body)
     names = {keys.blob_name(k): k for k in by_key}
     missing = tier.missing_blobs(namespace, sorted(names))
     present = [n for n in sorted(names) if n not in set(missing)]
@@ -193,6 +205,10 @@ def push(
         replace=verify and held is not None and not good_record,
         replace_pointers=bad,
     )  # fmt: skip
+    if name is not None:  # this version or a later one: an older record is a replay.
+        # Only once on the tier, under the name it took: a version that never got
+        # there (a tier down) is not one the tier's history may be replaced by.
+        index.saw(namespace, name, row.created)
     had = not missing and not wrong and good_record and not bad
     return "present" if had else "pushed", after
 
@@ -256,10 +272,12 @@ def sync(
     per: dict[str, dict[str, int]] = {
         t.name: {"pushed": 0, "present": 0, "failed": 0} for t in shared
     }
+    forked = {t.name: len(t.conflicts) for t in shared}
     failed: set[int] = set()
     for row in rows:
         for tier in shared:
             how = tier.push(index, blobs, row.namespace, row.id, verify=True)
+            how = "pushed" if how == "conflict" else how  # beside the tier's: in conflicts
             if how in per[tier.name]:
                 per[tier.name][how] += 1
             if how == "failed":
@@ -278,8 +296,13 @@ def sync(
         elif down:  # a tier that could not be asked: a failure, not "not in any tier"
             unreached.append(name)
     total = {k: sum(p[k] for p in per.values()) for k in ("pushed", "present", "failed")}
+    conflicts = [
+        {"tier": t.name, "session": a, "kept_as": b} for t in shared
+        for a, b in t.conflicts[forked[t.name]:]
+    ]  # fmt: skip
     return {
         **total,
+        "conflicts": conflicts,
         "snapshots": len(rows),
         "snapshots_failed": len(failed),
         "tiers": per,
