@@ -230,3 +230,57 @@ def test_the_map_check_can_fail() -> None:
     assert not path_exists("engine/saving.no_such_step")
     assert camel_exists("PersistentPromptCache") and not camel_exists("NoSuchThingHere")
     assert file_exists("kinds.py") and not file_exists("tier_pull.py")
+
+
+def layer_rules() -> dict[str, set[str]]:
+    """tests/test_layers.py's ALLOWED table, read from its source (a test module is
+    not imported by another): sets of names, ``BASE`` and unions of them."""
+    source = tree(ROOT / "tests" / "test_layers.py")
+    names: dict[str, ast.expr] = {}
+    for node in source.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            if isinstance(target, ast.Name) and node.value is not None:
+                names[target.id] = node.value
+
+    def value(e: ast.expr) -> set[str]:
+        if isinstance(e, ast.BinOp) and isinstance(e.op, ast.BitOr):
+            return value(e.left) | value(e.right)
+        if isinstance(e, ast.Name):
+            return value(names[e.id])
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id == "set":
+            return set()
+        return {ast.literal_eval(elt) for elt in e.elts} if isinstance(e, ast.Set) else set()
+
+    table = names["ALLOWED"]
+    assert isinstance(table, ast.Dict)
+    base = value(names["BASE"])
+    return {
+        ast.literal_eval(k): value(v) - base
+        for k, v in zip(table.keys, table.values, strict=True)
+        if k is not None
+    }
+
+
+def mapped_rules() -> dict[str, set[str]]:
+    """The map's import table: each row's layers -> the layers they may import
+    (besides records and errors, which every layer may)."""
+    out: dict[str, set[str]] = {}
+    section = MAP.read_text().split("## Import rules", 1)[1].split("\n## ", 1)[0]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 2 or not cells[0].startswith("`"):
+            continue
+        mine = {
+            "__init__" if n == "persist/__init__.py" else n
+            for n in re.findall(r"`([^`]+)`", cells[0])
+        }
+        may = set(re.findall(r"`([^`]+)`", cells[1])) - {"records", "errors"}
+        for name in mine:
+            out[name] = may - ({"errors"} if name == "records" else set())
+    return out
+
+
+def test_the_map_states_the_layer_rules_the_test_holds() -> None:
+    """The import table of ARCHITECTURE.md is tests/test_layers.py's ALLOWED, row by row."""
+    assert mapped_rules() == {k: v - {"errors", "records"} for k, v in layer_rules().items()}
