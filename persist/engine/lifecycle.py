@@ -81,7 +81,6 @@ class StoreUpkeep:
         if not changed:
             raise SessionNotFoundError(session, namespace)
 
-    def delete(self, session: str, *, namespace: str = "default") -> None:
     def retain(
         self,
         session: str,
@@ -100,6 +99,7 @@ class StoreUpkeep:
         if not changed:
             raise SessionNotFoundError(session, namespace)
 
+    def delete(self, session: str, *, namespace: str = "default") -> None:
         """Delete a session and its checkpoints (also those an interrupted prime left
         without a session: the name owns them); files go after the commit."""
         check_name(session, "session")

@@ -142,8 +142,16 @@ class Store(StoreUpkeep):
         progress: Progress | None = None,
         if_version: int | None = None,
         unverified_tokens: bool = False,
+        ttl: float | None = None,
+        priority: int | None = None,
     ) -> EntryInfo:
         """Save ``cache`` (covering exactly ``tokens``); named if ``session`` is given.
+
+        ``ttl`` (seconds) and ``priority`` are retention hints: within the budget,
+        an entry is evicted after every entry whose hints have lapsed, for ``ttl``
+        seconds after its last use, and higher priorities after lower ones
+        (``policy.eviction_key``).  A session keeps its hints from save to save;
+        without any, eviction is least recently used first.
 
         ``unverified_tokens``: nothing vouches that ``tokens`` are what the cache
         covers (an imported purely recurrent cache records no offset): the
@@ -156,17 +164,9 @@ class Store(StoreUpkeep):
         (``Restored.entry.id``; 0 for a session that must not exist yet): if the
         session changed meanwhile the save is refused (``SessionConflictError``)
         and nothing is written, instead of one writer's turn silently replacing
-        ttl: float | None = None,
-        priority: int | None = None,
         another's.
         """
         from .saving import Target
-        ``ttl`` (seconds) and ``priority`` are retention hints: within the budget,
-        an entry is evicted after every entry whose hints have lapsed, for ``ttl``
-        seconds after its last use, and higher priorities after lower ones
-        (``policy.eviction_key``).  A session keeps its hints from save to save;
-        without any, eviction is least recently used first.
-
 
         role = "prefix" if session is None else "session"
         meta = check_metadata(metadata)

@@ -136,9 +136,7 @@ def set_hints(db: sqlite_utils.Database, ids: Sequence[int], ttl: float, priorit
             )
 
 
-def session_hints(
-    db: sqlite_utils.Database, namespace: str, name: str
-) -> tuple[float, int] | None:
+def session_hints(db: sqlite_utils.Database, namespace: str, name: str) -> tuple[float, int] | None:
     """The retention hints of a session's named snapshot (None: none)."""
     got = db.execute(
         "SELECT ttl, priority FROM retention_hints JOIN snapshots ON id = snapshot"
