@@ -16,15 +16,13 @@ import socket
 import subprocess
 import sys
 import threading
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.servers import ROOT, Server, free_port
+from tests.serve.servers import get, hits, metrics, persist_serve, post
 
 # Each of these stopped generation for every later request, or the process (logit_bias).
 MALFORMED: list[tuple[str, Any]] = [
@@ -45,28 +43,6 @@ MALFORMED: list[tuple[str, Any]] = [
 ]
 
 
-def persist_serve(model: Path, store: Path, log: Path, *extra: str) -> Server:
-    return Server(["persist", "serve", "--model", str(model), "--store", str(store), *extra], log)
-
-
-def post(srv: Server, path: str, body: Any) -> tuple[int, dict[str, Any]]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{srv.port}{path}", data=data)
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def get(srv: Server, path: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}{path}", timeout=60) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
 def valid(srv: Server) -> tuple[int, dict[str, Any]]:
     return post(srv, "/v1/completions", {"prompt": "hello there, how", "max_tokens": 3})
 
@@ -80,21 +56,6 @@ def raw(srv: Server, data: bytes, wait: float = 60.0) -> bytes:
         while chunk := s.recv(65536):
             out += chunk
         return out
-
-
-def metrics(srv: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    code, text = get(srv, "/metrics")
-    assert code == 200
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text.decode())
-        for s in fam.samples
-    }
-
-
-def hits(m: dict[Any, float], source: str) -> float:
-    key = ("persist_cache_lookups_total", (("result", "hit"), ("source", source)))
-    return m.get(key, 0.0)
 
 
 def test_malformed_requests_get_400_and_generation_goes_on(

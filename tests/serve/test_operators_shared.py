@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 from bench.servers import Server
-from tests.serve.test_operators import get, hits, metrics
-from tests.serve.test_serve import TURN1, TURN2
+from tests.serve.servers import TURN1, TURN2, get, hits, metrics
 from tests.tiers.conftest import RedisServer
 
 

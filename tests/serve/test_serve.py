@@ -11,32 +11,7 @@ import pytest
 
 import persist
 from bench.servers import Server
-
-SYSTEM = (
-    "You are the assistant of a hardware manual. " * 6
-    + "Section 1 says: install the device. Section 2 says: configure it."
-)
-TURN1 = [
-    {"role": "system", "content": SYSTEM},
-    {"role": "user", "content": "What does section 2 say?"},
-]
-TURN2 = [
-    *TURN1,
-    {"role": "assistant", "content": "It says to configure it."},
-    {"role": "user", "content": "And section 1?"},
-]
-
-
-def persist_serve(model: Path, store: Path, log: Path) -> Server:
-    return Server(["persist", "serve", "--model", str(model), "--store", str(store)], log)
-
-
-def text(resp: dict[str, Any]) -> str:
-    return str(resp["choices"][0]["message"]["content"])
-
-
-def cached(resp: dict[str, Any]) -> int:
-    return int(resp["usage"]["prompt_tokens_details"]["cached_tokens"])
+from tests.serve.servers import TURN1, TURN2, cached, persist_serve, text
 
 
 @pytest.mark.long

@@ -1,43 +1,18 @@
 """``persist serve --host-cache``: a conversation mlx-lm's prompt cache evicted is
-served from the host-RAM tier, not the store, and answers as a fresh prefill does."""
+served from the host-RAM tier, not the store, and answers as a fresh prefill does;
+hybrid and sliding-window caches too (cases from an attack on the host tier)."""
 
 from __future__ import annotations
 
 import json
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import persist
 from bench.servers import Server
-
-from .test_serve import TURN1, TURN2, cached, text
-
-OTHER = [
-    {"role": "system", "content": "You answer questions about gardening. " * 8},
-    {"role": "user", "content": "When should I plant tulips?"},
-]
-
-
-def scrape(srv: Server, path: str) -> bytes:
-    with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}{path}", timeout=60) as r:
-        return bytes(r.read())
-
-
-def metrics(srv: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(scrape(srv, "/metrics").decode())
-        for s in fam.samples
-    }
-
-
-def lookups(m: dict[Any, float], source: str) -> float:
-    key = ("persist_cache_lookups_total", (("result", "hit"), ("source", source)))
-    return m.get(key, 0.0)
+from tests.serve.servers import OTHER, TURN1, TURN2, cached, hits, metrics, scrape, text
 
 
 @pytest.mark.long
@@ -60,8 +35,8 @@ def test_evicted_conversation_comes_from_the_host_tier(model_dir: Any, tmp_path:
         health = json.loads(scrape(srv, "/health"))
     finally:
         srv.stop()
-    assert lookups(after, "host") - lookups(before, "host") == 1
-    assert lookups(after, "local") == lookups(before, "local")  # the store was not read
+    assert hits(after, "host") - hits(before, "host") == 1
+    assert hits(after, "local") == hits(before, "local")  # the store was not read
     read = ("persist_tier_read_bytes_total", (("tier", "local"),))
     assert after.get(read, 0.0) == before.get(read, 0.0)
     assert cached(got) >= one["usage"]["prompt_tokens"] - 8
@@ -75,3 +50,47 @@ def test_evicted_conversation_comes_from_the_host_tier(model_dir: Any, tmp_path:
         assert stats.counters["serve_host_hits"] == 1
         # its first copy, kept apart from the rate (a process's one-time costs)
         assert any(r["what"] == "restore-first" and r["key"] == "host" for r in stats.rates)
+
+
+def fresh(model: Path, tmp: Path, name: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    plain = Server(["mlx_lm.server", "--model", str(model)], tmp / f"{name}.log")
+    try:
+        return plain.chat(messages, logprobs=True)
+    finally:
+        plain.stop()
+
+
+def answer(resp: dict[str, Any]) -> tuple[str, list[float]]:
+    lp = resp["choices"][0].get("logprobs") or {}
+    return text(resp), [round(float(x), 4) for x in lp.get("token_logprobs", [])]
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("variant", ["qwen3_next", "gemma3"])
+def test_evicted_hybrid_and_ring_caches_answer_as_a_fresh_prefill(
+    variant: str, model_dir: Any, tmp_path: Path
+) -> None:
+    model = model_dir(variant)
+    first = fresh(model, tmp_path, "p1", TURN1)
+    turn2 = [
+        *TURN1,
+        {"role": "assistant", "content": text(first)},
+        {"role": "user", "content": "And section 1?"},
+    ]
+    want2 = fresh(model, tmp_path, "p2", turn2)
+    args = ["persist", "serve", "--model", str(model), "--store", str(tmp_path / "store")]
+    srv = Server([*args, "--host-cache", "64M", "--prompt-cache-size", "1"], tmp_path / "s.log")
+    try:
+        one = srv.chat(TURN1, logprobs=True)
+        srv.chat(OTHER)  # TURN1's cache goes to the host tier
+        before = metrics(srv)
+        two = srv.chat(turn2, logprobs=True)
+        srv.chat(OTHER)
+        again = srv.chat(TURN1, logprobs=True)  # the very same prompt once more
+        after = metrics(srv)
+    finally:
+        srv.stop()
+    assert answer(one) == answer(first)
+    assert answer(two) == answer(want2), (cached(two), hits(after, "host"))
+    assert answer(again) == answer(first)
+    assert hits(after, "host") >= hits(before, "host")

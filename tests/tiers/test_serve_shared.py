@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from bench.servers import Server
-from tests.serve.test_serve import TURN1, TURN2, cached, text
+from tests.serve.servers import TURN1, TURN2, cached, text
 
 
 def serve(model: Path, store: Path, shared: str, log: Path) -> Server:
