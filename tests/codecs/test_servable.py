@@ -86,3 +86,21 @@ def test_a_cut_the_rule_refuses_is_refused_by_trim(tiny: Any) -> None:
     with pytest.raises(NotResumableError):
         trim_record(rec, 60)
     assert trim_record(rec, 72).meta["offset"] == 72
+
+
+def test_a_tier_record_whose_columns_predate_the_rule_serves_no_refused_cut() -> None:
+    """A peer running an older persist pushed a front-dropped chunked session with
+    its front (47) as the floor: the record is chosen only where the rule allows."""
+    import msgpack
+
+    from persist.engine.tiers.records import best_record
+    from persist.format.tokens import pack_tokens
+
+    toks = tokens_for(80, seed=4)
+    chunked = {"offset": 80, "start_position": 47, "chunk_size": 32}
+    layer = {"kind": "chunked-kv", "version": 1, "meta": chunked, "tensors": [], "children": []}
+    manifest = msgpack.packb({"v": 1, "layers": [layer], "block": 16})
+    row = {"tokens": pack_tokens(toks), "n_tokens": 80, "trimmable": True, "min_resume": 47}
+    body = {"row": {**row, "manifest": manifest}}
+    assert best_record([body], [*toks[:56], 999]) is None
+    assert best_record([body], [*toks[:79], 999]) == (79, body)
