@@ -35,7 +35,7 @@ def title(page: Path) -> str:
     """The page's first heading, else its name."""
     for line in page.read_text(encoding="utf-8").splitlines():
         if line.startswith("# "):
-            return line[2:].strip()
+            return line[2:].strip().replace("`", "")  # the nav shows text, not code
     return page.stem.replace("-", " ").capitalize()
 
 
