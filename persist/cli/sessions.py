@@ -291,17 +291,53 @@ def check_cmd(fix: bool, store_dir: Path | None, as_json: bool) -> None:
 
 @cli.command("pin")
 @click.argument("name", shell_complete=complete_sessions)
+@click.option(
+    "--ttl",
+    default=None,
+    help="Instead of pinning for good: evict it after every entry without a hint, "
+    "for this long after its last use (30s, 5m, 1h, 2d; 0 clears).",
+)
+@click.option(
+    "--priority",
+    type=click.IntRange(-1000, 1000),
+    default=None,
+    help="Instead of pinning for good: higher is evicted later (default 0).",
+)
 @_namespace
 @store_option
 @json_option
-def pin_cmd(name: str, namespace: str, store_dir: Path | None, as_json: bool) -> None:
-    """Keep a session (and its checkpoints) out of budget eviction.
+def pin_cmd(
+    name: str,
+    ttl: str | None,
+    priority: int | None,
+    namespace: str,
+    store_dir: Path | None,
+    as_json: bool,
+) -> None:
+    """Keep a session (and its checkpoints) out of budget eviction; with --ttl or
+    --priority, keep it ahead of others within the budget instead (never past it).
 
     \b
     Example:
       persist pin work
+      persist pin agent-system-prompt --ttl 1h --priority 5
     """
-    _pin(name, namespace, store_dir, as_json, True)
+    if ttl is None and priority is None:
+        _pin(name, namespace, store_dir, as_json, True)
+        return
+    from ..engine.lifecycle import parse_ttl
+
+    seconds = None if ttl is None else parse_ttl(ttl)
+    with open_store(store_dir) as store:
+        store.retain(name, ttl=seconds, priority=priority, namespace=namespace)
+    out = {"session": name, "namespace": namespace, "ttl": seconds, "priority": priority}
+    emit(as_json, out, lambda _: click.echo(f"retention hints of session {name!r}: {_hints(out)}"))
+
+
+def _hints(out: dict[str, Any]) -> str:
+    said = [f"ttl {out['ttl']:g} s" if out["ttl"] else "", f"priority {out['priority']}"
+            if out["priority"] else ""]  # fmt: skip
+    return ", ".join(x for x in said if x) or "cleared"
 
 
 @cli.command("unpin")

@@ -185,3 +185,24 @@ def check_hints(ttl: float | None, priority: int | None) -> tuple[float, int] | 
             f"priority is a whole number from -{MAX_PRIORITY} to {MAX_PRIORITY}: not {priority!r}"
         )
     return float(t), p
+
+
+MAX_TTL = 30 * 86400.0  # a month: longer is what pin is for
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_ttl(text: str) -> float:
+    """Seconds of a ttl as clients write it: ``"5m"``, ``"1h"``, ``"30s"``, ``"2d"``
+    (Anthropic's cache_control ttl takes "5m" and "1h") or plain seconds."""
+    t = text.strip().lower() if isinstance(text, str) else ""
+    unit = _UNITS.get(t[-1:]) if t else None
+    number = t[:-1] if unit is not None else t
+    try:
+        value = float(number) * (unit or 1.0)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_TTL or len(t) > 32:
+        raise InvalidArgumentError(
+            f"a ttl is seconds or a number with s, m, h or d, at most 30 days: not {text!r}"
+        )
+    return value
