@@ -20,7 +20,7 @@ import pytest
 
 from bench.servers import Server
 from persist.apps.demo import make_model
-from tests.serve.test_operators import metrics, persist_serve, post
+from tests.serve.servers import metrics, persist_serve, post, scrape
 
 FORCED = {"65": 100.0}  # always token "A": never an EOS, so only the length ends it
 
@@ -137,19 +137,12 @@ def test_answers_fit_the_context_and_only_allowed_models_are_named(
             said.append(err["message"].replace(f"{field} {name!r}", "NAME", 1))
         assert len(set(said)) == 1, said
         assert "No such file" not in said[0] and "exist" not in said[0], said
-        ids = [m["id"] for m in json.loads(_get(srv, "/v1/models"))["data"]]
+        ids = [m["id"] for m in json.loads(scrape(srv, "/v1/models"))["data"]]
         assert str(outside) not in ids
     finally:
         srv.stop()
     assert srv.proc.returncode == 0
     assert str(outside) + "/config.json" not in log.read_text()
-
-
-def _get(srv: Server, path: str) -> bytes:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}{path}", timeout=60) as r:
-        return bytes(r.read())
 
 
 def test_a_closed_socket_is_told_from_a_quiet_one_and_abandoning_stops_its_context() -> None:

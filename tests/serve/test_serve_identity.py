@@ -119,6 +119,8 @@ def test_a_plain_restart_never_restores_what_another_setup_computed(
     opts = [o.format(adapter=models["adapter"]) for o in options]
     store = tmp_path / "store"
     extra = {"model": str(models[request_model])} if request_model else {}
+    if request_model:  # a request may name another model only if the operator allowed it
+        opts += ["--allowed-models", str(models[request_model])]
     first = persist_serve(models["a"], store, tmp_path / "a.log", *opts)
     try:
         poisoned = answer(ask(first, **extra))
