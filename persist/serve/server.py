@@ -342,6 +342,9 @@ def serve(
     identities = track_identities(server, by_model)
     store = Store(store_root, max_bytes=max_bytes, shared=shared, cold=cold, tier_key=tier_key)
     tidied = store.tidy()  # what killed writers left: no cron job for check --fix
+    from ..engine.staged.restore import prepare
+
+    prepare()  # CUDA: lanes up and kernels built before the first request (issue 39)
     measure_prefills(server, store, lambda model: by_model.get(id(model)))
     metrics = ServeMetrics(store, namespace)
     budget = host_budget(host_cache)

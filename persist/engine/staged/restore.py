@@ -28,14 +28,16 @@ import threading
 from concurrent.futures import Future, wait
 from typing import NamedTuple
 
-from ...cuda.pinned import Lane, Placed, Ring, settle
+from ...cuda.pinned import Lane, Placed, Ring, data_path, settle
 from ...errors import CorruptBlobError
 from ...records import DTYPE_SIZES, Progress
 from . import slot_reads
 from .lane_work import Job, Work, task_slots
 from .slot_reads import Slot, Want
 
-__all__ = ["Want", "Job", "Dest", "Copy", "Geometry", "stage", "busy", "geometry", "placement"]
+__all__ = [
+    "Want", "Job", "Dest", "Copy", "Geometry", "stage", "busy", "geometry", "placement", "prepare",
+]  # fmt: skip
 
 
 class Dest(NamedTuple):
@@ -286,3 +288,15 @@ def _placed(w: Want, dest: Dest, memo: dict[tuple[object, ...], Geometry | str])
     if isinstance(got, str):
         raise CorruptBlobError(w.where, got)
     return got._replace(dst=got.dst + dest.addr)
+
+
+def prepare() -> bool:
+    """Set up now what a process's first restore or save would: the data path (pinned
+    lanes, reader processes) and, on CUDA, every kernel built (``kernels.warm``).
+    ``persist serve`` calls this before it answers; True where the path is CUDA's."""
+    if data_path().driver is None:
+        return False
+    from ...cuda import kernels
+
+    kernels.warm()
+    return True

@@ -1,0 +1,172 @@
+"""A fresh process's first restore and save against its later ones, and the device
+memory they peak at, on MLX's CUDA backend (issue 39).
+
+    python -m bench.cuda_first_call [--tokens 8192] [--out DIR]
+
+A setup child saves a Llama-3-8B-shaped cache (bench/shapes) into a store; then
+each case is a fresh child process, as ``persist generate`` or ``persist serve``
+after a restart is: three restores of it (each followed by one decode step),
+three saves of fresh caches of the same shape, each timed alone, with MLX's peak
+device memory above what was allocated before it.  Cases: no kernel cache
+(MLX_PTX_CACHE_DIR empty), MLX's kernel cache filled by an earlier process, and
+``engine.staged.restore.prepare`` (what ``persist serve`` runs before it answers)
+before the first restore.  JSON on stdout and in OUT/first-call.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CHILD = "_child"
+
+
+def _setup(root: str, tokens: int) -> None:
+    import mlx.core as mx
+
+    import persist
+    from bench.shapes import IDENTITY, llama
+
+    cache = llama(tokens)
+    with persist.Store(root) as store:
+        store.save(cache, list(range(tokens)), identity=IDENTITY, session="s")
+    mx.synchronize()
+
+
+def _restores(root: str, prewarm: bool) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    import mlx.core as mx
+
+    import persist
+    from bench.shapes import IDENTITY, first_step
+
+    mx.eval(mx.zeros((1,)))
+    out: dict[str, Any] = {"init_s": time.perf_counter() - t0}
+    if prewarm:
+        from persist.engine.staged.restore import prepare
+
+        t = time.perf_counter()
+        out["prepared"] = prepare()
+        out["prepare_s"] = time.perf_counter() - t
+    runs = []
+    with persist.Store(root) as store:
+        for _ in range(3):
+            gc.collect()
+            mx.synchronize()
+            mx.reset_peak_memory()
+            base = mx.get_active_memory()
+            t = time.perf_counter()
+            r = store.restore("s", identity=IDENTITY)
+            mx.synchronize()
+            restore_s = time.perf_counter() - t
+            peak = mx.get_peak_memory() - base
+            cache_bytes = sum(a.nbytes for c in r.cache for a in (c.keys, c.values))
+            t = time.perf_counter()
+            first_step(r.cache)
+            mx.synchronize()
+            step_s = time.perf_counter() - t
+            runs.append(
+                {"restore_s": restore_s, "step_s": step_s, "peak_bytes": peak,
+                 "cache_bytes": cache_bytes, "peak_ratio": peak / cache_bytes}
+            )  # fmt: skip
+            del r
+        out["path"] = store.stats().data_paths
+    out["runs"] = runs
+    return out
+
+
+def _saves(root: str, tokens: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    import mlx.core as mx
+
+    import persist
+    from bench.shapes import IDENTITY, _kv
+
+    mx.eval(mx.zeros((1,)))
+    out: dict[str, Any] = {"init_s": time.perf_counter() - t0}
+    runs = []
+    with persist.Store(root) as store:
+        for j in range(3):
+            cache = [_kv(tokens, 8, 128, 1000 * (j + 1) + i) for i in range(32)]
+            live = sum(a.nbytes for c in cache for a in (c.keys, c.values))
+            gc.collect()
+            mx.synchronize()
+            mx.reset_peak_memory()
+            base = mx.get_active_memory()
+            t = time.perf_counter()
+            store.save(cache, list(range(tokens)), identity=IDENTITY, session=f"w{j}")
+            mx.synchronize()
+            save_s = time.perf_counter() - t
+            peak = mx.get_peak_memory() - base
+            runs.append({"save_s": save_s, "peak_bytes": peak, "cache_bytes": live,
+                         "peak_ratio": peak / live})  # fmt: skip
+            del cache
+    out["runs"] = runs
+    return out
+
+
+def _child(args: list[str]) -> None:
+    what, root = args[0], args[1]
+    if what == "setup":
+        _setup(root, int(args[2]))
+        print("{}")
+    elif what == "restore":
+        print(json.dumps(_restores(root, args[2] == "1")))
+    else:
+        print(json.dumps(_saves(root, int(args[2]))))
+
+
+def _run(args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "bench.cuda_first_call", CHILD, *args]
+    t = time.perf_counter()
+    got = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if got.returncode != 0:
+        return {"error": got.stderr[-3000:], "args": args}
+    out: dict[str, Any] = json.loads(got.stdout.strip().splitlines()[-1])
+    out["process_s"] = time.perf_counter() - t
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == CHILD:
+        _child(sys.argv[2:])
+        return
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--out", default=None)
+    p.add_argument("--root", default=None, help="where the stores go (default: a temp dir)")
+    a = p.parse_args()
+    base = Path(a.root or tempfile.mkdtemp(prefix="first-call-"))
+    ptx = base / "ptx"
+    env = {**os.environ, "MLX_PTX_CACHE_DIR": str(ptx)}
+    result: dict[str, Any] = {"tokens": a.tokens}
+    result["setup"] = _run(["setup", str(base / "r"), str(a.tokens)], env)
+    # the setup child filled the kernel cache; an empty one measures a first process
+    for name, prewarm, fresh in (
+        ("restore_no_kernel_cache", "0", True),
+        ("restore_kernel_cache", "0", False),
+        ("restore_prepared", "1", False),
+    ):
+        e = {**env, "MLX_PTX_CACHE_DIR": str(base / f"ptx-{name}")} if fresh else env
+        result[name] = _run(["restore", str(base / "r"), prewarm], e)
+    result["save_no_kernel_cache"] = _run(
+        ["save", str(base / "w1"), str(a.tokens)], {**env, "MLX_PTX_CACHE_DIR": str(base / "p2")}
+    )
+    result["save_kernel_cache"] = _run(["save", str(base / "w2"), str(a.tokens)], env)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "first-call.json").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
