@@ -56,9 +56,9 @@ def gc_cmd(max_bytes: str | None, dry_run: bool, store_dir: Path | None, as_json
         else:
             budget, source = housekeeping.budget(store.index, store.root)
         r = store.gc(budget, dry_run=dry_run)
-        compacted = not dry_run and r.bytes_freed > r.unique_bytes  # most of it went
-        if compacted:
-            housekeeping.vacuum(store.index)
+        # most of it went: compact, where the disk has room for it
+        compacted = not dry_run and r.bytes_freed > r.unique_bytes
+        compacted = compacted and housekeeping.vacuum(store.index, store.root)
         pinned = [e for e in store.entries() if e.pinned]
         files = housekeeping.files_bytes(store.root)
     over = budget is not None and r.unique_bytes > budget
@@ -123,7 +123,8 @@ def stats_cmd(namespace: str | None, store_dir: Path | None, as_json: bool) -> N
             f"{_budget_text(budget, source)}"
         )
         click.echo(
-            f"on disk {human_bytes(files['total'])}: index {human_bytes(files['index'])}, "
+            f"on disk {human_bytes(files['total'])}: index {human_bytes(files['index'])} "
+            f"(write-ahead log {human_bytes(files['wal'])}), "
             f"blobs {human_bytes(files['blobs'])}, other {human_bytes(files['other'])}"
         )
         click.echo(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError, InvalidStateError, SessionNotFoundError
 from ..records import Progress
-from ..storage import full, rates, retention, writes
+from ..storage import full, housekeeping, rates, retention, writes
 from ..storage.check_damage import clear_quarantine
 from ..storage.rows import check_name
 from ..storage.types import GcReport, Problem, StoreStats
@@ -114,6 +114,7 @@ class StoreUpkeep:
 
         full.with_room(self.root, remove)  # works on a full disk: the reserve makes room
         full.with_room(self.root, lambda: retention.collect(self.index, self.blobs))
+        full.best_effort(housekeeping.truncate_wal, self.index)  # its room before the reserve's
         full.ensure_reserve(self.root)
 
     def gc(self, max_bytes: int | None = None, *, dry_run: bool = False) -> GcReport:
@@ -126,7 +127,9 @@ class StoreUpkeep:
         report = full.with_room(
             self.root, lambda: retention.gc(self.index, self.blobs, budget, dry_run)
         )
-        full.ensure_reserve(self.root)
+        if report.evicted and not dry_run:  # a large delete: its log goes back to nothing
+            full.best_effort(housekeeping.truncate_wal, self.index)
+        full.ensure_reserve(self.root)  # only once there is room for it
         cleared = clear_quarantine(self.root, dry_run=dry_run)
         return dataclasses.replace(report, quarantine_cleared=cleared)
 

@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..engine.costs import LOCAL, LOCAL_DISK
 from ..errors import StoreFullError
+from ..storage.housekeeping import wal_bytes
 
 __all__ = ["ServeMetrics", "CONTENT_TYPE"]
 
@@ -291,7 +292,8 @@ class ServeMetrics:
                 "persist_write_queue_drops_total"))},
             "store": {"path": str(self.store.root), "reachable": reachable,
                       "state": self.store_problem or "ok", "bytes": self.read_store_bytes(),
-                      "budget_bytes": self.store.budgets.max_bytes},
+                      "budget_bytes": self.store.budgets.max_bytes,
+                      "wal_bytes": wal_bytes(self.store.root)},
             "tiers": tiers,
             **({"host_cache": self.host.stats()} if self.host is not None else {}),
         }  # fmt: skip

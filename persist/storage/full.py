@@ -52,6 +52,9 @@ def _log() -> logging.Logger:
 
 RESERVE = "reserve"  # in the store root, beside index.sqlite
 RESERVE_BYTES = 1 << 20  # a delete's WAL frames and a connection's -shm fit with room to spare
+# free bytes before the reserve is made again: it and room for an index to open (-shm)
+# and truncate its log, so that making it never leaves the disk full
+REMAKE_ROOM = RESERVE_BYTES + (RESERVE_BYTES >> 4)
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _dropped = {"writes": 0}
 
@@ -89,9 +92,16 @@ def disk_full_error(root: Path, e: BaseException) -> StoreFullError:
 
 
 def ensure_reserve(root: Path) -> None:
-    """Make the reserve if it is missing (best effort: on a full disk it waits)."""
+    """Make the reserve if it is missing, once the disk has room for it and a margin
+    (``REMAKE_ROOM``): a gc that just freed a little must not take the last bytes back."""
     path = root / RESERVE
     if path.exists() or path.is_symlink():
+        return
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return
+    if st.f_bavail * st.f_frsize < REMAKE_ROOM:
         return
     tmp = root / f".{RESERVE}.{os.getpid()}"
     try:

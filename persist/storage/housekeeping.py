@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgumentError
 
+BUSY_TIMEOUT_MS = 60000  # schema.connect's busy_timeout
+CHECKPOINT_WAIT_MS = 200  # how long a truncating checkpoint waits for a reader
+
 if TYPE_CHECKING:
     from .index import Index
 
@@ -107,6 +110,7 @@ def files_bytes(root: Path) -> dict[str, int]:
             part = "index" if entry.name.startswith("index.sqlite") else "other"
             out[part] += _size(entry)
     out["total"] = sum(out.values())
+    out["wal"] = wal_bytes(root)  # a part of "index", shown apart: a long reader grows it
     return out
 
 
@@ -144,8 +148,53 @@ def _tree_bytes(path: str) -> int:
     return total
 
 
-def vacuum(index: Index) -> None:
-    """Give the pages of deleted rows back to the file system (after a large gc)."""
-    with index.lock:
-        index.db.execute("VACUUM")
-        index.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+def wal_bytes(root: Path) -> int:
+    """The size of the index's write-ahead log (``persist stats``, /health)."""
+    try:
+        return os.lstat(root / "index.sqlite-wal").st_size
+    except OSError:
+        return 0
+
+
+def truncate_wal(index: Index) -> bool:
+    """Checkpoint the whole log into the index and truncate it to nothing (after a
+    large delete); it needs no new space.  A reader still inside a transaction keeps
+    it: the log is then left as it is (the next checkpoint after the reader ends
+    resets it, and ``journal_size_limit`` cuts it back).  Whether it was truncated."""
+    from .index import corruption_is_typed
+
+    with index.lock, corruption_is_typed():
+        index.db.execute(f"PRAGMA busy_timeout={CHECKPOINT_WAIT_MS}")  # a reader: give up
+        try:
+            busy, _, _ = index.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        finally:
+            index.db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    return not busy
+
+
+def vacuum(index: Index, root: Path) -> bool:
+    """Give the pages of deleted rows back to the file system (after a large gc), in an
+    order that never needs space the disk lacks: the log truncated first (no new
+    space), then VACUUM only where the disk has room for a copy of the index and its
+    log (else the free pages stay for later rows, and the store keeps working).
+    Whether the index was compacted."""
+    from .full import RESERVE_BYTES, full_disk
+    from .index import corruption_is_typed
+
+    truncate_wal(index)
+    try:
+        size = os.lstat(root / "index.sqlite").st_size
+        st = os.statvfs(root)
+    except OSError:
+        return False
+    if st.f_bavail * st.f_frsize < 2 * size + 2 * RESERVE_BYTES:
+        return False
+    try:
+        with index.lock, corruption_is_typed():
+            index.db.execute("VACUUM")
+    except Exception as e:
+        if full_disk(e, root):
+            return False  # filled meanwhile: SQLite rolled the VACUUM back
+        raise
+    truncate_wal(index)
+    return True

@@ -29,6 +29,7 @@ else:
 __all__ = ["SCHEMA_VERSION", "connect", "Database"]
 
 SCHEMA_VERSION = 7
+JOURNAL_LIMIT = 4 << 20  # bytes of write-ahead log kept once it is reset
 
 MIGRATIONS: dict[int, list[str]] = {
     1: [
@@ -311,6 +312,8 @@ def connect(path: Path, block_tokens: int, *, adopt: bool = False) -> sqlite_uti
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA foreign_keys=ON")
         conn.execute("PRAGMA busy_timeout=60000")
+        # a log that grew (a long reader held it) is cut back to this when next reset
+        conn.execute(f"PRAGMA journal_size_limit={JOURNAL_LIMIT}")
     except sqlite3.DatabaseError as e:
         if full_disk(e, path.parent):
             raise disk_full_error(path.parent, e) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from mlx_lm.models import cache as mc
 
 import persist
 from persist.storage import full
+from persist.storage.schema import JOURNAL_LIMIT
 from tests.golden.cases import IDENTITY, kvs
 from tests.helpers import persist_cli
 
@@ -137,3 +139,62 @@ def test_full_disk_errors_are_told_apart_from_damage() -> None:
     assert full.full_disk(OSError(errno.ENOSPC, "No space left on device"))
     assert not full.full_disk(sqlite3.OperationalError("database is locked"))
     assert not full.full_disk(OSError(errno.EACCES, "Permission denied"))
+
+
+def test_gc_on_a_full_disk_frees_it_without_a_raw_error(disk: Path) -> None:
+    """Round 5: ``persist gc`` on a full disk evicted every session, then failed on a
+    raw "database or disk is full" (exit 3) compacting the index: the disk stayed
+    full (the log, the re-made reserve), later saves were refused, a second gc did
+    not help.  Now the log is truncated first, VACUUM runs only with room for it, and
+    the reserve is made again only once there is room."""
+    root = disk / "store"
+    with persist.Store(root) as s:  # small sessions: the index is large beside the blobs
+        for i in range(5000):
+            c = mc.KVCache()
+            c.update_and_fetch(*kvs(300 + i, 16))
+            try:
+                s.save([c], [i % 7, *range(15)], identity=IDENTITY, session=f"s{i}")
+            except persist.StoreFullError:
+                break
+        else:
+            pytest.fail("the disk never filled")
+    fill(disk)
+    for _ in range(2):  # a second gc on the emptied store is as quiet
+        out = persist_cli(root, "gc", "--max-bytes", "0", check=False)
+        assert out.returncode == 0, out.stderr
+        assert "Traceback" not in out.stderr and "bug in persist" not in out.stderr
+    st = os.statvfs(disk)
+    assert st.f_bavail * st.f_frsize > 1 << 20  # the blobs' space came back
+    wal = root / "index.sqlite-wal"
+    assert not wal.exists() or wal.stat().st_size == 0  # truncated, not left full
+    with persist.Store(root) as s:
+        assert s.sessions() == []
+        s.save(cache_of(7)[0], list(range(N)), identity=IDENTITY, session="after")
+        assert s.check() == []
+
+
+def test_a_long_reader_leaves_no_lasting_log(tmp_path: Path) -> None:
+    """Round 5: while any reader held a transaction the log grew ~130 KB a save and
+    never shrank afterwards.  It grows while the reader holds it (SQLite cannot move
+    pages a reader may still read), and is cut back once it lets go."""
+    import sqlite3
+
+    root = tmp_path / "store"
+    with persist.Store(root) as s:
+        s.save(cache_of(1)[0], list(range(N)), identity=IDENTITY, session="base")
+        reader = sqlite3.connect(root / "index.sqlite")
+        reader.execute("BEGIN")
+        reader.execute("SELECT COUNT(*) FROM snapshots").fetchone()  # holds its snapshot
+        for i in range(40):
+            s.save(cache_of(10 + i)[0], list(range(N)), identity=IDENTITY, session=f"t{i % 4}")
+        grown = os.lstat(root / "index.sqlite-wal").st_size
+        reader.rollback()
+        reader.close()
+        s.save(cache_of(99)[0], list(range(N)), identity=IDENTITY, session="t0")
+        s.gc(1 << 20)  # evicts: a large delete truncates the log
+        after = os.lstat(root / "index.sqlite-wal").st_size
+    assert grown > JOURNAL_LIMIT, grown  # the reader did hold it
+    assert after <= JOURNAL_LIMIT, (grown, after)
+    stats = json.loads(persist_cli(root, "stats", "--json").stdout)
+    wal = root / "index.sqlite-wal"  # gone once the last connection closed
+    assert stats["files"]["wal"] == (wal.stat().st_size if wal.exists() else 0)

@@ -127,6 +127,7 @@ def test_health_metrics_and_json_logs(model_dir: Any, tmp_path: Path) -> None:
         assert code == 200 and health["status"] == "ok", health
         budget = health["store"].pop("budget_bytes")  # the default budget (persist config)
         assert isinstance(budget, int) and budget > 0, budget
+        assert health["store"].pop("wal_bytes") >= 0  # the index's log, apart
         assert health["store"] == {
             "path": str(store), "reachable": True, "state": "ok", "bytes": 0
         }  # fmt: skip
