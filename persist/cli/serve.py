@@ -113,6 +113,32 @@ from .app import cli, default_store, open_store, parse_size, plain, store_option
     help="Comma-separated further models (folders or repo ids) a request's model field may "
     "name; by default only the served model, under its names.",
 )
+@click.option(
+    "--api-keys",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Tenants by API key: a file of 'KEY TENANT' lines (or JSON {KEY: TENANT}); a "
+    "request needs 'Authorization: Bearer KEY' (else 401), and each tenant's caches are "
+    "its own in every tier.  See docs/tenants.md.",
+)
+@click.option(
+    "--tenant-header",
+    default=None,
+    metavar="NAME",
+    help="Tenants by this request header, set by a trusted gateway (without --api-keys).",
+)
+@click.option(
+    "--public-prefix",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="System prompts (and tools) every tenant may share: a JSON list of "
+    '{"messages": [system messages], "tools": [...]}, or one system prompt\'s text.',
+)
+@click.option(
+    "--tenant-max-bytes",
+    default=None,
+    help="Store budget of each tenant (namespace), e.g. 2G: one tenant cannot evict others.",
+)
 @store_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(
@@ -131,6 +157,10 @@ def serve_cmd(
     host_cache: str,
     max_tokens_limit: int,
     allowed_models: str,
+    api_keys: str | None,
+    tenant_header: str | None,
+    public_prefix: str | None,
+    tenant_max_bytes: str | None,
     store_dir: Path | None,
     server_args: tuple[str, ...],
 ) -> None:
@@ -149,6 +179,7 @@ def serve_cmd(
     """
     from ..apps.hub import resolve_model
     from ..serve.server import serve
+    from ..serve.tenants import tenants_from
 
     with _exit_line(log_format):
         root = store_dir if store_dir is not None else default_store()
@@ -176,6 +207,8 @@ def serve_cmd(
             max_tokens_limit=max_tokens_limit,
             allowed_models=[m.strip() for m in allowed_models.split(",") if m.strip()],
             model_names=[model_dir] if model_dir else [],
+            tenants=tenants_from(namespace, api_keys, tenant_header, public_prefix),
+            tenant_max_bytes=parse_size(tenant_max_bytes) if tenant_max_bytes else None,
             **tier_urls(),
         )
 

@@ -33,6 +33,7 @@ from ..identity import ModelIdentity
 from .coverage import covered_key
 from .kept_keys import KeptKeys
 from .metrics import ServeMetrics
+from .tenants import Scoped, Tenants
 
 __all__ = ["PersistentPromptCache", "keep_freed_buffers", "host_budget"]
 
@@ -90,8 +91,10 @@ class PersistentPromptCache(LRUPromptCache):
         self.when_full, self.block_seconds = when_full, block_seconds
         self.counters: Counter[str] = Counter()
         self._kept = KeptKeys()  # what this process stored or queued: captured once
-        self._queue: queue.Queue[tuple[ModelIdentity, list[int], Snapshot] | None] = queue.Queue(
-            queue_size
+        # a tenant's counts, by namespace (serve.tenant_metrics); None: not kept
+        self.on_count: Callable[[str, dict[str, int]], None] | None = None
+        self._queue: queue.Queue[tuple[ModelIdentity, str, list[int], Snapshot] | None] = (
+            queue.Queue(queue_size)
         )
         self._writer = threading.Thread(
             target=self._write_behind, name="persist-writer", daemon=True
@@ -110,33 +113,34 @@ class PersistentPromptCache(LRUPromptCache):
     ) -> tuple[Any, list[int]]:
         """A longer prefix than mlx-lm's own (``cache``): from the host tier or the store."""
         have = len(tokens) - len(rest) if cache is not None else 0
+        model, ns = self._scope(model)
         identity = self.identity_for(model)
         if identity is None:
-            self._count(unkeyed=1)
+            self._count(ns, unkeyed=1)
             if self.metrics is not None:
                 self.metrics.prompt_only(len(tokens), have)
             return cache, rest
         m = self.metrics
         if have >= len(tokens) - 1:  # memory leaves one token: no tier holds longer
-            self._count(memory_hits=1)
+            self._count(ns, memory_hits=1)
             if m is not None:
                 m.prompt_only(len(tokens), have)
             return cache, rest
         probe = m.probe() if m is not None else None
-        memory, near = have, self._from_host(identity, tokens, have)
+        memory, near = have, self._from_host(identity, ns, tokens, have)
         if near is not None:
             cache, rest, have = near.cache, list(tokens[len(near.tokens) :]), len(near.tokens)
         try:
             # one index pass: a hit no longer than memory's or the host's is not read
             hit = self.store.lookup(
-                tokens, identity=identity, namespace=self.namespace, longer_than=have
+                tokens, identity=identity, namespace=ns, longer_than=have
             )
             if m is not None and probe is not None:
                 n = len(hit.tokens) if hit is not None else 0
                 host = len(near.tokens) if near is not None else 0
                 m.looked_up(probe, len(tokens), memory, n, self.store.costs.last, host=host)
             if hit is not None:
-                self._count(store_hits=1, restored_tokens=len(hit.tokens))
+                self._count(ns, store_hits=1, restored_tokens=len(hit.tokens))
                 log.info(
                     "persist: restored %d of %d prompt tokens from the store",
                     len(hit.tokens),
@@ -144,22 +148,22 @@ class PersistentPromptCache(LRUPromptCache):
                 )
                 return hit.cache, list(tokens[len(hit.tokens) :])
         except Exception as e:  # the store must never take the server down
-            self._count(store_errors=1)
+            self._count(ns, store_errors=1)
             if self.metrics is not None:
                 self.metrics.store_errors.inc()
             log.warning("persist: store lookup failed: %s", e)
         if near is not None:
-            self._count(host_hits=1, host_tokens=len(near.tokens))
+            self._count(ns, host_hits=1, host_tokens=len(near.tokens))
         else:
-            self._count(memory_hits=int(cache is not None), misses=int(cache is None))
+            self._count(ns, memory_hits=int(cache is not None), misses=int(cache is None))
         return cache, rest
 
-    def _from_host(self, identity: ModelIdentity, tokens: list[int], have: int) -> Any:
+    def _from_host(self, identity: ModelIdentity, ns: str, tokens: list[int], have: int) -> Any:
         """A host-tier hit longer than memory's (a fresh copy), its rate told to the costs."""
         if self.host is None:
             return None
         try:
-            who = self._owner(identity)
+            who = self._owner(identity, ns)
             return served(self.host, self.store.costs, identity, who, tokens, have)
         except Exception as e:  # the tier must never take the server down
             log.warning("persist: host cache lookup failed: %s", e)
@@ -169,17 +173,25 @@ class PersistentPromptCache(LRUPromptCache):
         """Keep what mlx-lm evicts.  Called inside its bookkeeping (the entry is out of
         its trie, its bytes not yet subtracted): nothing may escape from here."""
         try:
+            model, ns = self._scope(model)
             identity = self.identity_for(model)
             if self.host is not None and identity is not None:
                 with self._on_thread("keep"):
-                    self.host.keep(self._owner(identity), tokens, cache)
+                    self.host.keep(self._owner(identity, ns), tokens, cache)
         except Exception as e:  # the tier must never take the server down
             log.warning("persist: could not keep an evicted cache in the host cache: %s", e)
 
-    def _owner(self, identity: ModelIdentity) -> str:
+    def _owner(self, identity: ModelIdentity, ns: str) -> str:
         """The host tier's key for this cache's entries, as a Store keys its own: a
         HostTier shared by tenants (namespaces) or backends never crosses them."""
-        return owner(self.namespace, identity, self.store.strict_backend)
+        return owner(ns, identity, self.store.strict_backend)
+
+    def _scope(self, model: Any) -> tuple[Any, str]:
+        """mlx-lm's model key and the namespace of a cache key: a ``Scoped`` key (a
+        tenant's, ``serve.tenants``) names its own, a plain one is this cache's."""
+        if isinstance(model, Scoped):
+            return model.model, model.namespace
+        return model, self.namespace
 
     def insert_cache(
         self,
@@ -196,15 +208,16 @@ class PersistentPromptCache(LRUPromptCache):
             return
         tokens = covered
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        model, ns = self._scope(model)
         identity = self.identity_for(model)
         if identity is None:  # no identity vouches for it: memory only
-            self._count(unkeyed=1)
+            self._count(ns, unkeyed=1)
             return
         if self.store.read_only:  # served from, never written: memory only
             return
-        key = self._kept.key(identity.digest, self.namespace, tokens)
+        key = self._kept.key(identity.digest, ns, tokens)
         if key in self._kept:  # this process stored (or queued) these very tokens
-            self._count(captures_skipped=1)
+            self._count(ns, captures_skipped=1)
             return
         try:
             # Encoded and evaluated here, on the generation thread: the writer
@@ -212,10 +225,10 @@ class PersistentPromptCache(LRUPromptCache):
             with self._on_thread("capture"):
                 snap = capture(prompt_cache, tokens)
         except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
-            self._count(persist_errors=1)
+            self._count(ns, persist_errors=1)
             log.warning("persist: could not persist a cache: %s", e)
             return
-        item = (identity, list(tokens), snap)
+        item = (identity, ns, list(tokens), snap)
         try:
             with self._on_thread("queue"):  # a full write-behind queue holds the thread
                 if self.when_full == "block":
@@ -224,7 +237,7 @@ class PersistentPromptCache(LRUPromptCache):
                     self._queue.put_nowait(item)
             self._kept.add(key)
         except queue.Full:
-            self._count(queue_drops=1)
+            self._count(ns, queue_drops=1)
             if self.metrics is not None:
                 self.metrics.drops.inc()
             log.warning("persist: write-behind queue full; %d tokens not persisted", len(tokens))
@@ -237,21 +250,21 @@ class PersistentPromptCache(LRUPromptCache):
             try:
                 if item is None:
                     return
-                identity, tokens, snap = item
+                identity, ns, tokens, snap = item
                 m = self.metrics
                 probe = m.probe(save=True) if m is not None else None
                 ok = False
                 try:
-                    self.store.save(snap, tokens, identity=identity, namespace=self.namespace)
+                    self.store.save(snap, tokens, identity=identity, namespace=ns)
                     ok = True
                 finally:
                     if m is not None and probe is not None:
                         m.saved(probe, ok)
-                self._count(persisted=1)
+                self._count(ns, persisted=1)
             except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
                 if self.metrics is not None:
                     self.metrics.store_failed(e)
-                self._count(persist_errors=1)
+                self._count(item[1] if item else self.namespace, persist_errors=1)
                 log.warning("persist: could not persist a cache: %s", e)
             finally:
                 self._queue.task_done()
@@ -275,12 +288,15 @@ class PersistentPromptCache(LRUPromptCache):
             if self.metrics is not None:
                 self.metrics.on_generation_thread(step, time.perf_counter() - start)
 
-    def _count(self, **deltas: int) -> None:
+    def _count(self, ns: str, **deltas: int) -> None:
+        """Count in the process (``counters``) and in namespace ``ns``'s store counters."""
         deltas = {k: v for k, v in deltas.items() if v}
         self.counters.update(deltas)
+        if self.on_count is not None and deltas:
+            self.on_count(ns, deltas)
         try:  # best effort: a full disk or a busy index never fails a request (counted)
             if deltas:
-                self.store.count(self.namespace, **{f"serve_{k}": v for k, v in deltas.items()})
+                self.store.count(ns, **{f"serve_{k}": v for k, v in deltas.items()})
         except Exception as e:
             if self.metrics is not None:
                 self.metrics.store_failed(e, counter=True)
@@ -309,6 +325,8 @@ def serve(
     max_tokens_limit: int | None = None,
     allowed_models: Sequence[str] = (),
     model_names: Sequence[str] = (),
+    tenants: Tenants | None = None,
+    tenant_max_bytes: int | None = None,
 ) -> None:
     """Run mlx-lm's server (``mlx_lm.server``) with the store behind its prompt cache.
 
@@ -321,7 +339,9 @@ def serve(
     ``server_handler``, ``server_http``; ``host_cache``: bytes of evicted caches kept in
     RAM (``engine.host.tier``; None: ``host_budget``; 0: none).  ``max_tokens_limit``,
     ``allowed_models`` (beside the served model and ``model_names``, its other names):
-    ``serve.bounds``, ``serve.allowed_models``.
+    ``serve.bounds``, ``serve.allowed_models``.  ``tenants``: who is asking and the
+    public prefixes (``serve.tenants``; None: single-tenant); ``tenant_max_bytes``: the
+    store's budget for each namespace (tenant).
     """
     import functools
     import sys
@@ -330,31 +350,37 @@ def serve(
 
     from .allowed_models import listing_only
     from .bounds import limits_for
-    from .generation import GuardedGenerator
     from .handler import PersistHandler, models_without_hf_cache
     from .http_edge import serve_until_signal
     from .logs import start_line, stop_line, use_log_format
     from .model_identity import track_identities
     from .prefill_rates import measure_prefills
+    from .tenant_metrics import count_by_tenant, tenancy_line
+    from .tenant_serving import TaggingBatchGenerator as Batches
+    from .tenant_serving import TenantGenerator, scoped_cache, tenant_handler
+
+    tenancy = tenants or Tenants(namespace)
 
     keep_freed_buffers(mlx_cache)
     by_model: dict[int, ModelIdentity] = {}
     identities = track_identities(server, by_model)
-    store = Store(store_root, max_bytes=max_bytes, shared=shared, cold=cold, tier_key=tier_key)
+    store = Store(
+        store_root, max_bytes=max_bytes, shared=shared, cold=cold, tier_key=tier_key,
+        namespace_max_bytes=tenant_max_bytes,
+    )  # fmt: skip
     tidied = store.tidy()  # what killed writers left: no cron job for check --fix
-    from ..engine.staged.restore import prepare
-
-    prepare()  # CUDA: lanes up and kernels built before the first request (issue 39)
     measure_prefills(server, store, lambda model: by_model.get(id(model)))
     metrics = ServeMetrics(store, namespace)
     budget = host_budget(host_cache)
     metrics.host = host = HostTier(budget) if budget > 0 else None
     caches: list[PersistentPromptCache] = []
+    TenantPromptCache = scoped_cache(PersistentPromptCache)
 
     def make(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
-        pc = PersistentPromptCache(
+        pc = TenantPromptCache(
             max_size,
             max_bytes,
+            tenants=tenancy,
             store=store,
             identity=identities.get,
             namespace=namespace,
@@ -363,6 +389,7 @@ def serve(
             metrics=metrics,
             host=host,
         )
+        count_by_tenant(pc, metrics, tenancy)
         caches.append(pc)
         return pc
 
@@ -375,12 +402,16 @@ def serve(
             log.info("persist: removed %d leftovers of interrupted saves", len(tidied))
         if store.read_only:
             log.warning("persist: store %s is read-only: serving, saving nothing", store.root)
+        level, line = tenancy_line(tenancy, shared)
+        log.log(level, line)
         real_run(host, port, model_provider, *args, **kwargs)
 
     server.LRUPromptCache = make  # type: ignore[assignment,misc]
-    server.ResponseGenerator = GuardedGenerator  # type: ignore[misc]
+    server.ResponseGenerator = TenantGenerator  # type: ignore[misc]
+    server.BatchGenerator = Batches  # type: ignore[misc]
     limits = limits_for(model_dir, model_names, allowed_models, max_tokens_limit)
     handler = type("PersistHandler", (PersistHandler,), {"limits": limits})
+    handler = tenant_handler(handler, tenancy)
     server.scan_cache_dir = listing_only(
         models_without_hf_cache(server.scan_cache_dir), limits.models
     )

@@ -1,0 +1,139 @@
+"""``/metrics`` by tenant, with bounded label cardinality, and the start line's tenancy.
+
+Every count the prompt cache makes names its namespace
+(``PersistentPromptCache.on_count``); here it is filed under the tenant
+that namespace belongs to (salted namespaces under their tenant, the
+public prefixes under ``public``).  A scrape shows the ``TOP`` tenants by
+lookups and sums the rest under ``other``: a server with 100,000 tenants
+still has a page of a few dozen series.  Names come from the key file or
+a checked header (letters, digits, ``._@:+=-``), never raw request bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .tenants import Tenants
+
+__all__ = ["TenantCounts", "count_by_tenant", "tenancy_line", "tenant_of"]
+
+log = logging.getLogger("persist")
+TOP = 20  # tenants with series of their own; the rest are "other"
+NAMESPACES_KEPT = 64  # namespaces remembered per tenant for its bytes (salts beyond: uncounted)
+HITS = ("memory_hits", "host_hits", "store_hits")
+
+
+def tenant_of(namespace: str, tenants: Tenants) -> str:
+    """The metrics label of a namespace: its tenant, ``public``, or ``none`` (single-tenant)."""
+    if namespace == tenants.public_namespace:
+        return "public"
+    head = f"{tenants.namespace}/tenant:"
+    if namespace.startswith(head):
+        return namespace[len(head) :].split("/salt:")[0]
+    return "none"
+
+
+class TenantCounts:
+    """Lookups and bytes by tenant, collected at scrape time (a prometheus collector)."""
+
+    def __init__(self, tenants: Tenants, store: Any, top: int = TOP) -> None:
+        self.tenants, self.store, self.top = tenants, store, top
+        self._lock = threading.Lock()
+        self._counts: dict[str, Counter[str]] = {}
+        self._namespaces: dict[str, set[str]] = {}
+
+    def count(self, namespace: str, deltas: dict[str, int]) -> None:
+        label = tenant_of(namespace, self.tenants)
+        with self._lock:
+            self._counts.setdefault(label, Counter()).update(deltas)
+            seen = self._namespaces.setdefault(label, set())
+            if len(seen) < NAMESPACES_KEPT:
+                seen.add(namespace)
+
+    def ranked(self) -> list[tuple[str, Counter[str]]]:
+        """The top tenants by lookups, then ``other`` with everyone else summed."""
+        with self._lock:
+            items = [(k, Counter(v)) for k, v in self._counts.items()]
+        items.sort(key=lambda kv: (-_lookups(kv[1]), kv[0]))
+        top, rest = items[: self.top], items[self.top :]
+        if rest:
+            other: Counter[str] = Counter()
+            for _, c in rest:
+                other.update(c)
+            top.append(("other", other))
+        return top
+
+    def collect(self) -> Iterator[Any]:
+        ranked = self.ranked()
+        lookups = CounterMetricFamily(
+            "persist_tenant_lookups",
+            f"Prompt-cache lookups by tenant (top {self.top}, the rest 'other') and result.",
+            labels=["tenant", "result"],
+        )
+        stored = GaugeMetricFamily(
+            "persist_tenant_store_bytes",
+            "Bytes the store holds for a tenant's namespaces (top tenants only).",
+            labels=["tenant"],
+        )
+        for label, c in ranked:
+            lookups.add_metric([label, "hit"], sum(c[h] for h in HITS))
+            lookups.add_metric([label, "miss"], c["misses"])
+            if label != "other":
+                stored.add_metric([label], self._bytes(label))
+        yield lookups
+        yield stored
+
+    def _bytes(self, label: str) -> float:
+        with self._lock:
+            namespaces = list(self._namespaces.get(label, ()))
+        try:  # a covering-index count per namespace; a busy store is skipped, not fatal
+            return float(sum(self.store.index.tally(ns)[2] for ns in namespaces))
+        except Exception as e:
+            log.debug("persist: tenant bytes not read: %r", e)
+            return float("nan")
+
+
+def _lookups(c: Counter[str]) -> int:
+    return sum(c[h] for h in HITS) + c["misses"]
+
+
+def count_by_tenant(cache: Any, metrics: Any, tenants: Tenants) -> TenantCounts:
+    """Count ``cache``'s lookups by tenant on ``metrics``' registry (once per registry)."""
+    counts = getattr(metrics, "tenant_counts", None)
+    if counts is None:
+        counts = metrics.tenant_counts = TenantCounts(tenants, metrics.store)
+        metrics.registry.register(counts)
+    cache.on_count = counts.count
+    return counts
+
+
+def tenancy_line(tenants: Tenants, shared: str | None) -> tuple[int, str]:
+    """The start line's word on tenancy, and its log level (a warning when one namespace
+    is shared by every client, louder still across a fleet)."""
+    public = f"; {len(tenants.public)} public prefix(es) shared" if tenants.public else ""
+    if tenants.keys:
+        return logging.INFO, (
+            f"persist serve: tenants by API key ({len(tenants.keys)} keys): each tenant and "
+            f"cache_salt is its own namespace in every tier{public}"
+        )
+    if tenants.header is not None:
+        return logging.INFO, (
+            f"persist serve: tenants by the {tenants.header} header (set it at a trusted "
+            f"gateway): each tenant and cache_salt is its own namespace in every tier{public}"
+        )
+    fleet = (
+        " and every server on the shared tier: ANY CLIENT OF THE FLEET CAN READ OTHERS' PROMPTS"
+        if shared
+        else ""
+    )
+    return logging.WARNING, (
+        f"persist serve: single-tenant: every client shares namespace {tenants.namespace!r}"
+        f"{fleet} (cached_tokens and timing tell a client what others sent); set --api-keys "
+        f"or --tenant-header to keep tenants apart, or send cache_salt{public}"
+    )

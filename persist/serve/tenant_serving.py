@@ -1,0 +1,248 @@
+"""Tenants inside mlx-lm's server: each request's caches stay in its own namespace.
+
+mlx-lm's server keys its prompt cache by model only, and its generation
+thread never says which request an insert belongs to.  So:
+
+- the handler (``tenant_handler``) answers 401 before the body is read
+  when the request has no valid key, and hangs the request's namespace
+  (tenant plus ``cache_salt``) on mlx-lm's ``CompletionRequest``;
+- the generator (``TenantGenerator``) notes, on the generation thread, the
+  namespace (and public prefix length) of the request it is preparing,
+  right before mlx-lm fetches that request's cache;
+- the batch generator (``TaggingBatchGenerator``) remembers each sequence's
+  namespace by its uid and tags every cache it hands back for an insert
+  (``Tagged``); a request served alone inserts on the thread that noted it;
+- the prompt cache (``TenantPromptCache``) looks up and inserts under a
+  ``Scoped`` key (model, namespace): mlx-lm's trie, the host tier, the
+  store and the shared tiers all key by it.  An insert whose namespace is
+  unknown is dropped, never filed under another.
+
+A request whose leading system messages are a public prefix
+(``--public-prefix``) reads its system segment (mlx-lm's own cut, so the
+answer is the one a fresh server computes) from the public namespace when
+its own has less, and that segment's boundary snapshot is stored there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator
+
+from .generation import GuardedGenerator
+from .request_checks import BadRequest
+from .tenants import AccessDeniedError, Scoped, Tenants
+
+__all__ = [
+    "Asking",
+    "Tagged",
+    "TaggingBatchGenerator",
+    "TenantGenerator",
+    "TenantScoping",
+    "scoped_cache",
+    "tenant_handler",
+]
+
+log = logging.getLogger("persist")
+_here = threading.local()  # the generation thread's request being prepared (asking, single)
+
+
+@dataclass(frozen=True)
+class Asking:
+    """Whose request: its namespace, and how many leading tokens are a public prefix."""
+
+    namespace: str
+    public: int = 0
+
+
+def _asking() -> Asking | None:
+    return getattr(_here, "asking", None)
+
+
+class Tagged(list[Any]):
+    """A cache list handed to ``insert_cache`` with the namespace it belongs to."""
+
+    asking: Asking | None = None
+
+    @classmethod
+    def of(cls, cache: Any, asking: Asking | None) -> Any:
+        if cache is None or asking is None:
+            return cache
+        out = cls(cache)
+        out.asking = asking
+        return out
+
+
+class TenantScoping:
+    """Over a PersistentPromptCache (``scoped_cache``): every lookup and insert is in the
+    asking namespace, as a ``Scoped`` key."""
+
+    def __init__(self, *args: Any, tenants: Tenants, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tenants = tenants
+        self.counters: Any
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+        ask = _asking()
+        if ask is None:  # no request noted: nothing shared is safe to hand out
+            self.counters.update(unscoped=1)
+            return None, tokens
+        lookup = super().fetch_nearest_cache  # type: ignore[misc]
+        cache, rest = lookup(Scoped(model, ask.namespace), tokens)
+        have = len(tokens) - len(rest) if cache is not None else 0
+        p = ask.public
+        if 0 < p < len(tokens) and have < p:
+            ns = self.tenants.public_namespace
+            # one token past the cut: every tier leaves a prompt's last token to prefill
+            pub, pub_rest = lookup(Scoped(model, ns), tokens[: p + 1])
+            got = p + 1 - len(pub_rest) if pub is not None else 0
+            if have < got <= p:  # never past the cut (another public prefix may go on)
+                return pub, list(tokens[got:])
+        return cache, rest
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: list[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> None:
+        ask = getattr(prompt_cache, "asking", None)
+        if ask is None and getattr(_here, "single", False):
+            ask = _asking()  # a request served alone inserts on the thread that noted it
+        if ask is None:
+            self.counters.update(unscoped=1)
+            log.warning("persist: a cache of unknown namespace was not kept")
+            return
+        ns = self.tenants.public_namespace if 0 < ask.public == len(tokens) else ask.namespace
+        plain = list(prompt_cache)
+        super().insert_cache(Scoped(model, ns), tokens, plain, cache_type=cache_type)  # type: ignore[misc]
+
+
+def scoped_cache(base: type) -> type:
+    """``base`` (PersistentPromptCache, which ``serve.server`` passes: no import circle)
+    with ``TenantScoping`` over it."""
+    return type("TenantPromptCache", (TenantScoping, base), {})
+
+
+class TaggingBatchGenerator(BatchGenerator):
+    """mlx-lm's BatchGenerator that tags the caches it hands back with their namespace."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._asking: dict[int, Asking | None] = {}
+
+    def insert_segments(self, *args: Any, **kwargs: Any) -> Any:
+        uids = super().insert_segments(*args, **kwargs)
+        for uid in uids:  # mlx-lm fetched this request's cache just before
+            self._asking[uid] = _asking()
+        return uids
+
+    def extract_cache(self, uids: Any) -> Any:
+        out = super().extract_cache(uids)
+        return {u: (Tagged.of(c, self._asking.get(u)), t) for u, (c, t) in out.items()}
+
+    def next(self) -> Any:
+        prompts, generated = super().next()
+        for r in generated:
+            if r.prompt_cache is not None:
+                r.prompt_cache = Tagged.of(r.prompt_cache, self._asking.get(r.uid))
+            if r.finish_reason is not None:
+                self._asking.pop(r.uid, None)
+        return prompts, generated
+
+    def remove(self, uids: Any, *args: Any, **kwargs: Any) -> Any:
+        out = super().remove(uids, *args, **kwargs)
+        for uid in uids:
+            self._asking.pop(uid, None)
+        return out
+
+
+class TenantGenerator(GuardedGenerator):
+    """GuardedGenerator that notes whose request it prepares (``Asking``)."""
+
+    def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
+        _here.asking = None
+        out = super()._tokenize(tokenizer, request, args)
+        ns = getattr(request, "persist_namespace", None)
+        if ns is None:  # every request through persist's handler has one
+            raise BadRequest("the request has no namespace")
+        cache: TenantScoping = self.prompt_cache  # type: ignore[assignment]
+        tenants = cache.tenants
+        _, segments, kinds = out[0], out[1], out[2]
+        public = 0
+        if (
+            len(segments) > 1
+            and kinds[0] == "system"
+            and request.request_type == "chat"
+            and tenants.is_public(request.messages, request.tools)
+        ):
+            public = len(segments[0])  # mlx-lm's own cut: a fresh server prefills it alone
+        _here.asking = Asking(ns, public)
+        return out
+
+    def _serve_single(self, request: Any, stream: Any) -> Any:
+        _here.single = True
+        try:
+            return super()._serve_single(request, stream)
+        finally:
+            _here.single = False
+
+
+def tenant_handler(base: type, tenants: Tenants) -> type:
+    """``base`` (persist's handler) that admits a request only with a valid key (or the
+    tenant header) and gives its CompletionRequest the request's namespace."""
+
+    class TenantHandler(base):
+        persist_tenant: str | None = None
+
+        def do_POST(self) -> None:
+            if self._admit():
+                super().do_POST()
+
+        def do_GET(self) -> None:
+            if self._endpoint(("/v1/models",)) != "/v1/models" or self._admit():
+                super().do_GET()
+
+        def _admit(self) -> bool:
+            try:
+                self.persist_tenant = tenants.tenant(self.headers)
+                return True
+            except AccessDeniedError as e:
+                self._refuse(401, str(e), "invalid_api_key")
+            except ValueError as e:
+                self._refuse(400, str(e), "invalid_tenant")
+            return False
+
+        def _refuse(self, code: int, message: str, error_code: str) -> None:
+            if not self._claim():  # the reaper answered 408
+                return
+            self.close_connection = True  # the body is never read
+            body = {"error": {"message": message, "type": "invalid_request_error",
+                              "param": None, "code": error_code}}  # fmt: skip
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if code == 401:
+                self.send_header("WWW-Authenticate", 'Bearer realm="persist"')
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _scoped(self, request: Any) -> Any:
+            salt = self.body.get("cache_salt")  # a bad one: ValueError, which mlx-lm answers 400
+            request.persist_namespace = tenants.namespace_for(self.persist_tenant, salt)
+            return request
+
+        def handle_chat_completions(self) -> Any:
+            return self._scoped(super().handle_chat_completions())
+
+        def handle_text_completions(self) -> Any:
+            return self._scoped(super().handle_text_completions())
+
+    return TenantHandler

@@ -1,0 +1,151 @@
+"""The pure rules of persist serve's tenants: key files, namespaces, public prefixes, labels."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from persist.errors import InvalidArgumentError, PersistError
+from persist.serve.tenant_metrics import TenantCounts, tenancy_line, tenant_of
+from persist.serve.tenants import AccessDeniedError, Tenants, load_keys, load_public, tenants_from
+
+KEY = "k" * 16
+
+
+def rules(tmp_path: Path, text: str) -> Tenants:
+    p = tmp_path / "keys"
+    p.write_text(text)
+    return tenants_from("ns", api_keys=p)
+
+
+def test_key_file_lines_and_json(tmp_path: Path) -> None:
+    t = rules(tmp_path, f"# comment\n\n{KEY} acme\n{'j' * 20} globex\n")
+    assert t.tenant({"Authorization": f"Bearer {KEY}"}) == "acme"
+    assert t.tenant({"Authorization": f"bearer  {'j' * 20} "}) == "globex"
+    t = rules(tmp_path, json.dumps({KEY: "acme"}))
+    assert t.tenant({"Authorization": f"Bearer {KEY}"}) == "acme"
+    assert KEY.encode() not in b"".join(t.keys)  # only digests are kept
+
+
+@pytest.mark.parametrize(
+    "text",
+    [f"{KEY}\n", f"{KEY} a b\n", "short acme\n", f"{KEY} acme\n{KEY} other\n", "",
+     f"{KEY} bad/tenant\n", "{not json", json.dumps({KEY: 5}), "\n# only comments\n"],
+)  # fmt: skip
+def test_bad_key_files_are_refused_without_the_key(tmp_path: Path, text: str) -> None:
+    with pytest.raises(InvalidArgumentError) as e:
+        rules(tmp_path, text)
+    assert KEY not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "auth", [None, "", "Bearer", "Bearer ", "Basic " + KEY, "Bearer nope", "Bearer \xff\x00",
+             "Bearer " + "k" * 100_000],
+)  # fmt: skip
+def test_no_valid_key_is_access_denied(tmp_path: Path, auth: str | None) -> None:
+    t = rules(tmp_path, f"{KEY} acme\n")
+    headers = {} if auth is None else {"Authorization": auth}
+    with pytest.raises(AccessDeniedError) as e:
+        t.tenant(headers)
+    assert isinstance(e.value, PersistError) and isinstance(e.value, PermissionError)
+
+
+def test_header_tenants() -> None:
+    t = tenants_from("ns", header="X-Tenant")
+    assert t.multi and t.tenant({"X-Tenant": "acme.eu-1"}) == "acme.eu-1"
+    with pytest.raises(AccessDeniedError):
+        t.tenant({})
+    for bad in ("", "a b", "x" * 129, "é", "a/b", "\x00"):
+        with pytest.raises(InvalidArgumentError):
+            t.tenant({"X-Tenant": bad})
+    for name in ("Authorization", "bad header", ""):
+        with pytest.raises(InvalidArgumentError):
+            tenants_from("ns", header=name)
+    with pytest.raises(InvalidArgumentError):
+        tenants_from("ns", api_keys="x", header="X-Tenant")
+
+
+def test_namespaces_never_collide() -> None:
+    t = Tenants("ns")
+    assert not t.multi and t.tenant({"Authorization": "whatever"}) is None
+    names = {
+        t.namespace_for(None),
+        t.namespace_for("a"),
+        t.namespace_for("b"),
+        t.namespace_for("a", "s"),
+        t.namespace_for("a", "t"),
+        t.namespace_for(None, "s"),
+        t.public_namespace,
+    }
+    assert len(names) == 7 and t.namespace_for(None) == "ns"
+    assert "secret-salt" not in t.namespace_for("a", "secret-salt")
+    for bad in ("", "x" * 257, 5, True, ["x"], {"a": 1}, "\ud800"):
+        with pytest.raises(InvalidArgumentError):
+            t.namespace_for("a", bad)
+
+
+def test_public_prefixes(tmp_path: Path) -> None:
+    system = {"role": "system", "content": "You are the shop's agent."}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    p = tmp_path / "public.json"
+    p.write_text(json.dumps([{"messages": [system], "tools": tools}]))
+    t = Tenants("ns", public=load_public(p))
+    user = {"role": "user", "content": "hi"}
+    assert t.is_public([system, user], tools)
+    assert not t.is_public([system, user], None)  # other tools: another rendering
+    assert not t.is_public([{**system, "content": "other"}, user], tools)
+    assert not t.is_public([user], tools) and not t.is_public("x", None)
+    text = tmp_path / "system.txt"
+    text.write_text("You are the shop's agent.")
+    assert Tenants("ns", public=load_public(text)).is_public([system, user], None)
+    bad_files = [[{"messages": [user]}], [{"messages": []}], [5]]
+    bad_files.append([{"messages": [system], "tools": 1}])
+    for bad in bad_files:
+        p.write_text(json.dumps(bad))
+        with pytest.raises(InvalidArgumentError):
+            load_public(p)
+
+
+class FakeIndex:
+    def tally(self, ns: str) -> tuple[int, int, int]:
+        return 1, 0, 100
+
+
+class FakeStore:
+    index = FakeIndex()
+
+
+def test_metrics_labels_are_bounded() -> None:
+    t = Tenants("ns", header="X-Tenant")
+    assert tenant_of(t.namespace_for("acme", "s"), t) == "acme"
+    assert tenant_of(t.public_namespace, t) == "public" and tenant_of("ns", t) == "none"
+    counts = TenantCounts(t, FakeStore(), top=3)
+    for i in range(50):
+        counts.count(t.namespace_for(f"t{i}"), {"misses": i, "memory_hits": 1})
+    ranked = counts.ranked()
+    assert [label for label, _ in ranked] == ["t49", "t48", "t47", "other"]
+    assert ranked[-1][1]["misses"] == sum(range(47))
+    families = {f.name: f for f in counts.collect()}
+    samples = families["persist_tenant_lookups"].samples
+    assert len(samples) == 8  # 4 labels x (hit, miss)
+    assert [s.value for s in families["persist_tenant_store_bytes"].samples] == [100] * 3
+
+
+def test_start_line(tmp_path: Path) -> None:
+    level, line = tenancy_line(Tenants("ns"), None)
+    assert level == logging.WARNING and "single-tenant" in line and "FLEET" not in line
+    level, line = tenancy_line(Tenants("ns"), "redis://x")
+    assert "ANY CLIENT OF THE FLEET" in line
+    keys: Any = load_keys_file(tmp_path)
+    level, line = tenancy_line(Tenants("ns", keys=keys), "redis://x")
+    assert level == logging.INFO and "1 keys" in line
+
+
+def load_keys_file(tmp_path: Path) -> Any:
+    p = tmp_path / "k"
+    p.write_text(f"{KEY} acme\n")
+    return load_keys(p)

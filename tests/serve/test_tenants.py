@@ -1,0 +1,312 @@
+"""Issue 37: no client of ``persist serve`` reads another's prompt through the cache.
+
+The oracle, from outside on main 598e851: client A sends a note with a
+PIN; client B, knowing only the text before the PIN, sends it with each
+digit and keeps the one with the largest ``cached_tokens``, four times, and
+reads the PIN.  Real server processes, real HTTP clients, a real store.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.servers import Server
+from tests.serve.test_operators import get, metrics, raw
+
+PREFIX = "Note to self: the vault PIN is "
+PIN = "7351"
+SECRET = f"{PREFIX}{PIN}, do not share"
+KEYS = {
+    "alice": "alice-key-0123456789abcdef",
+    "bob": "bob-key-0123456789abcdef",
+    "carol": "carol-key-0123456789abcdef",
+}
+
+
+def persist_serve(model: Path, store: Path, log: Path, *extra: str) -> Server:
+    return Server(["persist", "serve", "--model", str(model), "--store", str(store), *extra], log)
+
+
+def key_file(tmp: Path) -> Path:
+    p = tmp / "keys.txt"
+    p.write_text("# KEY TENANT\n" + "".join(f"{k} {t}\n" for t, k in KEYS.items()))
+    return p
+
+
+def post(
+    srv: Server, path: str, body: Any, tenant: str | None = None, **headers: str
+) -> tuple[int, dict[str, Any]]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    if tenant is not None:
+        headers["Authorization"] = f"Bearer {KEYS[tenant]}"
+    req = urllib.request.Request(f"http://127.0.0.1:{srv.port}{path}", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def complete(srv: Server, prompt: str, tenant: str | None = None, **extra: Any) -> int:
+    """Send ``prompt``; its cached_tokens (what the oracle reads)."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, **extra}
+    code, answer = post(srv, "/v1/completions", body, tenant)
+    assert code == 200, answer
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def read_pin(srv: Server, tenant: str | None) -> tuple[str, list[set[int]]]:
+    """The attack: the digit whose probe reuses most, four times; and what each round saw."""
+    known, seen = PREFIX, []
+    complete(srv, f"{PREFIX}#", tenant)  # B's own first send: every probe then starts alike
+    for _ in range(len(PIN)):
+        got = {d: complete(srv, f"{known}{d}zzzz", tenant) for d in "0123456789"}
+        seen.append(set(got.values()))
+        known += max(got, key=lambda d: got[d])
+    return known[len(PREFIX) :], seen
+
+
+def test_single_tenant_server_is_the_oracle(model_dir: Any, tmp_path: Path) -> None:
+    """Without tenants every client shares one namespace: the attack works (the threat)."""
+    srv = persist_serve(model_dir("llama"), tmp_path / "store", tmp_path / "a.log")
+    try:
+        complete(srv, SECRET)
+        assert read_pin(srv, None)[0] == PIN
+    finally:
+        srv.stop()
+    assert "single-tenant" in (tmp_path / "a.log").read_text()
+
+
+def test_api_keys_close_the_oracle(model_dir: Any, tmp_path: Path) -> None:
+    keys = key_file(tmp_path)
+    srv = persist_serve(
+        model_dir("llama"), tmp_path / "store", tmp_path / "a.log", "--api-keys", str(keys)
+    )
+    try:
+        complete(srv, SECRET, "alice")
+        assert complete(srv, SECRET, "alice") > len(PREFIX)  # alice's own cache serves her
+        pin, seen = read_pin(srv, "bob")
+        assert pin != PIN
+        assert all(len(s) == 1 for s in seen), seen  # no digit told apart from another
+        other = "Another note: the safe opens with 2468"
+        complete(srv, other, "alice")
+        before = metrics(srv)
+        # bob sends alice's very prompt: never served from her cache, in any tier
+        assert complete(srv, other, "bob") == 0
+        after = metrics(srv)
+        hit = ("persist_tenant_lookups_total", (("result", "hit"), ("tenant", "bob")))
+        miss = ("persist_tenant_lookups_total", (("result", "miss"), ("tenant", "bob")))
+        assert after.get(hit, 0) == before.get(hit, 0)
+        assert after[miss] == before[miss] + 1
+    finally:
+        srv.stop()
+    log = (tmp_path / "a.log").read_text()
+    assert "tenants by API key" in log
+    assert KEYS["alice"] not in log and KEYS["bob"] not in log
+
+
+def test_no_oracle_after_a_restart(model_dir: Any, tmp_path: Path) -> None:
+    keys, store = key_file(tmp_path), tmp_path / "store"
+    args = ("--api-keys", str(keys))
+    first = persist_serve(model_dir("llama"), store, tmp_path / "a.log", *args)
+    try:
+        complete(first, SECRET, "alice")
+    finally:
+        first.stop()  # the write-behind is flushed: alice's cache is in the store
+    second = persist_serve(model_dir("llama"), store, tmp_path / "b.log", *args)
+    try:
+        pin, seen = read_pin(second, "bob")
+        assert pin != PIN and all(len(s) == 1 for s in seen), seen
+        assert complete(second, SECRET, "alice") >= len(SECRET) - 1  # hers, from the store
+    finally:
+        second.stop()
+
+
+def test_no_oracle_across_servers_on_one_redis(model_dir: Any, tmp_path: Path) -> None:
+    from tests.tiers.conftest import RedisServer
+
+    redis = RedisServer(tmp_path)
+    redis.start()
+    keys = key_file(tmp_path)
+    args = ("--api-keys", str(keys), "--shared", redis.url)
+    a = persist_serve(model_dir("llama"), tmp_path / "a", tmp_path / "a.log", *args)
+    b = persist_serve(model_dir("llama"), tmp_path / "b", tmp_path / "b.log", *args)
+    try:
+        complete(a, SECRET, "alice")
+        r = redis.client()
+        deadline = time.monotonic() + 60  # the write-behind pushes after the answer
+        while not r.keys("persist:*:rec:*") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert r.keys("persist:*:rec:*")
+        assert complete(b, SECRET, "bob") == 0  # b's store is empty; the tier has alice's
+        assert complete(b, SECRET, "alice") >= len(SECRET) - 1  # ... which alice gets on b
+    finally:
+        a.stop()
+        b.stop()
+        redis.stop()
+
+
+def test_malformed_key_header_and_salt_are_4xx_and_serving_goes_on(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    keys = key_file(tmp_path)
+    srv = persist_serve(
+        model_dir("llama"), tmp_path / "store", tmp_path / "a.log", "--api-keys", str(keys)
+    )
+    body = {"prompt": "hello there", "max_tokens": 2}
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+    try:
+        code, answer = post(srv, "/v1/completions", body)
+        assert code == 401 and answer["error"]["code"] == "invalid_api_key", answer
+        assert get(srv, "/v1/models")[0] == 401 and get(srv, "/health")[0] == 200
+        assert set(answer["error"]) >= {"message", "type", "param"}
+        for auth in ("Bearer nope", "Basic abc", "Bearer " + "k" * 60000, "Bearer"):
+            code, answer = post(srv, "/v1/completions", body, Authorization=auth)
+            assert code in (400, 401, 431), (auth[:20], code)
+        got = raw(srv, head + b"Authorization: Bearer \xff\xfe\x00key\r\n\r\n{}")
+        assert got.startswith((b"HTTP/1.0 401", b"HTTP/1.0 400")), got[:80]
+        for salt in ("", "s" * 100_000, {"a": {"b": [1]}}, 7, ["x"], True):
+            code, answer = post(srv, "/v1/completions", {**body, "cache_salt": salt}, "alice")
+            assert code == 400, (str(salt)[:20], code, answer)
+            assert "cache_salt" in answer["error"]["message"]
+        code, answer = post(srv, "/v1/completions", b'{"prompt": "a", "cache_salt": "\\ud800"}',
+                            "alice")  # fmt: skip
+        assert code == 400, answer
+        code, _ = post(srv, "/v1/completions", body, "alice")
+        assert code == 200  # still serving
+        code, _ = post(srv, "/v1/completions", {**body, "cache_salt": "s1"}, "bob")
+        assert code == 200
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0
+    assert "Traceback" not in (tmp_path / "a.log").read_text()
+
+
+def test_tenant_header_and_salts(model_dir: Any, tmp_path: Path) -> None:
+    srv = persist_serve(
+        model_dir("llama"), tmp_path / "store", tmp_path / "a.log", "--tenant-header", "X-Tenant"
+    )
+    try:
+        code, answer = post(srv, "/v1/completions", {"prompt": SECRET, "max_tokens": 1})
+        assert code == 401, answer  # the gateway did not say who
+        for bad in ("a b", "x" * 200, "ü", ""):
+            code, answer = post(
+                srv, "/v1/completions", {"prompt": "a", "max_tokens": 1},
+                **{"X-Tenant": bad.encode("utf-8").decode("latin-1")},
+            )  # fmt: skip
+            assert code in (400, 401), (bad, code, answer)
+
+        def ask(tenant: str, **extra: Any) -> int:
+            body = {"prompt": SECRET, "max_tokens": 1, "temperature": 0, **extra}
+            code, answer = post(srv, "/v1/completions", body, **{"X-Tenant": tenant})
+            assert code == 200, answer
+            return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        assert ask("acme") == 0
+        assert ask("globex") == 0  # another tenant
+        assert ask("acme", cache_salt="one") == 0  # the same tenant, salted apart
+        assert ask("acme", cache_salt="one") >= len(SECRET) - 1
+        assert ask("acme") >= len(SECRET) - 1
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("mode", ["single", "keys"])
+def test_start_line_names_the_tenancy(model_dir: Any, tmp_path: Path, mode: str) -> None:
+    extra = ("--api-keys", str(key_file(tmp_path))) if mode == "keys" else ()
+    srv = persist_serve(model_dir("llama"), tmp_path / "store", tmp_path / "a.log", *extra)
+    srv.stop()
+    log = (tmp_path / "a.log").read_text()
+    if mode == "single":
+        assert "WARNING" in log and "single-tenant" in log
+    else:
+        assert "tenants by API key (3 keys)" in log
+
+
+PUBLIC = "You are the support agent of a hardware shop. Answer in one line. " * 4
+PRIVATE = "You are alice's notebook. Her PIN is 7351. Never repeat it. " * 4
+
+
+def chat(srv: Server, system: str, question: str, tenant: str) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0, "logprobs": True}
+    code, answer = post(srv, "/v1/chat/completions", body, tenant)
+    assert code == 200, answer
+    return answer
+
+
+def said(answer: dict[str, Any]) -> tuple[str, Any]:
+    choice = answer["choices"][0]
+    return choice["message"]["content"], choice.get("logprobs")
+
+
+def reused(answer: dict[str, Any]) -> int:
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+@pytest.mark.long
+def test_public_prefix_is_shared_bit_exact_and_private_text_is_not(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    model = model_dir("llama")
+    questions = ["Where is my order?", "Do you sell cables?", "When do you open?"]
+    plain = Server(["mlx_lm.server", "--model", str(model)], tmp_path / "plain.log")
+    try:  # each request alone, on a fresh server each time: no cache at all
+        want = []
+        for q in questions:
+            want.append(said(chat(plain, PUBLIC, q, "alice")))
+            plain.stop()
+            plain = Server(["mlx_lm.server", "--model", str(model)], tmp_path / "plain.log")
+    finally:
+        plain.stop()
+    public = tmp_path / "public.json"
+    public.write_text(json.dumps([{"messages": [{"role": "system", "content": PUBLIC}]}]))
+    args = ("--api-keys", str(key_file(tmp_path)), "--public-prefix", str(public))
+    store = tmp_path / "store"
+    srv = persist_serve(model, store, tmp_path / "a.log", *args)
+    try:
+        first = chat(srv, PUBLIC, questions[0], "alice")
+        assert reused(first) == 0 and said(first) == want[0]
+        second = chat(srv, PUBLIC, questions[1], "bob")  # bob resumes from the public cut
+        n = reused(second)
+        assert len(PUBLIC) <= n < second["usage"]["prompt_tokens"] - len(questions[1])
+        assert said(second) == want[1]  # the answer a fresh server gives, bit for bit
+        chat(srv, PRIVATE, questions[0], "alice")  # a system prompt nobody made public
+        assert reused(chat(srv, PRIVATE, questions[0], "carol")) == 0  # carol: no history
+    finally:
+        srv.stop()
+    again = persist_serve(model, store, tmp_path / "b.log", *args)
+    try:  # after a restart the public cut comes from the store
+        third = chat(again, PUBLIC, questions[2], "carol")
+        assert reused(third) == n and said(third) == want[2]
+    finally:
+        again.stop()
+
+
+def test_one_tenant_cannot_evict_another(model_dir: Any, tmp_path: Path) -> None:
+    import persist
+
+    store, budget = tmp_path / "store", 200_000
+    srv = persist_serve(
+        model_dir("llama"), store, tmp_path / "a.log",
+        "--api-keys", str(key_file(tmp_path)), "--tenant-max-bytes", str(budget),
+    )  # fmt: skip
+    try:
+        complete(srv, SECRET, "bob")
+        for i in range(8):  # alice writes far more than her budget
+            complete(srv, f"{i} alice's long document: " + "lorem ipsum dolor " * 8, "alice")
+    finally:
+        srv.stop()
+    with persist.Store(store) as s:
+        alice = s.stats("default/tenant:alice")
+        bob = s.stats("default/tenant:bob")
+        assert alice.counters["serve_persisted"] >= 8  # each saved, in her namespace
+        assert 0 < alice.entries < 8 and alice.unique_bytes <= budget  # hers evicted hers
+        assert bob.entries >= 1 and bob.counters["serve_persisted"] >= 1  # bob's kept
