@@ -33,9 +33,13 @@ class Stop:
 @contextlib.contextmanager
 def deferred_sigint() -> Iterator[Stop]:
     """While inside, the first SIGINT sets the Stop it yields; the second raises
-    KeyboardInterrupt.  Outside the main thread (no signal handlers there): no-op."""
+    KeyboardInterrupt.  Outside the main thread (no signal handlers there), or where
+    SIGINT is ignored (a background job of a shell without job control): no-op."""
     stop = Stop()
     if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # a background job: kept so
         yield stop
         return
 

@@ -26,7 +26,9 @@ from tests.helpers import assert_same_state, live_state, persist_cli, prefill, p
 
 def _popen(home: Path, *args: str, **kw: Any) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PERSIST_HOME": str(home), "PYTHONPATH": pythonpath()}
-    return subprocess.Popen([sys.executable, "-m", "persist", *args], env=env, **kw)
+    # a shell without job control starts background jobs with SIGINT ignored
+    dfl = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    return subprocess.Popen([sys.executable, "-m", "persist", *args], env=env, preexec_fn=dfl, **kw)
 
 
 def _shown(home: Path, store: Path, session: str) -> dict[str, Any]:
