@@ -373,6 +373,8 @@ def serve(
     metrics = ServeMetrics(store, namespace)
     budget = host_budget(host_cache)
     metrics.host = host = HostTier(budget) if budget > 0 else None
+    if host is not None:
+        host.owner_max_bytes = tenant_max_bytes  # a tenant's share of the host tier too
     caches: list[PersistentPromptCache] = []
     TenantPromptCache = scoped_cache(PersistentPromptCache)
 

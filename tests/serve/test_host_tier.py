@@ -203,3 +203,21 @@ def test_a_shared_host_tier_keeps_tenants_apart(tiny: Any, tmp_path: Path) -> No
         finally:
             a.close()
             b.close()
+
+
+def test_one_owner_cannot_evict_the_others(tiny: Any) -> None:
+    """persist serve --tenant-max-bytes: an owner (a tenant's namespace) past its share
+    evicts its own entries, least recently used first; the others' stay."""
+    model, _, _ = tiny("llama")
+    one = prefilled(model, PROMPT[:20])
+    size = int(sum(c.nbytes for c in one))
+    tier = HostTier(100 * size)
+    tier.owner_max_bytes = 2 * size
+    assert tier.keep("bob", PROMPT[:20], one)
+    for i in range(5):  # alice keeps five, distinct
+        assert tier.keep("alice", [50 + i, *PROMPT[:19]], prefilled(model, [50 + i, *PROMPT[:19]]))
+    assert tier.fetch("bob", PROMPT) is not None
+    alice = [i for i in range(5) if tier.fetch("alice", [50 + i, *PROMPT]) is not None]
+    assert alice == [3, 4]  # her two most recent
+    long = tokens_for(600)  # three of KVCache's 256-token steps: past any owner's share
+    assert not tier.keep("carol", long, prefilled(model, long))

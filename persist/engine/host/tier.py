@@ -150,6 +150,9 @@ class HostTier:
             log.warning("persist: pinned host pages: %s; the host tier is off", why)
             self.max_bytes, self.where = 0, f"off (pinned pages: {why})"
         self.nbytes = 0
+        # one owner's (a tenant's) share; None: the whole budget (persist serve
+        # --tenant-max-bytes: one tenant cannot evict everyone)
+        self.owner_max_bytes: int | None = None
         self._entries: OrderedDict[tuple[str, tuple[int, ...]], _Kept] = OrderedDict()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -203,7 +206,7 @@ class HostTier:
         arrays = arrays_of(records)
         mx.eval(arrays)
         n = self._size(arrays, cache, copy)
-        if n > self.max_bytes:
+        if n > min(self.max_bytes, self.owner_max_bytes or self.max_bytes):
             return False
         key = (owner, tuple(int(t) for t in tokens))
         toks = np.asarray(key[1], dtype=np.int64)
@@ -225,6 +228,8 @@ class HostTier:
             self.kept += 1
             while self.nbytes > self.max_bytes:
                 self._evict_oldest()
+            if self.owner_max_bytes is not None:
+                self._evict_owner(owner, self.owner_max_bytes)
         return True
 
     def _size(self, arrays: list[Any], cache: Any, copy: bool) -> int:
@@ -264,6 +269,17 @@ class HostTier:
     def _evict_oldest(self) -> None:
         self._remove(next(iter(self._entries)))
         self.evicted += 1
+
+    def _evict_owner(self, owner: str, limit: int) -> None:
+        """Under the lock: ``owner``'s least recently used entries go, down to ``limit``."""
+        mine = [k for k in self._entries if k[0] == owner]
+        held = sum(self._entries[k].nbytes for k in mine)
+        for key in mine:
+            if held <= limit:
+                return
+            held -= self._entries[key].nbytes
+            self._remove(key)
+            self.evicted += 1
 
     def _drop_covered(self, owner: str, new: _Kept) -> None:
         """Under the lock: what ``new`` stands in for goes (the same tokens at least)."""
