@@ -50,3 +50,17 @@ def whole_buffers(cache: list[Any]) -> list[list[tuple[tuple[int, ...], bytes]]]
             arrays += list(v) if isinstance(v, (tuple, list)) else [] if v is None else [v]
         out.append([(tuple(a.shape), raw(a)) for a in arrays])
     return out
+
+
+def flip(path: Path, at: int = -3) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def block_blob(store: persist.Store, name: str, idx: int) -> Path:
+    row = store.index.by_name("default", name)
+    assert row is not None
+    blob = next(b.blob for b in store.index.blocks(row.id) if b.idx == idx)
+    assert blob is not None
+    return store.blobs.path(blob)

@@ -23,7 +23,7 @@ import persist
 from persist.apps.generate import _Run, generate
 from persist.errors import SessionNotFoundError
 from tests.helpers import NEXT, assert_same_state, live_state, raw, tokens_for
-from tests.reliability.test_repair import block_blob, flip
+from tests.store_helpers import block_blob, flip
 
 GIB = 1 << 30
 FIRST = 60  # the first call's tokens; the rest are single decode steps

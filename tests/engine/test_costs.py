@@ -16,7 +16,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -26,7 +26,15 @@ from bench.common import evict
 from persist.apps.generate import generate
 from persist.storage import blobs as blobs_module
 from persist.storage import rates
-from persist.storage.blobs import FileBlobs
+from tests.engine.cost_checks import (
+    SLOW_PREFILL,
+    TINY_PREFILL,
+    learned,
+    prefill_rate,
+    primed,
+    slowed,
+    taught,
+)
 from tests.helpers import (
     ON_CUDA,
     another_backend,
@@ -39,86 +47,7 @@ from tests.helpers import (
     tokens_for,
 )
 
-
-class Clock:
-    """The cost model's clock: time moves only when a slowed tier says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class SlowBlobs(FileBlobs):
-    """The store's own files, each open taking ``delay`` seconds of the fake clock."""
-
-    def __init__(self, root: Path, delay: float, clock: Clock) -> None:
-        super().__init__(root)
-        self.delay, self.clock = delay, clock
-
-    def open(self, file: str) -> BinaryIO:
-        self.clock.now += self.delay
-        return super().open(file)
-
-
-def slowed(store: persist.Store, delay: float) -> persist.Store:
-    """Restores from ``store`` take ``delay`` seconds per blob, on the fake clock (the
-    model's wall clock too: the age of samples is the test's)."""
-    clock = Clock()
-    store.costs.clock = store.costs.wall = clock
-    store.blobs = SlowBlobs(store.root, delay, clock)
-    return store
-
-
-def learned(store: persist.Store, prompt: list[int], ident: Any, most: int = 8) -> list[str]:
-    """Look ``prompt`` up until a hit is declined (at most ``most`` times): the reasons.
-    The first restore of a process is kept apart (one-time costs), and fewer than
-    policy.MIN_SAMPLES samples decline nothing."""
-    reasons = []
-    for _ in range(most):
-        hit = store.lookup(prompt, identity=ident)
-        assert store.costs.last is not None
-        reasons.append(store.costs.last.reason)
-        if hit is None:
-            break
-    return reasons
-
-
 TO_DECLINE = ["unmeasured", "unmeasured", "learning", "learning", "slower"]
-
-
-def prefill_rate(store: persist.Store, tokens_per_second: float) -> persist.Store:
-    """Every prefill recorded into ``store`` ran at ``tokens_per_second``, whatever it took."""
-    record = store.costs.prefilled
-
-    def at_rate(identity: Any, start: int, end: int, seconds: float) -> None:
-        record(identity, start, end, (end - start) / tokens_per_second)
-
-    store.costs.prefilled = at_rate  # type: ignore[method-assign]
-    return store
-
-
-def taught(store: persist.Store, ident: Any, tokens: int = 1024) -> None:
-    """Prefills of ``tokens`` tokens measured here (the first is a process's warm-up)."""
-    for _ in range(3):
-        store.record_prefill(ident, 0, tokens, 1.0)
-
-
-TINY_PREFILL = 20_000.0  # tokens/s: 600 tokens in 0.03 s
-SLOW_PREFILL = 1_000.0  # tokens/s: 600 tokens in 0.6 s
-
-
-def _primed(
-    model: Any, tok: Any, root: Path, toks: list[int], rate: float = TINY_PREFILL
-) -> persist.Store:
-    """A store with a session of ``toks`` and the (injected) prefill rates of computing it."""
-    ident = persist.ModelIdentity.of(model, tok)
-    store = prefill_rate(persist.Store(root), rate)
-    store.costs.clock = Clock()  # local restores take no time until a test slows them
-    cache = persist.prefill(model, toks, store=store, identity=ident, step=128)
-    store.save(cache, toks, identity=ident, session="doc")
-    return store
 
 
 def test_a_slow_tier_is_declined_and_the_answer_is_a_plain_prefill(
@@ -128,7 +57,7 @@ def test_a_slow_tier_is_declined_and_the_answer_is_a_plain_prefill(
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=70)
     prompt = [*toks, 5, 6, 7]
-    with _primed(model, tok, tmp_path / "s", toks) as store:
+    with primed(model, tok, tmp_path / "s", toks) as store:
         slowed(store, 0.3)
         assert learned(store, prompt, ident) == TO_DECLINE  # now known to be slow
         d = store.costs.last
@@ -163,7 +92,7 @@ def test_a_fast_tier_is_taken_and_restores_exactly(tiny: Any, tmp_path: Path) ->
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=71)
     prompt = [*toks, 5, 6, 7]
-    with _primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
+    with primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
         slowed(store, 0.001)  # a fast disk: a few milliseconds per restore
         for _ in range(3):  # measured, then decided from the measurement
             hit = store.lookup(prompt, identity=ident)
@@ -181,7 +110,7 @@ def test_rates_belong_to_their_machine_and_model(tiny: Any, tmp_path: Path) -> N
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=72)
-    with _primed(model, tok, tmp_path / "s", toks) as store:
+    with primed(model, tok, tmp_path / "s", toks) as store:
         slowed(store, 0.3)
         store.lookup([*toks, 1], identity=ident)  # measured slow, here
         machines = {r["machine"] for r in rates.all_rates(store.index)}
@@ -221,7 +150,7 @@ def test_persist_stats_shows_rates_and_decisions(tiny: Any, tmp_path: Path) -> N
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=73)
-    with _primed(model, tok, tmp_path / "s", toks) as store:
+    with primed(model, tok, tmp_path / "s", toks) as store:
         slowed(store, 0.3)
         assert learned(store, [*toks, 1], ident) == TO_DECLINE
     out = persist_cli(tmp_path, "stats", "--store", str(tmp_path / "s")).stdout
@@ -257,7 +186,7 @@ def test_a_hit_in_the_page_cache_and_one_on_the_disk_have_rates_of_their_own(
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=72)
     prompt = [*toks, 5, 6, 7]
-    with _primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
+    with primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
         files = [store.blobs.path(f) for f in store.blobs.files()]
         for p in files:
             p.read_bytes()
@@ -284,7 +213,7 @@ def test_a_store_that_cannot_tell_keeps_one_local_rate(
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(300, seed=73)
-    with _primed(model, tok, tmp_path / "s", toks) as store:
+    with primed(model, tok, tmp_path / "s", toks) as store:
         monkeypatch.setattr(blobs_module, "_libc_mincore", lambda: None)
         assert {store.blobs.cached(f) for f in store.blobs.files()} == {None}
         assert store.lookup([*toks, 1, 2], identity=ident) is not None
@@ -296,7 +225,7 @@ def test_looking_at_the_page_cache_loads_nothing(tiny: Any, tmp_path: Path) -> N
     so sixteen lookups of a hit on the disk made it look cached; mincore loads nothing."""
     model, tok, _ = tiny("llama")
     toks = tokens_for(300, seed=74)
-    with _primed(model, tok, tmp_path / "s", toks) as store:
+    with primed(model, tok, tmp_path / "s", toks) as store:
         files = list(store.blobs.files())
         if not _evicted(store, files):
             pytest.skip("the page cache kept the files (DONTNEED ignored here)")

@@ -3,7 +3,7 @@ process's first run kept apart, a declined hit measured again now and then.
 
 One restore slowed by load (8 ``yes`` pinned to its core) declined every later
 chat's prefix, for good; here the slow runs are made on the test's clock
-(``test_costs.slowed``), never hoped for: no verdict depends on machine speed.
+(``cost_checks.slowed``), never hoped for: no verdict depends on machine speed.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import persist
 from persist.engine.costs import EXPLORE_AFTER, EXPLORE_EVERY
 from persist.policy import MIN_SAMPLES
 from persist.storage import rates
-from tests.engine.test_costs import SLOW_PREFILL, TINY_PREFILL, _primed, learned, slowed
+from tests.engine.cost_checks import SLOW_PREFILL, TINY_PREFILL, learned, primed, slowed
 from tests.helpers import tokens_for
 
 
@@ -30,7 +30,7 @@ def test_one_slow_restore_among_fast_ones_switches_nothing_off(tiny: Any, tmp_pa
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=80)
     prompt = [*toks, 5, 6, 7]
-    with _primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
+    with primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
         slowed(store, 0.001)
         for _ in range(4):
             assert store.lookup(prompt, identity=ident) is not None
@@ -52,7 +52,7 @@ def test_a_slow_first_restore_in_every_process_declines_nothing(tiny: Any, tmp_p
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=81)
-    _primed(model, tok, tmp_path / "s", toks, TINY_PREFILL).close()
+    primed(model, tok, tmp_path / "s", toks, TINY_PREFILL).close()
     reasons = []
     for _ in range(MIN_SAMPLES):  # processes, each restoring once, slowly
         with slowed(persist.Store(tmp_path / "s"), 30.0) as store:
@@ -75,7 +75,7 @@ def test_a_wrong_estimate_corrects_itself(tiny: Any, tmp_path: Path) -> None:
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=82)
     prompt = [*toks, 5, 6, 7]
-    with _primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
+    with primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
         slowed(store, 30.0)
         assert learned(store, prompt, ident)[-1] == "slower"
         _slow(store, 0.001)  # the load went away
@@ -100,7 +100,7 @@ def test_a_bucket_not_measured_for_long_is_measured_again(tiny: Any, tmp_path: P
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=83)
     prompt = [*toks, 5, 6, 7]
-    with _primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
+    with primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
         slowed(store, 30.0)
         assert learned(store, prompt, ident)[-1] == "slower"
         assert store.lookup(prompt, identity=ident) is None
@@ -117,7 +117,7 @@ def test_a_store_wide_max_cost_and_resetting_the_rates(tiny: Any, tmp_path: Path
     ident = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(600, seed=84)
     prompt = [*toks, 5, 6, 7]
-    with _primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
+    with primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
         slowed(store, 0.001)
         for _ in range(3):
             assert store.lookup(prompt, identity=ident) is not None

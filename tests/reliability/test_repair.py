@@ -16,20 +16,7 @@ from typing import Any
 import persist
 from persist.storage.check_damage import QUARANTINE_DAYS
 from tests.helpers import assert_same_state, live_state, persist_cli, prefill, tokens_for
-
-
-def flip(path: Path, at: int = -3) -> None:
-    data = bytearray(path.read_bytes())
-    data[at] ^= 0x40
-    path.write_bytes(bytes(data))
-
-
-def block_blob(store: persist.Store, name: str, idx: int) -> Path:
-    row = store.index.by_name("default", name)
-    assert row is not None
-    blob = next(b.blob for b in store.index.blocks(row.id) if b.idx == idx)
-    assert blob is not None
-    return store.blobs.path(blob)
+from tests.store_helpers import block_blob, flip
 
 
 def test_a_trimmable_session_keeps_the_blocks_before_the_damage(
