@@ -204,3 +204,18 @@ def test_the_circle_search_finds_circles() -> None:
     bench = graph(ROOT / "bench")
     assert "bench.common" in bench["bench.bench_throughput"]
     assert "bench.shapes" in bench["bench.default_path"]  # imported inside its child's function
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared helpers live in helper modules (tests/helpers.py, tests/serve/servers.py,
+    tests/engine/host_checks.py, ...) or fixtures: a test module imported by another
+    runs its module-level code twice and ties two behaviours' files together."""
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        found = {i for i in imports(path) if i.startswith("tests.") and _is_module(i)}
+        bad += [f"{module_name(path)} -> {t}" for t in sorted(found) if _is_test_module(t)]
+    assert not bad, "test modules importing test modules:\n" + "\n".join(bad)
+
+
+def _is_test_module(name: str) -> bool:
+    return name.split(".")[-1].startswith("test_")

@@ -5,6 +5,7 @@ process, plain HTTP requests against it and what its answers and /metrics say
 from __future__ import annotations
 
 import json
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -88,3 +89,14 @@ def hits(m: Samples, source: str) -> float:
     """The prompt cache's hits from ``source`` (memory, host, local, shared, cold)."""
     key = ("persist_cache_lookups_total", (("result", "hit"), ("source", source)))
     return m.get(key, 0.0)
+
+
+def raw(srv: Server, data: bytes, wait: float = 60.0) -> bytes:
+    """Send ``data`` as is and read until the server closes (or ``wait`` passes)."""
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:
+        s.settimeout(wait)
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 
 from bench.servers import ROOT, Server, free_port
-from tests.serve.servers import get, hits, metrics, persist_serve, post
+from tests.serve.servers import get, hits, metrics, persist_serve, post, raw
 
 # Each of these stopped generation for every later request, or the process (logit_bias).
 MALFORMED: list[tuple[str, Any]] = [
@@ -45,17 +44,6 @@ MALFORMED: list[tuple[str, Any]] = [
 
 def valid(srv: Server) -> tuple[int, dict[str, Any]]:
     return post(srv, "/v1/completions", {"prompt": "hello there, how", "max_tokens": 3})
-
-
-def raw(srv: Server, data: bytes, wait: float = 60.0) -> bytes:
-    """Send ``data`` as is and read until the server closes (or ``wait`` passes)."""
-    with socket.create_connection(("127.0.0.1", srv.port)) as s:
-        s.settimeout(wait)
-        s.sendall(data)
-        out = b""
-        while chunk := s.recv(65536):
-            out += chunk
-        return out
 
 
 def test_malformed_requests_get_400_and_generation_goes_on(
