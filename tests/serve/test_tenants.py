@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from bench.servers import Server
-from tests.serve.test_operators import get, metrics, raw
+from tests.serve.servers import get, metrics, raw
 
 PREFIX = "Note to self: the vault PIN is "
 PIN = "7351"
