@@ -122,7 +122,7 @@ def load_model(
         trust_remote_code=trust_remote_code,
     )
     m, tok = loaded[0], loaded[1]
-    wanted = {k: v for k, v in cache_config.items() if v is not None}
+    wanted: dict[str, Any] = {k: v for k, v in cache_config.items() if v is not None}
     name = None if model is None or Path(os.fspath(model)).is_dir() else os.fspath(model)
     ident = ModelIdentity.of(m, tok, name=name, path=path, adapter_path=adapter, **wanted)
     return m, tok, ident
