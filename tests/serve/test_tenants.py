@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from bench.servers import Server
+from tests.helpers import persist_cli
 from tests.serve.servers import get, metrics, raw
 
 PREFIX = "Note to self: the vault PIN is "
@@ -252,10 +253,13 @@ def reused(answer: dict[str, Any]) -> int:
 
 
 @pytest.mark.long
+@pytest.mark.parametrize("variant", ["llama", "qwen3_next"])  # qwen3_next: recurrent layers
 def test_public_prefix_is_shared_bit_exact_and_private_text_is_not(
-    model_dir: Any, tmp_path: Path
+    model_dir: Any, tmp_path: Path, variant: str
 ) -> None:
-    model = model_dir("llama")
+    """A recurrent model cannot be cut back: it resumes from the snapshot mlx-lm takes at
+    the public cut itself, stored as it is."""
+    model = model_dir(variant)
     questions = ["Where is my order?", "Do you sell cables?", "When do you open?"]
     plain = Server(["mlx_lm.server", "--model", str(model)], tmp_path / "plain.log")
     try:  # each request alone, on a fresh server each time: no cache at all
@@ -310,3 +314,7 @@ def test_one_tenant_cannot_evict_another(model_dir: Any, tmp_path: Path) -> None
         assert alice.counters["serve_persisted"] >= 8  # each saved, in her namespace
         assert 0 < alice.entries < 8 and alice.unique_bytes <= budget  # hers evicted hers
         assert bob.entries >= 1 and bob.counters["serve_persisted"] >= 1  # bob's kept
+    out = persist_cli(
+        tmp_path, "stats", "--store", str(store), "--namespace", "default/tenant:bob", "--json"
+    )
+    assert json.loads(out.stdout)["counters"]["serve_persisted"] == bob.counters["serve_persisted"]
