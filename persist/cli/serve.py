@@ -137,7 +137,9 @@ from .app import cli, default_store, open_store, parse_size, plain, store_option
 @click.option(
     "--tenant-max-bytes",
     default=None,
-    help="Store budget of each tenant (namespace), e.g. 2G: one tenant cannot evict others.",
+    metavar="SIZE",
+    help="Budget of each tenant (namespace) in the store and the host cache, e.g. 2G: "
+    "one tenant cannot evict the others.",
 )
 @store_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
