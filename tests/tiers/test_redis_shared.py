@@ -229,7 +229,7 @@ def test_ctrl_c_during_a_pull_leaves_a_consistent_store(
     tiny: Any, redis_server: Any, tmp_path: Path, monkeypatch: Any
 ) -> None:
     """Interrupted after the blobs are written, before the commit: nothing stays."""
-    from persist.engine.tiers.exchange import pull as tier_pull
+    from persist.engine.tiers import pull as tier_pull
 
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
