@@ -277,7 +277,9 @@ def demo_model_dir() -> Path:
     target = cache_home() / f"demo-{DEMO_ARCH}-v{DEMO_VERSION}"
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    from ..storage.access import private_mkdir
+
+    private_mkdir(target.parent)  # persist's cache folder, the store's parent: 0700
     tmp = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}"
     make_model(tmp, DEMO_ARCH, seed=0)
     try:

@@ -84,7 +84,7 @@ def claim(tmp: Path, salt: str, remove: bool = True) -> Iterator[bool]:
         yield False
         return
     try:
-        fd = os.open(path, os.O_RDWR | NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW)  # flock needs no write access
     except FileNotFoundError:
         yield True  # never taken (an older persist), or released: no writer holds it
         return
