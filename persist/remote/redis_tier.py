@@ -6,6 +6,8 @@ first 16 hex digits of sha256(namespace), so a Redis ACL key pattern confines
 a tenant.  Under it:
 
 - ``secret``: the namespace's chain secret, when there is no operator key;
+- ``block_tokens``: the namespace's block size, set by the first store that saved to
+  it; a store that cuts other blocks refuses the tier (``engine/tiers/fleet_block``);
 - ``blob:<content key>``: a blob file's bytes (and its tag), or ``parts:<n>[:<tag>]``
   and the parts ``blob:<key>:<i>`` of at most 8 MiB; written with SET NX
   (content-addressed) and a TTL unless the snapshot is pinned; a taken key is read
@@ -43,6 +45,7 @@ MAX_VALUE, POINTER_BYTES = 64 << 20, 128  # a record, a pointer (65 bytes) read 
 SCAN_COUNT, SCAN_ROUNDS = 1000, 8  # the bounded search for a record to recover a secret from
 SCAN = (SCAN_COUNT, SCAN_ROUNDS)
 RECOVER_RECORDS, RECOVER_BATCH = 256, 32  # records tried for a lost secret, read per round trip
+BLOCK_DIGITS = 8  # a block size's decimal digits, at most (1 to 2**20 tokens)
 FETCHERS = 2  # blobs fetched at once (more only competes with the server for cores)
 SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://")
 CLUSTER_SCHEMES = tuple(s.replace("://", "+cluster://") for s in SCHEMES)
@@ -188,6 +191,34 @@ class RedisTier:
         if got is not None and reads.secret_value(got) is None:
             self._count("bad_values")
         return reads.secret_value(got)
+
+    # -- the fleet's block size ----------------------------------------------
+
+    def block_tokens(self, namespace: str, mine: int, create: bool) -> int | None:
+        """The namespace's block size on the tier (None: none, and not ``create``: a read
+        creates nothing); ``create`` plants ``mine`` where there is none (SET NX, then
+        read back: the first saver's is the fleet's).  A value that is no block size is
+        persist's own key gone bad: replaced by ``mine``."""
+        key = self.prefix(namespace) + "block_tokens"
+
+        def run() -> int | None:
+            if not create:
+                return _block_size(self._reads.values([key], BLOCK_DIGITS)[0])
+            for replace in (False, True):
+                pipe = self._client.pipeline(transaction=False)
+                if replace:
+                    pipe.delete(key)
+                pipe.set(key, str(mine), nx=True)
+                pipe.getrange(key, 0, BLOCK_DIGITS)
+                got = _block_size(self._reads.checked(pipe.execute(raise_on_error=False)[-1]))
+                if got is not None:
+                    return got
+                self._count("bad_values")
+            return mine
+
+        out: int | None = self._call("block size", run)
+        self._ok()
+        return out
 
     def recovery_records(self, namespace: str) -> Iterator[bytes]:
         """Records of the namespace, found by a bounded SCAN (``SCAN_ROUNDS`` calls per
@@ -402,6 +433,14 @@ class RedisTier:
         out: list[bytes | None] = self._call("records", run)
         self._ok()
         return out
+
+
+def _block_size(value: Any) -> int | None:
+    """A block size as the tier holds it (decimal digits), or None."""
+    if not isinstance(value, bytes) or not value.isdigit() or len(value) > BLOCK_DIGITS:
+        return None
+    n = int(value)
+    return n if 1 <= n <= 1 << 20 else None
 
 
 def _from_url(redis: Any, url: str, timeouts: dict[str, Any]) -> Any:

@@ -21,7 +21,8 @@ from tests.helpers import live_state, prefill, tokens_for
 
 LONG = os.environ.get("PERSIST_LONG") == "1"
 KEY = bytes(range(100, 132))
-TYPED = (persist.SessionNotFoundError, persist.CorruptBlobError)
+# a block size mutated on the tier is another fleet's: refused (fleet_block), typed
+TYPED = (persist.SessionNotFoundError, persist.CorruptBlobError, persist.BlockSizeMismatchError)
 
 
 def mutate(rng: random.Random, value: bytes, others: list[bytes]) -> bytes:

@@ -24,6 +24,7 @@ from ...storage.blobs import BlobStore
 from ...storage.chains import boundary_heads, chain_root, chains
 from ...storage.index import Index
 from ..costs import LOCAL, CostModel
+from .fleet_block import require_same_block
 from .pull import EvictedError, pull
 from .push import namespace_secret, push, sync
 from .records import BadValue, Expect, Keys, best_record, check_key, open_record, tier_key_from_env
@@ -68,6 +69,7 @@ class Shared:
         """The tier's chain secret for the namespace (None: none yet).  Without a key it
         is asked for again every ASK_AGAIN_S (one GET): a tier that lost it and got
         another from a new machine is followed, never split from."""
+        require_same_block(self, index, namespace, create)  # one block size per fleet
         now, held = self.tier.clock(), self._held.get(namespace)
         if held is not None and now < held[1]:
             return held[0]
