@@ -141,6 +141,15 @@ from .app import cli, default_store, open_store, parse_size, plain, store_option
     help="Budget of each tenant (namespace) in the store and the host cache, e.g. 2G: "
     "one tenant cannot evict the others.",
 )
+@click.option(
+    "--warm",
+    type=click.IntRange(0, 100_000),
+    default=0,
+    show_default=True,
+    help="Read the N most valuable stored entries of each loaded model (pinned, then "
+    "most recently used) into the host cache before serving, so conversations "
+    "returning after a restart are answered from RAM.",
+)
 @store_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(
@@ -163,6 +172,7 @@ def serve_cmd(
     tenant_header: str | None,
     public_prefix: str | None,
     tenant_max_bytes: str | None,
+    warm: int,
     store_dir: Path | None,
     server_args: tuple[str, ...],
 ) -> None:
@@ -178,6 +188,7 @@ def serve_cmd(
     Example:
       persist serve --model ./tiny --store ./cache --port 8080
       persist serve --model ./tiny --mlx-cache 8G --port 8080
+      persist serve --model ./tiny --warm 50 --port 8080
     """
     from ..apps.hub import resolve_model
     from ..serve.server import serve
@@ -211,6 +222,7 @@ def serve_cmd(
             model_names=[model_dir] if model_dir else [],
             tenants=tenants_from(namespace, api_keys, tenant_header, public_prefix),
             tenant_max_bytes=parse_size(tenant_max_bytes) if tenant_max_bytes else None,
+            warm=warm,
             **tier_urls(),
         )
 

@@ -8,6 +8,7 @@ digest) and its identity is kept by the server's model key.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,9 @@ def cache_config_of(cli_args: Any) -> dict[str, int]:
 
 
 def track_identities(
-    server: Any, by_model: dict[int, ModelIdentity] | None = None
+    server: Any,
+    by_model: dict[int, ModelIdentity] | None = None,
+    on_load: Callable[[ModelIdentity], None] | None = None,
 ) -> dict[Any, ModelIdentity]:
     """Patch mlx-lm's ModelProvider so each model it loads gets its identity.
 
@@ -68,6 +71,8 @@ def track_identities(
         identities[self.model_key] = ident
         if by_model is not None:  # what the server's generators see: the model object
             by_model[id(self.model)] = ident
+        if on_load is not None:  # persist serve --warm: this model's entries into RAM
+            on_load(ident)
 
     server.ModelProvider._load = _load
     return identities

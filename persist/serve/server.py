@@ -132,9 +132,7 @@ class PersistentPromptCache(LRUPromptCache):
             cache, rest, have = near.cache, list(tokens[len(near.tokens) :]), len(near.tokens)
         try:
             # one index pass: a hit no longer than memory's or the host's is not read
-            hit = self.store.lookup(
-                tokens, identity=identity, namespace=ns, longer_than=have
-            )
+            hit = self.store.lookup(tokens, identity=identity, namespace=ns, longer_than=have)
             if m is not None and probe is not None:
                 n = len(hit.tokens) if hit is not None else 0
                 host = len(near.tokens) if near is not None else 0
@@ -327,6 +325,7 @@ def serve(
     model_names: Sequence[str] = (),
     tenants: Tenants | None = None,
     tenant_max_bytes: int | None = None,
+    warm: int = 0,
 ) -> None:
     """Run mlx-lm's server (``mlx_lm.server``) with the store behind its prompt cache.
 
@@ -342,6 +341,8 @@ def serve(
     ``serve.bounds``, ``serve.allowed_models``.  ``tenants``: who is asking and the
     public prefixes (``serve.tenants``; None: single-tenant); ``tenant_max_bytes``: the
     store's budget for each namespace (tenant).
+    ``warm``: each model loaded gets its ``warm`` most valuable entries read into the
+    host tier (the default model before the server listens; ``serve.warm_start``).
     """
     import functools
     import sys
@@ -358,12 +359,19 @@ def serve(
     from .tenant_metrics import count_by_tenant, tenancy_line
     from .tenant_serving import TaggingBatchGenerator as Batches
     from .tenant_serving import TenantGenerator, scoped_cache, tenant_handler
+    from .warm_start import warmer
 
     tenancy = tenants or Tenants(namespace)
 
     keep_freed_buffers(mlx_cache)
     by_model: dict[int, ModelIdentity] = {}
-    identities = track_identities(server, by_model)
+    warmers: list[Callable[[ModelIdentity], None]] = []  # set once the store is open
+
+    def warm_loaded(identity: ModelIdentity) -> None:
+        for w in warmers:
+            w(identity)
+
+    identities = track_identities(server, by_model, warm_loaded)
     store = Store(
         store_root, max_bytes=max_bytes, shared=shared, cold=cold, tier_key=tier_key,
         namespace_max_bytes=tenant_max_bytes,
@@ -373,6 +381,9 @@ def serve(
     metrics = ServeMetrics(store, namespace)
     budget = host_budget(host_cache)
     metrics.host = host = HostTier(budget) if budget > 0 else None
+    warming = warmer(store, host, warm)
+    if warming is not None:
+        warmers.append(warming)
     if host is not None:
         host.owner_max_bytes = tenant_max_bytes  # a tenant's share of the host tier too
     caches: list[PersistentPromptCache] = []
@@ -406,6 +417,8 @@ def serve(
             log.warning("persist: store %s is read-only: serving, saving nothing", store.root)
         level, line = tenancy_line(tenancy, shared)
         log.log(level, line)
+        if warmers:  # loaded (and so warmed) before the server listens, not on first use
+            model_provider.load_default()
         real_run(host, port, model_provider, *args, **kwargs)
 
     server.LRUPromptCache = make  # type: ignore[assignment,misc]

@@ -1,0 +1,54 @@
+"""``persist serve --warm N``: a restarted server reads the store's most valuable
+entries into the host tier before it listens, and the first returning
+conversation is answered from RAM, as a fresh server given it alone answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.servers import Server
+from tests.serve.servers import TURN1, TURN2, hits, metrics, persist_serve, text
+
+
+@pytest.mark.long
+def test_a_warm_restart_answers_the_first_returning_chat_from_ram(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    model, store = model_dir("llama"), tmp_path / "store"
+    plain = Server(["mlx_lm.server", "--model", str(model)], tmp_path / "plain.log")
+    try:
+        want = plain.chat(TURN2)
+    finally:
+        plain.stop()
+    first = persist_serve(model, store, tmp_path / "a.log")
+    try:
+        first.chat(TURN1)  # stored by the write-behind, flushed at the stop
+    finally:
+        first.stop()
+    log = tmp_path / "b.log"
+    srv = persist_serve(model, store, log, "--warm", "5", "--host-cache", "256M")
+    try:
+        before = metrics(srv)
+        got = srv.chat(TURN2)
+        after = metrics(srv)
+    finally:
+        srv.stop()
+    said = log.read_text()
+    assert "warm start:" in said and "0 entries" not in said
+    assert hits(after, "host") - hits(before, "host") == 1  # from RAM ...
+    assert hits(after, "local") == hits(before, "local")  # ... not from the store
+    assert text(got) == text(want)
+
+
+@pytest.mark.long
+def test_warm_without_a_host_cache_says_so_and_serves(model_dir: Any, tmp_path: Path) -> None:
+    model, log = model_dir("llama"), tmp_path / "s.log"
+    srv = persist_serve(model, tmp_path / "store", log, "--warm", "5", "--host-cache", "0")
+    try:
+        assert text(srv.chat(TURN1))
+    finally:
+        srv.stop()
+    assert "--warm needs the host tier" in log.read_text()
