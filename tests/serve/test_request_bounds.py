@@ -1,6 +1,6 @@
-"""Every request is bounded, and names only allowed models (issue 38, findings 3 and 9).
+"""Every request is bounded, and names only allowed models.
 
-Found from outside: a non-streaming request with ``max_tokens: 100000000``
+Found from outside (round 5's attack): a non-streaming request with ``max_tokens: 100000000``
 whose client hung up kept generating (a core busy, memory rising) and SIGTERM
 waited the whole ``--drain-timeout`` for it; ``max_tokens`` was checked for
 its type only.  A request's ``model`` loaded any folder the server could

@@ -1,6 +1,6 @@
-"""A session name means one history fleet-wide (issue 38, finding 2).
+"""A session name means one history fleet-wide, also while the tier stalls.
 
-Found from outside: with Redis stalled (SIGSTOP, as a failover or a long fork
+Found from outside (round 5's attack): with Redis stalled (SIGSTOP, as a failover or a long fork
 does), ``persist generate --session chat`` on a machine that did not hold
 ``chat`` warned once and started a new conversation under that name; its
 ``persist sync`` then reported "pushed 1" and replaced the fleet's pointer,
