@@ -14,6 +14,7 @@ Runtime guarantees (what ``import persist`` really loads) live in test_imports.p
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.helpers import ROOT
@@ -219,3 +220,13 @@ def test_no_test_module_imports_another() -> None:
 
 def _is_test_module(name: str) -> bool:
     return name.split(".")[-1].startswith("test_")
+
+
+def test_no_test_file_is_named_after_an_issue() -> None:
+    """A test module says what behaviour it guards (where a case came from goes in a
+    comment); a tracker's numbers mean nothing in a checkout without the tracker."""
+    numbered = re.compile(r"test_(attack|issue|round)_?\d")
+    bad = [
+        str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py") if numbered.match(p.name)
+    ]
+    assert not bad, f"name these by the behaviour they guard: {sorted(bad)}"
