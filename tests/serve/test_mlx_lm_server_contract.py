@@ -161,8 +161,8 @@ def test_the_prompt_cache_persist_replaces_and_subclasses() -> None:
     assert len(made.args) <= 2 and {k.arg for k in made.keywords} <= {"max_size", "max_bytes"}
     # PersistentPromptCache sees evictions by wrapping _trie: they all go through _trie.pop
     assert callable(lru()._trie.pop)
-    for method in (lru.insert_cache, lru.trim_to):
-        assert calls_to(method, "pop"), f"LRUPromptCache.{method.__name__} evicts otherwise"
+    for evicting in (lru.insert_cache, lru.trim_to):
+        assert calls_to(evicting, "pop"), f"LRUPromptCache.{evicting.__name__} evicts otherwise"
 
 
 def test_the_server_entry_points_persist_wraps() -> None:
