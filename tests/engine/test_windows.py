@@ -166,3 +166,30 @@ def test_import_of_a_ring_file_under_a_plain_identity_is_refused(
     with pytest.raises(persist.IdentityMismatchError, match="max_kv_size"):
         store.import_file(path, session="ring")
     assert store.sessions() == []
+
+
+@pytest.mark.long  # three CLI processes
+def test_generate_max_kv_size_rings_are_saved_and_resumed(tmp_path: Path) -> None:
+    """``persist generate --max-kv-size`` on a model without caches of its own makes
+    rings of that window (as mlx-lm): saved under that identity, wrapped and resumed;
+    without the option the session is another identity's (refused by name)."""
+    from persist.apps.demo import make_model
+    from tests.helpers import persist_cli
+
+    m = make_model(tmp_path / "q", "llama", overrides=QWEN3)
+    home = tmp_path / "home"
+
+    def gen(*args: str, check: bool = True) -> Any:
+        return persist_cli(home, "generate", "--model", str(m), "--session", "w", *args,
+                           "--max-tokens", "3", check=check)  # fmt: skip
+
+    gen("--max-kv-size", "16", "--prompt", "x " * 20)  # 40 tokens: the ring wrapped
+    gen("--max-kv-size", "16", "--prompt", " y")
+    with persist.Store(home) as s:
+        e = s.entry("w")
+        assert set(e.kinds) == {"rotating-kv"} and e.tokens > 40
+    other = gen("--prompt", " z", check=False)
+    assert other.returncode != 0 and "max_kv_size" in other.stderr
+
+
+QWEN3 = {"model_type": "qwen3", "max_position_embeddings": 4096}
