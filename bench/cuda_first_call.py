@@ -10,7 +10,8 @@ three saves of fresh caches of the same shape, each timed alone, with MLX's peak
 device memory above what was allocated before it.  Cases: no kernel cache
 (MLX_PTX_CACHE_DIR empty), MLX's kernel cache filled by an earlier process, and
 ``engine.staged.restore.prepare`` (what ``persist serve`` runs before it answers)
-before the first restore.  JSON on stdout and in OUT/first-call.json.
+before the first restore, and that in rounds (PERSIST_STAGING=rounds).  JSON on
+stdout and in OUT/first-call.json.
 """
 
 from __future__ import annotations
@@ -50,12 +51,20 @@ def _restores(root: str, prewarm: bool) -> dict[str, Any]:
 
     mx.eval(mx.zeros((1,)))
     out: dict[str, Any] = {"init_s": time.perf_counter() - t0}
+    if os.environ.get("FIRST_CALL_ROUNDS"):  # the staging's rounds (1: all at once)
+        from persist.engine.staged import restore as staging
+
+        staging.ROUNDS = int(os.environ["FIRST_CALL_ROUNDS"])
+        out["rounds"] = staging.ROUNDS
     if prewarm:
         from persist.engine.staged.restore import prepare
 
         t = time.perf_counter()
         out["prepared"] = prepare()
         out["prepare_s"] = time.perf_counter() - t
+    from bench.shapes import llama
+
+    want = llama(int(os.environ.get("FIRST_CALL_TOKENS", "8192")))  # what setup saved
     runs = []
     with persist.Store(root) as store:
         for _ in range(3):
@@ -69,18 +78,32 @@ def _restores(root: str, prewarm: bool) -> dict[str, Any]:
             restore_s = time.perf_counter() - t
             peak = mx.get_peak_memory() - base
             cache_bytes = sum(a.nbytes for c in r.cache for a in (c.keys, c.values))
+            equal = _same(r.cache, want)
             t = time.perf_counter()
             first_step(r.cache)
             mx.synchronize()
             step_s = time.perf_counter() - t
             runs.append(
                 {"restore_s": restore_s, "step_s": step_s, "peak_bytes": peak,
-                 "cache_bytes": cache_bytes, "peak_ratio": peak / cache_bytes}
+                 "cache_bytes": cache_bytes, "peak_ratio": peak / cache_bytes, "equal": equal}
             )  # fmt: skip
             del r
         out["path"] = store.stats().data_paths
     out["runs"] = runs
     return out
+
+
+def _same(got: list[Any], want: list[Any]) -> bool:
+    """The restored layers hold the saved keys and values, byte for byte."""
+    import mlx.core as mx
+
+    for g, w in zip(got, want, strict=True):
+        n = w.offset
+        for a, b in ((g.keys, w.keys), (g.values, w.values)):
+            x, y = a[..., :n, :].view(mx.uint16), b[..., :n, :].view(mx.uint16)
+            if not mx.array_equal(x, y).item():
+                return False
+    return True
 
 
 def _saves(root: str, tokens: int) -> dict[str, Any]:
@@ -146,7 +169,7 @@ def main() -> None:
     a = p.parse_args()
     base = Path(a.root or tempfile.mkdtemp(prefix="first-call-"))
     ptx = base / "ptx"
-    env = {**os.environ, "MLX_PTX_CACHE_DIR": str(ptx)}
+    env = {**os.environ, "MLX_PTX_CACHE_DIR": str(ptx), "FIRST_CALL_TOKENS": str(a.tokens)}
     result: dict[str, Any] = {"tokens": a.tokens}
     result["setup"] = _run(["setup", str(base / "r"), str(a.tokens)], env)
     # the setup child filled the kernel cache; an empty one measures a first process
@@ -157,6 +180,8 @@ def main() -> None:
     ):
         e = {**env, "MLX_PTX_CACHE_DIR": str(base / f"ptx-{name}")} if fresh else env
         result[name] = _run(["restore", str(base / "r"), prewarm], e)
+    rounds = {**env, "PERSIST_STAGING": "rounds"}  # as where the device is short of room
+    result["restore_prepared_rounds"] = _run(["restore", str(base / "r"), "1"], rounds)
     result["save_no_kernel_cache"] = _run(
         ["save", str(base / "w1"), str(a.tokens)], {**env, "MLX_PTX_CACHE_DIR": str(base / "p2")}
     )

@@ -79,6 +79,12 @@ class Driver:
         """Give page-locked memory from ``host_alloc`` back to the system."""
         self._call("cuMemFreeHost", ctypes.c_void_p(host))
 
+    def free_memory(self) -> int:
+        """Bytes of device memory the driver could still hand out (cuMemGetInfo)."""
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        self._call("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
+        return int(free.value)
+
     def stream(self) -> int:
         s = ctypes.c_void_p()
         self._call("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(_NON_BLOCKING))

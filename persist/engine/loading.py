@@ -172,8 +172,8 @@ def _staged(
         staging.Job(functools.partial(_open_staged, blobs, f, heads[f], at, which, dests, split))
         for f, at, which in pieces
     ]
-    total = sum(known[0] for f, _, _ in pieces if (known := heads[f]) is not None)
-    staging.stage(ring, jobs, dests, total, progress)
+    each = [known[0] if (known := heads[f]) is not None else 0 for f, _, _ in pieces]
+    staging.stage(ring, jobs, dests, sum(each), progress, sizes=each)
     return {
         key: as_tensor(flat, shape, NAME_TO_MX[dtype], n)
         for (key, (shape, _, dtype)), (flat, _), n in zip(shapes.items(), made, sizes, strict=True)

@@ -24,6 +24,7 @@ until the scatter is done.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from concurrent.futures import Future, wait
 from typing import NamedTuple
@@ -37,6 +38,7 @@ from .slot_reads import Slot, Want
 
 __all__ = [
     "Want", "Job", "Dest", "Copy", "Geometry", "stage", "busy", "geometry", "placement", "prepare",
+    "rounds", "in_rounds",
 ]  # fmt: skip
 
 
@@ -170,26 +172,83 @@ def busy() -> bool:
     return bool(getattr(_here, "busy", False))
 
 
+ROUNDS = 12  # a restore's staging holds at most about 1/ROUNDS of its bytes at a time
+ROUND_MIN = 64 << 20  # ... but rounds of at least this many bytes (the lanes' pipelining)
+ROOM = 1.25  # whole staging only where the device has this much more free than it needs
+
+
+def in_rounds(total: int) -> bool:
+    """Stage in rounds?  Where the device has no room for a whole staging copy beside
+    what is free now (a server whose weights and KV budget fill the GPU), or where
+    PERSIST_STAGING=rounds asks.  Rounds hold the device near 1.06x the cache but
+    took an 8k Llama-3-8B restore 0.14-0.17 s against 0.06 s whole on an H200
+    (bench/results/cuda-first-call-r7.md): the lanes drain at every round."""
+    asked = os.environ.get("PERSIST_STAGING", "")
+    if asked in ("rounds", "whole"):
+        return asked == "rounds"
+    driver = data_path().driver
+    if driver is None:
+        return False
+    try:
+        free = driver.free_memory()
+    except OSError:  # a driver that cannot say: as before
+        return False
+    return ROOM * total > free
+
+
+def rounds(sizes: list[int], total: int) -> list[list[int]]:
+    """Job indexes in rounds of about ``total / ROUNDS`` bytes (at least ROUND_MIN,
+    at least one job): the device holds one round's staging at a time, so a
+    restore peaks near 1 + 1/ROUNDS times the cache, not twice it (issue 39)."""
+    cap = max(ROUND_MIN, -(-total // ROUNDS))
+    out: list[list[int]] = [[]]
+    held = 0
+    for i, n in enumerate(sizes):
+        if out[-1] and held + n > cap:
+            out.append([])
+            held = 0
+        out[-1].append(i)
+        held += n
+    return out
+
+
 def stage(
     ring: Ring,
     jobs: list[Job],
     dests: dict[str, Dest],
     total: int,
     progress: Progress | None = None,
+    sizes: list[int] | None = None,
 ) -> None:
     """Read every wanted tensor of ``jobs`` (at most ``total`` bytes of them) into
-    its ``dests`` buffer, verified.
+    its ``dests`` buffer, verified.  With each job's bytes (``sizes``) and where the
+    device is short of room (``in_rounds``), in rounds (``rounds``), each one's
+    staging placed and freed before the next.
 
     Returns once every byte is in place.  The first error stops the readers and
     is raised once they have stopped and their copies are done (nothing reads a
     slot or writes a buffer after it).
     """
+    whole = sizes is None or not in_rounds(total)
+    groups = [list(range(len(jobs)))] if whole or sizes is None else rounds(sizes, total)
     with ring.lock:
         _here.busy = True
         try:
-            _stage(ring, jobs, dests, total, progress)
+            done = 0
+            for group in groups:
+                size = total if sizes is None else sum(sizes[i] for i in group)
+                told = _offset(progress, done, len(jobs))
+                _stage(ring, [jobs[i] for i in group], dests, size, told)
+                done += len(group)
         finally:
             _here.busy = False
+
+
+def _offset(progress: Progress | None, done: int, jobs: int) -> Progress | None:
+    """``progress`` told of a round's blobs as of the whole restore's."""
+    if progress is None:
+        return None
+    return lambda n, _total: progress(done + n, jobs)
 
 
 def _stage(
