@@ -59,14 +59,17 @@ def _int(meta: Mapping[str, Any], key: str, default: int = 0) -> int:
 
 
 def chunked(meta: Mapping[str, Any], inner: Sequence[Servable] = ()) -> Servable:
-    """``chunked-kv`` holds positions [start_position, offset).  Cut to n < offset, it
-    continues like a fresh prefill of n tokens only if mlx-lm's next front drop
+    """``chunked-kv`` holds positions [start_position, offset).  Kept at (or cut to) n,
+    it continues like a fresh prefill of n tokens only if mlx-lm's next front drop
     (which keeps the last chunk_size positions) leaves both holding the same
     positions: nothing was dropped (start 0), or n >= start_position + chunk_size.
-    Between, a position attends to chunk positions the cut no longer holds."""
-    offset, start = _int(meta, "offset"), _int(meta, "start_position")
-    chunk = max(1, _int(meta, "chunk_size", 1))
-    return ANY if start == 0 else Servable(True, min(start + chunk, offset))
+    Below, a position attends to chunk positions the state no longer holds.  A
+    state whose front was dropped never holds fewer than chunk_size positions
+    (the drop keeps chunk_size, then the call adds more), unless something cut it
+    (mlx-lm's own trim of a live cache): such a state serves nothing, itself
+    included."""
+    start, chunk = _int(meta, "start_position"), max(1, _int(meta, "chunk_size", 1))
+    return ANY if start == 0 else Servable(True, start + chunk)
 
 
 def rotating(meta: Mapping[str, Any], inner: Sequence[Servable] = ()) -> Servable:

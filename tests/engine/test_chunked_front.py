@@ -179,3 +179,19 @@ def test_a_row_written_before_the_rule_serves_no_cut_the_rule_refuses(
         store.check(fix=True)
         with pytest.raises(SessionNotFoundError):  # no valid cut, no checkpoint: dropped
             store.restore("c", identity=ident)
+
+
+def test_a_chunked_state_mlx_lm_cut_below_its_chunk_serves_nothing(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """mlx-lm's trim_prompt_cache (its server's prompt cache) cuts the front-dropped
+    session to 56 tokens, keeping start_position 47: no fresh prefill holds that."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    model, _, ident, toks, cache = session(tiny)
+    assert trim_prompt_cache(cache, SAVED - 56) == SAVED - 56
+    for host in (None, GIB):
+        with persist.Store(tmp_path / "s", host_cache=host) as store:
+            store.save(cache, toks[:56], identity=ident)
+            for h in (40, 56):
+                check_hit(model, store.lookup(prompt_sharing(toks, h), identity=ident), toks, h)
