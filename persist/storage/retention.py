@@ -125,7 +125,7 @@ def lru_victim(
         args,
     ).fetchone()
     hinted = db.execute(
-        "SELECT id, used, ttl, priority FROM retention_hints JOIN snapshots ON id = snapshot"
+        "SELECT id, used, ttl, priority FROM retention_hints CROSS JOIN snapshots ON id = snapshot"
         f" WHERE {where} ORDER BY (ttl > 0 AND used + ttl > ?), priority, used, id LIMIT 1",
         [*args, now],
     ).fetchone()
