@@ -11,7 +11,15 @@ from ..records import Record, RecordSpec, ResumeFacts
 from ..servable import of_record
 from .base import invalid
 
-__all__ = ["encode_cache", "check_spec", "decode_record", "facts_of", "trim_record", "capacity_of"]
+__all__ = [
+    "encode_cache",
+    "check_spec",
+    "decode_record",
+    "facts_of",
+    "trim_record",
+    "capacity_of",
+    "serves_itself",
+]
 
 
 def encode_cache(cache: Any) -> Record:
@@ -26,6 +34,17 @@ def facts_of(cache: Any) -> ResumeFacts:
     if facts.trimmable and not callable(getattr(codec, "trim", None)):
         facts = dataclasses.replace(facts, trimmable=False)
     return facts
+
+
+def serves_itself(cache: Any) -> bool:
+    """Is every layer of a live cache list a state its kind's rule serves at its own
+    length?  A cut made outside persist (mlx-lm's ``trim_prompt_cache`` in its
+    server's prompt cache) may leave one no fresh prefill gives."""
+    for c in cache:
+        rule, offset = of_record(encode_cache(c)), facts_of(c).offset
+        if rule is not None and offset is not None and rule.floor > offset:
+            return False
+    return True
 
 
 def trim_record(record: Record, n: int) -> Record:
