@@ -19,7 +19,7 @@ import pytest
 
 from bench.servers import Server
 from tests.helpers import persist_cli
-from tests.serve.servers import get, metrics, raw
+from tests.serve.servers import get, metrics, persist_serve, raw
 
 PREFIX = "Note to self: the vault PIN is "
 PIN = "7351"
@@ -29,10 +29,6 @@ KEYS = {
     "bob": "bob-key-0123456789abcdef",
     "carol": "carol-key-0123456789abcdef",
 }
-
-
-def persist_serve(model: Path, store: Path, log: Path, *extra: str) -> Server:
-    return Server(["persist", "serve", "--model", str(model), "--store", str(store), *extra], log)
 
 
 def key_file(tmp: Path) -> Path:
