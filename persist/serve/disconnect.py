@@ -35,8 +35,19 @@ class ClientGone(PersistError, ConnectionError):
 
 
 def closed(sock: socket.socket) -> bool:
-    """Whether the peer closed ``sock``: readable with nothing to read (EOF) or an error.
-    Bytes waiting (a pipelined request) are left where they are."""
+    """Whether the peer closed ``sock``: its side shut (Linux's POLLRDHUP, seen even
+    behind unread bytes), readable with nothing to read (EOF), or an error.  Bytes
+    waiting (a pipelined request) are left where they are."""
+    rdhup = getattr(select, "POLLRDHUP", 0)
+    if rdhup:  # a peek sees only the first waiting byte: pipelined bytes hid the EOF
+        try:
+            poller = select.poll()
+            poller.register(sock, select.POLLIN | rdhup)
+            events = poller.poll(0)
+        except (OSError, ValueError):
+            return True
+        gone = rdhup | select.POLLHUP | select.POLLERR | select.POLLNVAL
+        return any(e & gone for _, e in events)
     try:
         ready, _, _ = select.select([sock], [], [], 0)
         if not ready:

@@ -41,14 +41,18 @@ TEMPLATE_RESERVED = frozenset(
      "return_tensors", "return_assistant_tokens_mask", "padding", "truncation",
      "max_length", "tokenizer_kwargs"}
 )  # fmt: skip
+MAX_CONTEXT = 1 << 20  # tokens a penalty looks back over: past any model's context
+MAX_DRAFT = 64  # draft tokens a speculative step proposes (mlx-lm's default: 3)
 INTEGERS: dict[str, tuple[int, int | None]] = {
     "max_tokens": (1, None),
     "max_completion_tokens": (1, None),
     "top_k": (0, None),
-    "num_draft_tokens": (0, None),
-    "repetition_context_size": (0, None),
-    "presence_context_size": (0, None),
-    "frequency_context_size": (0, None),
+    # bounded: mlx-lm slices by them with 32-bit indices (2**32 raised inside generation,
+    # failing the whole batch, and five such requests stopped the server)
+    "num_draft_tokens": (0, MAX_DRAFT),
+    "repetition_context_size": (0, MAX_CONTEXT),
+    "presence_context_size": (0, MAX_CONTEXT),
+    "frequency_context_size": (0, MAX_CONTEXT),
     "seed": (0, MAX_SEED),
 }
 BOOLEANS = ("stream", "logprobs")

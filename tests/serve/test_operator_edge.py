@@ -93,9 +93,12 @@ def test_sampler_values_past_mlx_limits_are_400_and_never_stop_generation(
         {"prompt": "hello there", "max_tokens": 3, "temperature": 1.0, "top_k": HUGE_TOP_K},
         {"prompt": "hello there", "max_tokens": 3, "temperature": 1.0,
          "xtc_probability": 0.5, "xtc_threshold": 0.9},
+        # mlx-lm slices with 32-bit indices: 2**32 raised in generation (an outside attack)
+        {"prompt": "hello there", "max_tokens": 2, "repetition_penalty": 1.5,
+         "repetition_context_size": 1 << 32},
     ]  # fmt: skip
     try:
-        codes = [post(srv, "/v1/completions", bad[i % 2], timeout=120)[0] for i in range(6)]
+        codes = [post(srv, "/v1/completions", bad[i % 3], timeout=120)[0] for i in range(6)]
         time.sleep(2)  # the generation watcher polls every 0.5 s
         assert srv.proc.poll() is None, "the process exited after bad requests"
         assert codes == [400] * 6, codes

@@ -157,6 +157,14 @@ def test_a_closed_socket_is_told_from_a_quiet_one_and_abandoning_stops_its_conte
     there.close()
     assert closed(here)
     here.close()
+    # a client that pipelined bytes the server never read, then hung up (an outside
+    # attack: a peek saw the bytes, never the EOF behind them)
+    here, there = socket.socketpair()
+    there.sendall(b"POST /v1/completions HTTP/1.1\r\n" * 100)
+    assert not closed(here)
+    there.close()
+    assert closed(here)
+    here.close()
 
     wasted: list[int] = []
     q = AbandonableQueue(lambda: wasted.append(1))
