@@ -380,6 +380,9 @@ def serve(
         namespace_max_bytes=tenant_max_bytes,
     )  # fmt: skip
     tidied = store.tidy()  # what killed writers left: no cron job for check --fix
+    from ..engine.staged.restore import prepare
+
+    prepare()  # CUDA: lanes up and kernels built before the first request (issue 39)
     measure_prefills(server, store, lambda model: by_model.get(id(model)))
     metrics = ServeMetrics(store, namespace)
     budget = host_budget(host_cache)
