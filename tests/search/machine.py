@@ -197,7 +197,12 @@ class Search(RuleBasedStateMachine):
         if name not in self.named:
             return
         path = self.root / f"{name}.persist"
-        self.store.export(name, path)
+        try:
+            self.store.export(name, path)
+        except SessionNotFoundError:  # removed by the repair of a session sharing its blobs
+            assert self.repaired
+            del self.named[name]
+            return
         self.store.import_file(path, session="c")
         self.named["c"] = self.named[name]
         self.saved.append(self.named[name])
