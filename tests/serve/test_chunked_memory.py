@@ -10,7 +10,7 @@ from typing import Any
 
 import persist
 from persist.serve.server import PersistentPromptCache
-from tests.engine.test_chunked_front import check_hit, prompt_sharing, session
+from tests.engine.chunked_session import check_hit, prompt_sharing, session
 
 
 class Hit:
