@@ -17,6 +17,7 @@ from typing import Any
 from .. import policy
 from ..format.tokens import unpack_tokens
 from ..identity import ModelIdentity
+from ..servable import of_row
 from ..storage.blobs import BlobStore
 from ..storage.index import Index
 from ..storage.rows import SnapshotRow, listed_info
@@ -93,10 +94,11 @@ def _why_short(row: SnapshotRow, shared: int, prompt_len: int, kinds: list[str])
     p = min(shared, prompt_len - 1, row.n_tokens)
     if p < shared:
         return "last-token", f"the prompt is {prompt_len} tokens; a hit keeps the last to compute"
-    if p < row.min_resume:
+    rule = of_row(row.trimmable, row.min_resume, row.manifest)
+    if p < max(row.min_resume, rule.floor):
         what = ", ".join(sorted({k for k in kinds if k != "kv"})) or "its layers"
-        return "floor", f"no prefix below {row.min_resume} tokens ({what})"
-    if not row.trimmable:
+        return "floor", f"no prefix below {max(row.min_resume, rule.floor)} tokens ({what})"
+    if not row.trimmable or not rule.trimmable:
         what = ", ".join(sorted({k for k in kinds if k not in ("kv", "concat-kv")})) or "state"
         return "exact-only", f"only at exactly {row.n_tokens} tokens ({what} cannot be cut)"
     return "hit", ""
@@ -119,6 +121,11 @@ def _near(
     else:
         n = len(toks)
         usable = policy.usable_prefix(row.n_tokens, shared, n, row.trimmable, row.min_resume)
+        # the lookup's own last word: the row's layers' rules (persist.servable)
+        if usable and not of_row(row.trimmable, row.min_resume, row.manifest).serves(
+            usable, row.n_tokens
+        ):
+            usable = 0
         reason, detail = _why_short(row, shared, n, info.kinds) if usable < shared else ("hit", "")
         if marked(row.metadata):
             detail = (detail + "; " if detail else "") + REASONS["unverified"]
@@ -190,17 +197,21 @@ def _other_backend(n: Near, index: Index, identity: ModelIdentity) -> Near:
 def _priced(
     index: Index, blobs: BlobStore, costs: CostModel, identity: ModelIdentity, best: Near
 ) -> tuple[dict[str, Any] | None, Near | None]:
-    """The cost model's verdict on ``best``, predicted without recording a decision."""
+    """The cost model's verdict on ``best`` (``CostModel.predict``: recorded nowhere, and
+    without the exploration a lookup sometimes makes of a declined hit)."""
     row = index.get(best.id)
     if row is None:
         return None, best
     tier, nbytes = local_hit(index, blobs, row, best.usable)
-    restore = costs.restore_seconds(identity, tier, nbytes)
-    prefill = costs.prefill_seconds(identity, 0, best.usable)
-    d = policy.decide_cost(best.usable, nbytes, tier, restore, prefill, None)
+    d = costs.predict(identity, [(tier, nbytes)], best.usable, costs.max_cost)
     if d.restore:
         return asdict(d), best
-    detail = f"restore {restore:.3f} s predicted against prefill {prefill:.3f} s"
+    detail = (
+        f"restore {d.restore_s or 0:.3f} s predicted against "
+        f"{'a limit of' if d.reason == 'max_cost' else 'a prefill of'} "
+        f"{(costs.max_cost if d.reason == 'max_cost' else d.prefill_s) or 0:.3f} s "
+        f"({d.reason}; a lookup may still restore it now and then, to measure again)"
+    )
     return asdict(d), _replace(best, reason="declined", detail=detail)
 
 

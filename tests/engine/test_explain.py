@@ -117,6 +117,7 @@ def test_a_hit_the_cost_model_declines(tiny: Any, store: persist.Store) -> None:
     got = store.explain(prompt, identity=identity)
     assert got.reason == "declined", got.message
     assert got.cost is not None and got.cost["restore"] is False
+    assert store.lookup(prompt, identity=identity) is None  # the lookup declines it too
 
 
 def test_a_damaged_row_is_named(tiny: Any, store: persist.Store) -> None:
@@ -138,3 +139,16 @@ def test_other_namespaces_give_a_count_never_content(tiny: Any, store: persist.S
     got = store.explain(toks + [1], identity=identity, namespace="bob", other_namespaces=True)
     assert (got.reason, got.nearest, got.other_namespaces) == ("empty", [], 1)
     assert store.explain(toks + [1], identity=identity, namespace="bob").other_namespaces is None
+
+
+def test_a_front_dropped_chunked_session_is_a_floor(tiny: Any, store: persist.Store) -> None:
+    """The row's layers' rules (persist.servable) are the lookup's last word: explain
+    asks them too, so a cut into a dropped chunk is named, never called usable."""
+    from tests.engine.chunked_session import prompt_sharing, session
+
+    _, _, ident, toks, cache = session(tiny)
+    store.save(cache, toks, identity=ident)
+    prompt = prompt_sharing(toks, 56)
+    got = store.explain(prompt, identity=ident)
+    assert got.reason == "floor" and got.best is None, got.message
+    agrees_with_lookup(store, prompt, ident, 0)
