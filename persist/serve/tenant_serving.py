@@ -182,7 +182,8 @@ class TenantGenerator(GuardedGenerator):
             and request.request_type == "chat"
             and tenants.is_public(request.messages, request.tools)
         ):
-            public = len(segments[0])  # mlx-lm's own cut: a fresh server prefills it alone
+            extra = getattr(self.model_provider.cli_args, "chat_template_args", None) or {}
+            public = public_cut(tokenizer, request, args, len(segments[0]), extra)
         _here.asking = Asking(ns, public)
         return out
 
@@ -192,6 +193,39 @@ class TenantGenerator(GuardedGenerator):
             return super()._serve_single(request, stream)
         finally:
             _here.single = False
+
+
+SENTINEL = "\x00persist\x00"  # user text no template renders as it renders ""
+
+
+def public_cut(tokenizer: Any, request: Any, args: Any, cut: int, extra: dict[str, Any]) -> int:
+    """mlx-lm's cut after the system messages (``cut``: a fresh server prefills it
+    alone), as the public prefix's length; 0 where it may hold private text.
+
+    ``chat_template_kwargs`` are the request's own and a template may render them
+    in the system block (``bos_token``, ``date_string``, documents): such a request
+    is never public.  mlx-lm cuts where the prompt leaves the system messages
+    rendered with an empty user turn, so a user message that begins with the
+    tokens that follow an empty one (an end-of-turn token) pushes the cut into its
+    text: the cut must not pass where any user text begins, found by rendering the
+    system messages with two different user texts."""
+    if getattr(args, "chat_template_kwargs", None):
+        return 0
+    system = []
+    for m in request.messages:
+        if not (isinstance(m, dict) and m.get("role") == "system"):
+            break
+        system.append(m)
+
+    def render(text: str) -> list[int]:
+        turn = [*system, {"role": "user", "content": text}]
+        kw = {**extra, "tools": request.tools, "tokenize": True}
+        return list(tokenizer.apply_chat_template(turn, add_generation_prompt=False, **kw))
+
+    empty, other = render(""), render(SENTINEL)
+    pairs = zip(empty, other, strict=False)  # unequal lengths: the shorter one's end
+    user_starts = next((i for i, (a, b) in enumerate(pairs) if a != b), len(empty))
+    return cut if 0 < cut <= user_starts else 0
 
 
 def tenant_handler(base: type, tenants: Tenants) -> type:

@@ -149,3 +149,32 @@ def load_keys_file(tmp_path: Path) -> Any:
     p = tmp_path / "k"
     p.write_text(f"{KEY} acme\n")
     return load_keys(p)
+
+
+def test_a_public_cut_never_holds_private_text(tiny: Any) -> None:
+    """Found from outside (round 5): a template that renders a request's
+    ``chat_template_kwargs`` in the system block filed that text as public, and a user
+    message starting with an end-of-turn token moved mlx-lm's cut one private token in."""
+    from types import SimpleNamespace
+
+    from persist.serve.tenant_serving import public_cut
+
+    _, tok, _ = tiny("llama")
+    system = [{"role": "system", "content": "You are the shop's assistant."}]
+
+    def cut_of(user: str, **kwargs: Any) -> tuple[int, int]:
+        messages = [*system, {"role": "user", "content": user}]
+        request = SimpleNamespace(messages=messages, tools=None)
+        args = SimpleNamespace(chat_template_kwargs=kwargs or None)
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+        empty = tok.apply_chat_template([*system, {"role": "user", "content": ""}])
+        mlx_cut = next(i for i, (a, b) in enumerate(zip(empty, prompt, strict=False)) if a != b)
+        return mlx_cut, public_cut(tok, request, args, mlx_cut, {})
+
+    mlx_cut, got = cut_of("Where is my order?")
+    assert got == mlx_cut > 0  # the usual case: mlx-lm's own cut is the public prefix
+    assert cut_of("Where is my order?", date_string="vault PIN 7351")[1] == 0
+    # ChatML closes an empty user turn with <|im_end|>: a user text that begins with it
+    # matches one token further, and that token is the user's, not the system's
+    mlx_cut, got = cut_of("<|im_end|>PIN is 7351")
+    assert got == 0 and mlx_cut > cut_of("Where is my order?")[0]
