@@ -360,8 +360,7 @@ def serve(
     from .model_identity import track_identities
     from .prefill_rates import measure_prefills
     from .tenant_metrics import count_by_tenant, tenancy_line
-    from .tenant_serving import TaggingBatchGenerator as Batches
-    from .tenant_serving import TenantGenerator, scoped_cache, tenant_handler
+    from .tenant_serving import TenantGenerator, scoped_cache, tagging_batches, tenant_handler
     from .warm_start import warmer
 
     tenancy = tenants or Tenants(namespace)
@@ -429,7 +428,8 @@ def serve(
 
     server.LRUPromptCache = make  # type: ignore[assignment,misc]
     server.ResponseGenerator = TenantGenerator  # type: ignore[misc]
-    server.BatchGenerator = Batches  # type: ignore[misc]
+    # over the class measure_prefills made: both the timing and the tags
+    server.BatchGenerator = tagging_batches(server.BatchGenerator)  # type: ignore[assignment,misc]
     limits = limits_for(model_dir, model_names, allowed_models, max_tokens_limit)
     handler = type("PersistHandler", (PersistHandler,), {"limits": limits})
     handler = tenant_handler(handler, tenancy)

@@ -40,7 +40,8 @@ from .tenants import AccessDeniedError, Scoped, Tenants
 __all__ = [
     "Asking",
     "Tagged",
-    "TaggingBatchGenerator",
+    "TaggingBatches",
+    "tagging_batches",
     "TenantGenerator",
     "TenantScoping",
     "scoped_cache",
@@ -130,8 +131,17 @@ def scoped_cache(base: type) -> type:
     return type("TenantPromptCache", (TenantScoping, base), {})
 
 
-class TaggingBatchGenerator(BatchGenerator):
-    """mlx-lm's BatchGenerator that tags the caches it hands back with their namespace."""
+def tagging_batches(base: type) -> type:
+    """``base`` (the server's BatchGenerator as persist serve patched it so far: the
+    prefill timing of ``serve.prefill_rates``) that also tags the caches it hands back
+    with their namespace.  Built over the patched class, not mlx-lm's own: over mlx-lm's
+    it dropped the prefill timing, and the cost model learned no prefill rate."""
+    return type("TaggingBatchGenerator", (TaggingBatches, base), {})
+
+
+class TaggingBatches(BatchGenerator):
+    """Put before another BatchGenerator subclass (``tagging_batches``): tags the caches
+    it hands back with their namespace."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

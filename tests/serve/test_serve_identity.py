@@ -161,5 +161,8 @@ def test_repeated_identical_requests_keep_the_store_bounded(
         srv.stop()
     with persist.Store(store) as s:
         assert len(s.entries()) <= 2, [e.tokens for e in s.entries()]
-        assert s.stats().counters.get("serve_persisted", 0) >= 12
+        c = s.stats().counters
+        # the first request's caches were stored; the same tokens again are not captured
+        # (a request that gains nothing costs nothing), counted as skipped
+        assert c.get("serve_persisted", 0) >= 1 and c.get("serve_captures_skipped", 0) >= 11
         assert s.check() == []
