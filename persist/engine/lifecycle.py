@@ -111,9 +111,6 @@ class StoreUpkeep:
                     raise SessionNotFoundError(session, namespace)
                 for r in rows:
                     writes.remove(db, r.id)
-                # the fleet's versions this store saw of the name no longer vouch for
-                # what it saves under it next: that is a new history, kept beside theirs
-                writes.forget_seen(db, namespace, session)
 
         full.with_room(self.root, remove)  # works on a full disk: the reserve makes room
         full.with_room(self.root, lambda: retention.collect(self.index, self.blobs))

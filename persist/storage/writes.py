@@ -216,11 +216,6 @@ def session_rows(db: sqlite_utils.Database, namespace: str, name: str) -> list[S
     return named + [r for sid in owned for r in Index.rows_where(db, "id = ?", [sid])]
 
 
-def forget_seen(db: sqlite_utils.Database, namespace: str, name: str) -> None:
-    """Forget the latest tier version of ``name`` this store saw (``Index.seen``)."""
-    db.execute("DELETE FROM tier_seen WHERE namespace = ? AND name = ?", [namespace, name])
-
-
 def version_after(db: sqlite_utils.Database, namespace: str, name: str, now: float) -> float:
     """A session's new save time (its version on the tiers): ``now``, or just after the
     latest one of it this store knows (its saved row, the latest a tier showed) if that
