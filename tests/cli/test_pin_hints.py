@@ -8,20 +8,17 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from mlx_lm.models import cache as mc
 
 import persist
 from persist.cli import cli
 from persist.engine.lifecycle import parse_ttl
 from persist.errors import InvalidArgumentError
-from tests.golden.cases import IDENTITY, kvs
+from tests.golden.cases import IDENTITY, kv_cache
 
 
 def stored(root: Path) -> None:
-    c = mc.KVCache()
-    c.update_and_fetch(*kvs(1, 32))
     with persist.Store(root) as s:
-        s.save([c], list(range(32)), identity=IDENTITY, session="agent")
+        s.save([kv_cache(32)], list(range(32)), identity=IDENTITY, session="agent")
 
 
 def run(*args: str) -> Any:

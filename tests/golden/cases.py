@@ -29,6 +29,13 @@ def kvs(seed: int, n: int, b: int = 1, d: int = D) -> tuple[mx.array, mx.array]:
     return arr(seed, (b, H, n, d)), arr(seed + 1, (b, H, n, d))
 
 
+def kv_cache(n: int, seed: int = 1) -> Any:
+    """A plain KVCache holding ``n`` positions of ``kvs(seed, n)``."""
+    c = mc.KVCache()
+    c.update_and_fetch(*kvs(seed, n))
+    return c
+
+
 def _kv(n: int) -> Any:
     c = mc.KVCache()
     if n:

@@ -8,17 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mlx_lm.models import cache as mc
 
 import persist
 from persist.errors import InvalidTokensError
-from tests.golden.cases import IDENTITY, kvs
-
-
-def kv(n: int, seed: int = 1) -> Any:
-    c = mc.KVCache()
-    c.update_and_fetch(*kvs(seed, n))
-    return c
+from tests.golden.cases import IDENTITY
+from tests.golden.cases import kv_cache as kv
 
 
 @pytest.mark.parametrize("bad", [[-1], [1 << 32], [3, 1.5], ["7"], [None]])

@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from mlx_lm.models import cache as mc
 
 import persist
 from persist.storage import lookup
-from tests.golden.cases import IDENTITY, kvs
+from tests.golden.cases import IDENTITY
+from tests.golden.cases import kv_cache as kv
 
 SYSTEM = list(range(1000, 2024))  # a 1,024-token system prompt: four full blocks
-
-
-def kv(n: int, seed: int) -> Any:
-    c = mc.KVCache()
-    c.update_and_fetch(*kvs(seed, n))
-    return c
 
 
 def chat(i: int) -> list[int]:

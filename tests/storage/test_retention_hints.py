@@ -12,18 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mlx_lm.models import cache as mc
 
 import persist
 from persist import policy
 from persist.errors import InvalidArgumentError, SessionNotFoundError
-from tests.golden.cases import IDENTITY, kvs
-
-
-def kv(n: int, seed: int) -> Any:
-    c = mc.KVCache()
-    c.update_and_fetch(*kvs(seed, n))
-    return c
+from tests.golden.cases import IDENTITY
+from tests.golden.cases import kv_cache as kv
 
 
 def save(s: persist.Store, name: str, seed: int, **hints: Any) -> persist.EntryInfo:

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from mlx_lm.models import cache as mc
 
 import persist
 from persist.cli import cli
 from persist.storage import listing
-from tests.golden.cases import IDENTITY, kvs
+from tests.golden.cases import IDENTITY
+from tests.golden.cases import kv_cache as kv
 from tests.helpers import raw
 
 SYSTEM = list(range(1000, 1300))  # 300 tokens: one full block and 44 of the next
@@ -32,12 +32,6 @@ def own(i: int) -> list[int]:
 
 def chat(i: int) -> list[int]:
     return SYSTEM + own(i)
-
-
-def kv(n: int, seed: int) -> Any:
-    c = mc.KVCache()
-    c.update_and_fetch(*kvs(seed, n))
-    return c
 
 
 BASE = [kv(340, 1), kv(340, 3)]  # every chat's cache (the same bytes: no blob writes)
