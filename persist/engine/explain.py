@@ -158,20 +158,18 @@ def explain(
     toks = list(tokens)
     decode = None if tokenizer is None else (lambda ids: str(tokenizer.decode(ids)))
     special = set(getattr(tokenizer, "all_special_ids", None) or ())
-    rows = index.snapshots(namespace, named_only=False)
-    damaged = {r.id for r, _ in _damaged(index)}
-    nears = [n for n in (_near(r, toks, identity, decode, special) for r in rows) if n.shared]
-    for i, n in enumerate(nears):
-        if n.id in damaged:
-            nears[i] = _replace(n, usable=0, reason="damaged", detail=REASONS["damaged"])
-    if strict_backend:
-        nears = [_other_backend(n, index, identity) for n in nears]
+    rows = {r.id: r for r in index.snapshots(namespace, named_only=False)}
+    nears = [
+        n for n in (_near(r, toks, identity, decode, special) for r in rows.values()) if n.shared
+    ]
+    with index.read() as db:  # the checksums of the rows that share a prefix, no others
+        nears = [_judged(n, rows[n.id], db, identity, strict_backend) for n in nears]
     nears.sort(key=lambda n: (-n.usable, -n.shared, n.id))
     best = next((n for n in nears if n.usable), None)
     longest = max(nears, key=lambda n: (n.shared, n.usable), default=None)
     cost = None
     if best is not None:
-        cost, best = _priced(index, blobs, costs, identity, best)
+        cost, best = _priced(index, blobs, costs, identity, best, rows[best.id])
     reason, message = _verdict(best, longest)
     others = _elsewhere(index, namespace, toks, longest) if other_namespaces else None
     shown = sorted(nears, key=lambda n: (-n.shared, -n.usable, n.id))[:limit]
@@ -182,26 +180,26 @@ def _replace(n: Near, **kw: Any) -> Near:
     return Near(**{**asdict(n), **kw})
 
 
-def _damaged(index: Index) -> list[tuple[SnapshotRow, str]]:
-    with index.read() as db:
-        return Index.damaged_rows(db)
-
-
-def _other_backend(n: Near, index: Index, identity: ModelIdentity) -> Near:
-    row = index.get(n.id)
-    if n.usable and row is not None and computed_elsewhere(row, identity):
+def _judged(n: Near, row: SnapshotRow, db: Any, identity: ModelIdentity, strict: bool) -> Near:
+    """``n`` as a lookup would take it: a row failing its checksum is skipped, and a
+    strict store skips one computed on another backend."""
+    if Index.damaged_rows(db, row.id):
+        return _replace(n, usable=0, reason="damaged", detail=REASONS["damaged"])
+    if strict and n.usable and computed_elsewhere(row, identity):
         return _replace(n, usable=0, reason="backend", detail=REASONS["backend"])
     return n
 
 
 def _priced(
-    index: Index, blobs: BlobStore, costs: CostModel, identity: ModelIdentity, best: Near
-) -> tuple[dict[str, Any] | None, Near | None]:
+    index: Index,
+    blobs: BlobStore,
+    costs: CostModel,
+    identity: ModelIdentity,
+    best: Near,
+    row: SnapshotRow,
+) -> tuple[dict[str, Any], Near]:
     """The cost model's verdict on ``best`` (``CostModel.predict``: recorded nowhere, and
     without the exploration a lookup sometimes makes of a declined hit)."""
-    row = index.get(best.id)
-    if row is None:
-        return None, best
     tier, nbytes = local_hit(index, blobs, row, best.usable)
     d = costs.predict(identity, [(tier, nbytes)], best.usable, costs.max_cost)
     if d.restore:
