@@ -41,6 +41,7 @@ from .unverified import inherit_mark
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
     from ..codecs.snapshot import Snapshot
     from .explain import Explanation
+    from .host.tier import HostTier
     from .saving import Target
     from .tiers.exchange import Shared
     from .warm import WarmReport
@@ -286,6 +287,7 @@ class Store(StoreUpkeep):
         namespace: str = "default",
         longer_than: int = 0,
         max_cost: float | None = None,
+        host: HostTier | None = None,
     ) -> Restored | None:
         """The longest usable stored prefix of ``tokens`` (at least one token is left over).
 
@@ -297,37 +299,18 @@ class Store(StoreUpkeep):
         this machine; ``max_cost`` seconds instead, if given) is declined:
         None.  ``self.costs.last`` is the decision.  With ``host_cache`` the
         RAM copy serves unless the store holds a strictly longer hit
-        (``Restored.source`` says which).
+        (``Restored.source`` says which); ``host`` asks that RAM tier instead
+        (``persist serve``'s own).  The order is ``engine.lookup_order``'s.
         """
-        from .reading import lookup_prefix
+        from .lookup_order import nearest
 
         toks = check_tokens(tokens)
         check_name(namespace, "namespace")
-        i, b, strict, costs = self.index, self.block_tokens, self.strict_backend, self.costs
-        costs.begin(max_cost)  # checks max_cost; forgets the previous decision
-        who, ram, kept = "", 0, 0
-        if self.host is not None:
-            from .host.store_hooks import host_hit, owner
-
-            who = owner(namespace, identity, strict)
-            h = self.host
-            ram, kept = host_hit(h, costs, identity, namespace, who, toks, longer_than, max_cost)
-        have = max(kept, longer_than)  # what a pull or a read must beat (a declined copy too)
-        if kept < len(toks) - 1:  # nothing beats a hit of every token but the last
-            for tier in self.tiers:  # the fleet's deepest snapshot, if it beats what is here
-                tier.pull_prefix(i, self.blobs, toks, identity, namespace, b, costs, max_cost, have)
-            found = lookup_prefix(
-                i, self.blobs, toks, identity, namespace, b, have, strict, costs, max_cost,
-                count_miss=not kept,  # a declined copy was counted as cost_recomputed
-            )  # fmt: skip
-            if found is not None:
-                cache, row, prefix = found
-                return Restored(cache, toks[:prefix], self._info(row))
-        if not ram:
-            return None
-        from .host.store_hooks import from_host
-
-        return from_host(self, toks, identity, namespace, who, longer_than, max_cost)
+        self.costs.begin(max_cost)  # checks max_cost; forgets the previous decision
+        return nearest(
+            self, toks, identity=identity, namespace=namespace, longer_than=longer_than,
+            max_cost=max_cost, host=self.host if host is None else host, tiers=self.tiers,
+        )  # fmt: skip
 
     def record_prefill(self, identity: ModelIdentity, start: int, end: int, seconds: float) -> None:
         """Tell the cost model a prefill of positions [start, end) took ``seconds`` here

@@ -109,7 +109,8 @@ class ServeMetrics:
         self.generation_seconds = Histogram(
             "persist_generation_thread_seconds",
             "Time persist spends on mlx-lm's generation thread, by step (lookup: the host "
-            "tier and the store asked; capture: a cache encoded for the write-behind; queue: "
+            "tier and the store asked; handoff: a cache's arrays evaluated for the writer "
+            "thread, which copies them to host bytes; queue: "
             "waiting for room in the write-behind queue; keep: an evicted cache copied to the "
             "host tier): what it adds to a request's latency.",
             ["step"], buckets=SECONDS, registry=r,

@@ -25,13 +25,14 @@ from typing import Any
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..codecs.dispatch import serves_itself
-from ..codecs.snapshot import Snapshot, capture
-from ..engine.host.store_hooks import owner, served
+from ..codecs.snapshot import capture
+from ..engine.host.store_hooks import HOST, owner
 from ..engine.host.tier import DEVICE_MEMORY, EvictionWatch, HostTier, default_budget, placement
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
 from .coverage import covered_key
+from .handoff import handed_off, writer_stream
 from .kept_keys import KeptKeys
 from .metrics import ServeMetrics
 from .tenants import Scoped, Tenants
@@ -94,7 +95,8 @@ class PersistentPromptCache(LRUPromptCache):
         self._kept = KeptKeys()  # what this process stored or queued: captured once
         # a tenant's counts, by namespace (serve.tenant_metrics); None: not kept
         self.on_count: Callable[[str, dict[str, int]], None] | None = None
-        self._queue: queue.Queue[tuple[ModelIdentity, str, list[int], Snapshot] | None] = (
+        # (identity, namespace, tokens, the cache's layers): captured on the writer thread
+        self._queue: queue.Queue[tuple[ModelIdentity, str, list[int], list[Any]] | None] = (
             queue.Queue(queue_size)
         )
         self._writer = threading.Thread(
@@ -130,45 +132,37 @@ class PersistentPromptCache(LRUPromptCache):
                 m.prompt_only(len(tokens), have)
             return cache, rest
         probe = m.probe() if m is not None else None
-        memory, near = have, self._from_host(identity, ns, tokens, have)
-        if near is not None:
-            cache, rest, have = near.cache, list(tokens[len(near.tokens) :]), len(near.tokens)
         try:
-            # one index pass: a hit no longer than memory's or the host's is not read
-            hit = self.store.lookup(tokens, identity=identity, namespace=ns, longer_than=have)
-            if m is not None and probe is not None:
-                n = len(hit.tokens) if hit is not None else 0
-                host = len(near.tokens) if near is not None else 0
-                m.looked_up(probe, len(tokens), memory, n, self.store.costs.last, host=host)
-            if hit is not None:
-                self._count(ns, store_hits=1, restored_tokens=len(hit.tokens))
-                log.info(
-                    "persist: restored %d of %d prompt tokens from the store",
-                    len(hit.tokens),
-                    len(tokens),
-                )
-                return hit.cache, list(tokens[len(hit.tokens) :])
+            # after memory, one order for every tier: host RAM, the fleet, the index
+            # (engine.lookup_order); a host copy is made only if it is the longest
+            hit = self.store.lookup(
+                tokens, identity=identity, namespace=ns, longer_than=have, host=self.host
+            )
         except Exception as e:  # the store must never take the server down
-            self._count(ns, store_errors=1)
-            if self.metrics is not None:
-                self.metrics.store_errors.inc()
+            self._count(ns, store_errors=1, memory_hits=int(cache is not None),
+                        misses=int(cache is None))  # fmt: skip
+            if m is not None:
+                m.store_errors.inc()
             log.warning("persist: store lookup failed: %s", e)
-        if near is not None:
-            self._count(ns, host_hits=1, host_tokens=len(near.tokens))
-        else:
+            return cache, rest
+        from_host = hit is not None and hit.source == HOST
+        if m is not None and probe is not None:
+            n = len(hit.tokens) if hit is not None and not from_host else 0
+            host = len(hit.tokens) if hit is not None and from_host else 0
+            m.looked_up(probe, len(tokens), have, n, self.store.costs.last, host=host)
+        if hit is None:
             self._count(ns, memory_hits=int(cache is not None), misses=int(cache is None))
-        return cache, rest
-
-    def _from_host(self, identity: ModelIdentity, ns: str, tokens: list[int], have: int) -> Any:
-        """A host-tier hit longer than memory's (a fresh copy), its rate told to the costs."""
-        if self.host is None:
-            return None
-        try:
-            who = self._owner(identity, ns)
-            return served(self.host, self.store.costs, identity, who, tokens, have)
-        except Exception as e:  # the tier must never take the server down
-            log.warning("persist: host cache lookup failed: %s", e)
-            return None
+            return cache, rest
+        if from_host:
+            self._count(ns, host_hits=1, host_tokens=len(hit.tokens))
+        else:
+            self._count(ns, store_hits=1, restored_tokens=len(hit.tokens))
+            log.info(
+                "persist: restored %d of %d prompt tokens from the store",
+                len(hit.tokens),
+                len(tokens),
+            )
+        return hit.cache, list(tokens[len(hit.tokens) :])
 
     def _evicted(self, model: Any, tokens: list[int], cache: list[Any]) -> None:
         """Keep what mlx-lm evicts.  Called inside its bookkeeping (the entry is out of
@@ -221,15 +215,17 @@ class PersistentPromptCache(LRUPromptCache):
             self._count(ns, captures_skipped=1)
             return
         try:
-            # Encoded and evaluated here, on the generation thread: the writer
-            # then handles host bytes only and never waits on this thread's stream.
-            with self._on_thread("capture"):
-                snap = capture(prompt_cache, tokens)
+            # Only the hand-off runs here: the arrays evaluated on this thread's
+            # stream (a lazy slice of a batch is computed where it was made).  The
+            # copy to host bytes runs on the writer thread (issue 39): it never
+            # delays the next request, and MLX arrays do not change once evaluated.
+            with self._on_thread("handoff"):
+                handed_off(prompt_cache)
         except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
             self._count(ns, persist_errors=1)
             log.warning("persist: could not persist a cache: %s", e)
             return
-        item = (identity, ns, list(tokens), snap)
+        item = (identity, ns, list(tokens), list(prompt_cache))
         try:
             with self._on_thread("queue"):  # a full write-behind queue holds the thread
                 if self.when_full == "block":
@@ -251,11 +247,14 @@ class PersistentPromptCache(LRUPromptCache):
             try:
                 if item is None:
                     return
-                identity, ns, tokens, snap = item
+                identity, ns, tokens, layers = item
                 m = self.metrics
                 probe = m.probe(save=True) if m is not None else None
                 ok = False
                 try:
+                    with writer_stream():
+                        snap = capture(layers, tokens)
+                    del layers  # the host bytes are all the save needs from here
                     self.store.save(snap, tokens, identity=identity, namespace=ns)
                     ok = True
                 finally:
@@ -361,7 +360,7 @@ def serve(
     from .prefill_rates import measure_prefills
     from .tenant_metrics import count_by_tenant, tenancy_line
     from .tenant_serving import TenantGenerator, scoped_cache, tagging_batches, tenant_handler
-    from .warm_start import warmer
+    from .warm_start import first_forward, warmer
 
     tenancy = tenants or Tenants(namespace)
 
@@ -422,8 +421,10 @@ def serve(
             log.warning("persist: store %s is read-only: serving, saving nothing", store.root)
         level, line = tenancy_line(tenancy, shared)
         log.log(level, line)
-        if warmers:  # loaded (and so warmed) before the server listens, not on first use
-            model_provider.load_default()
+        # loaded, run once (kernels built) and warmed before the server listens
+        took = first_forward(model_provider)
+        if took is not None:
+            log.info("persist: model loaded and its kernels built in %.2f s", took)
         real_run(host, port, model_provider, *args, **kwargs)
 
     server.LRUPromptCache = make  # type: ignore[assignment,misc]

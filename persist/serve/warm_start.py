@@ -1,19 +1,27 @@
 """``persist serve --warm N``: each model the server loads (the default one before the
 server listens, any other when a request swaps to it) gets its N most valuable
 store entries read into the host tier, so a returning conversation after a
-restart is answered from RAM instead of a disk read (``engine.warm``)."""
+restart is answered from RAM instead of a disk read (``engine.warm``).
+
+``first_forward``: before the server listens, the default model runs one short
+prefill and one decode step, so the kernels MLX compiles at first use (several
+seconds for an 8B model on CUDA) are built before the first request, not in it."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from typing import Any
 
 from ..engine.host.tier import HostTier
 from ..engine.store import Store
 from ..engine.warm import warm
 from ..identity import ModelIdentity
 
-__all__ = ["warmer"]
+__all__ = ["first_forward", "warmer"]
+
+WARMUP_TOKENS = 256  # a prefill longer than one decode step: both kinds of kernels
 
 log = logging.getLogger("persist")
 
@@ -41,3 +49,26 @@ def warmer(store: Store, host: HostTier | None, n: int) -> Callable[[ModelIdenti
         )  # fmt: skip
 
     return run
+
+
+def first_forward(model_provider: Any) -> float | None:
+    """Load the default model and run it once (seconds taken; None: no default model,
+    or it failed, which the generation thread then reports as it always does)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    t0 = time.perf_counter()
+    try:
+        model_provider.load_default()
+        model = model_provider.model
+        if model is None:
+            return None
+        cache = make_prompt_cache(model)
+        ids = model_provider.tokenizer.encode("warm up " * WARMUP_TOKENS)[:WARMUP_TOKENS]
+        logits = model(mx.array([ids]), cache=cache)
+        mx.eval(logits)
+        mx.eval(model(mx.argmax(logits[:, -1:], axis=-1), cache=cache))
+    except Exception as e:
+        log.warning("persist: the first forward pass at start failed: %s", e)
+        return None
+    return time.perf_counter() - t0

@@ -180,7 +180,7 @@ def test_a_lookup_beside_a_close_is_a_typed_error(tmp_path: Path) -> None:
         strict_backend = False
 
     with pytest.raises(InvalidStateError, match="closed"):
-        from_host(Closing(), [1, 2, 3], IDENT, "default", "who", 0, None)  # type: ignore[arg-type]
+        from_host(Closing(), None, [1, 2, 3], IDENT, "default", "who", 0, None)  # type: ignore[arg-type]
 
 
 def test_a_shared_host_tier_keeps_tenants_apart(tiny: Any, tmp_path: Path) -> None:
@@ -221,3 +221,24 @@ def test_one_owner_cannot_evict_the_others(tiny: Any) -> None:
     assert alice == [3, 4]  # her two most recent
     long = tokens_for(600)  # three of KVCache's 256-token steps: past any owner's share
     assert not tier.keep("carol", long, prefilled(model, long))
+
+
+def test_a_host_copy_is_made_only_when_it_is_the_longest(tiny: Any, tmp_path: Path) -> None:
+    # One order for every tier (engine.lookup_order): the host tier is peeked at
+    # first and copied last, so a store hit that is longer costs no RAM copy.
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(90, seed=94)
+    with persist.Store(tmp_path / "s") as store:
+        host = HostTier(1 << 30)
+        pc = PersistentPromptCache(2, store=store, identity=ident, host=host)
+        try:
+            host.keep(pc._owner(ident, "default"), toks[:40], prefill(model, toks[:40])[0])
+            store.save(prefill(model, toks[:70])[0], toks[:70], identity=ident)
+            cache, rest = pc.fetch_nearest_cache("m", toks[:80])
+            assert cache is not None and rest == toks[70:80]
+            assert host.hits == 0 and pc.counters["store_hits"] == 1
+            cache, rest = pc.fetch_nearest_cache("m", [*toks[:40], 1, 2])  # the host's own
+            assert cache is not None and rest == [1, 2] and host.hits == 1
+        finally:
+            pc.close()

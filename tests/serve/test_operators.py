@@ -140,9 +140,9 @@ def test_health_metrics_and_json_logs(model_dir: Any, tmp_path: Path) -> None:
             "persist_store_bytes", "persist_generation_thread_seconds_bucket",
         ):  # fmt: skip
             assert name in names, name
-        # what persist added to the generation thread: each lookup and capture timed
+        # what persist added to the generation thread: each lookup and hand-off timed
         spent = "persist_generation_thread_seconds_count"
-        for step in ("lookup", "capture"):
+        for step in ("lookup", "handoff"):
             assert after[(spent, (("step", step),))] >= 2, step
     finally:
         srv.stop()

@@ -4,13 +4,15 @@ tiny models, a real store; the store's lookups are counted, not replaced."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import persist
+from persist.serve import server as server_module
 from persist.serve.kept_keys import KeptKeys
 from persist.serve.server import PersistentPromptCache
-from tests.helpers import prefill, tokens_for
+from tests.helpers import assert_same_state, live_state, prefill, tokens_for
 
 
 def _asked(store: persist.Store) -> list[int]:
@@ -82,3 +84,33 @@ def test_kept_keys_are_bounded_and_exact() -> None:
     assert a in kept  # a is now the most recent
     kept.add(c)
     assert a in kept and c in kept and b not in kept and len(kept) == 2
+
+
+def test_capture_runs_on_the_writer_thread_and_saves_the_cache(
+    tiny: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    # The copy to host bytes never runs on the caller's (mlx-lm's generation)
+    # thread: a spy records where capture ran, and the saved cache is the one given.
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(80, seed=93)
+    threads: list[str] = []
+    real = server_module.capture
+
+    def spy(layers: Any, tokens: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(layers, tokens)
+
+    monkeypatch.setattr(server_module, "capture", spy)
+    with persist.Store(tmp_path / "s") as store:
+        pc = PersistentPromptCache(4, store=store, identity=ident)
+        try:
+            live = prefill(model, toks)[0]
+            pc.insert_cache("m", toks, live)
+            pc.flush()
+        finally:
+            pc.close()
+        assert threads == ["persist-writer"]
+        hit = store.lookup([*toks, 7], identity=ident)
+        assert hit is not None and list(hit.tokens) == toks
+        assert_same_state(live_state(hit.cache), live_state(live))

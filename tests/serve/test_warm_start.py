@@ -52,3 +52,16 @@ def test_warm_without_a_host_cache_says_so_and_serves(model_dir: Any, tmp_path: 
     finally:
         srv.stop()
     assert "--warm needs the host tier" in log.read_text()
+
+
+def test_the_model_runs_once_before_the_server_listens(model_dir: Any, tmp_path: Path) -> None:
+    # The kernels MLX compiles at first use are built at start, not in the first
+    # request: the log says so before any request was sent.
+    log = tmp_path / "s.log"
+    srv = persist_serve(model_dir("llama"), tmp_path / "store", log)
+    try:
+        said = log.read_text()
+        assert "model loaded and its kernels built in" in said
+        assert text(srv.chat(TURN1))
+    finally:
+        srv.stop()

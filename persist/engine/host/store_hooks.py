@@ -139,6 +139,7 @@ class StoreView(Protocol):
 
 def from_host(
     store: StoreView,
+    host: HostTier | None,
     toks: list[int],
     identity: ModelIdentity,
     namespace: str,
@@ -146,11 +147,11 @@ def from_host(
     longer_than: int,
     max_cost: float | None,
 ) -> Restored | None:
-    """The host tier's hit for ``Store.lookup``, counted (``host_hits``); if another
+    """The host tier's hit (``engine.lookup_order``), counted (``host_hits``); if another
     thread's save evicted it since ``host_hit`` saw it, the store's own hit."""
     from ..reading import lookup_prefix
 
-    i, costs, host = store.index, store.costs, store.host  # index: closed -> InvalidStateError
+    i, costs = store.index, store.costs  # index: closed -> InvalidStateError
     if host is None:
         raise InvalidStateError("the store was closed during the lookup")
     hit = served(host, costs, identity, who, toks, longer_than)

@@ -1,0 +1,225 @@
+"""``persist serve`` against plain ``mlx_lm.server``, end to end, in one run.
+
+    python -m bench.bench_e2e --quick                 # CPU: a small llama, a few minutes
+    python -m bench.bench_e2e                         # CPU: longer prompts, more turns
+    python -m bench.bench_e2e --shape llama3-8b --out cuda   # the H200: Llama-3-8B shape
+
+The workload, the same for both servers (random weights: time does not depend
+on their values): agent sessions sharing one long system prompt (tools and
+rules), each turn adding a tool result; chats, each with a document of its own,
+turn after turn.  Sessions take turns round-robin, more of them than
+``--prompt-cache-size`` holds, so a returning session has often been evicted
+from mlx-lm's memory.  Then both servers restart and every session returns
+once more.  Both servers run side by side and get each request in turn (the
+first to be asked alternates), so a shared machine's load falls on both alike;
+requests are one at a time, streamed, ``max_tokens`` 8, temperature 0.
+
+Reported per server: time from start to ``/health`` (persist compiles its
+restore kernels before it listens), TTFT p50/p90 and mean per phase (first
+contact, returning after eviction, after the restart), tokens generated per
+second of request time, and the cached prompt tokens the answers report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import SMALL_LLAMA, machine, write_results
+from bench.servers import Server
+from persist.apps.demo import make_model
+
+LLAMA3_8B = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 131072,
+}
+SHAPES = {"small": SMALL_LLAMA, "llama3-8b": LLAMA3_8B}
+
+
+@dataclass
+class Session:
+    """One conversation: its fixed opening and the turns sent so far."""
+
+    name: str
+    opening: list[dict[str, str]]
+    turns: list[dict[str, str]] = field(default_factory=list)
+
+    def next_request(self, i: int) -> list[dict[str, str]]:
+        if self.turns:  # the client sends back a reply and its next message
+            self.turns.append({"role": "assistant", "content": f"Step {i} done."})
+        self.turns.append({"role": "user", "content": f"{self.name} turn {i}: go on."})
+        return [*self.opening, *self.turns]
+
+
+def workload(system_words: int, doc_words: int, agents: int, chats: int) -> list[Session]:
+    tools = " ".join(f"tool{i}(x) returns rule {i % 31} for x." for i in range(system_words // 8))
+    system = f"You are an agent. Tools: {tools}"
+    out = [
+        Session(f"agent{a}", [{"role": "system", "content": system},
+                              {"role": "user", "content": f"Task {a}: sort the files."}])
+        for a in range(agents)
+    ]  # fmt: skip
+    for c in range(chats):
+        doc = " ".join(f"line {j} of doc {c} says {j * 7 % 101}." for j in range(doc_words // 7))
+        out.append(Session(f"chat{c}", [{"role": "user", "content": f"Read this: {doc}"}]))
+    return out
+
+
+def streamed(port: int, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One streamed chat completion: TTFT, tokens, the cached prompt tokens reported."""
+    body = json.dumps({
+        "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+    })  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    first, tokens, cached, prompt = None, 0, 0, 0
+    for raw in resp:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("choices"):
+            tokens += 1
+            first = time.perf_counter() - t0 if first is None else first
+        usage = chunk.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) or 0
+        prompt = usage.get("prompt_tokens", prompt) or 0
+    total = time.perf_counter() - t0
+    conn.close()
+    return {"ttft": first if first is not None else total, "total": total,
+            "tokens": tokens, "cached": cached, "prompt": prompt}  # fmt: skip
+
+
+def start(kind: str, model: Path, tmp: Path, cache_size: int) -> tuple[Server, float]:
+    t0 = time.perf_counter()
+    if kind == "plain":
+        args = ["mlx_lm.server", "--model", str(model)]
+    else:
+        args = ["persist", "serve", "--model", str(model), "--store", str(tmp / "store")]
+    srv = Server([*args, "--prompt-cache-size", str(cache_size)], tmp / f"{kind}.log")
+    return srv, time.perf_counter() - t0
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ttft = sorted(r["ttft"] for r in rows)
+    busy = sum(r["total"] for r in rows)
+
+    def q(p: float) -> float:
+        return ttft[min(len(ttft) - 1, int(p * len(ttft)))]
+
+    return {
+        "requests": len(rows), "ttft_p50": statistics.median(ttft), "ttft_p90": q(0.9),
+        "ttft_mean": statistics.fmean(ttft), "tokens_per_s": sum(r["tokens"] for r in rows) / busy,
+        "cached_tokens": sum(r["cached"] for r in rows),
+        "prompt_tokens": sum(r["prompt"] for r in rows),
+    }  # fmt: skip
+
+
+def run(model: Path, tmp: Path, sessions: list[Session], rounds: int, cache_size: int,
+        max_tokens: int) -> dict[str, Any]:  # fmt: skip
+    kinds = ["plain", "persist"]
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {k: {} for k in kinds}
+    starts: dict[str, list[float]] = {k: [] for k in kinds}
+    n = 0
+
+    def ask(servers: dict[str, Server], phase: str, messages: list[dict[str, str]]) -> None:
+        nonlocal n
+        order = kinds if n % 2 == 0 else kinds[::-1]
+        n += 1
+        for k in order:
+            rows[k].setdefault(phase, []).append(streamed(servers[k].port, messages, max_tokens))
+
+    for life in ("before restart", "after restart"):
+        servers = {}
+        for k in kinds:
+            servers[k], took = start(k, model, tmp, cache_size)
+            starts[k].append(took)
+        try:
+            for r in range(rounds if life == "before restart" else 1):
+                for s in sessions:
+                    phase = life if life == "after restart" else (
+                        "first contact" if r == 0 else "returning")  # fmt: skip
+                    ask(servers, phase, s.next_request(len(s.turns)))
+        finally:
+            for srv in servers.values():
+                srv.stop()
+    out: dict[str, Any] = {}
+    for k in kinds:
+        every = [row for phase in rows[k].values() for row in phase]
+        out[k] = {"start_s": starts[k], "all": summary(every),
+                  **{p: summary(v) for p, v in rows[k].items()}}  # fmt: skip
+    return out
+
+
+def render(res: dict[str, Any], setup: str) -> str:
+    lines = [
+        "# persist serve against plain mlx_lm.server, end to end", "", setup, "",
+        "| phase | server | requests | TTFT p50 s | TTFT p90 s | TTFT mean s | tokens/s | "
+        "prompt tokens | cached tokens |", "|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    phases = [p for p in res["plain"] if p not in ("start_s",)]
+    for p in phases:
+        for k in ("plain", "persist"):
+            s = res[k][p]
+            name = "plain mlx_lm.server" if k == "plain" else "persist serve"
+            lines.append(
+                f"| {p} | {name} | {s['requests']} | {s['ttft_p50']:.3f} | {s['ttft_p90']:.3f} "
+                f"| {s['ttft_mean']:.3f} | {s['tokens_per_s']:.1f} | {s['prompt_tokens']} "
+                f"| {s['cached_tokens']} |"
+            )
+    lines += ["", "Start to /health, seconds (each start):", ""]
+    for k in ("plain", "persist"):
+        lines.append(f"- {k}: " + ", ".join(f"{t:.1f}" for t in res[k]["start_s"]))
+    for p in phases:
+        a, b = res["plain"][p]["ttft_mean"], res["persist"][p]["ttft_mean"]
+        lines.append(f"- {p}: persist's mean TTFT is {b / a:.2f}x plain's")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--model", type=Path, help="an existing model folder (skip making one)")
+    ap.add_argument("--out", default="cpu", help="results name: bench/results/e2e-OUT.*")
+    ap.add_argument("--system-words", type=int)
+    args = ap.parse_args()
+    words = args.system_words or (500 if args.quick else 1200)
+    agents, chats, rounds = (2, 2, 2) if args.quick else (3, 3, 3)
+    cache_size = 2  # fewer than the sessions: returning ones were often evicted
+    with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as d:
+        tmp = Path(d)
+        model = args.model or make_model(tmp / "model", "llama", overrides=SHAPES[args.shape])
+        sessions = workload(words, words // 2, agents, chats)
+        res = run(model, tmp, sessions, rounds, cache_size, max_tokens=8)
+    setup = (
+        f"`python -m bench.bench_e2e{' --quick' if args.quick else ''} --shape {args.shape}` on "
+        f"{machine()}: llama ({args.shape}) random weights, {agents} agent sessions sharing one "
+        f"long system prompt and {chats} chats each with a document of its own (prompt "
+        f"tokens in the table; byte-level tokenizer), {rounds} round-robin turns each with "
+        f"`--prompt-cache-size {cache_size}`, then both servers restart and each session "
+        "returns once; requests one at a time, streamed, max_tokens 8; both servers side by "
+        "side, each request sent to both (the first asked alternates)."
+    )
+    write_results(f"e2e-{args.out}", res, render(res, setup))
+    print(render(res, setup))
+
+
+if __name__ == "__main__":
+    main()
