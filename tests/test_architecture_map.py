@@ -223,7 +223,7 @@ def test_the_map_check_can_fail() -> None:
     """The resolver tells names that exist from names that do not."""
     assert dotted_exists(["Store", "save"]) and dotted_exists(["policy", "best_candidate"])
     assert dotted_exists(["persist", "Store"]) and dotted_exists(["mlx_lm", "server"])
-    assert path_exists("engine/saving.save_snapshot") and path_exists("tests/test_layers.py")
+    assert path_exists("engine/saving.write_and_commit") and path_exists("tests/test_layers.py")
     assert not dotted_exists(["Store", "no_such_method"])
     assert not dotted_exists(["policy", "choose"])  # renamed to best_candidate
     assert not path_exists("persist/store/index.py")  # the package became persist/storage

@@ -35,7 +35,8 @@ def cutter(index: Index, blobs: BlobStore, block_tokens: int, budgets: retention
     def cut(row: SnapshotRow, keep: int) -> bool:
         from .loading import load_snapshot
         from .reading import saved_identity
-        from .saving import Target, save_snapshot
+        from .save_pipeline import captured
+        from .saving import Target, write_and_commit
 
         try:
             cache = load_snapshot(index, blobs, row, keep=keep)
@@ -51,15 +52,8 @@ def cutter(index: Index, blobs: BlobStore, block_tokens: int, budgets: retention
                 meta,
                 if_version=row.id,  # a session saved again meanwhile is not cut back
             )
-            save_snapshot(
-                index,
-                blobs,
-                cache,
-                unpack_tokens(row.tokens)[:keep],
-                target,
-                block_tokens=block_tokens,
-                budgets=budgets,
-            )
+            snap = captured(cache, unpack_tokens(row.tokens)[:keep], target.identity)
+            write_and_commit(index, blobs, snap, target, block_tokens=block_tokens, budgets=budgets)
         except PersistError as e:  # the valid part did not read back whole: no cut
             log.warning("persist: could not cut session %r to %d tokens: %s", row.name, keep, e)
             return False

@@ -13,7 +13,6 @@ import contextlib
 import errno
 import os
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,9 +21,8 @@ import msgpack
 
 from .. import policy
 from ..codecs.base import dtype_name
-from ..codecs.snapshot import Snapshot, capture
+from ..codecs.snapshot import Snapshot
 from ..errors import (
-    NotResumableError,
     SaveLostError,
     SessionConflictError,
     StoreBusyError,
@@ -32,7 +30,7 @@ from ..errors import (
 )
 from ..format.container import write_tensors
 from ..format.manifest import blob_metadata
-from ..format.tokens import check_tokens, pack_tokens, unpack_tokens
+from ..format.tokens import pack_tokens, unpack_tokens
 from ..identity import ModelIdentity
 from ..records import Progress
 from ..storage import retention, writes
@@ -41,15 +39,12 @@ from ..storage.index import BlockRef, Index, NewBlob, SnapshotRow
 from ..storage.leases import Lease
 from .blocks import Parts, Piece, Plan, chain_root, chains, content_key, head_key, materialize, plan
 from .layer_checks import (
-    check_layers,
-    check_quantized,
-    check_windows,
     holds_quantized,
     quantized_start,
 )
 from .unverified import UNVERIFIED_KEY, inherits_unverified
 
-__all__ = ["Target", "save_snapshot"]
+__all__ = ["Target", "write_and_commit"]
 
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 WRITERS = 2  # blobs written at once (one fsyncs while the other writes)
@@ -76,18 +71,18 @@ class Target:
     hints: tuple[float, int] | None = None
 
 
-def save_snapshot(
+def write_and_commit(
     index: Index,
     blobs: BlobStore,
-    cache: Sequence[Any] | Snapshot,
-    tokens: Sequence[int],
+    snap: Snapshot,
     target: Target,
     *,
     block_tokens: int,
     budgets: retention.Budgets,
     progress: Progress | None = None,
 ) -> SnapshotRow:
-    """Write blocks and tail, commit the snapshot; return its row as committed.
+    """Write blocks and tail of a checked snapshot, commit it; return its row as
+    committed (steps 3 and 4 of ``engine.save_pipeline``).
 
     A session saved again (turn n+1) writes only the blocks whose bytes changed:
     every block is hashed in full and one whose content key is a live blob is
@@ -95,12 +90,6 @@ def save_snapshot(
     in place (``c.keys[..., 5, :] = x``) keep the Python object and its buffer,
     so no identity or fingerprint can prove a block unchanged (docs/FORMAT.md)."""
     identity, namespace = target.identity, target.namespace
-    check_layers(cache, identity)
-    snap = cache if isinstance(cache, Snapshot) else capture(cache, tokens)
-    check_quantized(snap.records, identity)  # before anything is written
-    check_windows(snap.records, identity)
-    if isinstance(cache, Snapshot) and snap.tokens != check_tokens(tokens):
-        raise NotResumableError("a captured snapshot is saved with the tokens it was captured with")
     toks = snap.tokens or []
     p = plan(snap, block_tokens, dtype_name)
     estimate = sum(s.nbytes for s in p.specs.values())

@@ -1,7 +1,7 @@
 """``persist.Store``: named sessions and cross-session prefix reuse.
 
 The engine's one public object.  Its methods are thin: they check names and
-identities, then call ``saving.save_snapshot`` / ``loading.load_snapshot``
+identities, then call ``save_pipeline.save`` / ``loading.load_snapshot``
 (which take the index and the blob tier, never the Store) or the storage
 layer (``persist.storage``: SQL and files, no mlx).  Listing and maintenance
 never import mlx: ``persist ls`` starts in a blink.
@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from ..errors import (
     InvalidArgumentError,
     PersistError,
-    ReadOnlyStoreError,
     SessionNotFoundError,
     StorageError,
 )
@@ -36,7 +35,6 @@ from ..storage.schema import connect
 from ..storage.types import EntryInfo, Restored
 from .costs import CostModel
 from .lifecycle import StoreUpkeep, check_hints
-from .unverified import inherit_mark
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
     from ..codecs.snapshot import Snapshot
@@ -201,37 +199,9 @@ class Store(StoreUpkeep):
         target: Target,
         progress: Progress | None = None,
     ) -> EntryInfo:
-        from .saving import save_snapshot
+        from .save_pipeline import save
 
-        if self.read_only:
-            raise ReadOnlyStoreError(self.root)
-        check_name(target.namespace, "namespace")
-        target = inherit_mark(cache, target)  # a continuation of unverified tokens
-        for name in (target.name, target.owner):
-            if name is not None:
-                check_name(name, "session")
-        for tier in self.tiers:
-            tier.agree(self.index, target.namespace, create=True)
-        row = save_snapshot(
-            self.index,
-            self.blobs,
-            cache,
-            tokens,
-            target,
-            block_tokens=self.block_tokens,
-            budgets=self.budgets,
-            progress=progress,
-        )
-        full.ensure_reserve(self.root)  # before the disk fills: what rm and gc delete with
-        for tier in self.tiers:
-            tier.push(self.index, self.blobs, row.namespace, row.id)
-        info = self._info(row)
-        if self.host is not None:
-            from .host.store_hooks import keep_saved, owner
-
-            who = owner(target.namespace, target.identity, self.strict_backend)
-            keep_saved(self.host, cache, row, info, who)
-        return info
+        return save(self, cache, tokens, target, progress)
 
     def count(self, namespace: str = "default", **counters: int) -> None:
         """Add to ``namespace``'s counters (``persist stats`` shows them)."""
