@@ -13,7 +13,9 @@ a tenant.  Under it:
   (content-addressed) and a TTL unless the snapshot is pinned; a taken key is read
   once per process (``blob_marks.py``), and a wrong value there is overwritten (plain SET);
 - ``rec:<record key>``: a snapshot record (``engine/tiers/records.py``);
-- ``sess:<name>``, ``blk:<chain hex>``, ``head:<head key hex>``: pointers to records.
+- ``sess:<name>``, ``blk:<chain hex>``, ``head:<head key hex>``: pointers to records
+  (``sess`` written only over the value its pusher read: ``pointer_swap.py``; or a
+  tombstone, ``engine/tiers/lineage.py``).
 
 Nothing read here is trusted: the engine checks every value against what it asked
 for (``engine/tiers/records.py``), and every read is bounded (GETRANGE,

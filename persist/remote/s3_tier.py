@@ -4,7 +4,8 @@ Named sessions' records and blobs go here, under ``<prefix>/persist/<tag>/`` wit
 the same names as the shared tier's keys (``redis_tier.py``): ``secret``,
 ``blob/<content key>`` (created with If-None-Match; a taken one is read once per
 process and a wrong value there replaced: ``blob_marks.py``), ``rec/<key>``,
-``sess/<name>`` (the name percent-encoded into one segment: ``object_name``).
+``sess/<name>`` (the name percent-encoded into one segment: ``object_name``; put
+only over the object its pusher read, If-Match its ETag: ``swap_session``).
 A machine with only this tier restores any named session; prefix lookups are
 the shared tier's job (one object per chain would cost a request each), so it
 keeps no ``blk`` or ``head`` pointers.  An object is read only at the size

@@ -156,3 +156,14 @@ def test_rm_then_generate_new_then_sync_reports_a_conflict(
     assert generate("a", "the one to keep", "--new").returncode == 0
     assert run("a", "sync").returncode == 0
     assert json.loads(generate("c", " and on c").stdout)["source"] == "session"
+
+
+def test_rm_fleet_without_a_tier_is_refused(tmp_path: Path) -> None:
+    with persist.Store(tmp_path / "store") as s:
+        s.save([kv_cache(40, 1)], OLD, identity=IDENTITY, session="chat")
+    out = persist_cli(tmp_path, "rm", "--fleet", "chat", "--store", str(tmp_path / "store"),
+                      check=False, env={"PERSIST_SHARED": "", "PERSIST_COLD": ""})  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "rm --fleet needs --shared or --cold" in out.stderr, out.stderr
+    with persist.Store(tmp_path / "store") as s:
+        assert s.has_session("chat")  # nothing deleted
