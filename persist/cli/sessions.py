@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ..errors import SessionNotFoundError
+from ..errors import InvalidArgumentError, SessionNotFoundError
 from ..storage.types import EntryInfo
 from .app import (
     cli,
@@ -191,44 +191,67 @@ def _one_line(text: object, width: int = 100) -> str:
 @cli.command("rm")
 @click.argument("names", nargs=-1, shell_complete=complete_sessions)
 @click.option("--all", "every", is_flag=True, help="Every session of the namespace.")
+@click.option(
+    "--fleet",
+    is_flag=True,
+    help="Delete the shared and cold tiers' session of each name too (a session this "
+    "store no longer holds included), so the next one saved under the name replaces it.",
+)
 @_namespace
 @store_option
 @json_option
 def rm_cmd(
-    names: tuple[str, ...], every: bool, namespace: str, store_dir: Path | None, as_json: bool
+    names: tuple[str, ...],
+    every: bool,
+    fleet: bool,
+    namespace: str,
+    store_dir: Path | None,
+    as_json: bool,
 ) -> None:
     """Delete sessions and their checkpoints: NAMES, glob patterns ('work-*'), or --all.
 
-    Every name and pattern must match before anything is deleted.
+    Every name and pattern must match before anything is deleted.  A delete is
+    local: the tiers keep their session of the name, and a new one saved here under
+    it is pushed beside theirs (NAME~2), a conflict; --fleet deletes theirs too.
 
     \b
     Example:
       persist rm work
       persist rm 'draft-*' old
       persist rm --all --namespace trials
+      persist rm --fleet chat
     """
     if not names and not every:
         raise click.UsageError("give session names, patterns, or --all")
     with open_store(store_dir) as store:
-        doomed = _matching(store.entries(namespace), names, every, namespace)
-        for name in doomed:
-            store.delete(name, namespace=namespace)
+        if fleet and not store.tiers:
+            raise InvalidArgumentError("rm --fleet needs --shared or --cold (or $PERSIST_*)")
+        doomed = _matching(store.entries(namespace), names, every, namespace, fleet)
+        on_tiers = [n for n in doomed if store.delete(n, namespace=namespace, fleet=fleet)]
     emit(
         as_json,
-        {"deleted": doomed, "namespace": namespace},
-        lambda _: click.echo(
-            f"deleted session {plain(repr(doomed[0]))}"
-            if len(doomed) == 1
-            else f"deleted {plural(len(doomed), 'session')}: {plain(', '.join(doomed))}"
-        ),
+        {"deleted": doomed, "fleet": on_tiers, "namespace": namespace},
+        lambda _: _render_rm(doomed, on_tiers),
     )
 
 
+def _render_rm(doomed: list[str], on_tiers: list[str]) -> None:
+    n, listed = len(doomed), plain(", ".join(doomed))
+    said = f"session {plain(repr(doomed[0]))}" if n == 1 else f"{plural(n, 'session')}: {listed}"
+    also = f" (from the tiers too: {plain(', '.join(on_tiers))})" if on_tiers else ""
+    click.echo(f"deleted {said}{also}")
+
+
 def _matching(
-    entries: list[EntryInfo], names: tuple[str, ...], every: bool, namespace: str
+    entries: list[EntryInfo],
+    names: tuple[str, ...],
+    every: bool,
+    namespace: str,
+    exact_ok: bool = False,
 ) -> list[str]:
     """The session names to delete, each once, in the order given; SessionNotFoundError
-    for a name or pattern that matches none (nothing is deleted then)."""
+    for a name or pattern that matches none (nothing is deleted then).  ``exact_ok``
+    (--fleet): a name, not a pattern, is taken as given: the tiers may hold it."""
     import fnmatch
 
     # a session, or the owner of checkpoints an interrupted prime left without one
@@ -241,7 +264,7 @@ def _matching(
         if any(c in pattern for c in "*?["):
             hits = [n for n in known if fnmatch.fnmatchcase(n, pattern)]
         else:
-            hits = [pattern] if pattern in known else []
+            hits = [pattern] if pattern in known or exact_ok else []
         if not hits:
             raise SessionNotFoundError(pattern, namespace)
         out += [n for n in hits if n not in out]

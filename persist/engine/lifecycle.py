@@ -12,7 +12,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidArgumentError, InvalidStateError, SessionNotFoundError
+from ..errors import (
+    InvalidArgumentError,
+    InvalidStateError,
+    ReadOnlyStoreError,
+    SessionNotFoundError,
+)
 from ..records import Progress
 from ..storage import full, housekeeping, rates, retention, writes
 from ..storage.check_damage import clear_quarantine
@@ -99,23 +104,39 @@ class StoreUpkeep:
         if not changed:
             raise SessionNotFoundError(session, namespace)
 
-    def delete(self, session: str, *, namespace: str = "default") -> None:
+    def delete(self, session: str, *, namespace: str = "default", fleet: bool = False) -> list[str]:
         """Delete a session and its checkpoints (also those an interrupted prime left
-        without a session: the name owns them); files go after the commit."""
+        without a session: the name owns them); files go after the commit.  Here only:
+        the tiers keep theirs, and a new history saved here under the name is pushed
+        beside it (``NAME~N``).  ``fleet``: first the tiers' session of the name too
+        (a tombstone: ``engine/tiers/fleet_delete``; TierUnavailable, nothing deleted,
+        when a tier cannot be asked); the names of the tiers that held it."""
         check_name(session, "session")
+        held: list[str] = []
+        if fleet:
+            if self.read_only:
+                raise ReadOnlyStoreError(self.root)
+            if not self.tiers:
+                raise InvalidArgumentError("a fleet delete needs a shared or cold tier")
+            from .tiers.fleet_delete import delete_everywhere
+
+            held = delete_everywhere(self.tiers, self.index, namespace, session)
 
         def remove() -> None:
             with self.index.write() as db:
                 rows = writes.session_rows(db, namespace, session)
-                if not rows:
+                if not rows and not held:
                     raise SessionNotFoundError(session, namespace)
                 for r in rows:
                     writes.remove(db, r.id)
+                if not fleet:  # the fleet's history stays; what is saved here next is new
+                    writes.forget_base(db, namespace, session)
 
         full.with_room(self.root, remove)  # works on a full disk: the reserve makes room
         full.with_room(self.root, lambda: retention.collect(self.index, self.blobs))
         full.best_effort(housekeeping.truncate_wal, self.index)  # its room before the reserve's
         full.ensure_reserve(self.root)
+        return held
 
     def gc(self, max_bytes: int | None = None, *, dry_run: bool = False) -> GcReport:
         """Evict least recently used unpinned snapshots down to ``max_bytes``.

@@ -13,7 +13,9 @@ a tenant.  Under it:
   (content-addressed) and a TTL unless the snapshot is pinned; a taken key is read
   once per process (``blob_marks.py``), and a wrong value there is overwritten (plain SET);
 - ``rec:<record key>``: a snapshot record (``engine/tiers/records.py``);
-- ``sess:<name>``, ``blk:<chain hex>``, ``head:<head key hex>``: pointers to records.
+- ``sess:<name>``, ``blk:<chain hex>``, ``head:<head key hex>``: pointers to records
+  (``sess`` written only over the value its pusher read: ``pointer_swap.py``; or a
+  tombstone, ``engine/tiers/lineage.py``).
 
 Nothing read here is trusted: the engine checks every value against what it asked
 for (``engine/tiers/records.py``), and every read is bounded (GETRANGE,
@@ -24,136 +26,33 @@ answer about one key (another type, out of memory, an ACL) fails that operation 
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import threading
-import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..errors import CorruptBlobError, InvalidArgumentError, PersistError
+from ..errors import CorruptBlobError
 from . import redis_reads as reads
-from .blob_marks import BlobMarks
+from .redis_base import TierUnavailable, namespace_tag
 from .redis_cluster import cluster_client
-from .redis_reads import Reader, blob_matches, fetch_all, read_blob, scan
+from .redis_reads import blob_matches, fetch_all, read_blob, scan
+from .redis_records import MAX_VALUE, RedisRecords
 
-__all__ = ["RedisTier", "PART_BYTES", "TierUnavailable", "cluster_client"]
+__all__ = [
+    "RedisTier", "PART_BYTES", "MAX_VALUE", "TierUnavailable", "namespace_tag", "cluster_client",
+]  # fmt: skip
 
 log = logging.getLogger("persist")
 PART_BYTES = 8 << 20  # values of at most 8 MiB
-MAX_VALUE, POINTER_BYTES = 64 << 20, 128  # a record, a pointer (65 bytes) read at most
 SCAN_COUNT, SCAN_ROUNDS = 1000, 8  # the bounded search for a record to recover a secret from
 SCAN = (SCAN_COUNT, SCAN_ROUNDS)
 RECOVER_RECORDS, RECOVER_BATCH = 256, 32  # records tried for a lost secret, read per round trip
 BLOCK_DIGITS = 8  # a block size's decimal digits, at most (1 to 2**20 tokens)
 FETCHERS = 2  # blobs fetched at once (more only competes with the server for cores)
-SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://")
-CLUSTER_SCHEMES = tuple(s.replace("://", "+cluster://") for s in SCHEMES)
 
 
-def namespace_tag(namespace: str) -> str:
-    """A namespace's key prefix in every tier: an ACL or bucket policy can name it."""
-    return hashlib.sha256(namespace.encode()).hexdigest()[:16]
-
-
-class TierUnavailable(PersistError, ConnectionError):
-    """The shared tier did not answer (down, timed out, or refused by its ACL)."""
-
-    denied = False  # an ACL's refusal: an answer (not this user's), not an outage
-
-
-class RedisTier:
-    pointer_kinds = ("sess", "blk", "head")  # what put_record writes
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        ttl_s: int | None = 7 * 24 * 3600,
-        connect_timeout_s: float = 1.0,
-        retry_after_s: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if not url.startswith(SCHEMES + CLUSTER_SCHEMES):
-            raise InvalidArgumentError(
-                f"a shared tier URL starts with {' or '.join(SCHEMES + CLUSTER_SCHEMES)}: {url!r}"
-            )
-        try:
-            import redis
-            import redis.cluster
-        except ImportError:
-            raise PersistError(
-                'a shared tier needs redis-py: pip install "mlx-persist[shared]"'
-            ) from None
-        self.url = url.replace("valkey", "redis", 1)
-        self._redis = redis
-        self.cluster = self.url.startswith(CLUSTER_SCHEMES)
-        timeouts: dict[str, Any] = {
-            "socket_connect_timeout": connect_timeout_s,
-            "socket_timeout": 2 * connect_timeout_s,
-        }
-        if self.cluster:  # the cluster's slot map is asked for on first use, not here
-            self._client_: Any = None
-            self._connect = lambda: cluster_client(self.url, timeouts)
-        else:
-            self._client_ = _from_url(redis, self.url, timeouts)
-        self.ttl_s, self.retry_after_s, self.clock = ttl_s, retry_after_s, clock
-        self._down_until = 0.0
-        self.counters: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._reads = Reader(redis, lambda: self._client, self.cluster, self._count)
-        self.marks = BlobMarks()
-
-    # -- the breaker -------------------------------------------------------
-
-    def _call(self, what: str, fn: Any) -> Any:
-        if self.clock() < self._down_until:
-            self._count("skipped")
-            raise TierUnavailable(f"shared tier {self.url} is down (skipping it for a while)")
-        try:
-            return fn()
-        except self._redis.exceptions.NoPermissionError as e:
-            # an ACL confines this user to other namespaces: a refusal, not an outage
-            self._count("denied")
-            refused = TierUnavailable(f"shared tier {self.url} refused {what}: {e}")
-            refused.denied = True
-            raise refused from None
-        except self._redis.ResponseError as e:
-            if isinstance(e, self._redis.exceptions.ClusterError):
-                raise self._outage(what, e) from None
-            # the server answered (out of memory, a value of another type): this
-            # operation failed, the server is not down
-            self._count("errors")
-            raise TierUnavailable(f"shared tier {self.url} refused {what}: {e}") from None
-        except (self._redis.RedisError, self._redis.exceptions.RedisClusterException) as e:
-            raise self._outage(what, e) from None
-
-    def _outage(self, what: str, e: Exception) -> TierUnavailable:
-        """The server is down or unreachable: skipped for ``retry_after_s``."""
-        if self._down_until == 0.0:  # once per outage
-            log.warning("persist: shared tier %s failed (%s): %s", self.url, what, e)
-        self._down_until = self.clock() + self.retry_after_s
-        self._count("errors")
-        return TierUnavailable(f"shared tier {self.url}: {what}: {e}")
-
-    def _ok(self) -> None:
-        self._down_until = 0.0
-
-    @property
-    def _client(self) -> Any:
-        if self._client_ is None:  # a cluster: connected on first use, inside _call
-            with self._lock:
-                if self._client_ is None:
-                    self._client_ = self._connect()
-        return self._client_
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:  # blobs move on several threads
-            self.counters[name] = self.counters.get(name, 0) + n
-
-    @staticmethod
-    def prefix(namespace: str) -> str:
-        return f"persist:{namespace_tag(namespace)}:"
+class RedisTier(RedisRecords):
+    """The shared tier: the namespace's secret and block size, secret recovery, blobs
+    (records and pointers: ``RedisRecords``; the connection: ``RedisConnection``)."""
 
     # -- the namespace secret ------------------------------------------------
 
@@ -360,80 +259,6 @@ class RedisTier:
                 raise
             raise CorruptBlobError(f"shared blob {k}", "a key of another type") from None
 
-    # -- records and pointers --------------------------------------------------
-
-    def put_record(
-        self,
-        namespace: str,
-        rkey: str,
-        record: bytes,
-        pointers: Sequence[tuple[str, bytes, bytes]],
-        trimmable: bool = True,
-        secret: bytes | None = None,
-        replace: bool = True,  # a plain SET always (the cold tier's is write-once)
-        replace_pointers: Collection[tuple[str, bytes]] = (),  # SET, never NX (sync)
-    ) -> bytes | None:
-        """The record (a plain SET: a wrong value there is replaced), its pointers (kind
-        ``sess``/``blk``/``head``, key, value) and, without an operator key, the
-        namespace secret again (SET NX: an LRU that evicted it gets it back), read back
-        in the same round trip: the tier's secret after (None with a key, or if it is
-        no secret).  A trimmable snapshot's pointers replace older ones; an
-        untrimmable one's (recurrent state: it serves only prompts that hold all its
-        tokens) stay with the first, shortest snapshot that reached them (SET NX)."""
-        p, nx = self.prefix(namespace), not trimmable
-        named = any(kind == "sess" for kind, _, _ in pointers)
-
-        def run() -> bytes | None:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.set(f"{p}rec:{rkey}", record, ex=None if named else self.ttl_s)
-            for kind, key, value in pointers:
-                if kind == "sess":
-                    pipe.set(reads.pointer_key(p, kind, key), value)
-                else:
-                    once = nx and (kind, key) not in replace_pointers
-                    pipe.set(reads.pointer_key(p, kind, key), value, ex=self.ttl_s, nx=once)
-            if secret is not None:
-                pipe.set(f"{p}secret", secret, nx=True)
-                pipe.getrange(f"{p}secret", 0, reads.SECRET_BYTES)
-            got = pipe.execute(raise_on_error=False)
-            for v in got[:-1] if secret is not None else got:
-                if isinstance(v, self._redis.ResponseError):
-                    raise v
-            return reads.secret_value(self._reads.checked(got[-1])) if secret is not None else None
-
-        out: bytes | None = self._call("put record", run)
-        self._ok()
-        return out
-
-    def pointers(self, namespace: str, items: Sequence[tuple[str, bytes]]) -> list[Any]:
-        """The values of pointers (``sess``: by name; ``blk``, ``head``: by hash), in one
-        command, each read at most POINTER_BYTES far (a longer value, or a key of another
-        type, reads as None)."""
-        p = self.prefix(namespace)
-        names = [reads.pointer_key(p, kind, k) for kind, k in items]
-        out: list[Any] = self._call("pointers", lambda: self._reads.values(names, POINTER_BYTES))
-        self._ok()
-        return out
-
-    def has_record(self, namespace: str, rkey: str) -> bool:
-        key = f"{self.prefix(namespace)}rec:{rkey}"
-        return bool(self._call("exists", lambda: self._client.exists(key)))
-
-    def records(self, namespace: str, rkeys: Sequence[str]) -> list[bytes | None]:
-        """Records by key, in one pipelined round trip, each read at most MAX_VALUE bytes."""
-        p = self.prefix(namespace)
-
-        def run() -> list[bytes | None]:
-            pipe = self._client.pipeline(transaction=False)
-            for r in rkeys:
-                pipe.getrange(f"{p}rec:{r}", 0, MAX_VALUE)
-            got = [self._reads.checked(v) for v in pipe.execute(raise_on_error=False)]
-            return [bytes(v) if isinstance(v, bytes) and v else None for v in got]
-
-        out: list[bytes | None] = self._call("records", run)
-        self._ok()
-        return out
-
 
 def _block_size(value: Any) -> int | None:
     """A block size as the tier holds it (decimal digits), or None."""
@@ -441,14 +266,3 @@ def _block_size(value: Any) -> int | None:
         return None
     n = int(value)
     return n if 1 <= n <= 1 << 20 else None
-
-
-def _from_url(redis: Any, url: str, timeouts: dict[str, Any]) -> Any:
-    """redis-py's client of ``url``; a host, port or database it cannot read (a bad
-    IPv6 address, a port out of range or not a number) is InvalidArgumentError."""
-    try:
-        return redis.Redis.from_url(url, **timeouts)
-    except ValueError as e:
-        raise InvalidArgumentError(
-            f"the shared tier URL {url!r} is not redis://host:port/db: {e}"
-        ) from None

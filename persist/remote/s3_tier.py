@@ -4,7 +4,8 @@ Named sessions' records and blobs go here, under ``<prefix>/persist/<tag>/`` wit
 the same names as the shared tier's keys (``redis_tier.py``): ``secret``,
 ``blob/<content key>`` (created with If-None-Match; a taken one is read once per
 process and a wrong value there replaced: ``blob_marks.py``), ``rec/<key>``,
-``sess/<name>`` (the name percent-encoded into one segment: ``object_name``).
+``sess/<name>`` (the name percent-encoded into one segment: ``object_name``; put
+only over the object its pusher read, If-Match its ETag: ``swap_session``).
 A machine with only this tier restores any named session; prefix lookups are
 the shared tier's job (one object per chain would cost a request each), so it
 keeps no ``blk`` or ``head`` pointers.  An object is read only at the size
@@ -30,6 +31,7 @@ from urllib.parse import quote
 
 from ..errors import InvalidArgumentError, PersistError
 from .blob_marks import BlobMarks
+from .pointer_swap import POINTER_BYTES, SessionMoved
 from .redis_reads import SECRET_BYTES, fetch_all, secret_value
 from .redis_tier import MAX_VALUE, RECOVER_BATCH, RECOVER_RECORDS, TierUnavailable, namespace_tag
 
@@ -245,25 +247,63 @@ class S3Tier:
         trimmable: bool = True,
         secret: bytes | None = None,
         replace: bool = False,
-        replace_pointers: Collection[tuple[str, bytes]] = (),  # sess/ is always put
+        replace_pointers: Collection[tuple[str, bytes]] = (),  # no blk/head pointers here
+        session: tuple[bytes, bytes, Any] | None = None,
     ) -> bytes | None:
         """A named session's record (write-once unless ``replace``: what is there is not
-        this record) and its ``sess/`` pointer (the cold tier keeps named sessions
-        only), then, without an operator key, the namespace secret if it has none; the
-        tier's secret after (None with a key)."""
-        named = [(key, value) for kind, key, value in pointers if kind == "sess"]
-        if not named:
+        this record), then its ``sess/`` pointer only over the value read (``session``:
+        name, pointer value, token; ``swap_session``), else SessionMoved (a record this
+        call created is deleted again); then, without an operator key, the namespace
+        secret if it has none; the tier's secret after (None with a key).  The cold
+        tier keeps named sessions only: nothing else is written."""
+        if session is None:
             return None
-        self._create(self._path(namespace, "rec", rkey), record, replace)
-        for key, value in named:
-            path = self._path(namespace, "sess", object_name(key.decode()))
-            self._call("put", lambda p=path, v=value: self._obstore.put(self._store, p, v))
+        path = self._path(namespace, "rec", rkey)
+        created = self._create(path, record, replace)
+        name, value, token = session
+        if not self.swap_session(namespace, name, value, token):
+            if created:  # nothing names it: not left behind
+                self._call("delete", lambda: self._obstore.delete(self._store, path))
+            raise SessionMoved(f"session {name.decode(errors='replace')!r} moved on {self.url}")
         return None if secret is None else self.secret(namespace, secret)
+
+    def session_pointer(self, namespace: str, name: bytes) -> tuple[bytes | None, Any]:
+        """The ``sess/`` pointer's value (None: none, or over 128 bytes) and its ETag, the
+        token ``swap_session`` puts If-Match (None: no object, If-None-Match)."""
+        path = self._path(namespace, "sess", object_name(name.decode()))
+
+        def run() -> tuple[bytes | None, Any]:
+            got = self._obstore.get(self._store, path)
+            etag = got.meta.get("e_tag")
+            if int(got.meta["size"]) > POINTER_BYTES:
+                self._count("bad_values")
+                return None, etag
+            return bytes(got.bytes()) or None, etag
+
+        out: tuple[bytes | None, Any] | None = self._call("get", run)
+        return out if out is not None else (None, None)
+
+    def swap_session(self, namespace: str, name: bytes, value: bytes, token: Any) -> bool:
+        """Put the ``sess/`` pointer if it is still the object ``session_pointer`` read:
+        a conditional PUT (If-Match its ETag, or If-None-Match where there was none);
+        False if another push got there first."""
+        path = self._path(namespace, "sess", object_name(name.decode()))
+        mode: Any = "create" if token is None else {"e_tag": token}
+
+        def run() -> bool:
+            ex = self._obstore.exceptions
+            try:
+                self._obstore.put(self._store, path, value, mode=mode)
+            except (ex.AlreadyExistsError, ex.PreconditionError):
+                return False
+            return True
+
+        return bool(self._call("put", run))  # None: deleted since it was read (a 404)
 
     def pointers(self, namespace: str, items: Sequence[tuple[str, bytes]]) -> list[Any]:
         """``sess`` pointers by name; the cold tier keeps no ``blk`` or ``head`` ones."""
         return [
-            self._get(self._path(namespace, "sess", object_name(k.decode())), most=128)
+            self._get(self._path(namespace, "sess", object_name(k.decode())), most=POINTER_BYTES)
             if kind == "sess"
             else None
             for kind, k in items

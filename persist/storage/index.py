@@ -351,12 +351,24 @@ class Index:
             ).fetchone()
         return float(row[0]) if row else None
 
+    def base(self, namespace: str, name: str) -> float | None:
+        """The latest tier version of a named session this store's history of it continues
+        (pushed under the name, or pulled); None after a local delete (``forget_base``):
+        what a push may replace without a conflict (``engine.tiers.lineage``)."""
+        with self.read() as db:
+            row = db.execute(
+                "SELECT base FROM tier_seen WHERE namespace = ? AND name = ?", [namespace, name]
+            ).fetchone()
+        return float(row[0]) if row and row[0] is not None else None
+
     def saw(self, namespace: str, name: str, created: float) -> None:
+        """A version of ``name`` this store pushed or pulled: the replay floor and the base."""
         with self.write() as db:
             db.execute(
-                "INSERT INTO tier_seen(namespace, name, created) VALUES (?, ?, ?) ON CONFLICT"
-                "(namespace, name) DO UPDATE SET created = MAX(created, excluded.created)",
-                [namespace, name, created],
+                "INSERT INTO tier_seen(namespace, name, created, base) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(namespace, name) DO UPDATE SET created = MAX(created, "
+                "excluded.created), base = MAX(COALESCE(base, excluded.base), excluded.base)",
+                [namespace, name, created, created],
             )
 
     def count(self, namespace: str, **deltas: int) -> None:

@@ -28,7 +28,7 @@ else:
 
 __all__ = ["SCHEMA_VERSION", "connect", "Database"]
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 JOURNAL_LIMIT = 4 << 20  # bytes of write-ahead log kept once it is reset
 
 MIGRATIONS: dict[int, list[str]] = {
@@ -234,6 +234,14 @@ MIGRATIONS: dict[int, list[str]] = {
             ttl REAL NOT NULL,
             priority INTEGER NOT NULL
         )""",
+    ],
+    8: [
+        # The latest version of each name this store's own history of it continues
+        # (pushed under the name or pulled): a push may replace up to it.  A local delete
+        # clears it and keeps `created` (the replay floor): the next history under the
+        # name is a new one, kept beside the fleet's, and older versions stay refused.
+        """ALTER TABLE tier_seen ADD COLUMN base REAL""",
+        """UPDATE tier_seen SET base = created""",
     ],
 }
 

@@ -33,6 +33,7 @@ __all__ = [
     "finish_pending",
     "session_rows",
     "version_after",
+    "forget_base",
 ]
 
 
@@ -214,6 +215,14 @@ def session_rows(db: sqlite_utils.Database, namespace: str, name: str) -> list[S
     named = Index.rows_where(db, "namespace = ? AND name = ?", [namespace, name])
     owned = _owned_ids(db, namespace, name)
     return named + [r for sid in owned for r in Index.rows_where(db, "id = ?", [sid])]
+
+
+def forget_base(db: sqlite_utils.Database, namespace: str, name: str) -> None:
+    """A session deleted here: no history of it here continues the fleet's any more
+    (``Index.base``), while the versions seen stay the replay floor (``Index.seen``)."""
+    db.execute(
+        "UPDATE tier_seen SET base = NULL WHERE namespace = ? AND name = ?", [namespace, name]
+    )
 
 
 def version_after(db: sqlite_utils.Database, namespace: str, name: str, now: float) -> float:

@@ -24,7 +24,7 @@ def test_v1_store_migrates_in_place(tmp_path: Path) -> None:
     shutil.copytree(GOLDEN, root)
     with persist.Store(root) as s:
         version = s.index.db.execute("SELECT value FROM meta WHERE key = 'schema_version'")
-        assert version.fetchone()[0] == str(SCHEMA_VERSION) == "7"
+        assert version.fetchone()[0] == str(SCHEMA_VERSION) == "8"
         assert s.check() == []
         got = s.restore("s300", identity=IDENTITY)
         want = kvs(100, 300)

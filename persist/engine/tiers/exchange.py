@@ -25,6 +25,7 @@ from ...storage.chains import boundary_heads, chain_root, chains
 from ...storage.index import Index
 from ..costs import LOCAL, CostModel
 from .fleet_block import require_same_block
+from .lineage import open_tombstone
 from .pull import EvictedError, pull
 from .push import namespace_secret, push, sync
 from .records import BadValue, Expect, Keys, best_record, check_key, open_record, tier_key_from_env
@@ -174,11 +175,18 @@ class Shared:
         self, index: Index, namespace: str, name: str, secret: bytes | None
     ) -> tuple[dict[str, Any], bytes | None] | None:
         """The checked record of session ``name`` and the secret its chains are under;
-        None for a version older than one this store saw (a replay: counted ``stale``)."""
+        None for a version older than one this store saw (a replay: counted ``stale``)
+        and for a tombstone (deleted from the fleet: its version is seen here)."""
         ptr = self.tier.pointers(namespace, [("sess", name.encode())])[0]
         if ptr is None:
             return None
         try:
+            gone = open_tombstone(self.keys, namespace, name, ptr)
+            if gone is not None:
+                if gone < (index.seen(namespace, name) or 0.0):
+                    raise BadValue("stale", "a tombstone older than a version this store saw")
+                index.saw(namespace, name, gone)
+                return None
             rkey = self.keys.open_pointer(namespace, "sess", name.encode(), ptr)
             value = self.tier.records(namespace, [rkey])[0]
             if value is None:

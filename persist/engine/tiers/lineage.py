@@ -7,24 +7,40 @@ conversation under a name the fleet already held, and its next push
 replaced the fleet's pointer: every machine then resumed the one-turn fork.
 Now a push first reads the tier's session of that name.  The snapshot takes
 the name when the tier holds none (or a value that does not open), the same
-record, a version this store saw (pushed or pulled: ``Index.seen``; a
-version's time never goes back along its history, so an older one is one it
-replaced knowingly), or one its tokens extend.  Any other is kept beside it
-under the first ``NAME~N`` it continues or that is free, as a local save
-keeps a turn that lost its race, and the push reports the conflict.  The check and the write
-are two round trips, not one transaction: two machines pushing different
-histories of one name within that window can still race (documented).
+record, a version this store's own history of the name continues (pushed or
+pulled and not deleted here since: ``Index.base``; a version's time never
+goes back along its history, so an older one is one it replaced knowingly),
+or one its tokens extend.  Any other is kept beside it under the first
+``NAME~N`` it continues or that is free, as a local save keeps a turn that
+lost its race, and the push reports the conflict.
+
+The pointer is then written only over the value the push read (a
+compare-and-set: ``remote/pointer_swap``); a push that finds another there
+(a machine that pushed in between) reads and decides again, so two machines
+racing with different histories of one name keep both.  A local delete
+forgets the base, not the versions seen: a new history under the name goes
+beside the fleet's, and an older version replayed stays refused.  A fleet
+delete (``persist rm --fleet``, ``fleet_delete``) puts a *tombstone* in the
+pointer's place, a version newer than every one it replaces: a store that saw
+it (its writer, a reader that found it) takes the name with its next history,
+a store whose history of the name is older is kept beside it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import hmac
+import math
+import struct
+from typing import Any, NamedTuple
 
 from ...errors import PersistError
 from ...format.tokens import unpack_tokens
 from .records import BadValue, Expect, Keys, open_record
 
-__all__ = ["SessionUnreachableError", "MAX_FORKS", "kept_name", "shown_url", "tier_tokens"]
+__all__ = [
+    "SessionUnreachableError", "MAX_FORKS", "Held", "kept_name", "shown_url", "tier_tokens",
+    "tombstone", "open_tombstone",
+]  # fmt: skip
 
 MAX_FORKS = 1000  # NAME~2 .. NAME~1000: past it a push fails rather than scan on
 
@@ -49,37 +65,47 @@ def shown_url(url: str) -> str:
     return f"{scheme}{sep}{host.rpartition('@')[2]}{at}{path}"
 
 
-def tier_tokens(
-    tier: Any, keys: Keys, namespace: str, name: str, secret: bytes | None
-) -> tuple[str, list[int], float] | None:
-    """(record key, tokens, version) of the tier's session ``name``; None when it holds
-    none, or a value that does not open (a hostile or damaged one is no history to keep)."""
-    ptr = tier.pointers(namespace, [("sess", name.encode())])[0]
-    if ptr is None:
-        return None
+class Held(NamedTuple):
+    """The tier's session pointer of a name, as a push reads it."""
+
+    token: Any  # what the pointer's compare-and-set expects (``swap_session``)
+    rkey: str | None  # the record it names; None: none, a tombstone, or one that does not open
+    tokens: list[int] | None  # that record's tokens; None: no history there
+    version: float | None  # its version (save time), or the tombstone's; None: neither
+
+
+def tier_tokens(tier: Any, keys: Keys, namespace: str, name: str, secret: bytes | None) -> Held:
+    """The tier's session ``name``: its record's key, tokens and version, a tombstone's
+    version (``persist rm --fleet``), or nothing (also a value that does not open: a
+    hostile or damaged one is no history to keep); with the pointer's token."""
+    value, token = tier.session_pointer(namespace, name.encode())
+    nothing = Held(token, None, None, None)
+    if value is None:
+        return nothing
     try:
-        rkey = keys.open_pointer(namespace, "sess", name.encode(), ptr)
-        value = tier.records(namespace, [rkey])[0]
-        if value is None:
-            return None
-        body = open_record(keys, value, Expect(namespace, rkey, name=name, secret=secret))
+        gone = open_tombstone(keys, namespace, name, value)
+        if gone is not None:
+            return Held(token, None, None, gone)
+        rkey = keys.open_pointer(namespace, "sess", name.encode(), value)
+        record = tier.records(namespace, [rkey])[0]
+        if record is None:
+            return nothing
+        body = open_record(keys, record, Expect(namespace, rkey, name=name, secret=secret))
     except BadValue:
-        return None
-    return rkey, unpack_tokens(body["row"]["tokens"]), float(body["row"]["created"])
+        return nothing
+    return Held(token, rkey, unpack_tokens(body["row"]["tokens"]), float(body["row"]["created"]))
 
 
-def continues(
-    tokens: list[int],
-    held: tuple[str, list[int], float] | None,
-    rkey: str,
-    seen: float | None = None,
-) -> bool:
+def continues(tokens: list[int], held: Held, rkey: str, base: float | None = None) -> bool:
     """Whether a snapshot (``tokens``, record ``rkey``) may take a name whose tier session
-    is ``held``: none there, the same record, a version no newer than the latest this
-    store saw of the name (``seen``), or one its tokens extend."""
-    if held is None or held[0] == rkey or (seen is not None and held[2] <= seen):
+    is ``held``: none there, the same record, a version (or tombstone) no newer than the
+    latest this store's history of the name continues (``base``), or one its tokens
+    extend (a tombstone: none do)."""
+    if held.version is None or held.rkey == rkey:
         return True
-    return tokens[: len(held[1])] == held[1]
+    if base is not None and held.version <= base:
+        return True
+    return held.tokens is not None and tokens[: len(held.tokens)] == held.tokens
 
 
 def kept_name(
@@ -90,15 +116,43 @@ def kept_name(
     secret: bytes | None,
     tokens: list[int],
     rkey: str,
-    seen: float | None = None,
-) -> str:
-    """The name this snapshot is pushed under: ``name`` if it continues the tier's session
-    of that name (``seen``: the latest version of it this store saw before this push),
-    else the first ``name~N`` (N >= 2) it continues or that is free."""
-    if continues(tokens, tier_tokens(tier, keys, namespace, name, secret), rkey, seen):
-        return name
+    base: float | None = None,
+) -> tuple[str, Held]:
+    """The name this snapshot is pushed under, and what the tier holds there: ``name`` if
+    it continues the tier's session of that name (``base``: ``Index.base``, read before
+    this push), else the first ``name~N`` (N >= 2) it continues or that is free."""
+    held = tier_tokens(tier, keys, namespace, name, secret)
+    if continues(tokens, held, rkey, base):
+        return name, held
     for n in range(2, MAX_FORKS + 1):
         other = f"{name}~{n}"
-        if continues(tokens, tier_tokens(tier, keys, namespace, other, secret), rkey):
-            return other
+        held = tier_tokens(tier, keys, namespace, other, secret)
+        if continues(tokens, held, rkey):
+            return other, held
     raise BadValue("mismatched", f"more than {MAX_FORKS} histories of session {name!r}")
+
+
+def tombstone(keys: Keys, namespace: str, name: str, version: float) -> bytes:
+    """A session pointer that says the fleet deleted ``name`` at ``version``: ``~`` and
+    the version's 8 bytes (IEEE double, hex), with a key tagged as any pointer is."""
+    mark = "~" + struct.pack(">d", version).hex()
+    return keys.pointer(namespace, "sess", name.encode(), mark)
+
+
+def open_tombstone(keys: Keys, namespace: str, name: str, value: Any) -> float | None:
+    """The version of a tombstone (``tombstone``); None for a value that is not one;
+    BadValue for one that does not open (with a key: a valid tag, or no tombstone)."""
+    if not isinstance(value, bytes) or not value.startswith(b"~"):
+        return None
+    mark = value.partition(b".")[0].decode("ascii", "replace")
+    try:
+        version = float(struct.unpack(">d", bytes.fromhex(mark[1:]))[0])
+    except (ValueError, struct.error):
+        raise BadValue("malformed", "a tombstone without its version") from None
+    if keys.key is not None and not hmac.compare_digest(
+        keys.pointer(namespace, "sess", name.encode(), mark), value
+    ):
+        raise BadValue("unauthenticated", "a tombstone without a valid tag")
+    if not (math.isfinite(version) and version > 0):
+        raise BadValue("malformed", "a tombstone whose version is not a time")
+    return version

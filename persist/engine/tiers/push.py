@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import msgpack
 
 from ...format.tokens import unpack_tokens
+from ...remote.pointer_swap import SessionMoved
 from ...remote.redis_tier import TierUnavailable
 from ...storage.blobs import BlobStore
 from ...storage.chains import boundary_heads
@@ -55,6 +56,7 @@ Tier = Any  # a RedisTier or S3Tier (their common methods)
 __all__ = ["namespace_secret", "push", "sync"]
 
 log = logging.getLogger("persist")
+MAX_RACES = 8  # pushes of one snapshot that may lose the race for its name before it fails
 
 
 def namespace_secret(
@@ -135,7 +137,7 @@ def push(
         return "skipped", None  # evicted meanwhile
     row = rows[0]
     name = row.name if row.role == "session" else None
-    seen = index.seen(namespace, name) if name is not None else None  # before this push
+    base = index.base(namespace, name) if name is not None else None  # before this push
     if name is None and getattr(tier, "named_only", False):
         return "skipped", None
     files = [row.tail, *(r.blob for r in refs if r.blob)]
@@ -157,15 +159,6 @@ def push(
         "blobs": {facts[f][0]: [facts[f][1], facts[f][2]] for f in sorted(set(files))},
         "secret": None if keys.key is not None else secret,  # a derived one is kept nowhere
     }
-    rkey, record = seal_record(keys, namespace, body)
-    if name is not None:
-        toks = unpack_tokens(row.tokens)
-        kept = kept_name(tier, keys, namespace, name, secret, toks, rkey, seen)
-        if kept != name:  # another history holds the name: both are kept
-            if conflicts is not None:
-                conflicts.append((name, kept))
-            name = fields["name"] = body["row"]["name"] = kept
-            rkey, record = seal_record(keys, namespace, body)
     names = {keys.blob_name(k): k for k in by_key}
     missing = tier.missing_blobs(namespace, sorted(names))
     present = [n for n in sorted(names) if n not in set(missing)]
@@ -192,25 +185,65 @@ def push(
         wrong = [n for n, ok in zip(present, pool.map(right, present), strict=True) if not ok]
         list(pool.map(put, missing))
         list(pool.map(lambda n: put(n, replace=True), wrong))
-    held = tier.records(namespace, [rkey])[0] if verify else None
-    if verify:
-        good_record = held == record
+    last: SessionMoved | None = None
+    for _ in range(MAX_RACES):  # a race lost: the tier's session read again, decided again
+        try:
+            kept, after, had = _write_record(
+                tier, keys, namespace, fields, body, chs, name, base, secret, verify
+            )
+            break
+        except SessionMoved as e:
+            last = e
     else:
-        good_record = not missing and not wrong and tier.has_record(namespace, rkey)
-    ptrs = _pointers(keys, namespace, fields, chs, name, rkey)
-    bad = _wrong_pointers(tier, keys, namespace, ptrs, bool(row.trimmable)) if verify else set()
-    after = tier.put_record(
-        namespace, rkey, record, ptrs,
-        bool(row.trimmable), None if keys.key is not None else secret,
-        replace=verify and held is not None and not good_record,
-        replace_pointers=bad,
-    )  # fmt: skip
-    if name is not None:  # this version or a later one: an older record is a replay.
+        raise TierUnavailable(f"{last}: {MAX_RACES} pushes in a row lost the race; not pushed")
+    if name is not None and kept is not None and kept != name and conflicts is not None:
+        conflicts.append((name, kept))  # another history holds the name: both are kept
+    if kept is not None:  # this version or a later one: an older record is a replay.
         # Only once on the tier, under the name it took: a version that never got
         # there (a tier down) is not one the tier's history may be replaced by.
-        index.saw(namespace, name, row.created)
-    had = not missing and not wrong and good_record and not bad
-    return "present" if had else "pushed", after
+        index.saw(namespace, kept, row.created)
+    return "present" if had and not missing and not wrong else "pushed", after
+
+
+def _write_record(
+    tier: Tier,
+    keys: Keys,
+    namespace: str,
+    fields: dict[str, Any],
+    body: dict[str, Any],
+    chs: list[bytes],
+    name: str | None,
+    base: float | None,
+    secret: bytes,
+    verify: bool,
+) -> tuple[str | None, bytes | None, bool]:
+    """The record and its pointers, under the name the snapshot takes (``kept_name``:
+    ``name`` or ``NAME~N``), its session pointer written only over what was read there
+    (SessionMoved otherwise); (that name, the tier's secret after, whether the record
+    and every pointer were there and right already)."""
+    if name is not None:  # a race lost before: sealed under its own name again
+        fields["name"] = body["row"]["name"] = name
+    rkey, record = seal_record(keys, namespace, body)
+    session, kept, same = None, name, True
+    if name is not None:
+        toks = unpack_tokens(fields["tokens"])
+        kept, held = kept_name(tier, keys, namespace, name, secret, toks, rkey, base)
+        if kept != name:
+            fields["name"] = body["row"]["name"] = kept
+            rkey, record = seal_record(keys, namespace, body)
+        ptr = keys.pointer(namespace, "sess", kept.encode(), rkey)
+        session, same = (kept.encode(), ptr, held.token), held.rkey == rkey
+    on_tier = tier.records(namespace, [rkey])[0] if verify else None
+    good_record = on_tier == record if verify else tier.has_record(namespace, rkey)
+    ptrs = _pointers(keys, namespace, fields, chs, rkey)
+    trimmable = bool(fields["trimmable"])
+    bad = _wrong_pointers(tier, keys, namespace, ptrs, trimmable) if verify else set()
+    after = tier.put_record(
+        namespace, rkey, record, ptrs, trimmable, None if keys.key is not None else secret,
+        replace=verify and on_tier is not None and not good_record,
+        replace_pointers=bad, session=session,
+    )  # fmt: skip
+    return kept, after, good_record and not bad and same  # same: the pointer named it
 
 
 def _wrong_pointers(
@@ -241,19 +274,13 @@ def _wrong_pointers(
 
 
 def _pointers(
-    keys: Keys,
-    namespace: str,
-    row: dict[str, Any],
-    chs: list[bytes],
-    name: str | None,
-    rkey: str,
+    keys: Keys, namespace: str, row: dict[str, Any], chs: list[bytes], rkey: str
 ) -> list[tuple[str, bytes, bytes]]:
-    """(kind, key, value) of every pointer to the record: by name, chain, head key."""
+    """(kind, key, value) of the record's pointers by chain and head key (the one by name
+    is written on its own: ``_write_record``)."""
     block = int(msgpack.unpackb(row["manifest"], raw=False)["block"])
     heads = boundary_heads([row["root"], *chs], unpack_tokens(row["tokens"]), block)
     items = [("blk", c) for c in chs] + [("head", h) for h in heads]
-    if name is not None:
-        items.insert(0, ("sess", name.encode()))
     return [(kind, key, keys.pointer(namespace, kind, key, rkey)) for kind, key in items]
 
 
