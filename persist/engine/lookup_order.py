@@ -51,13 +51,16 @@ def nearest(
         from .host.store_hooks import host_hit, owner
 
         who = owner(namespace, identity, strict)
-        ram, kept = host_hit(host, costs, identity, namespace, who, toks, longer_than, max_cost)
+        ram, kept = host_hit(
+            host, costs, identity, namespace, who, toks, longer_than=longer_than, max_cost=max_cost
+        )
     have = max(kept, longer_than)  # what a pull or a read must beat (a declined copy too)
     if kept < len(toks) - 1:  # nothing beats a hit of every token but the last
         for tier in tiers:  # the fleet's deepest snapshot, if it beats what is here
             tier.pull_prefix(i, store.blobs, toks, identity, namespace, b, costs, max_cost, have)
         found = lookup_prefix(
-            i, store.blobs, toks, identity, namespace, b, have, strict, costs, max_cost,
+            i, store.blobs, toks, identity, namespace, b, longer_than=have,
+            strict_backend=strict, costs=costs, max_cost=max_cost,
             count_miss=not kept,  # a declined copy was counted as cost_recomputed
         )  # fmt: skip
         if found is not None:
@@ -67,4 +70,6 @@ def nearest(
         return None
     from .host.store_hooks import from_host
 
-    return from_host(store, host, toks, identity, namespace, who, longer_than, max_cost)
+    return from_host(
+        store, host, toks, identity, namespace, who, longer_than=longer_than, max_cost=max_cost
+    )

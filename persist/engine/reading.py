@@ -124,6 +124,7 @@ def lookup_prefix(
     identity: ModelIdentity,
     namespace: str,
     block_tokens: int,
+    *,
     longer_than: int = 0,
     strict_backend: bool = False,
     costs: CostModel | None = None,

@@ -82,6 +82,7 @@ def host_hit(
     namespace: str,
     who: str,
     toks: list[int],
+    *,
     longer_than: int,
     max_cost: float | None,
 ) -> tuple[int, int]:
@@ -144,6 +145,7 @@ def from_host(
     identity: ModelIdentity,
     namespace: str,
     who: str,
+    *,
     longer_than: int,
     max_cost: float | None,
 ) -> Restored | None:
@@ -160,8 +162,9 @@ def from_host(
         return Restored(hit.cache, hit.tokens, hit.info, source=HOST)
     b, strict = store.block_tokens, store.strict_backend
     found = lookup_prefix(
-        i, store.blobs, toks, identity, namespace, b, longer_than, strict, costs, max_cost
-    )
+        i, store.blobs, toks, identity, namespace, b, longer_than=longer_than,
+        strict_backend=strict, costs=costs, max_cost=max_cost,
+    )  # fmt: skip
     if found is None:
         return None
     cache, row, prefix = found
