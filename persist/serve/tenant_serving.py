@@ -33,9 +33,10 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
+from ..errors import AccessDeniedError
 from .generation import GuardedGenerator
 from .request_checks import BadRequest
-from .tenants import AccessDeniedError, Scoped, Tenants
+from .tenants import Scoped, Tenants
 
 __all__ = [
     "Asking",

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidArgumentError, PersistError
+from ..errors import AccessDeniedError, InvalidArgumentError
 
 __all__ = [
-    "AccessDeniedError",
+    "AccessDeniedError",  # defined in persist.errors; imported from here before round 5
     "Tenants",
     "Scoped",
     "load_keys",
@@ -47,10 +47,6 @@ MIN_KEY, MAX_KEY = 16, 512  # an API key's characters
 MAX_SALT = 256  # cache_salt characters (vLLM takes any string; a bound keeps bodies sane)
 MAX_KEYS = 100_000
 HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}")  # an HTTP header name (RFC 9110 token)
-
-
-class AccessDeniedError(PersistError, PermissionError):
-    """A request without a valid API key (or tenant header) where one is required: 401."""
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,16 @@ def test_no_valid_key_is_access_denied(tmp_path: Path, auth: str | None) -> None
     assert isinstance(e.value, PersistError) and isinstance(e.value, PermissionError)
 
 
+def test_access_denied_is_in_the_one_error_tree() -> None:
+    """Round 5 attack: AccessDeniedError lived in serve/tenants.py, outside persist.errors."""
+    import persist.errors
+
+    assert "AccessDeniedError" in persist.errors.__all__
+    assert persist.errors.AccessDeniedError is AccessDeniedError  # old imports still work
+    assert issubclass(AccessDeniedError, PersistError)
+    assert issubclass(AccessDeniedError, PermissionError)
+
+
 def test_header_tenants() -> None:
     t = tenants_from("ns", header="X-Tenant")
     assert t.multi and t.tenant({"X-Tenant": "acme.eu-1"}) == "acme.eu-1"
