@@ -14,6 +14,7 @@ from persist.serve.tenant_metrics import TenantCounts, tenancy_line, tenant_of
 from persist.serve.tenants import AccessDeniedError, Tenants, load_keys, load_public, tenants_from
 
 KEY = "k" * 16
+OTHER_KEY = "j" * 20
 
 
 def rules(tmp_path: Path, text: str) -> Tenants:
@@ -40,6 +41,35 @@ def test_bad_key_files_are_refused_without_the_key(tmp_path: Path, text: str) ->
     with pytest.raises(InvalidArgumentError) as e:
         rules(tmp_path, text)
     assert KEY not in str(e.value)
+
+
+def test_a_json_key_file_with_a_key_twice_is_refused_by_position(tmp_path: Path) -> None:
+    """Round 5 attack: JSON's last duplicate won silently (another tenant's key, or a
+    key handed to two tenants, went unnoticed)."""
+    text = f'{{"{KEY}": "acme", "{OTHER_KEY}": "globex", "{KEY}": "initech"}}'
+    with pytest.raises(InvalidArgumentError, match="entry 3: repeats the key of entry 1") as e:
+        rules(tmp_path, text)
+    assert KEY not in str(e.value)
+
+
+def test_a_key_line_twice_is_refused_by_line(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="line 4: repeats the key of line 2") as e:
+        rules(tmp_path, f"# keys\n{KEY} acme\n{OTHER_KEY} globex\n{KEY} initech\n")
+    assert KEY not in str(e.value)
+
+
+def test_a_key_line_beginning_with_a_hash_is_refused_not_skipped(tmp_path: Path) -> None:
+    """Round 5 attack: '#KEY TENANT' was read as a comment, so that tenant's key was
+    silently missing; a comment of any other shape is still a comment."""
+    hashed = "#" + KEY
+    with pytest.raises(InvalidArgumentError, match="line 3") as e:
+        rules(tmp_path, f"# KEY TENANT\n{KEY} acme\n{hashed} globex\n#----- acme\n")
+    assert hashed not in str(e.value)
+
+
+def test_comments_of_other_shapes_are_still_skipped(tmp_path: Path) -> None:
+    t = rules(tmp_path, f"# KEY TENANT\n#note\n#-- acme\n  # {KEY}\n{KEY} acme\n")
+    assert t.tenant({"Authorization": f"Bearer {KEY}"}) == "acme" and len(t.keys) == 1
 
 
 @pytest.mark.parametrize(
