@@ -3,10 +3,12 @@
 Every count the prompt cache makes names its namespace
 (``PersistentPromptCache.on_count``); here it is filed under the tenant
 that namespace belongs to (salted namespaces under their tenant, the
-public prefixes under ``public``).  A scrape shows the ``TOP`` tenants by
-lookups and sums the rest under ``other``: a server with 100,000 tenants
+public prefixes under ``(public)``).  A scrape shows the ``TOP`` tenants by
+lookups and sums the rest under ``(other)``: a server with 100,000 tenants
 still has a page of a few dozen series.  Names come from the key file or
-a checked header (letters, digits, ``._@:+=-``), never raw request bytes.
+a checked header (letters, digits, ``._@:+=-``), never raw request bytes;
+the reserved labels are in parentheses, which no tenant name holds, so a
+tenant named ``other`` or ``public`` is never summed with them.
 """
 
 from __future__ import annotations
@@ -24,19 +26,22 @@ from .tenants import Tenants
 __all__ = ["TenantCounts", "count_by_tenant", "tenancy_line", "tenant_of"]
 
 log = logging.getLogger("persist")
-TOP = 20  # tenants with series of their own; the rest are "other"
+TOP = 20  # tenants with series of their own; the rest are OTHER
+# reserved labels: parentheses are in no tenant name (serve.tenants.TENANT)
+PUBLIC, NONE, OTHER = "(public)", "(none)", "(other)"
 NAMESPACES_KEPT = 64  # namespaces remembered per tenant for its bytes (salts beyond: uncounted)
 HITS = ("memory_hits", "host_hits", "store_hits")
 
 
 def tenant_of(namespace: str, tenants: Tenants) -> str:
-    """The metrics label of a namespace: its tenant, ``public``, or ``none`` (single-tenant)."""
+    """The metrics label of a namespace: its tenant, ``(public)``, or ``(none)``
+    (single-tenant)."""
     if namespace == tenants.public_namespace:
-        return "public"
+        return PUBLIC
     head = f"{tenants.namespace}/tenant:"
     if namespace.startswith(head):
         return namespace[len(head) :].split("/salt:")[0]
-    return "none"
+    return NONE
 
 
 class TenantCounts:
@@ -57,7 +62,7 @@ class TenantCounts:
                 seen.add(namespace)
 
     def ranked(self) -> list[tuple[str, Counter[str]]]:
-        """The top tenants by lookups, then ``other`` with everyone else summed."""
+        """The top tenants by lookups, then ``(other)`` with everyone else summed."""
         with self._lock:
             items = [(k, Counter(v)) for k, v in self._counts.items()]
         items.sort(key=lambda kv: (-_lookups(kv[1]), kv[0]))
@@ -66,14 +71,14 @@ class TenantCounts:
             other: Counter[str] = Counter()
             for _, c in rest:
                 other.update(c)
-            top.append(("other", other))
+            top.append((OTHER, other))
         return top
 
     def collect(self) -> Iterator[Any]:
         ranked = self.ranked()
         lookups = CounterMetricFamily(
             "persist_tenant_lookups",
-            f"Prompt-cache lookups by tenant (top {self.top}, the rest 'other') and result.",
+            f"Prompt-cache lookups by tenant (top {self.top}, the rest '{OTHER}') and result.",
             labels=["tenant", "result"],
         )
         stored = GaugeMetricFamily(
@@ -84,7 +89,7 @@ class TenantCounts:
         for label, c in ranked:
             lookups.add_metric([label, "hit"], sum(c[h] for h in HITS))
             lookups.add_metric([label, "miss"], c["misses"])
-            if label != "other":
+            if label != OTHER:
                 stored.add_metric([label], self._bytes(label))
         yield lookups
         yield stored

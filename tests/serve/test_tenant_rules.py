@@ -162,17 +162,35 @@ class FakeStore:
 def test_metrics_labels_are_bounded() -> None:
     t = Tenants("ns", header="X-Tenant")
     assert tenant_of(t.namespace_for("acme", "s"), t) == "acme"
-    assert tenant_of(t.public_namespace, t) == "public" and tenant_of("ns", t) == "none"
+    assert tenant_of(t.public_namespace, t) == "(public)" and tenant_of("ns", t) == "(none)"
     counts = TenantCounts(t, FakeStore(), top=3)
     for i in range(50):
         counts.count(t.namespace_for(f"t{i}"), {"misses": i, "memory_hits": 1})
     ranked = counts.ranked()
-    assert [label for label, _ in ranked] == ["t49", "t48", "t47", "other"]
+    assert [label for label, _ in ranked] == ["t49", "t48", "t47", "(other)"]
     assert ranked[-1][1]["misses"] == sum(range(47))
     families = {f.name: f for f in counts.collect()}
     samples = families["persist_tenant_lookups"].samples
     assert len(samples) == 8  # 4 labels x (hit, miss)
     assert [s.value for s in families["persist_tenant_store_bytes"].samples] == [100] * 3
+
+
+def test_tenants_named_like_the_reserved_labels_keep_labels_of_their_own() -> None:
+    """Round 5 attack: a tenant named ``other`` or ``public`` (a key file's, or a
+    gateway's header) was summed into the label of everyone else or of the public
+    prefixes.  Reserved labels take a form no tenant name can (parentheses)."""
+    t = Tenants("ns", header="X-Tenant")
+    counts = TenantCounts(t, FakeStore(), top=4)
+    for i, name in enumerate(("public", "none", "other")):
+        counts.count(t.namespace_for(name), {"misses": 10 + i})
+    counts.count(t.public_namespace, {"memory_hits": 5})
+    counts.count(t.namespace_for(None), {"misses": 4})
+    counts.count(t.namespace_for("small"), {"misses": 1})
+    ranked = dict(counts.ranked())
+    assert set(ranked) == {"public", "none", "other", "(public)", "(other)"}
+    assert [ranked[n]["misses"] for n in ("public", "none", "other")] == [10, 11, 12]
+    assert ranked["(public)"]["memory_hits"] == 5
+    assert ranked["(other)"]["misses"] == 5  # the single-tenant namespace and "small"
 
 
 def test_start_line(tmp_path: Path) -> None:
