@@ -314,3 +314,28 @@ def test_one_tenant_cannot_evict_another(model_dir: Any, tmp_path: Path) -> None
         tmp_path, "stats", "--store", str(store), "--namespace", "default/tenant:bob", "--json"
     )
     assert json.loads(out.stdout)["counters"]["serve_persisted"] == bob.counters["serve_persisted"]
+
+
+def test_salts_share_their_tenants_budget(model_dir: Any, tmp_path: Path) -> None:
+    """Round 5 attack: each cache_salt was a namespace with a budget of its own, so a
+    tenant sending a new salt with every request held that many budgets."""
+    import persist
+
+    store, budget = tmp_path / "store", 200_000
+    srv = persist_serve(
+        model_dir("llama"), store, tmp_path / "a.log",
+        "--api-keys", str(key_file(tmp_path)), "--tenant-max-bytes", str(budget),
+    )  # fmt: skip
+    try:
+        complete(srv, SECRET, "bob")
+        for i in range(8):  # a new salt each time: each alone is well under the budget
+            doc = f"{i} alice's long document: " + "lorem ipsum dolor " * 8
+            complete(srv, doc, "alice", cache_salt=f"salt-{i}")
+    finally:
+        srv.stop()
+    with persist.Store(store) as s, s.index.read() as db:
+        held = dict(db.execute("SELECT namespace, bytes FROM usage WHERE bytes > 0").fetchall())
+        assert s.stats("default/tenant:alice").entries == 0  # she never sent a salt-less one
+    alice = {ns: n for ns, n in held.items() if ns.startswith("default/tenant:alice/salt:")}
+    assert len(alice) >= 1 and sum(alice.values()) <= budget  # all her salts, one budget
+    assert held["default/tenant:bob"] > 0  # bob's kept
