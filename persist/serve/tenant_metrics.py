@@ -21,6 +21,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..storage.retention import budget_owner
 from .tenants import Tenants
 
 __all__ = ["TenantCounts", "count_by_tenant", "tenancy_line", "tenant_of"]
@@ -40,7 +41,7 @@ def tenant_of(namespace: str, tenants: Tenants) -> str:
         return PUBLIC
     head = f"{tenants.namespace}/tenant:"
     if namespace.startswith(head):
-        return namespace[len(head) :].split("/salt:")[0]
+        return budget_owner(namespace)[len(head) :]
     return NONE
 
 

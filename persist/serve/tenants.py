@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AccessDeniedError, InvalidArgumentError
+from ..storage.retention import PARTITION
 
 __all__ = [
     "AccessDeniedError",  # defined in persist.errors; imported from here before round 5
@@ -143,7 +144,8 @@ class Tenants:
             raw = salt.encode("utf-8")
         except UnicodeEncodeError:
             raise InvalidArgumentError("cache_salt must be valid text") from None
-        return f"{ns}/salt:{hashlib.sha256(raw).hexdigest()[:32]}"
+        # a partition of the tenant's namespace: within its budget in every tier
+        return f"{ns}{PARTITION}{hashlib.sha256(raw).hexdigest()[:32]}"
 
     def is_public(self, messages: Any, tools: Any) -> bool:
         """Whether a chat request's leading system messages (with its tools) are a
@@ -165,6 +167,11 @@ def tenants_from(
     public_prefix: str | Path | None = None,
 ) -> Tenants:
     """The rules ``persist serve``'s options give (InvalidArgumentError for bad ones)."""
+    if PARTITION in namespace:  # every tenant's namespace would be a partition of one
+        raise InvalidArgumentError(
+            f"--namespace {namespace!r} may not hold {PARTITION!r}: it marks a cache_salt's "
+            "partition, and every tenant would share one budget"
+        )
     if api_keys is not None and header is not None:
         raise InvalidArgumentError(
             "give --api-keys or --tenant-header, not both: the key names the tenant"

@@ -109,6 +109,13 @@ def test_header_tenants() -> None:
         tenants_from("ns", api_keys="x", header="X-Tenant")
 
 
+def test_a_base_namespace_holding_the_partition_mark_is_refused() -> None:
+    """``--namespace 'x/salt:y'`` would make every tenant's namespace a partition of
+    ``x``: all tenants would share one budget."""
+    with pytest.raises(InvalidArgumentError, match="/salt:"):
+        tenants_from("x/salt:y")
+
+
 def test_namespaces_never_collide() -> None:
     t = Tenants("ns")
     assert not t.multi and t.tenant({"Authorization": "whatever"}) is None
