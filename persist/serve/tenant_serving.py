@@ -25,6 +25,7 @@ its own has less, and that segment's boundary snapshot is stored there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -87,6 +88,7 @@ class TenantScoping:
         super().__init__(*args, **kwargs)
         self.tenants = tenants
         self.counters: Any
+        self.metrics: Any
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         ask = _asking()
@@ -94,17 +96,30 @@ class TenantScoping:
             self.counters.update(unscoped=1)
             return None, tokens
         lookup = super().fetch_nearest_cache  # type: ignore[misc]
-        cache, rest = lookup(Scoped(model, ask.namespace), tokens)
+        if not 0 < ask.public < len(tokens):
+            return lookup(Scoped(model, ask.namespace), tokens)
+        # two lookups, one request: /metrics counts the one whose cache is handed out
+        with self._holding() as own:
+            cache, rest = lookup(Scoped(model, ask.namespace), tokens)
         have = len(tokens) - len(rest) if cache is not None else 0
-        p = ask.public
-        if 0 < p < len(tokens) and have < p:
+        p, seen = ask.public, own
+        if have < p:
             ns = self.tenants.public_namespace
-            # one token past the cut: every tier leaves a prompt's last token to prefill
-            pub, pub_rest = lookup(Scoped(model, ns), tokens[: p + 1])
+            with self._holding() as public:
+                # one token past the cut: every tier leaves a prompt's last token to prefill
+                pub, pub_rest = lookup(Scoped(model, ns), tokens[: p + 1])
             got = p + 1 - len(pub_rest) if pub is not None else 0
             if have < got <= p:  # never past the cut (another public prefix may go on)
-                return pub, list(tokens[got:])
+                cache, rest, seen = pub, list(tokens[got:]), public or own
+        if self.metrics is not None:
+            served = len(tokens) - len(rest) if cache is not None else 0
+            self.metrics.outcomes.count_once(seen, len(tokens), served)
         return cache, rest
+
+    def _holding(self) -> Any:
+        """Hold what a lookup reports to /metrics (``serve.prompt_counts``)."""
+        m = self.metrics
+        return m.outcomes.holding() if m is not None else contextlib.nullcontext([])
 
     def insert_cache(
         self,

@@ -339,3 +339,31 @@ def test_salts_share_their_tenants_budget(model_dir: Any, tmp_path: Path) -> Non
     alice = {ns: n for ns, n in held.items() if ns.startswith("default/tenant:alice/salt:")}
     assert len(alice) >= 1 and sum(alice.values()) <= budget  # all her salts, one budget
     assert held["default/tenant:bob"] > 0  # bob's kept
+
+
+def test_a_request_from_the_public_prefix_counts_its_prompt_once(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    """Round 5 attack: a request with a public segment was looked up twice (its tenant's
+    namespace, then the public one) and both lookups counted its prompt tokens."""
+    public = tmp_path / "public.json"
+    public.write_text(json.dumps([{"messages": [{"role": "system", "content": PUBLIC}]}]))
+    args = ("--api-keys", str(key_file(tmp_path)), "--public-prefix", str(public))
+    srv = persist_serve(model_dir("llama"), tmp_path / "store", tmp_path / "a.log", *args)
+    names = ("persist_prompt_tokens_total", "persist_cached_prompt_tokens_total")
+    lookups = ("persist_cache_lookups_total", (("result", "hit"), ("source", "memory")))
+    misses = ("persist_cache_lookups_total", (("result", "miss"), ("source", "memory")))
+    try:
+        for tenant in ("alice", "bob", "bob"):  # cold; from the public cut; from bob's own
+            before = metrics(srv)
+            answer = chat(srv, PUBLIC, "Where is my order?", tenant)
+            after = metrics(srv)
+            usage = answer["usage"]
+            want = (usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
+            got = tuple(after[(n, ())] - before.get((n, ()), 0) for n in names)
+            assert got == want, (tenant, got, want)
+            asked = sum(after.get(k, 0) - before.get(k, 0) for k in (lookups, misses))
+            assert asked == 1, tenant  # one lookup of the memory tier per request
+        assert reused(answer) > 0
+    finally:
+        srv.stop()
