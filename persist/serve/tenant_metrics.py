@@ -123,6 +123,8 @@ def tenancy_line(tenants: Tenants, shared: str | None) -> tuple[int, str]:
     """The start line's word on tenancy, and its log level (a warning when one namespace
     is shared by every client, louder still across a fleet)."""
     public = f"; {len(tenants.public)} public prefix(es) shared" if tenants.public else ""
+    if tenants.marks:  # any tenant may write into what every tenant reads
+        public += "; requests may mark their system prompt public (--allow-public-marks)"
     if tenants.keys:
         return logging.INFO, (
             f"persist serve: tenants by API key ({len(tenants.keys)} keys): each tenant and "

@@ -36,7 +36,7 @@ from mlx_lm.generate import BatchGenerator
 
 from ..errors import AccessDeniedError
 from .generation import GuardedGenerator
-from .request_checks import BadRequest
+from .request_checks import BadRequest, public_mark
 from .tenants import Scoped, Tenants
 
 __all__ = [
@@ -206,7 +206,10 @@ class TenantGenerator(GuardedGenerator):
             len(segments) > 1
             and kinds[0] == "system"
             and request.request_type == "chat"
-            and tenants.is_public(request.messages, request.tools)
+            and (
+                getattr(request, "persist_public_mark", False)
+                or tenants.is_public(request.messages, request.tools)
+            )
         ):
             extra = getattr(self.model_provider.cli_args, "chat_template_args", None) or {}
             public = public_cut(tokenizer, request, args, len(segments[0]), extra)
@@ -297,6 +300,7 @@ def tenant_handler(base: type, tenants: Tenants) -> type:
         def _scoped(self, request: Any) -> Any:
             salt = self.body.get("cache_salt")  # a bad one: ValueError, which mlx-lm answers 400
             request.persist_namespace = tenants.namespace_for(self.persist_tenant, salt)
+            request.persist_public_mark = public_mark(self.body)  # checked: allowed, a chat
             return request
 
         def handle_chat_completions(self) -> Any:

@@ -83,12 +83,14 @@ def _digest(key: bytes) -> bytes:
 @dataclass
 class Tenants:
     """One server's rules: ``keys`` (sha256 of each key -> tenant), ``header`` (a trusted
-    gateway's header name), ``public`` (public prefixes), over the base ``namespace``."""
+    gateway's header name), ``public`` (public prefixes), ``marks`` (requests may mark
+    their system prompt public), over the base ``namespace``."""
 
     namespace: str = "default"
     keys: dict[bytes, str] = field(default_factory=dict)
     header: str | None = None
     public: frozenset[PublicPrefix] = frozenset()
+    marks: bool = False  # a request may mark its system prompt public (--allow-public-marks)
 
     @property
     def multi(self) -> bool:
@@ -165,6 +167,7 @@ def tenants_from(
     api_keys: str | Path | None = None,
     header: str | None = None,
     public_prefix: str | Path | None = None,
+    public_marks: bool = False,
 ) -> Tenants:
     """The rules ``persist serve``'s options give (InvalidArgumentError for bad ones)."""
     if PARTITION in namespace:  # every tenant's namespace would be a partition of one
@@ -183,6 +186,7 @@ def tenants_from(
         load_keys(api_keys) if api_keys is not None else {},
         header,
         load_public(public_prefix) if public_prefix is not None else frozenset(),
+        public_marks,
     )
 
 

@@ -200,6 +200,29 @@ def test_tenants_named_like_the_reserved_labels_keep_labels_of_their_own() -> No
     assert ranked["(other)"]["misses"] == 5  # the single-tenant namespace and "small"
 
 
+SYSTEM_FIRST = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/chat/completions", {"messages": SYSTEM_FIRST, "persist": True}),
+     ("/v1/chat/completions", {"messages": SYSTEM_FIRST, "persist": {"public_system": 1}}),
+     ("/v1/chat/completions", {"messages": SYSTEM_FIRST, "persist": {"public": True}}),
+     ("/v1/completions", {"prompt": "p", "persist": {"public_system": True}}),
+     ("/v1/chat/completions", {"messages": SYSTEM_FIRST[1:], "persist": {"public_system": True}}),
+     ("/v1/chat/completions", {"messages": SYSTEM_FIRST, "persist": {"public_system": True},
+                               "chat_template_kwargs": {"date_string": "x"}})],
+)  # fmt: skip
+def test_a_public_mark_that_cannot_be_honoured_is_a_bad_request(
+    path: str, body: dict[str, Any]
+) -> None:
+    from persist.serve.request_checks import BadRequest, check_request
+
+    with pytest.raises(BadRequest) as e:
+        check_request(path, body, marks=True)
+    assert e.value.param == "persist"
+
+
 def test_start_line(tmp_path: Path) -> None:
     level, line = tenancy_line(Tenants("ns"), None)
     assert level == logging.WARNING and "single-tenant" in line and "FLEET" not in line
@@ -207,7 +230,8 @@ def test_start_line(tmp_path: Path) -> None:
     assert "ANY CLIENT OF THE FLEET" in line
     keys: Any = load_keys_file(tmp_path)
     level, line = tenancy_line(Tenants("ns", keys=keys), "redis://x")
-    assert level == logging.INFO and "1 keys" in line
+    assert level == logging.INFO and "1 keys" in line and "marks" not in line
+    assert "--allow-public-marks" in tenancy_line(Tenants("ns", keys=keys, marks=True), None)[1]
 
 
 def load_keys_file(tmp_path: Path) -> Any:

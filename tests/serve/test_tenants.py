@@ -367,3 +367,56 @@ def test_a_request_from_the_public_prefix_counts_its_prompt_once(
         assert reused(answer) > 0
     finally:
         srv.stop()
+
+
+MARK = {"persist": {"public_system": True}}  # what extra_body= sends with an OpenAI client
+NOTE = "My PIN is 7351. Where is my order?"
+
+
+def marked_chat(srv: Server, user: str, tenant: str, **extra: Any) -> tuple[int, dict[str, Any]]:
+    messages = [{"role": "system", "content": PUBLIC}, {"role": "user", "content": user}]
+    body = {"messages": messages, "max_tokens": 2, "temperature": 0, **MARK, **extra}
+    return post(srv, "/v1/chat/completions", body, tenant)
+
+
+def test_a_marked_system_prompt_is_shared_up_to_its_cut_and_no_further(
+    model_dir: Any, tiny: Any, tmp_path: Path
+) -> None:
+    """Issue 37 leftover: a request may mark its system prompt public (when the operator
+    allows marks).  Bob's user text begins with all of alice's: he gets exactly the
+    system block's cut, none of her text."""
+    _, tok, _ = tiny("llama")
+    system = [{"role": "system", "content": PUBLIC}]
+    later = f"{NOTE} And when is my refund due?"
+    prompt = tok.apply_chat_template([*system, {"role": "user", "content": later}],
+                                     add_generation_prompt=True)  # fmt: skip
+    empty = tok.apply_chat_template([*system, {"role": "user", "content": ""}])
+    cut = next(i for i, (a, b) in enumerate(zip(empty, prompt, strict=False)) if a != b)
+    args = ("--api-keys", str(key_file(tmp_path)), "--allow-public-marks")
+    srv = persist_serve(model_dir("llama"), tmp_path / "store", tmp_path / "a.log", *args)
+    try:
+        code, first = marked_chat(srv, NOTE, "alice")
+        assert code == 200 and reused(first) == 0, first
+        code, second = marked_chat(srv, later, "bob")
+        assert code == 200, second
+        assert reused(second) == cut > 0
+    finally:
+        srv.stop()
+
+
+def test_a_public_mark_without_the_operators_leave_is_refused(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    """Without --allow-public-marks a tenant could not write into what every tenant
+    reads: the mark is a 400 naming the option, and nothing is served or stored."""
+    args = ("--api-keys", str(key_file(tmp_path)))
+    srv = persist_serve(model_dir("llama"), tmp_path / "store", tmp_path / "a.log", *args)
+    try:
+        code, answer = marked_chat(srv, NOTE, "alice")
+        assert code == 400, answer
+        assert answer["error"]["param"] == "persist"
+        assert "--allow-public-marks" in answer["error"]["message"]
+        code, _ = marked_chat(srv, NOTE, "alice", persist={"public_system": False})
+        assert code == 200  # an explicit false asks for nothing
+    finally:
+        srv.stop()
