@@ -21,7 +21,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..storage.retention import budget_owner
+from ..storage.retention import budget_owner, owned_bytes
 from .tenants import Tenants
 
 __all__ = ["TenantCounts", "count_by_tenant", "tenancy_line", "tenant_of"]
@@ -30,7 +30,6 @@ log = logging.getLogger("persist")
 TOP = 20  # tenants with series of their own; the rest are OTHER
 # reserved labels: parentheses are in no tenant name (serve.tenants.TENANT)
 PUBLIC, NONE, OTHER = "(public)", "(none)", "(other)"
-NAMESPACES_KEPT = 64  # namespaces remembered per tenant for its bytes (salts beyond: uncounted)
 HITS = ("memory_hits", "host_hits", "store_hits")
 
 
@@ -52,15 +51,13 @@ class TenantCounts:
         self.tenants, self.store, self.top = tenants, store, top
         self._lock = threading.Lock()
         self._counts: dict[str, Counter[str]] = {}
-        self._namespaces: dict[str, set[str]] = {}
+        self._owners: dict[str, str] = {}  # label -> the namespace its budget is counted by
 
     def count(self, namespace: str, deltas: dict[str, int]) -> None:
         label = tenant_of(namespace, self.tenants)
         with self._lock:
             self._counts.setdefault(label, Counter()).update(deltas)
-            seen = self._namespaces.setdefault(label, set())
-            if len(seen) < NAMESPACES_KEPT:
-                seen.add(namespace)
+            self._owners.setdefault(label, budget_owner(namespace))
 
     def ranked(self) -> list[tuple[str, Counter[str]]]:
         """The top tenants by lookups, then ``(other)`` with everyone else summed."""
@@ -84,7 +81,8 @@ class TenantCounts:
         )
         stored = GaugeMetricFamily(
             "persist_tenant_store_bytes",
-            "Bytes the store holds for a tenant's namespaces (top tenants only).",
+            "Bytes the store holds for a tenant, its salts included: what --tenant-max-bytes "
+            "counts (top tenants only).",
             labels=["tenant"],
         )
         for label, c in ranked:
@@ -97,9 +95,12 @@ class TenantCounts:
 
     def _bytes(self, label: str) -> float:
         with self._lock:
-            namespaces = list(self._namespaces.get(label, ()))
-        try:  # a covering-index count per namespace; a busy store is skipped, not fatal
-            return float(sum(self.store.index.tally(ns)[2] for ns in namespaces))
+            owner = self._owners.get(label)
+        if owner is None:
+            return 0.0
+        try:  # the budget's own sum over the tenant's salts; a busy store is skipped
+            with self.store.index.read() as db:
+                return float(owned_bytes(db, owner))
         except Exception as e:
             log.debug("persist: tenant bytes not read: %r", e)
             return float("nan")

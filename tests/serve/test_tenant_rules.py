@@ -157,29 +157,23 @@ def test_public_prefixes(tmp_path: Path) -> None:
             load_public(p)
 
 
-class FakeIndex:
-    def tally(self, ns: str) -> tuple[int, int, int]:
-        return 1, 0, 100
+def test_metrics_labels_are_bounded(tmp_path: Path) -> None:
+    import persist
 
-
-class FakeStore:
-    index = FakeIndex()
-
-
-def test_metrics_labels_are_bounded() -> None:
     t = Tenants("ns", header="X-Tenant")
     assert tenant_of(t.namespace_for("acme", "s"), t) == "acme"
     assert tenant_of(t.public_namespace, t) == "(public)" and tenant_of("ns", t) == "(none)"
-    counts = TenantCounts(t, FakeStore(), top=3)
-    for i in range(50):
-        counts.count(t.namespace_for(f"t{i}"), {"misses": i, "memory_hits": 1})
-    ranked = counts.ranked()
-    assert [label for label, _ in ranked] == ["t49", "t48", "t47", "(other)"]
-    assert ranked[-1][1]["misses"] == sum(range(47))
-    families = {f.name: f for f in counts.collect()}
+    with persist.Store(tmp_path / "s") as store:
+        counts = TenantCounts(t, store, top=3)
+        for i in range(50):
+            counts.count(t.namespace_for(f"t{i}"), {"misses": i, "memory_hits": 1})
+        ranked = counts.ranked()
+        assert [label for label, _ in ranked] == ["t49", "t48", "t47", "(other)"]
+        assert ranked[-1][1]["misses"] == sum(range(47))
+        families = {f.name: f for f in counts.collect()}
     samples = families["persist_tenant_lookups"].samples
     assert len(samples) == 8  # 4 labels x (hit, miss)
-    assert [s.value for s in families["persist_tenant_store_bytes"].samples] == [100] * 3
+    assert [s.value for s in families["persist_tenant_store_bytes"].samples] == [0] * 3
 
 
 def test_tenants_named_like_the_reserved_labels_keep_labels_of_their_own() -> None:
@@ -187,7 +181,7 @@ def test_tenants_named_like_the_reserved_labels_keep_labels_of_their_own() -> No
     gateway's header) was summed into the label of everyone else or of the public
     prefixes.  Reserved labels take a form no tenant name can (parentheses)."""
     t = Tenants("ns", header="X-Tenant")
-    counts = TenantCounts(t, FakeStore(), top=4)
+    counts = TenantCounts(t, None, top=4)  # labels only: no store read
     for i, name in enumerate(("public", "none", "other")):
         counts.count(t.namespace_for(name), {"misses": 10 + i})
     counts.count(t.public_namespace, {"memory_hits": 5})
@@ -221,6 +215,25 @@ def test_a_public_mark_that_cannot_be_honoured_is_a_bad_request(
     with pytest.raises(BadRequest) as e:
         check_request(path, body, marks=True)
     assert e.value.param == "persist"
+
+
+def test_a_tenants_store_bytes_are_what_its_budget_counts(tmp_path: Path) -> None:
+    """persist_tenant_store_bytes summed at most 64 of a tenant's namespaces: a tenant
+    with more salts showed less than its budget holds.  It is the budget's own sum."""
+    import persist
+    from tests.golden.cases import IDENTITY, kv_cache
+
+    t = Tenants("ns", header="X-Tenant")
+    with persist.Store(tmp_path / "s") as store:
+        counts = TenantCounts(t, store)
+        for i in range(70):
+            ns = t.namespace_for("acme", f"salt-{i}")
+            store.save([kv_cache(8, i)], list(range(i, i + 8)), identity=IDENTITY, namespace=ns)
+            counts.count(ns, {"misses": 1})
+        families = {f.name: f for f in counts.collect()}
+        (sample,) = families["persist_tenant_store_bytes"].samples
+        assert sample.labels["tenant"] == "acme"
+        assert sample.value == store.index.unique_bytes() > 0
 
 
 def test_start_line(tmp_path: Path) -> None:
