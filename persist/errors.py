@@ -36,6 +36,7 @@ __all__ = [
     "StorageError",
     "StoreNotFoundError",
     "ModelNotFoundError",
+    "AccessDeniedError",
 ]
 
 
@@ -160,6 +161,11 @@ class ReadOnlyStoreError(PersistError, PermissionError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class AccessDeniedError(PersistError, PermissionError):
+    """A request to ``persist serve`` without a valid API key (or tenant header) where
+    one is required: answered 401 (``serve.tenants``)."""
 
 
 class StorageError(PersistError, OSError):

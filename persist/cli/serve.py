@@ -135,6 +135,14 @@ from .app import cli, default_store, open_store, parse_size, plain, store_option
     '{"messages": [system messages], "tools": [...]}, or one system prompt\'s text.',
 )
 @click.option(
+    "--allow-public-marks",
+    is_flag=True,
+    default=False,
+    help='Let a request mark its system prompt public ("persist": {"public_system": true}): '
+    "its system block goes to the namespace every tenant reads (without it: 400).  Any "
+    "tenant can then write there; see docs/tenants.md.",
+)
+@click.option(
     "--tenant-max-bytes",
     default=None,
     metavar="SIZE",
@@ -171,6 +179,7 @@ def serve_cmd(
     api_keys: str | None,
     tenant_header: str | None,
     public_prefix: str | None,
+    allow_public_marks: bool,
     tenant_max_bytes: str | None,
     warm: int,
     store_dir: Path | None,
@@ -220,7 +229,9 @@ def serve_cmd(
             max_tokens_limit=max_tokens_limit,
             allowed_models=[m.strip() for m in allowed_models.split(",") if m.strip()],
             model_names=[model_dir] if model_dir else [],
-            tenants=tenants_from(namespace, api_keys, tenant_header, public_prefix),
+            tenants=tenants_from(
+                namespace, api_keys, tenant_header, public_prefix, allow_public_marks
+            ),
             tenant_max_bytes=parse_size(tenant_max_bytes) if tenant_max_bytes else None,
             warm=warm,
             **tier_urls(),

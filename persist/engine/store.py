@@ -55,7 +55,9 @@ class Store(StoreUpkeep):
 
     ``namespace_max_bytes`` (bytes for every namespace, or a map of namespace to
     bytes) gives tenants budgets of their own: a save evicts only in its own
-    namespace, and one that cannot fit there is StoreFullError.  ``tier_key``: tiers.py.
+    namespace, and one that cannot fit there is StoreFullError; a namespace's
+    partitions (``NS/salt:X``: ``storage.retention.budget_owner``) share its
+    budget.  ``tier_key``: tiers.py.
     ``host_cache`` (bytes; None or 0: none) keeps a copy of every save in RAM that
     lookups ask first (``engine.host.store_hooks``)."""
 

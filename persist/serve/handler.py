@@ -59,6 +59,7 @@ class PersistHandler(APIHandler):
 
     server: DrainingServer
     limits = RequestLimits()  # persist serve's subclass holds the operator's (server.serve)
+    public_marks = False  # --allow-public-marks: a request may mark its system prompt public
 
     def setup(self) -> None:
         super().setup()
@@ -148,7 +149,7 @@ class PersistHandler(APIHandler):
             return
         try:
             body = parse_json(raw)
-            check_request(endpoint, body, images=self._takes_images(body))
+            check_request(endpoint, body, self._takes_images(body), self.public_marks)
             renamed = self.limits.admit(body)
         except BadRequest as e:
             self._json(getattr(e, "status", 400), e.body())

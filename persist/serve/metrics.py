@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ..engine.costs import LOCAL, LOCAL_DISK
 from ..errors import StoreFullError
 from ..storage.housekeeping import wal_bytes
+from .prompt_counts import Outcome, Outcomes
 
 __all__ = ["ServeMetrics", "CONTENT_TYPE"]
 
@@ -143,6 +144,7 @@ class ServeMetrics:
             "index); the request was served anyway.", registry=r,
         )  # fmt: skip
         r.register(_Gauges(self))
+        self.outcomes = Outcomes(self._counted)  # each request's prompt once (prompt_counts)
 
     # -- recording -------------------------------------------------------------
 
@@ -167,17 +169,15 @@ class ServeMetrics:
         """One keyed lookup: ``memory`` tokens the memory tier had, ``host`` the host
         tier restored (longer than memory's), ``hit`` the store restored."""
         seconds = time.perf_counter() - probe.t0
-        self.prompt_tokens.inc(prompt)
-        self.cached_tokens.inc(max(memory, host, hit))
-        self.lookups.labels("memory", "hit" if memory else "miss").inc()
+        sources = [("memory", bool(memory))]
         if self.host is not None:
-            self.lookups.labels("host", "hit" if host and not hit else "miss").inc()
+            sources.append(("host", bool(host and not hit)))
             if host and not hit:
                 self.restore_seconds.labels("host").observe(seconds)
         pulled = self._moved(probe)
         source = next((name for name, n in pulled.items() if n and hit), "local" if hit else None)
-        for name in ("local", *probe.moved):
-            self.lookups.labels(name, "hit" if name == source else "miss").inc()
+        sources += [(name, name == source) for name in ("local", *probe.moved)]
+        self.outcomes.report(Outcome(prompt, max(memory, host, hit), tuple(sources)))
         if source is not None:
             self.restore_seconds.labels(source).observe(seconds)
         for name, n in pulled.items():  # a pull reads the tier and writes this machine
@@ -216,9 +216,15 @@ class ServeMetrics:
     @_never_raises
     def prompt_only(self, prompt: int, memory: int) -> None:
         """A prompt no identity vouches for: the memory tier only, the store not asked."""
-        self.prompt_tokens.inc(prompt)
-        self.cached_tokens.inc(memory)
-        self.lookups.labels("memory", "hit" if memory else "miss").inc()
+        self.outcomes.report(Outcome(prompt, memory, (("memory", bool(memory)),)))
+
+    @_never_raises
+    def _counted(self, o: Outcome) -> None:
+        """One request's lookup: its prompt, what was served, each source asked."""
+        self.prompt_tokens.inc(o.prompt)
+        self.cached_tokens.inc(o.cached)
+        for source, hit in o.sources:
+            self.lookups.labels(source, "hit" if hit else "miss").inc()
 
     def request(self, endpoint: str, code: int) -> None:
         self.requests.labels(endpoint, str(code)).inc()

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["BadRequest", "check_request", "normalize", "parse_json"]
+__all__ = ["BadRequest", "check_request", "normalize", "parse_json", "public_mark"]
 
 MAX_STOP = 64  # stop sequences per request (OpenAI allows 4; mlx-lm builds an automaton)
 MAX_SEED = (1 << 64) - 1  # mx.random.seed takes an unsigned 64-bit seed
@@ -122,9 +122,12 @@ def normalize(body: dict[str, Any]) -> bool:
     return False
 
 
-def check_request(path: str, body: dict[str, Any], images: bool = False) -> None:
+def check_request(
+    path: str, body: dict[str, Any], images: bool = False, marks: bool = False
+) -> None:
     """Raise BadRequest for the first field of ``body`` mlx-lm could not serve
-    (``images``: the model takes image parts in messages)."""
+    (``images``: the model takes image parts in messages; ``marks``: the operator
+    lets a request mark its system prompt public, ``--allow-public-marks``)."""
     if path == "/v1/completions":
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
@@ -157,6 +160,50 @@ def check_request(path: str, body: dict[str, Any], images: bool = False) -> None
     _check_top_logprobs(body.get("top_logprobs"))
     _check_stop(body.get("stop"))
     _check_logit_bias(body.get("logit_bias"))
+    _check_mark(path, body, marks)
+
+
+def public_mark(body: dict[str, Any]) -> bool:
+    """Whether a checked body marks its system prompt public (``persist.public_system``)."""
+    field = body.get("persist")
+    return isinstance(field, dict) and field.get("public_system") is True
+
+
+def _check_mark(path: str, body: dict[str, Any], allowed: bool) -> None:
+    """``"persist": {"public_system": true}``: the request's system block goes to the
+    public namespace (docs/tenants.md); refused where it cannot be honoured, never
+    ignored: a client that asked to share gets told it did not."""
+    field = body.get("persist")
+    if field is None:
+        return
+    if not isinstance(field, dict) or not set(field) <= {"public_system"}:
+        raise BadRequest(
+            "persist must be a JSON object whose only field is public_system", "persist"
+        )
+    mark = field.get("public_system")
+    if mark is not None and not isinstance(mark, bool):
+        raise BadRequest("persist.public_system must be a boolean", "persist")
+    if not mark:
+        return
+    if not allowed:
+        raise BadRequest(
+            "persist.public_system: this server takes no public marks (its operator "
+            "starts it with --allow-public-marks to let requests share a system prompt)",
+            "persist",
+        )
+    messages = body.get("messages")
+    if path == "/v1/completions" or not (messages and messages[0].get("role") == "system"):
+        raise BadRequest(
+            "persist.public_system marks a chat request's leading system messages: "
+            "this request has none",
+            "persist",
+        )
+    if body.get("chat_template_kwargs"):  # a template may render them in the system block
+        raise BadRequest(
+            "persist.public_system: a request with chat_template_kwargs is never public "
+            "(a template may render them in the system block)",
+            "persist",
+        )
 
 
 def _optional(body: dict[str, Any], name: str, kind: type, label: str | None = None) -> None:

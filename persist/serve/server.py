@@ -432,7 +432,9 @@ def serve(
     # over the class measure_prefills made: both the timing and the tags
     server.BatchGenerator = tagging_batches(server.BatchGenerator)  # type: ignore[assignment,misc]
     limits = limits_for(model_dir, model_names, allowed_models, max_tokens_limit)
-    handler = type("PersistHandler", (PersistHandler,), {"limits": limits})
+    handler = type(
+        "PersistHandler", (PersistHandler,), {"limits": limits, "public_marks": tenancy.marks}
+    )
     handler = tenant_handler(handler, tenancy)
     server.scan_cache_dir = listing_only(
         models_without_hf_cache(server.scan_cache_dir), limits.models

@@ -3,10 +3,12 @@
 Every count the prompt cache makes names its namespace
 (``PersistentPromptCache.on_count``); here it is filed under the tenant
 that namespace belongs to (salted namespaces under their tenant, the
-public prefixes under ``public``).  A scrape shows the ``TOP`` tenants by
-lookups and sums the rest under ``other``: a server with 100,000 tenants
+public prefixes under ``(public)``).  A scrape shows the ``TOP`` tenants by
+lookups and sums the rest under ``(other)``: a server with 100,000 tenants
 still has a page of a few dozen series.  Names come from the key file or
-a checked header (letters, digits, ``._@:+=-``), never raw request bytes.
+a checked header (letters, digits, ``._@:+=-``), never raw request bytes;
+the reserved labels are in parentheses, which no tenant name holds, so a
+tenant named ``other`` or ``public`` is never summed with them.
 """
 
 from __future__ import annotations
@@ -19,24 +21,27 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..storage.retention import budget_owner, owned_bytes
 from .tenants import Tenants
 
 __all__ = ["TenantCounts", "count_by_tenant", "tenancy_line", "tenant_of"]
 
 log = logging.getLogger("persist")
-TOP = 20  # tenants with series of their own; the rest are "other"
-NAMESPACES_KEPT = 64  # namespaces remembered per tenant for its bytes (salts beyond: uncounted)
+TOP = 20  # tenants with series of their own; the rest are OTHER
+# reserved labels: parentheses are in no tenant name (serve.tenants.TENANT)
+PUBLIC, NONE, OTHER = "(public)", "(none)", "(other)"
 HITS = ("memory_hits", "host_hits", "store_hits")
 
 
 def tenant_of(namespace: str, tenants: Tenants) -> str:
-    """The metrics label of a namespace: its tenant, ``public``, or ``none`` (single-tenant)."""
+    """The metrics label of a namespace: its tenant, ``(public)``, or ``(none)``
+    (single-tenant)."""
     if namespace == tenants.public_namespace:
-        return "public"
+        return PUBLIC
     head = f"{tenants.namespace}/tenant:"
     if namespace.startswith(head):
-        return namespace[len(head) :].split("/salt:")[0]
-    return "none"
+        return budget_owner(namespace)[len(head) :]
+    return NONE
 
 
 class TenantCounts:
@@ -46,18 +51,16 @@ class TenantCounts:
         self.tenants, self.store, self.top = tenants, store, top
         self._lock = threading.Lock()
         self._counts: dict[str, Counter[str]] = {}
-        self._namespaces: dict[str, set[str]] = {}
+        self._owners: dict[str, str] = {}  # label -> the namespace its budget is counted by
 
     def count(self, namespace: str, deltas: dict[str, int]) -> None:
         label = tenant_of(namespace, self.tenants)
         with self._lock:
             self._counts.setdefault(label, Counter()).update(deltas)
-            seen = self._namespaces.setdefault(label, set())
-            if len(seen) < NAMESPACES_KEPT:
-                seen.add(namespace)
+            self._owners.setdefault(label, budget_owner(namespace))
 
     def ranked(self) -> list[tuple[str, Counter[str]]]:
-        """The top tenants by lookups, then ``other`` with everyone else summed."""
+        """The top tenants by lookups, then ``(other)`` with everyone else summed."""
         with self._lock:
             items = [(k, Counter(v)) for k, v in self._counts.items()]
         items.sort(key=lambda kv: (-_lookups(kv[1]), kv[0]))
@@ -66,34 +69,38 @@ class TenantCounts:
             other: Counter[str] = Counter()
             for _, c in rest:
                 other.update(c)
-            top.append(("other", other))
+            top.append((OTHER, other))
         return top
 
     def collect(self) -> Iterator[Any]:
         ranked = self.ranked()
         lookups = CounterMetricFamily(
             "persist_tenant_lookups",
-            f"Prompt-cache lookups by tenant (top {self.top}, the rest 'other') and result.",
+            f"Prompt-cache lookups by tenant (top {self.top}, the rest '{OTHER}') and result.",
             labels=["tenant", "result"],
         )
         stored = GaugeMetricFamily(
             "persist_tenant_store_bytes",
-            "Bytes the store holds for a tenant's namespaces (top tenants only).",
+            "Bytes the store holds for a tenant, its salts included: what --tenant-max-bytes "
+            "counts (top tenants only).",
             labels=["tenant"],
         )
         for label, c in ranked:
             lookups.add_metric([label, "hit"], sum(c[h] for h in HITS))
             lookups.add_metric([label, "miss"], c["misses"])
-            if label != "other":
+            if label != OTHER:
                 stored.add_metric([label], self._bytes(label))
         yield lookups
         yield stored
 
     def _bytes(self, label: str) -> float:
         with self._lock:
-            namespaces = list(self._namespaces.get(label, ()))
-        try:  # a covering-index count per namespace; a busy store is skipped, not fatal
-            return float(sum(self.store.index.tally(ns)[2] for ns in namespaces))
+            owner = self._owners.get(label)
+        if owner is None:
+            return 0.0
+        try:  # the budget's own sum over the tenant's salts; a busy store is skipped
+            with self.store.index.read() as db:
+                return float(owned_bytes(db, owner))
         except Exception as e:
             log.debug("persist: tenant bytes not read: %r", e)
             return float("nan")
@@ -117,6 +124,8 @@ def tenancy_line(tenants: Tenants, shared: str | None) -> tuple[int, str]:
     """The start line's word on tenancy, and its log level (a warning when one namespace
     is shared by every client, louder still across a fleet)."""
     public = f"; {len(tenants.public)} public prefix(es) shared" if tenants.public else ""
+    if tenants.marks:  # any tenant may write into what every tenant reads
+        public += "; requests may mark their system prompt public (--allow-public-marks)"
     if tenants.keys:
         return logging.INFO, (
             f"persist serve: tenants by API key ({len(tenants.keys)} keys): each tenant and "

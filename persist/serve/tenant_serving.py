@@ -25,6 +25,7 @@ its own has less, and that segment's boundary snapshot is stored there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -33,9 +34,10 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
+from ..errors import AccessDeniedError
 from .generation import GuardedGenerator
-from .request_checks import BadRequest
-from .tenants import AccessDeniedError, Scoped, Tenants
+from .request_checks import BadRequest, public_mark
+from .tenants import Scoped, Tenants
 
 __all__ = [
     "Asking",
@@ -86,6 +88,7 @@ class TenantScoping:
         super().__init__(*args, **kwargs)
         self.tenants = tenants
         self.counters: Any
+        self.metrics: Any
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         ask = _asking()
@@ -93,17 +96,30 @@ class TenantScoping:
             self.counters.update(unscoped=1)
             return None, tokens
         lookup = super().fetch_nearest_cache  # type: ignore[misc]
-        cache, rest = lookup(Scoped(model, ask.namespace), tokens)
+        if not 0 < ask.public < len(tokens):
+            return lookup(Scoped(model, ask.namespace), tokens)
+        # two lookups, one request: /metrics counts the one whose cache is handed out
+        with self._holding() as own:
+            cache, rest = lookup(Scoped(model, ask.namespace), tokens)
         have = len(tokens) - len(rest) if cache is not None else 0
-        p = ask.public
-        if 0 < p < len(tokens) and have < p:
+        p, seen = ask.public, own
+        if have < p:
             ns = self.tenants.public_namespace
-            # one token past the cut: every tier leaves a prompt's last token to prefill
-            pub, pub_rest = lookup(Scoped(model, ns), tokens[: p + 1])
+            with self._holding() as public:
+                # one token past the cut: every tier leaves a prompt's last token to prefill
+                pub, pub_rest = lookup(Scoped(model, ns), tokens[: p + 1])
             got = p + 1 - len(pub_rest) if pub is not None else 0
             if have < got <= p:  # never past the cut (another public prefix may go on)
-                return pub, list(tokens[got:])
+                cache, rest, seen = pub, list(tokens[got:]), public or own
+        if self.metrics is not None:
+            served = len(tokens) - len(rest) if cache is not None else 0
+            self.metrics.outcomes.count_once(seen, len(tokens), served)
         return cache, rest
+
+    def _holding(self) -> Any:
+        """Hold what a lookup reports to /metrics (``serve.prompt_counts``)."""
+        m = self.metrics
+        return m.outcomes.holding() if m is not None else contextlib.nullcontext([])
 
     def insert_cache(
         self,
@@ -190,7 +206,10 @@ class TenantGenerator(GuardedGenerator):
             len(segments) > 1
             and kinds[0] == "system"
             and request.request_type == "chat"
-            and tenants.is_public(request.messages, request.tools)
+            and (
+                getattr(request, "persist_public_mark", False)
+                or tenants.is_public(request.messages, request.tools)
+            )
         ):
             extra = getattr(self.model_provider.cli_args, "chat_template_args", None) or {}
             public = public_cut(tokenizer, request, args, len(segments[0]), extra)
@@ -281,6 +300,7 @@ def tenant_handler(base: type, tenants: Tenants) -> type:
         def _scoped(self, request: Any) -> Any:
             salt = self.body.get("cache_salt")  # a bad one: ValueError, which mlx-lm answers 400
             request.persist_namespace = tenants.namespace_for(self.persist_tenant, salt)
+            request.persist_public_mark = public_mark(self.body)  # checked: allowed, a chat
             return request
 
         def handle_chat_completions(self) -> Any:

@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidArgumentError, PersistError
+from ..errors import AccessDeniedError, InvalidArgumentError
+from ..storage.retention import PARTITION
 
 __all__ = [
-    "AccessDeniedError",
+    "AccessDeniedError",  # defined in persist.errors; imported from here before round 5
     "Tenants",
     "Scoped",
     "load_keys",
@@ -47,10 +48,6 @@ MIN_KEY, MAX_KEY = 16, 512  # an API key's characters
 MAX_SALT = 256  # cache_salt characters (vLLM takes any string; a bound keeps bodies sane)
 MAX_KEYS = 100_000
 HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}")  # an HTTP header name (RFC 9110 token)
-
-
-class AccessDeniedError(PersistError, PermissionError):
-    """A request without a valid API key (or tenant header) where one is required: 401."""
 
 
 @dataclass(frozen=True)
@@ -86,12 +83,14 @@ def _digest(key: bytes) -> bytes:
 @dataclass
 class Tenants:
     """One server's rules: ``keys`` (sha256 of each key -> tenant), ``header`` (a trusted
-    gateway's header name), ``public`` (public prefixes), over the base ``namespace``."""
+    gateway's header name), ``public`` (public prefixes), ``marks`` (requests may mark
+    their system prompt public), over the base ``namespace``."""
 
     namespace: str = "default"
     keys: dict[bytes, str] = field(default_factory=dict)
     header: str | None = None
     public: frozenset[PublicPrefix] = frozenset()
+    marks: bool = False  # a request may mark its system prompt public (--allow-public-marks)
 
     @property
     def multi(self) -> bool:
@@ -147,7 +146,8 @@ class Tenants:
             raw = salt.encode("utf-8")
         except UnicodeEncodeError:
             raise InvalidArgumentError("cache_salt must be valid text") from None
-        return f"{ns}/salt:{hashlib.sha256(raw).hexdigest()[:32]}"
+        # a partition of the tenant's namespace: within its budget in every tier
+        return f"{ns}{PARTITION}{hashlib.sha256(raw).hexdigest()[:32]}"
 
     def is_public(self, messages: Any, tools: Any) -> bool:
         """Whether a chat request's leading system messages (with its tools) are a
@@ -167,8 +167,14 @@ def tenants_from(
     api_keys: str | Path | None = None,
     header: str | None = None,
     public_prefix: str | Path | None = None,
+    public_marks: bool = False,
 ) -> Tenants:
     """The rules ``persist serve``'s options give (InvalidArgumentError for bad ones)."""
+    if PARTITION in namespace:  # every tenant's namespace would be a partition of one
+        raise InvalidArgumentError(
+            f"--namespace {namespace!r} may not hold {PARTITION!r}: it marks a cache_salt's "
+            "partition, and every tenant would share one budget"
+        )
     if api_keys is not None and header is not None:
         raise InvalidArgumentError(
             "give --api-keys or --tenant-header, not both: the key names the tenant"
@@ -180,51 +186,80 @@ def tenants_from(
         load_keys(api_keys) if api_keys is not None else {},
         header,
         load_public(public_prefix) if public_prefix is not None else frozenset(),
+        public_marks,
     )
 
 
 def load_keys(path: str | Path) -> dict[bytes, str]:
     """An API key file: ``KEY TENANT`` a line (blank lines and ``#`` comments skipped),
-    or JSON ``{"KEY": "TENANT", ...}``.  Keys are kept as their sha256 only."""
+    or JSON ``{"KEY": "TENANT", ...}``.  Keys are kept as their sha256 only.  A key
+    listed twice, or one beginning with ``#``, is an error naming its line or entry
+    (never the key): either would leave a tenant's key silently not what was meant."""
     text = _read(path, "API key")
-    pairs: list[tuple[Any, Any]]
-    if text.lstrip().startswith("{"):
-        try:
-            loaded = json.loads(text)
-        except ValueError as e:
-            raise InvalidArgumentError(f"the API key file {path} is not JSON: {e}") from None
-        pairs = list(loaded.items())
-    else:
-        pairs = []
-        for n, line in enumerate(text.splitlines(), 1):
-            parts = line.split()
-            if not parts or parts[0].startswith("#"):
-                continue
-            if len(parts) != 2:
-                raise InvalidArgumentError(f"{path} line {n}: want 'KEY TENANT'")
-            pairs.append((parts[0], parts[1]))
+    pairs = _json_pairs(text, path) if text.lstrip().startswith("{") else _line_pairs(text, path)
     keys: dict[bytes, str] = {}
-    for key, tenant in pairs:
-        _check_pair(key, tenant, path)
+    first: dict[bytes, str] = {}  # digest -> where it was listed first
+    for where, key, tenant in pairs:
+        _check_pair(key, tenant, path, where)
         digest = _digest(key.encode())
-        if digest in keys:
-            raise InvalidArgumentError(f"{path}: a key is listed twice")
+        if digest in first:
+            raise InvalidArgumentError(
+                f"{path} {where}: repeats the key of {first[digest]}; each key names one tenant"
+            )
+        first[digest] = where
         keys[digest] = tenant
     if not keys or len(keys) > MAX_KEYS:
         raise InvalidArgumentError(f"{path}: want 1 to {MAX_KEYS} keys")
     return keys
 
 
-def _check_pair(key: Any, tenant: Any, path: str | Path) -> None:
-    if not (isinstance(key, str) and MIN_KEY <= len(key) <= MAX_KEY and key.isprintable()
-            and key.isascii() and " " not in key):  # fmt: skip
-        # the key itself is never put in a message
+def _json_pairs(text: str, path: str | Path) -> list[tuple[str, Any, Any]]:
+    """(where, key, tenant) of a JSON key file, every pair kept (json.loads keeps the
+    last of a repeated key)."""
+    try:
+        loaded = json.loads(text, object_pairs_hook=lambda pairs: pairs)
+    except ValueError as e:
+        raise InvalidArgumentError(f"the API key file {path} is not JSON: {e}") from None
+    return [(f"entry {i}", k, v) for i, (k, v) in enumerate(loaded, 1)]
+
+
+def _line_pairs(text: str, path: str | Path) -> list[tuple[str, Any, Any]]:
+    """(where, key, tenant) of a ``KEY TENANT`` file.  A line whose first word begins
+    with ``#`` is a comment, unless it reads as a key and a tenant: a key beginning
+    with ``#`` (or a line commented out without a space) is refused, not skipped."""
+    out: list[tuple[str, Any, Any]] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        parts = line.split()
+        if parts and parts[0].startswith("#"):
+            if len(parts) == 2 and _key_shaped(parts[0]) and TENANT.fullmatch(parts[1]):
+                raise InvalidArgumentError(
+                    f"{path} line {n}: reads as a key beginning with '#', which no key may; "
+                    "to comment a line out, begin it with '# ' (a hash and a space)"
+                )
+            continue
+        if not parts:
+            continue
+        if len(parts) != 2:
+            raise InvalidArgumentError(f"{path} line {n}: want 'KEY TENANT'")
+        out.append((f"line {n}", parts[0], parts[1]))
+    return out
+
+
+def _key_shaped(key: Any) -> bool:
+    return (isinstance(key, str) and MIN_KEY <= len(key) <= MAX_KEY and key.isprintable()
+            and key.isascii() and " " not in key)  # fmt: skip
+
+
+def _check_pair(key: Any, tenant: Any, path: str | Path, where: str) -> None:
+    if not _key_shaped(key):  # the key itself is never put in a message
         raise InvalidArgumentError(
-            f"{path}: every key must be {MIN_KEY} to {MAX_KEY} printable ASCII characters"
+            f"{path} {where}: every key must be {MIN_KEY} to {MAX_KEY} printable ASCII characters"
         )
+    if key.startswith("#"):
+        raise InvalidArgumentError(f"{path} {where}: a key may not begin with '#'")
     if not (isinstance(tenant, str) and TENANT.fullmatch(tenant)):
         raise InvalidArgumentError(
-            f"{path}: tenant {tenant!r} must be 1 to 128 letters, digits or ._@:+=-"
+            f"{path} {where}: tenant {tenant!r} must be 1 to 128 letters, digits or ._@:+=-"
         )
 
 

@@ -22,7 +22,27 @@ from .types import GcReport, Rollback
 if TYPE_CHECKING:
     import sqlite_utils
 
-__all__ = ["Budgets", "anonymous_prefixes_of", "lru_victim", "evict_lru", "collect", "gc"]
+__all__ = [
+    "Budgets",
+    "PARTITION",
+    "budget_owner",
+    "owned_bytes",
+    "owned_namespaces",
+    "anonymous_prefixes_of",
+    "lru_victim",
+    "evict_lru",
+    "collect",
+    "gc",
+]
+
+
+PARTITION = "/salt:"  # NS/salt:X is a partition of NS (persist serve: a cache_salt)
+
+
+def budget_owner(namespace: str) -> str:
+    """The namespace whose budget ``namespace`` counts against: its own, or for a
+    partition (``NS/salt:X``) NS's, so a tenant's salts share one budget."""
+    return namespace.split(PARTITION, 1)[0]
 
 
 @dataclass(frozen=True)
@@ -30,7 +50,9 @@ class Budgets:
     """Byte budgets: the whole store's, and optionally one per namespace.
 
     ``per_namespace`` is bytes for every namespace or a map of namespace to
-    bytes; with it a save evicts only entries of its own namespace.
+    bytes; with it a save evicts only entries of its own namespace.  A
+    namespace's partitions (``budget_owner``) are within its budget, and a
+    map names the owners only.
     """
 
     max_bytes: int | None = None
@@ -45,18 +67,42 @@ class Budgets:
             raise InvalidArgumentError("namespace_max_bytes must be bytes >= 0 (or a map of them)")
 
     def of(self, namespace: str) -> int | None:
-        """The budget of ``namespace`` alone (None: only the store's)."""
+        """The budget ``namespace`` shares with its owner's other partitions (None: only
+        the store's)."""
         b = self.per_namespace
-        return b.get(namespace) if isinstance(b, Mapping) else b
+        return b.get(budget_owner(namespace)) if isinstance(b, Mapping) else b
 
     def limits(self, namespace: str) -> list[tuple[int, str | None]]:
-        """(budget, namespace or None for the whole store) pairs a save must meet."""
-        both = ((self.max_bytes, None), (self.of(namespace), namespace))
+        """(budget, budget owner or None for the whole store) pairs a save must meet."""
+        both = ((self.max_bytes, None), (self.of(namespace), budget_owner(namespace)))
         return [(b, ns) for b, ns in both if b is not None]
 
     def scope(self, namespace: str) -> str | None:
-        """Where a save's victims come from: its own namespace once tenants have budgets."""
-        return namespace if self.per_namespace is not None else None
+        """Where a save's victims come from: its budget owner's namespaces (its own and
+        their partitions) once tenants have budgets; None: any namespace."""
+        return budget_owner(namespace) if self.per_namespace is not None else None
+
+
+def _owned(owner: str) -> tuple[str, list[str]]:
+    """SQL over ``namespace``: the owner's namespace and its partitions (one key range)."""
+    lo = owner + PARTITION
+    hi = lo[:-1] + chr(ord(lo[-1]) + 1)  # the first string past every "NS/salt:..."
+    return "(namespace = ? OR (namespace >= ? AND namespace < ?))", [owner, lo, hi]
+
+
+def owned_bytes(db: sqlite_utils.Database, owner: str) -> int:
+    """Live bytes of a budget owner's namespaces (the trigger-kept sums: no scan of blobs)."""
+    where, args = _owned(owner)
+    row = db.execute(f"SELECT COALESCE(SUM(bytes), 0) FROM usage WHERE {where}", args).fetchone()
+    return int(row[0])
+
+
+def owned_namespaces(db: sqlite_utils.Database, owner: str) -> list[str]:
+    """The owner's namespaces holding bytes (a range of ``usage``'s key)."""
+    where, args = _owned(owner)
+    return [
+        r[0] for r in db.execute(f"SELECT namespace FROM usage WHERE {where} AND bytes > 0", args)
+    ]
 
 
 def collect(index: Index, blobs: BlobStore) -> int:
@@ -100,17 +146,29 @@ def anonymous_prefixes_of(
 
 def lru_victim(
     db: sqlite_utils.Database,
-    namespace: str | None,
+    owner: str | None,
     protect: frozenset[int],
     now: float | None = None,
 ) -> int | None:
-    """The next unpinned snapshot to evict (of ``namespace``), not in ``protect``.
+    """The next unpinned snapshot to evict (of ``owner``'s namespaces, ``budget_owner``;
+    None: of any), not in ``protect``: the lowest ``policy.eviction_key`` of each
+    namespace's own, one index seek each (a tenant's salts are few seeks, never a
+    scan of its entries)."""
+    now = time.time() if now is None else now
+    spaces: list[str | None] = [None] if owner is None else [*owned_namespaces(db, owner)]
+    found = [k for ns in spaces for k in _first_keys(db, ns, protect, now)]
+    return min(found)[3] if found else None
+
+
+def _first_keys(
+    db: sqlite_utils.Database, namespace: str | None, protect: frozenset[int], now: float
+) -> list[tuple[Any, ...]]:
+    """The eviction keys of ``namespace``'s first victims (None: the store's).
 
     The SQL form of ``policy.eviction_key``: the least recently used entry
     without retention hints is one index seek, however many are pinned; the
     few hinted entries are ordered apart, and the lower key of the two wins.
     """
-    now = time.time() if now is None else now
     where, args = "pinned = 0", list[Any]()
     if namespace is not None:
         where, args = "namespace = ? AND pinned = 0", [namespace]
@@ -135,7 +193,7 @@ def lru_victim(
     if hinted is not None:
         e = policy.EvictEntry(hinted[0], hinted[1], False, (), hinted[2], hinted[3])
         found.append(policy.eviction_key(e, now))
-    return min(found)[3] if found else None
+    return found
 
 
 def evict_lru(
@@ -145,10 +203,11 @@ def evict_lru(
     scope: str | None,
     protect: frozenset[int] = frozenset(),
 ) -> tuple[list[SnapshotRow], tuple[int, int] | None]:
-    """Remove least recently used unpinned snapshots until every (budget, namespace) holds.
+    """Remove least recently used unpinned snapshots until every (budget, owner) holds.
 
-    ``namespace`` None means the whole store's bytes; victims come from
-    ``scope`` (None: any namespace), never from ``protect``.  Returns the
+    ``owner`` None means the whole store's bytes, else a budget owner's
+    namespaces (``owned_bytes``); victims come from ``scope`` (a budget owner;
+    None: any namespace), never from ``protect``.  Returns the
     removed rows and, if the victims ran out first, (bytes, budget) of the
     limit still exceeded (the caller decides: a save refuses, gc reports).  One victim at a time
     against the trigger-kept byte counters: the order of
@@ -156,13 +215,17 @@ def evict_lru(
     """
     removed: list[SnapshotRow] = []
     for budget, ns in limits:
-        while (total := index.unique_bytes(db, ns)) > budget:
+        while (total := _held(db, index, ns)) > budget:
             victim = lru_victim(db, scope, protect)
             if victim is None:
                 return removed, (total, budget)
             removed += Index.rows_where(db, "id = ?", [victim])
             writes.remove(db, victim)
     return removed, None
+
+
+def _held(db: sqlite_utils.Database, index: Index, owner: str | None) -> int:
+    return index.unique_bytes(db) if owner is None else owned_bytes(db, owner)
 
 
 def gc(index: Index, blobs: BlobStore, budget: int | None, dry_run: bool) -> GcReport:

@@ -97,6 +97,42 @@ def test_a_tenant_budget_never_evicts_another_tenant(tmp_path: Path) -> None:
         assert s.check() == []
 
 
+def test_a_namespaces_partitions_share_its_budget(tmp_path: Path) -> None:
+    """``NS/salt:X`` (persist serve's namespace for a request's cache_salt) counts against
+    NS's budget: a tenant sending a new salt each time held one budget per salt (round 5
+    attack).  Its own saves evict its own least recently used entries, in any partition."""
+    one = kv(300, 6)
+    with persist.Store(tmp_path / "probe") as p:
+        size = p.save([one], list(range(300)), identity=IDENTITY, session="x").bytes
+    with persist.Store(tmp_path / "s", namespace_max_bytes=3 * size) as s:
+        s.save([one], list(range(300)), identity=IDENTITY, session="b", namespace="B")
+        for i in range(10):
+            toks = list(range(i * 1000, i * 1000 + 300))
+            s.save([kv(300, 10 + i)], toks, identity=IDENTITY, session="a", namespace=f"A/salt:{i}")
+        kept = [i for i in range(10) if s.sessions(namespace=f"A/salt:{i}")]
+        assert kept == [7, 8, 9]  # the three most recent, one budget for all of A
+        assert [e.session for e in s.sessions(namespace="B")] == ["b"]
+        assert s.check() == []
+
+
+def test_hints_order_eviction_across_a_namespaces_partitions(tmp_path: Path) -> None:
+    """A hinted entry in one partition outlives plain ones in the others, and its hint
+    never lets the partitions together hold more than their one budget."""
+    one = kv(300, 6)
+    with persist.Store(tmp_path / "probe") as p:
+        size = p.save([one], list(range(300)), identity=IDENTITY, session="x").bytes
+    with persist.Store(tmp_path / "s", namespace_max_bytes=3 * size) as s:
+        for i in range(10):
+            toks = list(range(i * 1000, i * 1000 + 300))
+            ttl = 3600.0 if i == 0 else None  # protected for an hour: evicted last
+            ns = f"A/salt:{i}"
+            s.save([kv(300, 10 + i)], toks, identity=IDENTITY, session="a", namespace=ns, ttl=ttl)
+        kept = [i for i in range(10) if s.sessions(namespace=f"A/salt:{i}")]
+        assert kept == [0, 8, 9]
+        held = sum(s.stats(namespace=f"A/salt:{i}").unique_bytes for i in kept)
+        assert held <= 3 * size
+
+
 def test_store_eviction_agrees_with_the_policy_rule(tmp_path: Path) -> None:
     """The store evicts one SQL victim at a time; ``policy.plan_eviction`` is the rule."""
     import random

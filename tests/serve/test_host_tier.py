@@ -205,6 +205,69 @@ def test_a_shared_host_tier_keeps_tenants_apart(tiny: Any, tmp_path: Path) -> No
             b.close()
 
 
+def _held(tier: HostTier, owner: str, firsts: range) -> list[int]:
+    """Which of ``owner``'s entries ``[f, *PROMPT[:19]]`` the tier holds (no recency kept)."""
+    return [f for f in firsts if tier.peek(owner, [f, *PROMPT[:19], 0])[0] == 20]
+
+
+def _keep(tier: HostTier, model: Any, owner: str, first: int) -> bool:
+    toks = [first, *PROMPT[:19]]
+    return tier.keep(owner, toks, prefilled(model, toks))
+
+
+def test_a_keep_over_the_tier_evicts_its_own_tenant_first(tiny: Any) -> None:
+    """Round 5 attack: a tenant's burst, each keep within its share, evicted the others'
+    entries least recently used tier-wide; its own go first, as in the store."""
+    model, _, _ = tiny("llama")
+    size = int(sum(c.nbytes for c in prefilled(model, PROMPT[:20])))
+    tier = HostTier(6 * size)
+    tier.owner_max_bytes = 4 * size
+    for f in (100, 101):
+        assert _keep(tier, model, "bob", f)
+    for f in range(6):  # alice bursts past what the tier has left
+        assert _keep(tier, model, "alice", f)
+    assert _held(tier, "bob", range(100, 102)) == [100, 101]
+    assert _held(tier, "alice", range(6)) == [2, 3, 4, 5]
+
+
+def test_a_full_tier_takes_from_the_largest_holder_never_a_smaller_one(tiny: Any) -> None:
+    """Within their shares the tenants fill the tier; a keep then evicts the least recently
+    used entry of whoever holds most (the keeper on a tie): a tenant can push others down
+    to its own holding, never below, however old their entries."""
+    model, _, _ = tiny("llama")
+    size = int(sum(c.nbytes for c in prefilled(model, PROMPT[:20])))
+    tier = HostTier(6 * size)
+    tier.owner_max_bytes = 4 * size
+    for f in (200, 201):  # carol's are the oldest in the tier
+        assert _keep(tier, model, "carol", f)
+    for f in range(100, 104):
+        assert _keep(tier, model, "bob", f)
+    for f in range(3):
+        assert _keep(tier, model, "alice", f)
+    assert _held(tier, "carol", range(200, 202)) == [200, 201]
+    assert _held(tier, "bob", range(100, 104)) == [102, 103]
+    assert _held(tier, "alice", range(3)) == [1, 2]  # at a tie, her own oldest went
+
+
+def test_a_tenants_salts_share_its_host_budget(tiny: Any) -> None:
+    """Round 5 attack: each cache_salt's namespace had a share of its own in the host
+    tier too.  A share is the tenant's (``storage.retention.budget_owner``), across its
+    salts and models."""
+    from persist.engine.host.store_hooks import owner
+
+    model, _, _ = tiny("llama")
+    size = int(sum(c.nbytes for c in prefilled(model, PROMPT[:20])))
+    tier = HostTier(100 * size)
+    tier.owner_max_bytes = 2 * size
+    bob = owner("default/tenant:bob", IDENT, False)
+    assert _keep(tier, model, bob, 100)
+    salted = [owner(f"default/tenant:alice/salt:{i:032x}", IDENT, False) for i in range(5)]
+    for i, who in enumerate(salted):
+        assert _keep(tier, model, who, i)
+    assert [i for i, who in enumerate(salted) if _held(tier, who, range(i, i + 1))] == [3, 4]
+    assert _held(tier, bob, range(100, 101)) == [100]
+
+
 def test_one_owner_cannot_evict_the_others(tiny: Any) -> None:
     """persist serve --tenant-max-bytes: an owner (a tenant's namespace) past its share
     evicts its own entries, least recently used first; the others' stay."""

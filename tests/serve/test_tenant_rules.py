@@ -14,6 +14,7 @@ from persist.serve.tenant_metrics import TenantCounts, tenancy_line, tenant_of
 from persist.serve.tenants import AccessDeniedError, Tenants, load_keys, load_public, tenants_from
 
 KEY = "k" * 16
+OTHER_KEY = "j" * 20
 
 
 def rules(tmp_path: Path, text: str) -> Tenants:
@@ -42,6 +43,35 @@ def test_bad_key_files_are_refused_without_the_key(tmp_path: Path, text: str) ->
     assert KEY not in str(e.value)
 
 
+def test_a_json_key_file_with_a_key_twice_is_refused_by_position(tmp_path: Path) -> None:
+    """Round 5 attack: JSON's last duplicate won silently (another tenant's key, or a
+    key handed to two tenants, went unnoticed)."""
+    text = f'{{"{KEY}": "acme", "{OTHER_KEY}": "globex", "{KEY}": "initech"}}'
+    with pytest.raises(InvalidArgumentError, match="entry 3: repeats the key of entry 1") as e:
+        rules(tmp_path, text)
+    assert KEY not in str(e.value)
+
+
+def test_a_key_line_twice_is_refused_by_line(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="line 4: repeats the key of line 2") as e:
+        rules(tmp_path, f"# keys\n{KEY} acme\n{OTHER_KEY} globex\n{KEY} initech\n")
+    assert KEY not in str(e.value)
+
+
+def test_a_key_line_beginning_with_a_hash_is_refused_not_skipped(tmp_path: Path) -> None:
+    """Round 5 attack: '#KEY TENANT' was read as a comment, so that tenant's key was
+    silently missing; a comment of any other shape is still a comment."""
+    hashed = "#" + KEY
+    with pytest.raises(InvalidArgumentError, match="line 3") as e:
+        rules(tmp_path, f"# KEY TENANT\n{KEY} acme\n{hashed} globex\n#----- acme\n")
+    assert hashed not in str(e.value)
+
+
+def test_comments_of_other_shapes_are_still_skipped(tmp_path: Path) -> None:
+    t = rules(tmp_path, f"# KEY TENANT\n#note\n#-- acme\n  # {KEY}\n{KEY} acme\n")
+    assert t.tenant({"Authorization": f"Bearer {KEY}"}) == "acme" and len(t.keys) == 1
+
+
 @pytest.mark.parametrize(
     "auth", [None, "", "Bearer", "Bearer ", "Basic " + KEY, "Bearer nope", "Bearer \xff\x00",
              "Bearer " + "k" * 100_000],
@@ -52,6 +82,16 @@ def test_no_valid_key_is_access_denied(tmp_path: Path, auth: str | None) -> None
     with pytest.raises(AccessDeniedError) as e:
         t.tenant(headers)
     assert isinstance(e.value, PersistError) and isinstance(e.value, PermissionError)
+
+
+def test_access_denied_is_in_the_one_error_tree() -> None:
+    """Round 5 attack: AccessDeniedError lived in serve/tenants.py, outside persist.errors."""
+    import persist.errors
+
+    assert "AccessDeniedError" in persist.errors.__all__
+    assert persist.errors.AccessDeniedError is AccessDeniedError  # old imports still work
+    assert issubclass(AccessDeniedError, PersistError)
+    assert issubclass(AccessDeniedError, PermissionError)
 
 
 def test_header_tenants() -> None:
@@ -67,6 +107,13 @@ def test_header_tenants() -> None:
             tenants_from("ns", header=name)
     with pytest.raises(InvalidArgumentError):
         tenants_from("ns", api_keys="x", header="X-Tenant")
+
+
+def test_a_base_namespace_holding_the_partition_mark_is_refused() -> None:
+    """``--namespace 'x/salt:y'`` would make every tenant's namespace a partition of
+    ``x``: all tenants would share one budget."""
+    with pytest.raises(InvalidArgumentError, match="/salt:"):
+        tenants_from("x/salt:y")
 
 
 def test_namespaces_never_collide() -> None:
@@ -110,29 +157,83 @@ def test_public_prefixes(tmp_path: Path) -> None:
             load_public(p)
 
 
-class FakeIndex:
-    def tally(self, ns: str) -> tuple[int, int, int]:
-        return 1, 0, 100
+def test_metrics_labels_are_bounded(tmp_path: Path) -> None:
+    import persist
 
-
-class FakeStore:
-    index = FakeIndex()
-
-
-def test_metrics_labels_are_bounded() -> None:
     t = Tenants("ns", header="X-Tenant")
     assert tenant_of(t.namespace_for("acme", "s"), t) == "acme"
-    assert tenant_of(t.public_namespace, t) == "public" and tenant_of("ns", t) == "none"
-    counts = TenantCounts(t, FakeStore(), top=3)
-    for i in range(50):
-        counts.count(t.namespace_for(f"t{i}"), {"misses": i, "memory_hits": 1})
-    ranked = counts.ranked()
-    assert [label for label, _ in ranked] == ["t49", "t48", "t47", "other"]
-    assert ranked[-1][1]["misses"] == sum(range(47))
-    families = {f.name: f for f in counts.collect()}
+    assert tenant_of(t.public_namespace, t) == "(public)" and tenant_of("ns", t) == "(none)"
+    with persist.Store(tmp_path / "s") as store:
+        counts = TenantCounts(t, store, top=3)
+        for i in range(50):
+            counts.count(t.namespace_for(f"t{i}"), {"misses": i, "memory_hits": 1})
+        ranked = counts.ranked()
+        assert [label for label, _ in ranked] == ["t49", "t48", "t47", "(other)"]
+        assert ranked[-1][1]["misses"] == sum(range(47))
+        families = {f.name: f for f in counts.collect()}
     samples = families["persist_tenant_lookups"].samples
     assert len(samples) == 8  # 4 labels x (hit, miss)
-    assert [s.value for s in families["persist_tenant_store_bytes"].samples] == [100] * 3
+    assert [s.value for s in families["persist_tenant_store_bytes"].samples] == [0] * 3
+
+
+def test_tenants_named_like_the_reserved_labels_keep_labels_of_their_own() -> None:
+    """Round 5 attack: a tenant named ``other`` or ``public`` (a key file's, or a
+    gateway's header) was summed into the label of everyone else or of the public
+    prefixes.  Reserved labels take a form no tenant name can (parentheses)."""
+    t = Tenants("ns", header="X-Tenant")
+    counts = TenantCounts(t, None, top=4)  # labels only: no store read
+    for i, name in enumerate(("public", "none", "other")):
+        counts.count(t.namespace_for(name), {"misses": 10 + i})
+    counts.count(t.public_namespace, {"memory_hits": 5})
+    counts.count(t.namespace_for(None), {"misses": 4})
+    counts.count(t.namespace_for("small"), {"misses": 1})
+    ranked = dict(counts.ranked())
+    assert set(ranked) == {"public", "none", "other", "(public)", "(other)"}
+    assert [ranked[n]["misses"] for n in ("public", "none", "other")] == [10, 11, 12]
+    assert ranked["(public)"]["memory_hits"] == 5
+    assert ranked["(other)"]["misses"] == 5  # the single-tenant namespace and "small"
+
+
+SYSTEM_FIRST = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/chat/completions", {"messages": SYSTEM_FIRST, "persist": True}),
+     ("/v1/chat/completions", {"messages": SYSTEM_FIRST, "persist": {"public_system": 1}}),
+     ("/v1/chat/completions", {"messages": SYSTEM_FIRST, "persist": {"public": True}}),
+     ("/v1/completions", {"prompt": "p", "persist": {"public_system": True}}),
+     ("/v1/chat/completions", {"messages": SYSTEM_FIRST[1:], "persist": {"public_system": True}}),
+     ("/v1/chat/completions", {"messages": SYSTEM_FIRST, "persist": {"public_system": True},
+                               "chat_template_kwargs": {"date_string": "x"}})],
+)  # fmt: skip
+def test_a_public_mark_that_cannot_be_honoured_is_a_bad_request(
+    path: str, body: dict[str, Any]
+) -> None:
+    from persist.serve.request_checks import BadRequest, check_request
+
+    with pytest.raises(BadRequest) as e:
+        check_request(path, body, marks=True)
+    assert e.value.param == "persist"
+
+
+def test_a_tenants_store_bytes_are_what_its_budget_counts(tmp_path: Path) -> None:
+    """persist_tenant_store_bytes summed at most 64 of a tenant's namespaces: a tenant
+    with more salts showed less than its budget holds.  It is the budget's own sum."""
+    import persist
+    from tests.golden.cases import IDENTITY, kv_cache
+
+    t = Tenants("ns", header="X-Tenant")
+    with persist.Store(tmp_path / "s") as store:
+        counts = TenantCounts(t, store)
+        for i in range(70):
+            ns = t.namespace_for("acme", f"salt-{i}")
+            store.save([kv_cache(8, i)], list(range(i, i + 8)), identity=IDENTITY, namespace=ns)
+            counts.count(ns, {"misses": 1})
+        families = {f.name: f for f in counts.collect()}
+        (sample,) = families["persist_tenant_store_bytes"].samples
+        assert sample.labels["tenant"] == "acme"
+        assert sample.value == store.index.unique_bytes() > 0
 
 
 def test_start_line(tmp_path: Path) -> None:
@@ -142,7 +243,8 @@ def test_start_line(tmp_path: Path) -> None:
     assert "ANY CLIENT OF THE FLEET" in line
     keys: Any = load_keys_file(tmp_path)
     level, line = tenancy_line(Tenants("ns", keys=keys), "redis://x")
-    assert level == logging.INFO and "1 keys" in line
+    assert level == logging.INFO and "1 keys" in line and "marks" not in line
+    assert "--allow-public-marks" in tenancy_line(Tenants("ns", keys=keys, marks=True), None)[1]
 
 
 def load_keys_file(tmp_path: Path) -> Any:

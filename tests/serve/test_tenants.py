@@ -314,3 +314,109 @@ def test_one_tenant_cannot_evict_another(model_dir: Any, tmp_path: Path) -> None
         tmp_path, "stats", "--store", str(store), "--namespace", "default/tenant:bob", "--json"
     )
     assert json.loads(out.stdout)["counters"]["serve_persisted"] == bob.counters["serve_persisted"]
+
+
+def test_salts_share_their_tenants_budget(model_dir: Any, tmp_path: Path) -> None:
+    """Round 5 attack: each cache_salt was a namespace with a budget of its own, so a
+    tenant sending a new salt with every request held that many budgets."""
+    import persist
+
+    store, budget = tmp_path / "store", 200_000
+    srv = persist_serve(
+        model_dir("llama"), store, tmp_path / "a.log",
+        "--api-keys", str(key_file(tmp_path)), "--tenant-max-bytes", str(budget),
+    )  # fmt: skip
+    try:
+        complete(srv, SECRET, "bob")
+        for i in range(8):  # a new salt each time: each alone is well under the budget
+            doc = f"{i} alice's long document: " + "lorem ipsum dolor " * 8
+            complete(srv, doc, "alice", cache_salt=f"salt-{i}")
+    finally:
+        srv.stop()
+    with persist.Store(store) as s, s.index.read() as db:
+        held = dict(db.execute("SELECT namespace, bytes FROM usage WHERE bytes > 0").fetchall())
+        assert s.stats("default/tenant:alice").entries == 0  # she never sent a salt-less one
+    alice = {ns: n for ns, n in held.items() if ns.startswith("default/tenant:alice/salt:")}
+    assert len(alice) >= 1 and sum(alice.values()) <= budget  # all her salts, one budget
+    assert held["default/tenant:bob"] > 0  # bob's kept
+
+
+def test_a_request_from_the_public_prefix_counts_its_prompt_once(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    """Round 5 attack: a request with a public segment was looked up twice (its tenant's
+    namespace, then the public one) and both lookups counted its prompt tokens."""
+    public = tmp_path / "public.json"
+    public.write_text(json.dumps([{"messages": [{"role": "system", "content": PUBLIC}]}]))
+    args = ("--api-keys", str(key_file(tmp_path)), "--public-prefix", str(public))
+    srv = persist_serve(model_dir("llama"), tmp_path / "store", tmp_path / "a.log", *args)
+    names = ("persist_prompt_tokens_total", "persist_cached_prompt_tokens_total")
+    lookups = ("persist_cache_lookups_total", (("result", "hit"), ("source", "memory")))
+    misses = ("persist_cache_lookups_total", (("result", "miss"), ("source", "memory")))
+    try:
+        for tenant in ("alice", "bob", "bob"):  # cold; from the public cut; from bob's own
+            before = metrics(srv)
+            answer = chat(srv, PUBLIC, "Where is my order?", tenant)
+            after = metrics(srv)
+            usage = answer["usage"]
+            want = (usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
+            got = tuple(after[(n, ())] - before.get((n, ()), 0) for n in names)
+            assert got == want, (tenant, got, want)
+            asked = sum(after.get(k, 0) - before.get(k, 0) for k in (lookups, misses))
+            assert asked == 1, tenant  # one lookup of the memory tier per request
+        assert reused(answer) > 0
+    finally:
+        srv.stop()
+
+
+MARK = {"persist": {"public_system": True}}  # what extra_body= sends with an OpenAI client
+NOTE = "My PIN is 7351. Where is my order?"
+
+
+def marked_chat(srv: Server, user: str, tenant: str, **extra: Any) -> tuple[int, dict[str, Any]]:
+    messages = [{"role": "system", "content": PUBLIC}, {"role": "user", "content": user}]
+    body = {"messages": messages, "max_tokens": 2, "temperature": 0, **MARK, **extra}
+    return post(srv, "/v1/chat/completions", body, tenant)
+
+
+def test_a_marked_system_prompt_is_shared_up_to_its_cut_and_no_further(
+    model_dir: Any, tiny: Any, tmp_path: Path
+) -> None:
+    """Issue 37 leftover: a request may mark its system prompt public (when the operator
+    allows marks).  Bob's user text begins with all of alice's: he gets exactly the
+    system block's cut, none of her text."""
+    _, tok, _ = tiny("llama")
+    system = [{"role": "system", "content": PUBLIC}]
+    later = f"{NOTE} And when is my refund due?"
+    prompt = tok.apply_chat_template([*system, {"role": "user", "content": later}],
+                                     add_generation_prompt=True)  # fmt: skip
+    empty = tok.apply_chat_template([*system, {"role": "user", "content": ""}])
+    cut = next(i for i, (a, b) in enumerate(zip(empty, prompt, strict=False)) if a != b)
+    args = ("--api-keys", str(key_file(tmp_path)), "--allow-public-marks")
+    srv = persist_serve(model_dir("llama"), tmp_path / "store", tmp_path / "a.log", *args)
+    try:
+        code, first = marked_chat(srv, NOTE, "alice")
+        assert code == 200 and reused(first) == 0, first
+        code, second = marked_chat(srv, later, "bob")
+        assert code == 200, second
+        assert reused(second) == cut > 0
+    finally:
+        srv.stop()
+
+
+def test_a_public_mark_without_the_operators_leave_is_refused(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    """Without --allow-public-marks a tenant could not write into what every tenant
+    reads: the mark is a 400 naming the option, and nothing is served or stored."""
+    args = ("--api-keys", str(key_file(tmp_path)))
+    srv = persist_serve(model_dir("llama"), tmp_path / "store", tmp_path / "a.log", *args)
+    try:
+        code, answer = marked_chat(srv, NOTE, "alice")
+        assert code == 400, answer
+        assert answer["error"]["param"] == "persist"
+        assert "--allow-public-marks" in answer["error"]["message"]
+        code, _ = marked_chat(srv, NOTE, "alice", persist={"public_system": False})
+        assert code == 200  # an explicit false asks for nothing
+    finally:
+        srv.stop()

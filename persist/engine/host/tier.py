@@ -5,7 +5,7 @@ evicts (``--prompt-cache-size`` or its byte limit reached): asking the
 durable store for it again costs a file read and a checksum pass.
 ``persist.Store(root, host_cache=N)`` keeps a copy of every save that may
 serve lookups (``engine.host.store_hooks``).  Up to a byte budget, least recently
-used first out.
+used first out (with ``--tenant-max-bytes``, by tenants' shares: ``engine.host.shares``).
 
 Entries are kept as codec records (``persist.codecs``) and served by the
 resume policy the durable index uses (``policy.best_candidate``: the longest usable
@@ -50,6 +50,7 @@ from ...errors import HostCacheFullError, InvalidArgumentError
 from ...marks import carries_unverified
 from ...records import Record
 from .records import arrays_of, copied, emptied, filled, handed_out
+from .shares import Shares
 
 log = logging.getLogger("persist")
 
@@ -150,9 +151,10 @@ class HostTier:
             log.warning("persist: pinned host pages: %s; the host tier is off", why)
             self.max_bytes, self.where = 0, f"off (pinned pages: {why})"
         self.nbytes = 0
-        # one owner's (a tenant's) share; None: the whole budget (persist serve
+        # a tenant's share (engine.host.shares); None: one LRU for all (persist serve
         # --tenant-max-bytes: one tenant cannot evict everyone)
         self.owner_max_bytes: int | None = None
+        self._shares = Shares()
         self._entries: OrderedDict[tuple[str, tuple[int, ...]], _Kept] = OrderedDict()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -218,18 +220,17 @@ class HostTier:
             self._drop_covered(owner, kept)
             if key in self._entries:  # never two entries' bytes under one key
                 self._remove(key)
+            if not self._make_room(owner, n, self.max_bytes):
+                return False
             if self.holder is not None:
-                kept.held = self._hold(arrays, n)
+                kept.held = self._hold(arrays, owner, n)
                 if kept.held is None:
                     return False
                 kept.records = [emptied(r) for r in records]
             self._entries[key] = kept
             self.nbytes += n
+            self._shares.add(owner, n)
             self.kept += 1
-            while self.nbytes > self.max_bytes:
-                self._evict_oldest()
-            if self.owner_max_bytes is not None:
-                self._evict_owner(owner, self.owner_max_bytes)
         return True
 
     def _size(self, arrays: list[Any], cache: Any, copy: bool) -> int:
@@ -242,13 +243,23 @@ class HostTier:
             n = int(sum(getattr(c, "nbytes", 0) for c in cache)) or n
         return n
 
-    def _hold(self, arrays: list[Any], n: int) -> Held | None:
-        """Under the lock: ``arrays`` in the holder's pages, least recently used entries
-        evicted first down to room for ``n`` bytes, then as long as the pool is full
-        (pinned memory refused); None when nothing is left to evict."""
+    def _make_room(self, owner: str, n: int, limit: int) -> bool:
+        """Under the lock: evict (``engine.host.shares``) until ``owner`` may keep ``n``
+        more bytes within its share and the tier holds at most ``limit`` with them."""
+        while True:
+            over = self.nbytes + n > limit
+            key = self._shares.victim(self._entries, owner, n, over, self.owner_max_bytes)
+            if key is None:
+                share = self.owner_max_bytes
+                return not over and (share is None or self._shares.fits(owner, n, share))
+            self._remove(key)
+            self.evicted += 1
+
+    def _hold(self, arrays: list[Any], owner: str, n: int) -> Held | None:
+        """Under the lock, room made: ``arrays`` in the holder's pages, evicting one more
+        entry at a time while the pool is full (pinned memory refused); None when
+        nothing is left to evict."""
         assert self.holder is not None
-        while self._entries and self.nbytes + n > self.max_bytes:
-            self._evict_oldest()
         while True:
             try:
                 return self.holder.hold(arrays)
@@ -257,29 +268,16 @@ class HostTier:
                 # already could hold the entry (else it would empty the tier for nothing)
                 if not self._entries or n > self.holder.pinned_bytes():
                     return None
-                self._evict_oldest()
+                if not self._make_room(owner, n, self.nbytes + n - 1):  # one more goes
+                    return None
 
     def _remove(self, key: tuple[str, tuple[int, ...]]) -> None:
         """Under the lock: drop an entry, its pages back to the pool."""
         kept = self._entries.pop(key)
         self.nbytes -= kept.nbytes
+        self._shares.remove(key[0], kept.nbytes)
         if kept.held is not None and self.holder is not None:
             self.holder.release(kept.held)
-
-    def _evict_oldest(self) -> None:
-        self._remove(next(iter(self._entries)))
-        self.evicted += 1
-
-    def _evict_owner(self, owner: str, limit: int) -> None:
-        """Under the lock: ``owner``'s least recently used entries go, down to ``limit``."""
-        mine = [k for k in self._entries if k[0] == owner]
-        held = sum(self._entries[k].nbytes for k in mine)
-        for key in mine:
-            if held <= limit:
-                return
-            held -= self._entries[key].nbytes
-            self._remove(key)
-            self.evicted += 1
 
     def _drop_covered(self, owner: str, new: _Kept) -> None:
         """Under the lock: what ``new`` stands in for goes (the same tokens at least)."""
