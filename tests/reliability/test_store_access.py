@@ -14,6 +14,7 @@ import contextlib
 import os
 import stat
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,14 @@ import pytest
 import persist
 from bench.servers import Server
 from persist.storage.access import GROUP_ENV
-from tests.helpers import assert_same_state, live_state, persist_cli, prefill, tokens_for
+from tests.helpers import (
+    assert_same_state,
+    live_state,
+    persist_cli,
+    prefill,
+    pythonpath,
+    tokens_for,
+)
 
 OTHER = 12345  # a uid no one on the test machine has
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid needs root")
@@ -84,6 +92,55 @@ def test_every_folder_persist_makes_is_private(tmp_path: Path) -> None:
     persist.Store(home).close()  # PERSIST_HOME's store, as persist generate makes it
     for d in (tmp_path / "a", tmp_path / "a" / "b", home, home / "blobs", home / "tmp"):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+
+
+def modes_under(top: Path) -> dict[str, int]:
+    """Every folder and file under ``top`` (itself included) -> its permission bits."""
+    found = {str(top): stat.S_IMODE(top.lstat().st_mode)}
+    for p in top.rglob("*"):
+        found[str(p)] = stat.S_IMODE(p.lstat().st_mode)
+    return found
+
+
+def generate_under_umask_000(tmp_path: Path, *args: str) -> Path:
+    """``persist generate ARGS`` run with umask 000 and PERSIST_HOME three folders deep."""
+    home = tmp_path / "a" / "b" / "home"
+    env = {**os.environ, "PERSIST_HOME": str(home), "PYTHONPATH": pythonpath()}
+    env.pop("PERSIST_IDENTITY_CACHE", None)
+    cmd = [sys.executable, "-m", "persist", "generate", "--prompt", "hi", "--max-tokens", "2"]
+    out = subprocess.run(
+        [*cmd, "--session", "s", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: os.umask(0),  # what a user's shell with umask 000 gives
+    )
+    assert out.returncode == 0, out.stderr
+    return tmp_path / "a"
+
+
+def test_what_persist_makes_first_under_umask_000_is_private(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    """The weights memo (``$PERSIST_HOME/identity``) is written before the store exists."""
+    top = generate_under_umask_000(tmp_path, "--model", str(model_dir("llama")))
+    wrong = {
+        p: oct(m)
+        for p, m in modes_under(top).items()
+        if m != (0o700 if Path(p).is_dir() else 0o600)
+    }
+    assert not wrong
+
+
+def test_the_demo_model_under_umask_000_is_private(tmp_path: Path) -> None:
+    top = generate_under_umask_000(tmp_path)  # no --model: persist makes its demo model
+    wrong = {
+        p: oct(m)
+        for p, m in modes_under(top).items()
+        if m != (0o700 if Path(p).is_dir() else 0o600)
+    }
+    assert not wrong
 
 
 @contextlib.contextmanager
