@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mlx_lm.models import cache as mc
 
 import persist
 from bench.servers import Server
 from persist.storage.access import GROUP_ENV
+from tests.golden.cases import IDENTITY, kvs
 from tests.helpers import (
     assert_same_state,
     live_state,
@@ -74,6 +76,39 @@ def test_a_store_others_can_write_is_refused(
         persist.Store(root)
     out = persist_cli(tmp_path, "ls", "--store", str(root), check=False)
     assert out.returncode == 1 and "go-w" in out.stderr and "Traceback" not in out.stderr
+
+
+def linked_elsewhere(tmp_path: Path, part: str) -> tuple[Path, Path]:
+    """A store with a session whose ``part`` (blobs or tmp) was moved out and linked."""
+    root = made(tmp_path / "store")
+    c = mc.KVCache()
+    c.update_and_fetch(*kvs(1, 40))
+    with persist.Store(root) as s:
+        s.save([c], list(range(40)), identity=IDENTITY, session="chat")
+    target = tmp_path / "elsewhere"
+    os.rename(root / part, target)
+    (root / part).symlink_to(target)
+    return root, target
+
+
+@pytest.mark.parametrize("part", ["blobs", "tmp"])
+def test_a_linked_part_every_user_can_write_is_refused_for_reading(
+    tmp_path: Path, part: str
+) -> None:
+    root, target = linked_elsewhere(tmp_path, part)
+    os.chmod(target, 0o777)  # anyone may swap the blobs read through the link
+    out = persist_cli(tmp_path, "ls", "--store", str(root), check=False)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"refusing the store: {root / part} (a link to {target})" in out.stderr
+    assert "can be written by every user" in out.stderr
+
+
+@root_only
+def test_a_linked_part_another_user_owns_is_refused_for_reading(tmp_path: Path) -> None:
+    root, target = linked_elsewhere(tmp_path, "blobs")
+    os.chown(target, OTHER, OTHER)
+    with pytest.raises(persist.UnsafeStoreError, match=f"is owned by user {OTHER}"):
+        persist.Store(root)
 
 
 def test_a_group_store_when_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
