@@ -339,6 +339,8 @@ def _mismatch_hint(e: IdentityMismatchError) -> str:
 
 
 def _escape_click(e: click.ClickException) -> None:
+    if isinstance(e, click.exceptions.NoArgsIsHelpError):
+        return  # a group given no command: its message is persist's own help, lines and all
     vars(e)["message"] = plain(e.message)  # typed Final in click, a plain attribute at run time
 
 
