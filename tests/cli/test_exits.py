@@ -109,6 +109,9 @@ BAD_URLS = [
     "redis://localhost:99999",
     "redis://localhost:abc",
     "redis://localhost:-1",
+    "redis://localhost:0/",  # taken, and then every connection failed
+    "redis://localhost/x",  # taken as database 0
+    "redis://localhost:6379/1/2",  # taken as database 12
 ]
 
 
