@@ -11,10 +11,12 @@ real read-only bind mount (skipped where mounting is not permitted).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -246,3 +248,21 @@ def test_serve_on_a_read_only_store_serves_and_says_so(
     assert "is read-only: serving, saving nothing" in text
     assert "Traceback" not in text and " 0 write errors" in text
     assert srv.proc.returncode == 0
+
+
+def test_health_of_a_read_only_store_is_ok_and_names_the_mode(
+    tiny: Any, tmp_path: Path, read_only_store: Any
+) -> None:
+    """Round 5: /health said "degraded" (the store's folder is not writable), though
+    serving a read-only store is a supported mode."""
+    root, _ = read_only_store
+    _, _, model_dir = tiny("llama")
+    srv = Server(
+        ["persist", "serve", "--model", str(model_dir), "--store", str(root)], tmp_path / "log"
+    )
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=30) as r:
+            health = json.loads(r.read())
+    finally:
+        srv.stop()
+    assert (health["status"], health["store"].get("mode")) == ("ok", "read-only"), health
