@@ -77,10 +77,25 @@ def recall(key: str) -> str | None:
 
 
 def remember(key: str, digest: str) -> None:
-    """Write the digest atomically; a cache that cannot be written is only slower."""
+    """Write the digest atomically; a cache that cannot be written is only slower.
+    Folders 0700 and the file 0600 whatever the umask: it often makes ``PERSIST_HOME``."""
     d = memo_dir()
     with contextlib.suppress(OSError):
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _private_mkdir(d)
         tmp = d / f".{key}.{secrets.token_hex(4)}.tmp"
-        tmp.write_text(json.dumps({"weights": digest}))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        with os.fdopen(os.open(tmp, flags, 0o600), "w") as f:
+            f.write(json.dumps({"weights": digest}))
         os.replace(tmp, d / f"{key}.json")
+
+
+def _private_mkdir(path: Path) -> None:
+    # storage.access.private_mkdir's rule (this module imports nothing): every folder
+    # made 0700; mkdir(parents=True) gave the parents 0777 & ~umask
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for p in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            p.mkdir(mode=0o700)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from ..storage.access import private_mkdir
 
 __all__ = [
     "ARCHS",
@@ -26,6 +27,7 @@ __all__ = [
 ]
 
 VOCAB = 260  # 256 byte tokens + 4 specials: every id the model emits decodes
+MODEL_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -242,7 +244,7 @@ def make_model(
     config.update(overrides or {})
     dtype = config.pop(DTYPE_KEY, dtype)
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
+    private_mkdir(d)  # 0700 whatever the umask, and its missing parents too
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
@@ -252,6 +254,8 @@ def make_model(
     config["eos_token_id"] = 256 + SPECIAL_TOKENS.index("<|im_end|>")
     (d / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(d)
+    for name in MODEL_FILES:  # 0600 whatever the umask (mlx and tokenizers open with 0666)
+        os.chmod(d / name, 0o600)
     return d
 
 
@@ -277,8 +281,6 @@ def demo_model_dir() -> Path:
     target = cache_home() / f"demo-{DEMO_ARCH}-v{DEMO_VERSION}"
     if (target / "config.json").exists():
         return target
-    from ..storage.access import private_mkdir
-
     private_mkdir(target.parent)  # persist's cache folder, the store's parent: 0700
     tmp = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}"
     make_model(tmp, DEMO_ARCH, seed=0)

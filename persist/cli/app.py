@@ -45,8 +45,8 @@ MAX_SIZE = (1 << 63) - 1  # what SQLite's integers and the budgets hold
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if abs(n) < 1024 or unit == "EiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
@@ -76,14 +76,18 @@ def _escape(m: re.Match[str]) -> str:
 
 
 def parse_size(text: str) -> int:
-    """'500M', '2GiB', '1.5g', '1000' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    """'500M', '2GiB', '1.5g', '1000', '2P', '7E' -> bytes; a usage error (exit 2) for
+    what is no size, InvalidArgumentError (exit 1) for a size past MAX_SIZE."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtpe]?)(i?b)?\s*", text.lower())
     if not m:
         raise click.BadParameter(f"{text!r} is not a size like 500M or 2G")
     # exact decimal arithmetic: a float of 400 digits is inf, and int(inf) raised
-    size = int(Decimal(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+    size = int(Decimal(m.group(1)) * 1024 ** " kmgtpe".index(m.group(2) or " "))
     if size > MAX_SIZE:
-        raise click.BadParameter(f"{text[:40]!r} is larger than persist takes (at most 8E)")
+        raise InvalidArgumentError(
+            f"{text[:40]!r} is larger than persist takes: at most {MAX_SIZE:,} bytes "
+            "(8E less one byte)"
+        )
     return size
 
 
@@ -339,6 +343,8 @@ def _mismatch_hint(e: IdentityMismatchError) -> str:
 
 
 def _escape_click(e: click.ClickException) -> None:
+    if isinstance(e, click.exceptions.NoArgsIsHelpError):
+        return  # a group given no command: its message is persist's own help, lines and all
     vars(e)["message"] = plain(e.message)  # typed Final in click, a plain attribute at run time
 
 

@@ -8,16 +8,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .app import cli, emit, json_option, open_store, store_option
-from .run import (
-    _adapter,
-    _cache,
-    _cache_options,
-    _model,
-    _namespace,
-    _prompt,
-    _prompt_file,
-    read_prompt,
-)
+from .prompts import given_prompt, prompt_file_option, prompt_option, read_prompt, utf8_argument
+from .run import _adapter, _cache, _cache_options, _model, _namespace
 
 if TYPE_CHECKING:
     from ..engine.explain import Explanation, Near
@@ -26,10 +18,13 @@ if TYPE_CHECKING:
 @cli.command("explain")
 @_model
 @_adapter
-@_prompt
-@_prompt_file
+@prompt_option
+@prompt_file_option
 @click.option("--chat", is_flag=True, help="The prompt is one user message (chat template).")
-@click.option("--system-prompt", "--system", "system", default=None, help="With --chat.")
+@click.option(
+    "--system-prompt", "--system", "system", default=None, callback=utf8_argument,
+    help="With --chat.",
+)  # fmt: skip
 @click.option("--limit", type=click.IntRange(1, 100), default=5, show_default=True)
 @_cache_options
 @_namespace
@@ -39,7 +34,7 @@ def explain_cmd(
     model: str | None,
     adapter_path: str | None,
     prompt: str | None,
-    prompt_file: Any,
+    prompt_file: Path | None,
     chat: bool,
     system: str | None,
     limit: int,
@@ -57,13 +52,14 @@ def explain_cmd(
       persist explain --prompt "Where were we?"
       persist explain --model ./tiny-qwen --chat --system "Be brief." --prompt "Hi" --json
     """
-    text = read_prompt(prompt, prompt_file)
+    given = given_prompt(prompt, prompt_file)
     from ..apps.explain import explain_text
     from ..apps.generate import load_model
 
-    _, tok, identity = load_model(
+    model_, tok, identity = load_model(
         model, adapter_path=adapter_path, trust_remote_code=False, **_cache(options)
     )
+    text = read_prompt(given, model_)  # bounded by the model's context
     with open_store(store_dir, create=False) as store:
         got = explain_text(
             store, tok, identity, text, chat=chat, system=system, namespace=namespace,

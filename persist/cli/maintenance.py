@@ -82,7 +82,7 @@ def gc_cmd(max_bytes: str | None, dry_run: bool, store_dir: Path | None, as_json
         )
         click.echo(
             f"{verb} {plural(len(r.evicted), 'entry', 'entries')}, freeing "
-            f"{human_bytes(r.bytes_freed)}; {sizes}"
+            f"{human_bytes(r.bytes_freed)} of blob files; {sizes}"
         )
         for e in r.evicted:
             click.echo("  " + _row(e))

@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # generation imports mlx-lm: loaded by these commands only
     from ..apps.generate import GenerateResult, PrimeResult
 from .app import cli, complete_sessions, emit, json_option, open_store, plain, store_option
 from .interrupts import deferred_sigint
+from .prompts import given_prompt, prompt_file_option, prompt_option, read_prompt, utf8_argument
 from .terminal import end_line, progress, stdout_closed, write_answer
 
 _model = click.option(
@@ -54,24 +55,8 @@ def _render_generate(r: GenerateResult) -> None:
         )
 
 
-def read_prompt(prompt: str | None, prompt_file: Any) -> str:
-    """The text of --prompt (``-``: stdin; ``\\n`` and ``\\t`` as mlx_lm.generate reads
-    them) or --prompt-file; exactly one of them."""
-    if (prompt is None) == (prompt_file is None):
-        raise click.UsageError("give exactly one of --prompt and --prompt-file")
-    if prompt_file is not None:
-        return str(prompt_file.read())
-    assert prompt is not None
-    text = prompt.replace("\\n", "\n").replace("\\t", "\t")
-    return sys.stdin.read() if text == "-" else text
-
-
-_prompt = click.option(
-    "--prompt", "-p", default=None, help="Text appended to the session ('-' reads stdin)."
-)
-_prompt_file = click.option(
-    "--prompt-file", type=click.File("r"), default=None, help="A file to read the prompt from."
-)
+_prompt = prompt_option
+_prompt_file = prompt_file_option
 
 
 def _sampling_options(f: Any) -> Any:
@@ -135,12 +120,13 @@ def _cache_options(f: Any) -> Any:
     help="The session is a conversation: the prompt is a user message (chat template).",
 )
 @click.option(
-    "--system-prompt", "--system", "system", default=None,
+    "--system-prompt", "--system", "system", default=None, callback=utf8_argument,
     help="With --chat: the system prompt of a new chat.",
 )  # fmt: skip
 @click.option(
     "--chat-template-config",
     default=None,
+    callback=utf8_argument,
     help="With --chat: JSON of further apply_chat_template arguments.",
 )
 @click.option("--trust-remote-code", is_flag=True, help="Trust remote code for the tokenizer.")
@@ -165,7 +151,7 @@ def generate_cmd(
     adapter_path: str | None,
     session: str,
     prompt: str | None,
-    prompt_file: Any,
+    prompt_file: Path | None,
     max_tokens: int,
     prefill_step_size: int,
     extra_eos_token: tuple[str, ...],
@@ -200,13 +186,14 @@ def generate_cmd(
     if chat_template_config is not None and not chat:
         raise click.UsageError("--chat-template-config needs --chat")
     template = _template_kwargs(chat_template_config)
-    text = read_prompt(prompt, prompt_file)
+    given = given_prompt(prompt, prompt_file)
     from ..apps.generate import Sampling, generate, load_model
 
     sampling = Sampling(**{k: options.pop(k) for k in list(options) if k in SAMPLING})
     model_, tok, identity = load_model(
         model, adapter_path=adapter_path, trust_remote_code=trust_remote_code, **_cache(options)
     )
+    text = read_prompt(given, model_)  # bounded by the model's context
     for t in extra_eos_token:
         tok.add_eos_token(t)
     with open_store(store_dir, create=True) as store, deferred_sigint() as stop:
@@ -309,7 +296,7 @@ def prime_cmd(
     adapter_path: str | None,
     session: str,
     prompt: str | None,
-    prompt_file: Any,
+    prompt_file: Path | None,
     checkpoint_every: int | None,
     namespace: str,
     store_dir: Path | None,
@@ -322,10 +309,11 @@ def prime_cmd(
       persist prime --model ./tiny-qwen --session docs --prompt-file manual.txt \\
           --checkpoint-every 256
     """
-    text = read_prompt(prompt, prompt_file)
+    given = given_prompt(prompt, prompt_file)
     from ..apps.generate import load_model, prime
 
     model_, tok, identity = load_model(model, adapter_path=adapter_path)
+    text = read_prompt(given, model_)  # bounded by the model's context
     with open_store(store_dir, create=True) as store:
         r: PrimeResult = prime(
             model_,

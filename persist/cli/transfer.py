@@ -10,6 +10,7 @@ import click
 
 from ..errors import AlreadyExistsError, InvalidArgumentError
 from .app import cli, complete_sessions, emit, json_option, open_store, plain, store_option
+from .prompts import utf8_argument
 from .sessions import _exists, _namespace
 
 _force = click.option("--force", is_flag=True, help="Replace what is already there.")
@@ -89,7 +90,10 @@ def export_cmd(
     help="For an mlx-lm prompt cache: the model that computed it (folder or repo id).",
 )
 @click.option("--tokens", default=None, help="For an mlx-lm file: the token ids it covers, 1,2,3.")
-@click.option("--prompt", default=None, help="For an mlx-lm file: the text it covers.")
+@click.option(
+    "--prompt", default=None, callback=utf8_argument,
+    help="For an mlx-lm file: the text it covers.",
+)  # fmt: skip
 @click.option(
     "--chat",
     is_flag=True,

@@ -192,16 +192,25 @@ def read_mlx_lm(path: str | os.PathLike[str]) -> tuple[list[Any], dict[str, str]
 
 
 INDEX_RE = re.compile(r"0|[1-9][0-9]{0,8}")
+MAX_KEY_DEPTH = 32  # levels of a key (a.b.c: 3); the states of mlx-lm caches nest 4 (CacheList)
 
 
 def _check_keys(where: str, keys: list[str]) -> None:
     """Every list index in an mlx-lm file's keys is a plain number no greater than the
     file's count of keys: ``tree_unflatten`` makes a list as long as its largest index
     (a key ``1.<N>`` allocated N slots, a MemoryError for N = 10**11). A real file's
-    lists have an entry per index, each at least one key, but for empty states."""
+    lists have an entry per index, each at least one key, but for empty states.
+    No key nests deeper than MAX_KEY_DEPTH: ``tree_unflatten`` recurses once per level."""
     bound = len(keys)
     for key in keys:
-        for part in key.split("."):
+        parts = key.split(".")
+        if len(parts) > MAX_KEY_DEPTH:
+            raise CorruptBlobError(
+                where,
+                f"mlx-lm prompt-cache key {key[:40]!r}... nests {len(parts)} levels; "
+                f"persist reads at most {MAX_KEY_DEPTH}",
+            )
+        for part in parts:
             try:
                 int(part)  # what tree_unflatten takes for a list index ("1_0", " 7", ...)
             except ValueError:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from ..errors import InvalidArgumentError, PersistError
 from .blob_marks import BlobMarks
@@ -134,10 +136,24 @@ class RedisConnection:
 
 def _from_url(redis: Any, url: str, timeouts: dict[str, Any]) -> Any:
     """redis-py's client of ``url``; a host, port or database it cannot read (a bad
-    IPv6 address, a port out of range or not a number) is InvalidArgumentError."""
+    IPv6 address, a port out of range or not a number, port 0, a database that is not
+    a number) is InvalidArgumentError."""
     try:
+        _check_url(url)
         return redis.Redis.from_url(url, **timeouts)
     except ValueError as e:
         raise InvalidArgumentError(
             f"the shared tier URL {url!r} is not redis://host:port/db: {e}"
         ) from None
+
+
+def _check_url(url: str) -> None:
+    """ValueError for what redis-py takes but cannot mean: port 0 (every connection
+    failed later), a database path that is not one number (``/x`` was database 0,
+    ``/1/2`` database 12: it drops what it cannot read, and every slash)."""
+    parts = urlparse(url)
+    if parts.port == 0:  # .port raises ValueError itself past 65535 or for no number
+        raise ValueError("port 0 is not a port (1 to 65535)")
+    db = unquote(parts.path).removeprefix("/")
+    if db and not re.fullmatch(r"[0-9]{1,9}", db):
+        raise ValueError(f"the database {db[:40]!r} is not a number")

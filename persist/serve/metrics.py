@@ -268,7 +268,8 @@ class ServeMetrics:
         }
 
     def store_reachable(self) -> bool:
-        """The index answers within LOCK_WAIT seconds and the folder is writable."""
+        """The index answers within LOCK_WAIT seconds and the folder is writable (a
+        store opened read-only is served without writing: its index answering is all)."""
         try:
             index = self.store.index
             if not index.lock.acquire(timeout=LOCK_WAIT):
@@ -278,7 +279,7 @@ class ServeMetrics:
                     db.execute("SELECT 1").fetchone()
             finally:
                 index.lock.release()
-            return os.access(self.store.root, os.W_OK)
+            return self.store.read_only or os.access(self.store.root, os.W_OK)
         except Exception:  # closed, damaged, gone: all unreachable to an operator
             return False
 
@@ -298,6 +299,7 @@ class ServeMetrics:
             "write_queue": {"depth": depth, "capacity": room, "drops": int(self.value(
                 "persist_write_queue_drops_total"))},
             "store": {"path": str(self.store.root), "reachable": reachable,
+                      "mode": "read-only" if self.store.read_only else "read-write",
                       "state": self.store_problem or "ok", "bytes": self.read_store_bytes(),
                       "budget_bytes": self.store.budgets.max_bytes,
                       "wal_bytes": wal_bytes(self.store.root)},

@@ -43,22 +43,28 @@ def private_mkdir(path: Path) -> None:
 
 def check_owner(root: Path) -> None:
     """Refuse a store whose root, ``blobs/``, ``tmp/`` or index another user owns or
-    can write (with ``PERSIST_GROUP_STORE=1``: any member of its group, not others)."""
+    can write (with ``PERSIST_GROUP_STORE=1``: any member of its group, not others).
+    A link among them is judged by what it leads to (a link's own mode is always 0777):
+    a read follows it (writes, ``schema.connect`` and ``check`` refuse it where it stands)."""
     group = os.environ.get(GROUP_ENV) == "1"
     for name in CHECKED:
         p = root / name if name else root
-        try:  # the root may be a link (a store on another disk); inside, links are refused
+        try:  # the root may be a link (a store on another disk): judged where it leads
             st = os.stat(p) if not name else os.lstat(p)
-        except FileNotFoundError:
+            if stat.S_ISLNK(st.st_mode):  # writes refuse links inside; reads went through
+                target = Path(os.path.realpath(p))
+                st = os.stat(target)
+                shown, fixed = f"{p} (a link to {target})", target
+            else:
+                shown, fixed = str(p), p
+        except FileNotFoundError:  # a dangling link: refused where it stands
             continue
         why = _unsafe(st, group)
         if why is not None:
-            raise UnsafeStoreError(p, why, _fix(p, st, group))
+            raise UnsafeStoreError(shown, why, _fix(fixed, st, group))
 
 
 def _unsafe(st: os.stat_result, group: bool) -> str | None:
-    if stat.S_ISLNK(st.st_mode):  # a link's own mode is always 0777: links are refused
-        return None  # where they stand (schema.connect, blobs, check), not judged here
     uid = os.geteuid()
     if st.st_mode & stat.S_IWOTH:
         return "can be written by every user"

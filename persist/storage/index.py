@@ -417,8 +417,12 @@ class Index:
 
     def collect(self) -> list[str]:
         """Dead blob files (unreferenced, committed); the caller unlinks them, then forgets."""
+        return [f for f, _ in self.collect_sized()]
+
+    def collect_sized(self) -> list[tuple[str, int]]:
+        """``collect``'s files with their bytes: what unlinking them frees."""
         with self.read() as db:
-            return [r[0] for r in db.execute("SELECT file FROM blobs WHERE dead = 1")]
+            return [(r[0], r[1]) for r in db.execute("SELECT file, size FROM blobs WHERE dead = 1")]
 
     def forget(self, files: Sequence[str]) -> None:
         """Drop the rows of dead blobs whose files are gone.

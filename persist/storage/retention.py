@@ -32,6 +32,7 @@ __all__ = [
     "lru_victim",
     "evict_lru",
     "collect",
+    "collect_measured",
     "gc",
 ]
 
@@ -107,11 +108,16 @@ def owned_namespaces(db: sqlite_utils.Database, owner: str) -> list[str]:
 
 def collect(index: Index, blobs: BlobStore) -> int:
     """Unlink blob files whose last reference was committed away; how many went."""
-    dead = index.collect()
-    for f in dead:
+    return collect_measured(index, blobs)[0]
+
+
+def collect_measured(index: Index, blobs: BlobStore) -> tuple[int, int]:
+    """``collect``: how many blob files went, and their bytes."""
+    dead = index.collect_sized()
+    for f, _ in dead:
         blobs.delete(f)
-    index.forget(dead)
-    return len(dead)
+    index.forget([f for f, _ in dead])
+    return len(dead), sum(size for _, size in dead)
 
 
 def anonymous_prefixes_of(
@@ -230,11 +236,15 @@ def _held(db: sqlite_utils.Database, index: Index, owner: str | None) -> int:
 
 def gc(index: Index, blobs: BlobStore, budget: int | None, dry_run: bool) -> GcReport:
     """``Store.gc``: evict LRU snapshots down to ``budget`` (the rule a save applies),
-    then delete unreferenced blob files; a dry run reports and changes nothing."""
-    before = index.unique_bytes()
+    then delete unreferenced blob files; a dry run reports and changes nothing.
+
+    Freed is what was deleted: the blob files' bytes (a dry run: the bytes its
+    evictions leave unreferenced, in the one transaction).  The store's bytes before
+    less its bytes after went negative when another writer saved in between."""
     victims = []
     try:
         with index.write() as db:
+            before = index.unique_bytes(db)
             if budget is not None:
                 rows, _ = evict_lru(db, index, [(budget, None)], None)
                 victims = [entry_info(r) for r in rows]
@@ -243,6 +253,5 @@ def gc(index: Index, blobs: BlobStore, budget: int | None, dry_run: bool) -> GcR
                 raise Rollback(GcReport(victims, 0, before - after, after, True))
     except Rollback as r:
         return r.report
-    deleted = collect(index, blobs)
-    after = index.unique_bytes()
-    return GcReport(victims, deleted, before - after, after, False)
+    deleted, freed = collect_measured(index, blobs)
+    return GcReport(victims, deleted, freed, index.unique_bytes(), False)

@@ -2,8 +2,8 @@
 
 Inputs round 5's attack found untyped (exit 3) are typed errors of one clear line:
 tier URLs (``--shared`` and ``PERSIST_SHARED``) with a bad IPv6 host, a port out
-of range or not a number; ``persist config set max-bytes`` with 400 digits; an S3
-failure that printed obstore's ~40-line internal error structure.
+of range or not a number; ``persist config set max-bytes`` with 400 digits (it was
+exit 2); an S3 failure that printed obstore's ~40-line internal error structure.
 """
 
 from __future__ import annotations
@@ -109,6 +109,9 @@ BAD_URLS = [
     "redis://localhost:99999",
     "redis://localhost:abc",
     "redis://localhost:-1",
+    "redis://localhost:0/",  # taken, and then every connection failed
+    "redis://localhost/x",  # taken as database 0
+    "redis://localhost:6379/1/2",  # taken as database 12
 ]
 
 
@@ -132,13 +135,23 @@ def test_a_bad_cluster_node_is_a_typed_error() -> None:
             cluster_client(url, {})
 
 
-def test_a_size_of_400_digits_is_refused(tmp_path: Path) -> None:
+LARGEST = "at most 9,223,372,036,854,775,807 bytes (8E less one byte)"
+
+
+@pytest.mark.parametrize("size", ["9" * 400, "8E", "8192P"])
+def test_a_size_past_the_largest_is_a_typed_error_naming_it(tmp_path: Path, size: str) -> None:
+    """400 digits were a usage error (exit 2), and 8E was refused as "at most 8E"."""
     persist.Store(tmp_path).close()
-    out = persist_cli(tmp_path, "config", "set", "max-bytes", "9" * 400, check=False)
-    assert out.returncode == 2, out.stderr
-    assert "is larger than persist takes" in out.stderr and "Traceback" not in out.stderr
-    exact = persist_cli(tmp_path, "config", "set", "max-bytes", "1.5G")
-    assert "1.5 GiB" in exact.stdout
+    out = persist_cli(tmp_path, "config", "set", "max-bytes", size, check=False)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"is larger than persist takes: {LARGEST}" in out.stderr
+
+
+@pytest.mark.parametrize("size, shown", [("1.5G", "1.5 GiB"), ("2P", "2.0 PiB"), ("7E", "7.0 EiB")])
+def test_sizes_up_to_the_largest_are_taken(tmp_path: Path, size: str, shown: str) -> None:
+    persist.Store(tmp_path).close()
+    out = persist_cli(tmp_path, "config", "set", "max-bytes", size)
+    assert f"max-bytes: budget {shown} " in out.stdout
 
 
 def test_an_s3_failure_is_one_line(tmp_path: Path) -> None:

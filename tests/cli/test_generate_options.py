@@ -4,6 +4,9 @@ the prompt from stdin or a file, sampling (not in the identity), cache options (
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +14,11 @@ import pytest
 from click.testing import CliRunner
 
 import persist
+from persist.apps.demo import make_model
 from persist.apps.generate import load_model
 from persist.cli import cli
-from tests.helpers import NO_KV_BITS_HERE, ON_CUDA
+from persist.cli.prompts import PROMPT_BYTES_PER_TOKEN
+from tests.helpers import NO_KV_BITS_HERE, ON_CUDA, pythonpath
 
 
 def run(*args: str, input: str | None = None, code: int = 0) -> Any:
@@ -106,3 +111,84 @@ def test_chat_options_as_mlx_lm_names_them(tmp_path: Path, tiny: Any) -> None:
     bad = ("generate", "--model", str(m), "--store", str(store), "--session", "d")
     res = run(*bad, *chat, "--chat-template-config", "[1", code=2)
     assert "--chat-template-config" in res.output and "not JSON" in res.output
+
+
+def generate_bytes(
+    home: Path, m: Path, *args: str, stdin: bytes = b""
+) -> subprocess.CompletedProcess[bytes]:
+    """``persist generate`` in a real process, its stdin given as bytes."""
+    env = {**os.environ, "PERSIST_HOME": str(home), "PYTHONPATH": pythonpath()}
+    cmd = [sys.executable, "-m", "persist", "generate", "--model", str(m), "--session", "s"]
+    return subprocess.run(
+        [*cmd, "-m", "2", *args], input=stdin, env=env, capture_output=True, timeout=300
+    )
+
+
+NOT_UTF8 = b"hello \xff\xfe world"  # 0xff cannot start a UTF-8 sequence: byte offset 6
+
+
+@pytest.mark.parametrize("given", ["file", "stdin", "argument"])
+def test_a_prompt_that_is_not_utf8_names_its_byte_offset(
+    tmp_path: Path, model_dir: Any, given: str
+) -> None:
+    f = tmp_path / "prompt.txt"
+    f.write_bytes(NOT_UTF8)
+    args = {
+        "file": ("--prompt-file", str(f)),
+        "stdin": ("--prompt", "-"),
+        "argument": ("--prompt", os.fsdecode(NOT_UTF8)),  # argv as Python gets it: escaped
+    }[given]
+    out = generate_bytes(tmp_path / "home", model_dir("llama"), *args, stdin=NOT_UTF8)
+    err = out.stderr.decode()
+    assert out.returncode == 1 and "Traceback" not in err, err
+    assert "is not UTF-8 text: byte 0xff at byte offset 6" in err
+
+
+CONTEXT = 256  # tokens: the bound of a prompt is 8 KiB
+
+
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama that states its context (the shared one states none)."""
+    d = tmp_path_factory.mktemp("short") / "llama"
+    return make_model(d, "llama", overrides={"max_position_embeddings": CONTEXT})
+
+
+def test_a_prompt_file_longer_than_the_context_holds_is_refused(
+    tmp_path: Path, short_context: Path
+) -> None:
+    limit = CONTEXT * PROMPT_BYTES_PER_TOKEN
+    f = tmp_path / "prompt.txt"
+    f.write_bytes(b"a" * (limit + 1))
+    out = generate_bytes(tmp_path / "home", short_context, "--prompt-file", str(f))
+    err = out.stderr.decode()
+    assert out.returncode == 1 and "Traceback" not in err, err
+    assert f"is {limit + 1:,} bytes; a context of {CONTEXT} tokens holds at most {limit:,}" in err
+
+
+def peak_rss_of(*args: str) -> int:
+    """The peak RSS in bytes of ``persist ARGS`` run in a fresh process."""
+    code = (
+        "import resource, subprocess, sys\n"
+        "subprocess.run([sys.executable, '-m', 'persist', *sys.argv[1:]], capture_output=True)\n"
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    ran = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, timeout=300
+    )
+    return int(ran.stdout) * 1024
+
+
+def test_a_huge_prompt_file_is_refused_before_it_is_read(
+    tmp_path: Path, short_context: Path
+) -> None:
+    """Round 5: a prompt file of hundreds of MB was read and tokenized whole (GBs)."""
+    small, huge = tmp_path / "small.txt", tmp_path / "huge.txt"
+    small.write_bytes(b"a" * (CONTEXT * PROMPT_BYTES_PER_TOKEN + 1))  # refused too
+    with huge.open("wb") as f:
+        f.truncate(256 << 20)  # sparse: 256 MiB of NUL bytes (valid UTF-8) on no disk
+    at = ("generate", "--model", str(short_context), "--session", "s")
+    at += ("--store", str(tmp_path / "st"))
+    base = peak_rss_of(*at, "--prompt-file", str(small))
+    assert peak_rss_of(*at, "--prompt-file", str(huge)) - base < 32 << 20

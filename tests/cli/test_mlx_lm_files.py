@@ -13,6 +13,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 import persist
+from persist.engine.transfer import MAX_KEY_DEPTH
 from tests.helpers import assert_same_state, continue_run, live_state, persist_cli, prefill, raw
 
 PROMPT = "a prompt cached by mlx_lm.cache_prompt, then resumed through persist"
@@ -118,6 +119,21 @@ def test_malformed_mlx_lm_files_are_typed_refusals(
         persist.Store(tmp_path / "s").import_file(
             path, identity=persist.ModelIdentity("t", "c", "w", "k", "h"), tokens=[1, 2]
         )
+
+
+def test_a_key_nested_thousands_deep_is_refused_naming_the_limit(
+    tiny: Any, model_dir: Any, tmp_path: Path
+) -> None:
+    """tree_unflatten recurses once per level: 5,000 levels were a RecursionError (exit 3)."""
+    model, tok, _ = tiny("llama")
+    ids = list(tok.encode(PROMPT, add_special_tokens=False))
+    path = tmp_path / "deep.safetensors"
+    deep = "a" + ".0" * 5000
+    save_prompt_cache(str(path), prefill(model, ids)[0], {deep: "x"})  # mlx-lm's own writer
+    m = str(model_dir("llama"))
+    out = cli(tmp_path / "home", "import", str(path), "--model", m, "--prompt", PROMPT)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"nests 5002 levels; persist reads at most {MAX_KEY_DEPTH}" in out.stderr
 
 
 def test_a_session_mlx_lm_cannot_load_is_not_exported_for_it(tmp_path: Path) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner
 from mlx_lm.models import cache as mc
@@ -134,3 +136,37 @@ def test_usage_errors_escape_control_characters(tmp_path: Path, args: list[str])
     out = persist_cli(tmp_path / "store", *args, check=False)
     assert out.returncode == 2, out.stderr
     assert not any(c in out.stdout + out.stderr for c in "\x1b\x07\r\u202e"), out.stderr
+
+
+def every_command(group: click.Group, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The path of every command under ``group``, each group's ending in ``""``."""
+    found = [(*path, "")]
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        sub = group.get_command(ctx, name)
+        if isinstance(sub, click.Group):
+            found += every_command(sub, (*path, name))
+        elif sub is not None:
+            found.append((*path, name))
+    return found
+
+
+ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|[ntr0abfve])")
+
+
+def test_no_help_shows_a_literal_backslash_escape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``persist config`` (a group given no command) printed its help with every
+    newline a literal ``\\x0a``: click shows that help as a usage error, which is escaped."""
+    monkeypatch.setenv("PERSIST_HOME", str(tmp_path))  # nothing here runs, but be sure
+    shown = {}
+    for *path, last in every_command(cli):
+        runs = [[*path, "--help"]] if last == "" else [[*path, last, "--help"]]
+        if last == "":  # a group with no command shows its help
+            runs.append(path)
+        for args in runs:
+            shown[" ".join(args)] = CliRunner().invoke(cli, args, prog_name="persist").output
+    bad = {args: ESCAPE.findall(out) for args, out in shown.items() if ESCAPE.search(out)}
+    assert not bad
+    assert "Usage: persist config [OPTIONS] COMMAND" in shown["config"]  # help, not an error

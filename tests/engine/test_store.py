@@ -258,6 +258,40 @@ def test_gc_dry_run_changes_nothing(tiny: Any, store: persist.Store) -> None:
     assert store.stats().unique_bytes == before[0] - done.bytes_freed
 
 
+class SaveWhileDeleting:
+    """The store's real blob files; another writer's save commits while gc deletes."""
+
+    def __init__(self, real: Any, save: Any) -> None:
+        self.real, self.save = real, save
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def delete(self, file: str) -> None:
+        self.real.delete(file)
+        save, self.save = self.save, None
+        if save is not None:
+            save()
+
+
+def test_gc_reports_the_blob_bytes_it_deleted_while_another_writer_saves(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """Round 5: gc said "freeing -9.0 KiB": the store's bytes before gc less its bytes
+    after, and another process saved in between."""
+    model, identity = ident(tiny, "llama")
+    small, big = tokens_for(40, 1), tokens_for(400, 2)
+    with persist.Store(tmp_path / "s") as store, persist.Store(tmp_path / "s") as other:
+        store.save(prefill(model, small)[0], small, identity=identity, session="old")
+        files = {p: p.stat().st_size for p in (tmp_path / "s" / "blobs").rglob("*.safetensors")}
+        late = prefill(model, big)[0]
+        store.blobs = SaveWhileDeleting(
+            store.blobs, lambda: other.save(late, big, identity=identity, session="new")
+        )
+        report = store.gc(max_bytes=0)
+        assert report.bytes_freed == sum(files.values())  # the files of "old", all gone
+
+
 @pytest.mark.parametrize("name", ["../../etc/passwd", "/abs", "a" * 1024, "名前 ✓", "a\nb", "."])
 def test_odd_names_are_plain_keys(name: str, tiny: Any, store: persist.Store) -> None:
     model, identity = ident(tiny, "llama")

@@ -11,19 +11,31 @@ real read-only bind mount (skipped where mounting is not permitted).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 import subprocess
+import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from mlx_lm.models import cache as mc
 
 import persist
 from bench.servers import Server
 from persist.storage.access import GROUP_ENV
-from tests.helpers import assert_same_state, live_state, persist_cli, prefill, tokens_for
+from tests.golden.cases import IDENTITY, kvs
+from tests.helpers import (
+    assert_same_state,
+    live_state,
+    persist_cli,
+    prefill,
+    pythonpath,
+    tokens_for,
+)
 
 OTHER = 12345  # a uid no one on the test machine has
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid needs root")
@@ -68,6 +80,39 @@ def test_a_store_others_can_write_is_refused(
     assert out.returncode == 1 and "go-w" in out.stderr and "Traceback" not in out.stderr
 
 
+def linked_elsewhere(tmp_path: Path, part: str) -> tuple[Path, Path]:
+    """A store with a session whose ``part`` (blobs or tmp) was moved out and linked."""
+    root = made(tmp_path / "store")
+    c = mc.KVCache()
+    c.update_and_fetch(*kvs(1, 40))
+    with persist.Store(root) as s:
+        s.save([c], list(range(40)), identity=IDENTITY, session="chat")
+    target = tmp_path / "elsewhere"
+    os.rename(root / part, target)
+    (root / part).symlink_to(target)
+    return root, target
+
+
+@pytest.mark.parametrize("part", ["blobs", "tmp"])
+def test_a_linked_part_every_user_can_write_is_refused_for_reading(
+    tmp_path: Path, part: str
+) -> None:
+    root, target = linked_elsewhere(tmp_path, part)
+    os.chmod(target, 0o777)  # anyone may swap the blobs read through the link
+    out = persist_cli(tmp_path, "ls", "--store", str(root), check=False)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"refusing the store: {root / part} (a link to {target})" in out.stderr
+    assert "can be written by every user" in out.stderr
+
+
+@root_only
+def test_a_linked_part_another_user_owns_is_refused_for_reading(tmp_path: Path) -> None:
+    root, target = linked_elsewhere(tmp_path, "blobs")
+    os.chown(target, OTHER, OTHER)
+    with pytest.raises(persist.UnsafeStoreError, match=f"is owned by user {OTHER}"):
+        persist.Store(root)
+
+
 def test_a_group_store_when_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = made(tmp_path / "store")
     for d in (root, root / "blobs", root / "tmp"):
@@ -84,6 +129,55 @@ def test_every_folder_persist_makes_is_private(tmp_path: Path) -> None:
     persist.Store(home).close()  # PERSIST_HOME's store, as persist generate makes it
     for d in (tmp_path / "a", tmp_path / "a" / "b", home, home / "blobs", home / "tmp"):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+
+
+def modes_under(top: Path) -> dict[str, int]:
+    """Every folder and file under ``top`` (itself included) -> its permission bits."""
+    found = {str(top): stat.S_IMODE(top.lstat().st_mode)}
+    for p in top.rglob("*"):
+        found[str(p)] = stat.S_IMODE(p.lstat().st_mode)
+    return found
+
+
+def generate_under_umask_000(tmp_path: Path, *args: str) -> Path:
+    """``persist generate ARGS`` run with umask 000 and PERSIST_HOME three folders deep."""
+    home = tmp_path / "a" / "b" / "home"
+    env = {**os.environ, "PERSIST_HOME": str(home), "PYTHONPATH": pythonpath()}
+    env.pop("PERSIST_IDENTITY_CACHE", None)
+    cmd = [sys.executable, "-m", "persist", "generate", "--prompt", "hi", "--max-tokens", "2"]
+    out = subprocess.run(
+        [*cmd, "--session", "s", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: os.umask(0),  # what a user's shell with umask 000 gives
+    )
+    assert out.returncode == 0, out.stderr
+    return tmp_path / "a"
+
+
+def test_what_persist_makes_first_under_umask_000_is_private(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    """The weights memo (``$PERSIST_HOME/identity``) is written before the store exists."""
+    top = generate_under_umask_000(tmp_path, "--model", str(model_dir("llama")))
+    wrong = {
+        p: oct(m)
+        for p, m in modes_under(top).items()
+        if m != (0o700 if Path(p).is_dir() else 0o600)
+    }
+    assert not wrong
+
+
+def test_the_demo_model_under_umask_000_is_private(tmp_path: Path) -> None:
+    top = generate_under_umask_000(tmp_path)  # no --model: persist makes its demo model
+    wrong = {
+        p: oct(m)
+        for p, m in modes_under(top).items()
+        if m != (0o700 if Path(p).is_dir() else 0o600)
+    }
+    assert not wrong
 
 
 @contextlib.contextmanager
@@ -154,3 +248,21 @@ def test_serve_on_a_read_only_store_serves_and_says_so(
     assert "is read-only: serving, saving nothing" in text
     assert "Traceback" not in text and " 0 write errors" in text
     assert srv.proc.returncode == 0
+
+
+def test_health_of_a_read_only_store_is_ok_and_names_the_mode(
+    tiny: Any, tmp_path: Path, read_only_store: Any
+) -> None:
+    """Round 5: /health said "degraded" (the store's folder is not writable), though
+    serving a read-only store is a supported mode."""
+    root, _ = read_only_store
+    _, _, model_dir = tiny("llama")
+    srv = Server(
+        ["persist", "serve", "--model", str(model_dir), "--store", str(root)], tmp_path / "log"
+    )
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=30) as r:
+            health = json.loads(r.read())
+    finally:
+        srv.stop()
+    assert (health["status"], health["store"].get("mode")) == ("ok", "read-only"), health

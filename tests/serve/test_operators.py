@@ -117,7 +117,8 @@ def test_health_metrics_and_json_logs(model_dir: Any, tmp_path: Path) -> None:
         assert isinstance(budget, int) and budget > 0, budget
         assert health["store"].pop("wal_bytes") >= 0  # the index's log, apart
         assert health["store"] == {
-            "path": str(store), "reachable": True, "state": "ok", "bytes": 0
+            "path": str(store), "reachable": True, "mode": "read-write", "state": "ok",
+            "bytes": 0,
         }  # fmt: skip
         assert health["write_queue"]["depth"] == 0 and health["tiers"] == {}
         before = metrics(srv)
