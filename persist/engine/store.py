@@ -229,7 +229,7 @@ class Store(StoreUpkeep):
             from .host.store_hooks import keep_saved, owner
 
             who = owner(target.namespace, target.identity, self.strict_backend)
-            keep_saved(self.host, cache, row, info, who)
+            keep_saved(self.host, cache, row, info, who, self.index)
         return info
 
     def count(self, namespace: str = "default", **counters: int) -> None:

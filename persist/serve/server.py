@@ -26,8 +26,9 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from ..codecs.dispatch import serves_itself
 from ..codecs.snapshot import Snapshot, capture
+from ..engine.host.eviction import EvictionWatch
 from ..engine.host.store_hooks import owner, served
-from ..engine.host.tier import DEVICE_MEMORY, EvictionWatch, HostTier, default_budget, placement
+from ..engine.host.tier import DEVICE_MEMORY, HostTier, default_budget, placement
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity

@@ -22,7 +22,15 @@ from .types import GcReport, Rollback
 if TYPE_CHECKING:
     import sqlite_utils
 
-__all__ = ["Budgets", "anonymous_prefixes_of", "lru_victim", "evict_lru", "collect", "gc"]
+__all__ = [
+    "Budgets",
+    "anonymous_prefixes_of",
+    "lru_victim",
+    "hinted_rows",
+    "evict_lru",
+    "collect",
+    "gc",
+]
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,12 @@ def lru_victim(
         e = policy.EvictEntry(hinted[0], hinted[1], False, (), hinted[2], hinted[3])
         found.append(policy.eviction_key(e, now))
     return min(found)[3] if found else None
+
+
+def hinted_rows(db: sqlite_utils.Database) -> dict[int, tuple[float, int]]:
+    """Every snapshot's retention hints (ttl, priority), by id: few rows, read whole."""
+    got = db.execute("SELECT snapshot, ttl, priority FROM retention_hints")
+    return {int(r[0]): (float(r[1]), int(r[2])) for r in got}
 
 
 def evict_lru(

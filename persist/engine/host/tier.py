@@ -4,8 +4,9 @@ Two keepers use it.  ``persist serve`` keeps what mlx-lm's ``LRUPromptCache``
 evicts (``--prompt-cache-size`` or its byte limit reached): asking the
 durable store for it again costs a file read and a checksum pass.
 ``persist.Store(root, host_cache=N)`` keeps a copy of every save that may
-serve lookups (``engine.host.store_hooks``).  Up to a byte budget, least recently
-used first out.
+serve lookups (``engine.host.store_hooks``).  Up to a byte budget, evicted in
+the store's order (``engine.host.eviction``: least recently used first unless
+retention hints say otherwise).
 
 Entries are kept as codec records (``persist.codecs``) and served by the
 resume policy the durable index uses (``policy.best_candidate``: the longest usable
@@ -49,6 +50,7 @@ from ...cuda.pinned_pool import Held, Holder, cuda_holder, proven
 from ...errors import HostCacheFullError, InvalidArgumentError
 from ...marks import carries_unverified
 from ...records import Record
+from .eviction import Kept, Key, victims
 from .records import arrays_of, copied, emptied, filled, handed_out
 
 log = logging.getLogger("persist")
@@ -103,20 +105,6 @@ class HostHit:
     info: Any = None  # what the keeper attached (the Store: the save's EntryInfo)
 
 
-@dataclass
-class _Kept:
-    id: int
-    records: list[Record]
-    nbytes: int
-    tokens: Any  # numpy int64: compared with a prompt in one pass
-    trimmable: bool
-    min_resume: int
-    sticky: bool  # a checkpoint: kept even when a longer entry covers it
-    info: Any
-    used: int = 0
-    held: Held | None = None  # with a holder: the arrays' bytes (records hold SLOT)
-
-
 def _common(kept: Any, toks: Any) -> int:
     n = min(len(kept), len(toks))
     differ = np.flatnonzero(kept[:n] != toks[:n])
@@ -124,7 +112,8 @@ def _common(kept: Any, toks: Any) -> int:
 
 
 class HostTier:
-    """Kept caches by (owner, tokens), LRU by bytes under ``max_bytes``.
+    """Kept caches by (owner, tokens), under ``max_bytes``: LRU, unless retention hints
+    order them (``engine.host.eviction``: the store's ``policy.eviction_key``).
 
     ``owner`` is whatever keys a keeper's lookups apart: namespace, model
     digest and (a strict store's) backend kind, for ``persist serve`` and a
@@ -153,11 +142,12 @@ class HostTier:
         # one owner's (a tenant's) share; None: the whole budget (persist serve
         # --tenant-max-bytes: one tenant cannot evict everyone)
         self.owner_max_bytes: int | None = None
-        self._entries: OrderedDict[tuple[str, tuple[int, ...]], _Kept] = OrderedDict()
+        self._entries: OrderedDict[Key, Kept] = OrderedDict()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.hits = self.misses = self.kept = self.evicted = 0
         self.clock = time.perf_counter  # tests inject one: no timing verdicts
+        self.now = time.time  # what a ttl counts in (tests inject one)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -173,6 +163,7 @@ class HostTier:
         min_resume: int | None = None,
         sticky: bool = False,
         info: Any = None,
+        hints: tuple[float, int] | None = None,
     ) -> bool:
         """Keep ``cache`` (covering exactly ``tokens``); False if it cannot fit.
 
@@ -181,7 +172,9 @@ class HostTier:
         caller goes on using it; a copy of its live positions is kept.
         ``trimmable`` and ``min_resume`` default to the codecs' facts.  Older
         entries of ``owner`` the new one covers (``policy.covers``) are
-        dropped, unless ``sticky`` (checkpoints, as the durable store keeps)."""
+        dropped, unless ``sticky`` (checkpoints, as the durable store keeps), and the
+        new one keeps their retention hints.  ``hints`` (ttl seconds, priority) order
+        eviction as the store's do (``engine.host.eviction``); the budgets still hold."""
         if not tokens:
             return False
         if cache.unverified if isinstance(cache, Snapshot) else carries_unverified(cache):
@@ -214,9 +207,12 @@ class HostTier:
             if n > self.max_bytes:  # closed meanwhile
                 return False
             i = next(self._ids)
-            kept = _Kept(i, records, n, toks, trimmable, min_resume, sticky, info, used=i)
+            kept = Kept(i, records, n, toks, trimmable, min_resume, sticky, info, used=i)
+            kept.touched = self.now()
+            kept.hint(hints)
             self._drop_covered(owner, kept)
             if key in self._entries:  # never two entries' bytes under one key
+                kept.hint(self._hints_of(key))
                 self._remove(key)
             if self.holder is not None:
                 kept.held = self._hold(arrays, n)
@@ -226,10 +222,9 @@ class HostTier:
             self._entries[key] = kept
             self.nbytes += n
             self.kept += 1
-            while self.nbytes > self.max_bytes:
-                self._evict_oldest()
+            self._evict_down(self.max_bytes, spare=key)
             if self.owner_max_bytes is not None:
-                self._evict_owner(owner, self.owner_max_bytes)
+                self._evict_down(self.owner_max_bytes, owner, spare=key)
         return True
 
     def _size(self, arrays: list[Any], cache: Any, copy: bool) -> int:
@@ -243,12 +238,11 @@ class HostTier:
         return n
 
     def _hold(self, arrays: list[Any], n: int) -> Held | None:
-        """Under the lock: ``arrays`` in the holder's pages, least recently used entries
-        evicted first down to room for ``n`` bytes, then as long as the pool is full
+        """Under the lock: ``arrays`` in the holder's pages, entries evicted first (in
+        eviction order) down to room for ``n`` bytes, then as long as the pool is full
         (pinned memory refused); None when nothing is left to evict."""
         assert self.holder is not None
-        while self._entries and self.nbytes + n > self.max_bytes:
-            self._evict_oldest()
+        self._evict_down(self.max_bytes - n)
         while True:
             try:
                 return self.holder.hold(arrays)
@@ -259,7 +253,7 @@ class HostTier:
                     return None
                 self._evict_oldest()
 
-    def _remove(self, key: tuple[str, tuple[int, ...]]) -> None:
+    def _remove(self, key: Key) -> None:
         """Under the lock: drop an entry, its pages back to the pool."""
         kept = self._entries.pop(key)
         self.nbytes -= kept.nbytes
@@ -267,21 +261,29 @@ class HostTier:
             self.holder.release(kept.held)
 
     def _evict_oldest(self) -> None:
-        self._remove(next(iter(self._entries)))
+        """Under the lock: the first entry in eviction order goes."""
+        self._remove(next(iter(victims(self._entries, self.now()))))
         self.evicted += 1
 
-    def _evict_owner(self, owner: str, limit: int) -> None:
-        """Under the lock: ``owner``'s least recently used entries go, down to ``limit``."""
-        mine = [k for k in self._entries if k[0] == owner]
-        held = sum(self._entries[k].nbytes for k in mine)
-        for key in mine:
+    def _evict_down(self, limit: int, owner: str | None = None, spare: Key | None = None) -> None:
+        """Under the lock: entries (of ``owner``, or any) go in eviction order until
+        those left hold at most ``limit`` bytes; never ``spare``, the entry being kept
+        (as a save never evicts its own row)."""
+        mine = self._entries.items()
+        held = sum(k.nbytes for key, k in mine if owner is None or key[0] == owner)
+        for key in list(victims(self._entries, self.now(), owner)):
             if held <= limit:
                 return
-            held -= self._entries[key].nbytes
-            self._remove(key)
-            self.evicted += 1
+            if key != spare:
+                held -= self._entries[key].nbytes
+                self._remove(key)
+                self.evicted += 1
 
-    def _drop_covered(self, owner: str, new: _Kept) -> None:
+    def _hints_of(self, key: Key) -> tuple[float, int]:
+        kept = self._entries[key]
+        return kept.ttl, kept.priority
+
+    def _drop_covered(self, owner: str, new: Kept) -> None:
         """Under the lock: what ``new`` stands in for goes (the same tokens at least)."""
         for key, old in list(self._entries.items()):
             if key[0] != owner or (old.sticky and len(old.tokens) != len(new.tokens)):
@@ -289,9 +291,10 @@ class HostTier:
             is_prefix = _common(old.tokens, new.tokens) == len(old.tokens)
             n, trim, floor = len(new.tokens), new.trimmable, new.min_resume
             if policy.covers(n, trim, floor, len(old.tokens), is_prefix):
+                new.hint(self._hints_of(key))  # it serves old's prefix now: its hints too
                 self._remove(key)
 
-    def _choose(self, owner: str, toks: Any) -> tuple[tuple[str, tuple[int, ...]], int] | None:
+    def _choose(self, owner: str, toks: Any) -> tuple[Key, int] | None:
         """Under the lock: (key, usable prefix) the resume policy picks, or None."""
         keys, cands = {}, []
         for key, kept in self._entries.items():
@@ -337,7 +340,7 @@ class HostTier:
             key, use = found
             self._entries.move_to_end(key)
             kept = self._entries[key]
-            kept.used = next(self._ids)
+            kept.used, kept.touched = next(self._ids), self.now()
             self.hits += 1
             t0 = self.clock()
             records, fresh = self._given(kept)
@@ -349,7 +352,7 @@ class HostTier:
         nbytes = int(sum(a.nbytes for a in arrays_of(records)))  # what was copied
         return HostHit(cache, [int(t) for t in toks[:use]], nbytes, seconds, kept.info)
 
-    def _given(self, kept: _Kept) -> tuple[list[Record], frozenset[int]]:
+    def _given(self, kept: Kept) -> tuple[list[Record], frozenset[int]]:
         """Under the lock: the entry's records, their arrays unpacked from its pages
         if it has any (and those arrays' ids: nothing else holds them)."""
         if kept.held is None or self.holder is None:
@@ -385,23 +388,3 @@ class HostTier:
                 "kept": self.kept,
                 "evicted": self.evicted,
             }
-
-
-class EvictionWatch:
-    """mlx-lm's prompt trie, with every ``pop`` (an eviction) reported first.
-
-    ``LRUPromptCache`` evicts through ``_trie.pop`` only (its ``insert_cache``
-    and ``trim_to``); dropping the prefixes a longer trimmable cache covers
-    goes through ``pop_prefixes``, which is no loss and is not reported.
-    """
-
-    def __init__(self, trie: Any, on_evict: Any) -> None:
-        self._trie, self._on_evict = trie, on_evict
-
-    def pop(self, model: Any, tokens: Any) -> Any:
-        entry = self._trie.pop(model, tokens)
-        self._on_evict(model, list(tokens), entry.prompt_cache)
-        return entry
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._trie, name)
