@@ -22,6 +22,7 @@ from ..format.tokens import common_prefix_packed, pack_tokens, unpack_tokens
 from ..identity import ModelIdentity
 from ..servable import of_row
 from ..storage.blobs import BlobStore
+from ..storage.chains import HEAD_TOKENS
 from ..storage.index import Index
 from ..storage.nearest import near_rows
 from ..storage.rows import SnapshotRow, listed_info
@@ -36,7 +37,8 @@ __all__ = ["Near", "Explanation", "explain", "REASONS"]
 # the message is for people.
 REASONS = {
     "hit": "the best usable hit covers the whole shared prefix",
-    "empty": "nothing stored in this namespace shares a token with the prompt",
+    # a chat template's first tokens are shared by every prompt: too few to reuse
+    "empty": f"nothing stored in this namespace shares {HEAD_TOKENS} tokens with the prompt",
     "identity": "the longest shared prefix was computed by another model identity",
     "last-token": "one prompt token must be left to compute, so a hit stops one short",
     "floor": "the snapshot serves no prefix below its resume floor",
@@ -171,7 +173,7 @@ def explain(
     nears = [
         n
         for n in (_near(r, toks, packed, identity, decode, special) for r in rows.values())
-        if n.shared
+        if n.shared >= HEAD_TOKENS  # a lookup never reuses less (storage.chains)
     ]
     with index.read() as db:  # the checksums of the rows that share a prefix, no others
         nears = [_judged(n, rows[n.id], db, identity, strict_backend) for n in nears]
