@@ -94,6 +94,15 @@ def test_a_stream_gets_its_verdict_in_the_headers(server: Server) -> None:
     assert raw.rstrip().endswith(b"data: [DONE]") and b'"persist"' not in raw
 
 
+def test_a_stream_served_alone_waits_for_its_lookup(server: Server) -> None:
+    """A request with a seed is served alone: mlx-lm hands its handler the stream
+    before the lookup has run, so the header waits for it."""
+    chat(server, asking("Seeded, first"), {})
+    code, headers, _ = chat(server, asking("Seeded, second"), ASK, stream=True, seed=7)
+    got = said(headers["X-Persist-Explain"])
+    assert code == 200 and got["reason"] == "hit" and int(got["cached"]) > 16
+
+
 def test_without_the_header_nothing_is_added(server: Server) -> None:
     code, headers, raw = chat(server, asking("Nobody asked why"), {})
     assert code == 200 and "X-Persist-Explain" not in headers
