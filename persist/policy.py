@@ -27,6 +27,7 @@ __all__ = [
     "covers",
     "EvictEntry",
     "eviction_key",
+    "stronger_hints",
     "plan_eviction",
     "partial_blocks",
     "rate_bucket",
@@ -203,6 +204,16 @@ def eviction_key(e: EvictEntry, now: float) -> tuple[bool, int, float, int]:
     first; entries a ttl still protects come last, in the same order.  Hints only
     order: a budget still evicts a protected entry when nothing else is left."""
     return (e.ttl > 0 and e.used + e.ttl > now, e.priority, e.used, e.id)
+
+
+def stronger_hints(
+    a: tuple[float, int] | None, b: tuple[float, int] | None
+) -> tuple[float, int] | None:
+    """The retention hints (ttl, priority) of an entry that stands in for another (it
+    serves the other's prefix): the longer ttl and the higher priority of the two."""
+    if a is None or b is None:
+        return a if b is None else b
+    return max(a[0], b[0]), max(a[1], b[1])
 
 
 def plan_eviction(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +65,19 @@ def block_blob(store: persist.Store, name: str, idx: int) -> Path:
     blob = next(b.blob for b in store.index.blocks(row.id) if b.idx == idx)
     assert blob is not None
     return store.blobs.path(blob)
+
+
+def steps(store: persist.Store, run: Callable[[], Any]) -> int:
+    """SQLite VM instructions ``run`` executes on the store's connection."""
+    n = [0]
+
+    def tick() -> int:
+        n[0] += 1
+        return 0
+
+    store.index.db.conn.set_progress_handler(tick, 1)
+    try:
+        run()
+    finally:
+        store.index.db.conn.set_progress_handler(None, 1)
+    return n[0]

@@ -3,9 +3,12 @@
 ``Store.explain`` reads the index only (no blob is read, nothing is counted or
 touched): every snapshot of the namespace that shares a prefix with the prompt,
 where the prompt diverges from each, and the reason the best usable hit is
-shorter than the longest shared prefix.  Other namespaces are never read for
-content: at most their count of longer shared prefixes is reported, and only
-when the caller asks (an operator; never a tenant of ``persist serve``).
+shorter than the longest shared prefix.  ``bounded`` reads only the rows the
+lookup keys lead to (``storage.nearest``: a few index seeks and a few dozen
+rows, whatever the namespace holds), as ``persist serve`` does on every miss.
+Other namespaces are never read for content: at most their count of longer
+shared prefixes is reported, and only when the caller asks (an operator; never
+a tenant of ``persist serve``).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import policy
-from ..format.tokens import unpack_tokens
+from ..format.tokens import common_prefix_packed, pack_tokens, unpack_tokens
 from ..identity import ModelIdentity
 from ..servable import of_row
 from ..storage.blobs import BlobStore
+from ..storage.chains import HEAD_TOKENS
 from ..storage.index import Index
+from ..storage.nearest import near_rows
 from ..storage.rows import SnapshotRow, listed_info
 from .costs import CostModel, local_hit
 from .reading import _other_backend as computed_elsewhere
@@ -32,7 +37,8 @@ __all__ = ["Near", "Explanation", "explain", "REASONS"]
 # the message is for people.
 REASONS = {
     "hit": "the best usable hit covers the whole shared prefix",
-    "empty": "nothing stored in this namespace shares a token with the prompt",
+    # a chat template's first tokens are shared by every prompt: too few to reuse
+    "empty": f"nothing stored in this namespace shares {HEAD_TOKENS} tokens with the prompt",
     "identity": "the longest shared prefix was computed by another model identity",
     "last-token": "one prompt token must be left to compute, so a hit stops one short",
     "floor": "the snapshot serves no prefix below its resume floor",
@@ -81,18 +87,12 @@ class Explanation:
         return asdict(self)
 
 
-def _shared(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def _why_short(row: SnapshotRow, shared: int, prompt_len: int, kinds: list[str]) -> tuple[str, str]:
+def _why_short(
+    row: SnapshotRow, shared: int, usable: int, prompt_len: int, kinds: list[str]
+) -> tuple[str, str]:
     """(reason, detail) for a same-identity snapshot whose usable prefix is below ``shared``."""
     p = min(shared, prompt_len - 1, row.n_tokens)
-    if p < shared:
+    if usable == p < shared:  # it serves all it may: only the prompt's end stops it
         return "last-token", f"the prompt is {prompt_len} tokens; a hit keeps the last to compute"
     rule = of_row(row.trimmable, row.min_resume, row.manifest)
     if p < max(row.min_resume, rule.floor):
@@ -107,12 +107,14 @@ def _why_short(row: SnapshotRow, shared: int, prompt_len: int, kinds: list[str])
 def _near(
     row: SnapshotRow,
     toks: list[int],
+    packed: bytes,
     identity: ModelIdentity,
     decode: Callable[[list[int]], str] | None,
     special: set[int],
 ) -> Near:
-    stored = unpack_tokens(row.tokens)
-    shared = _shared(stored, toks)
+    shared = common_prefix_packed(row.tokens, packed)
+    stored = unpack_tokens(row.tokens[4 * max(0, shared - CONTEXT) : 4 * (shared + CONTEXT)])
+    at = min(shared, CONTEXT)  # where the divergence falls in ``stored``'s window
     info = listed_info(row)
     fields: list[str] = []
     if row.identity != identity.digest:
@@ -126,10 +128,12 @@ def _near(
             usable, row.n_tokens
         ):
             usable = 0
-        reason, detail = _why_short(row, shared, n, info.kinds) if usable < shared else ("hit", "")
+        reason, detail = (
+            _why_short(row, shared, usable, n, info.kinds) if usable < shared else ("hit", "")
+        )
         if marked(row.metadata):
             detail = (detail + "; " if detail else "") + REASONS["unverified"]
-    p_next, s_next = toks[shared : shared + CONTEXT], stored[shared : shared + CONTEXT]
+    p_next, s_next = toks[shared : shared + CONTEXT], stored[at : at + CONTEXT]
     before = toks[max(0, shared - CONTEXT) : shared]
     text = {}
     if decode is not None:
@@ -154,13 +158,22 @@ def explain(
     tokenizer: Any = None,
     other_namespaces: bool = False,
     strict_backend: bool = False,
+    bounded: int | None = None,
 ) -> Explanation:
-    toks = list(tokens)
+    """``bounded``: the store's block size, to read only the rows near the prompt
+    (``storage.nearest``); None reads every row of the namespace."""
+    toks, packed = list(tokens), pack_tokens(tokens)
     decode = None if tokenizer is None else (lambda ids: str(tokenizer.decode(ids)))
     special = set(getattr(tokenizer, "all_special_ids", None) or ())
-    rows = {r.id: r for r in index.snapshots(namespace, named_only=False)}
+    if bounded is None:
+        listed = index.snapshots(namespace, named_only=False)
+    else:
+        listed = near_rows(index, namespace, identity.digest, toks, bounded)
+    rows = {r.id: r for r in listed}
     nears = [
-        n for n in (_near(r, toks, identity, decode, special) for r in rows.values()) if n.shared
+        n
+        for n in (_near(r, toks, packed, identity, decode, special) for r in rows.values())
+        if n.shared >= HEAD_TOKENS  # a lookup never reuses less (storage.chains)
     ]
     with index.read() as db:  # the checksums of the rows that share a prefix, no others
         nears = [_judged(n, rows[n.id], db, identity, strict_backend) for n in nears]
@@ -231,9 +244,9 @@ def _verdict(best: Near | None, longest: Near | None) -> tuple[str, str]:
 
 def _elsewhere(index: Index, namespace: str, toks: list[int], longest: Near | None) -> int:
     """How many snapshots of other namespaces share more than ``longest`` (a count only)."""
-    floor = longest.shared if longest is not None else 0
+    floor, packed = (longest.shared if longest is not None else 0), pack_tokens(toks)
     n = 0
     for r in index.snapshots(None, named_only=False):
-        if r.namespace != namespace and _shared(unpack_tokens(r.tokens), toks) > floor:
+        if r.namespace != namespace and common_prefix_packed(r.tokens, packed) > floor:
             n += 1
     return n

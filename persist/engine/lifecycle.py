@@ -18,6 +18,7 @@ from ..errors import (
     ReadOnlyStoreError,
     SessionNotFoundError,
 )
+from ..policy import stronger_hints
 from ..records import Progress
 from ..storage import full, housekeeping, rates, retention, writes
 from ..storage.check_damage import clear_quarantine
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
     from .host.tier import HostTier
     from .tiers.exchange import Shared
 
-__all__ = ["StoreUpkeep"]
+# the hint rules the engine's callers use (persist serve may not import policy)
+__all__ = ["StoreUpkeep", "check_hints", "parse_ttl", "stronger_hints"]
 
 
 class StoreUpkeep:

@@ -320,9 +320,10 @@ def _commit(
         if t.name is not None:
             _retire(db, namespace, t.name, t.identity.digest, snap.trimmable, floor, toks)
         elif t.role == "prefix":
-            _replace_covered(
+            covered = _replace_covered(
                 db, namespace, t.identity.digest, snap.trimmable, floor, toks, chs, p.block
             )
+            hints = policy.stronger_hints(hints, covered)
         elif t.owner is not None:  # a checkpoint saved again (a resumed prime): one row
             _replace_same_checkpoint(db, namespace, t.owner, t.identity.digest, toks)
         sid = writes.insert(db, row, refs)
@@ -390,14 +391,18 @@ def _replace_covered(
     toks: list[int],
     chs: list[bytes],
     block: int,
-) -> None:
+) -> tuple[float, int] | None:
     """Anonymous entries the new one covers (``policy.covers``) go: rows stay
-    bounded by distinct prefixes."""
+    bounded by distinct prefixes.  Their strongest retention hints, which the new
+    one keeps: it serves their prefixes now."""
+    hints = None
     for old in retention.anonymous_prefixes_of(db, namespace, digest, chs, toks, block):
         old_toks = unpack_tokens(old.tokens)
         is_prefix = toks[: len(old_toks)] == old_toks
         if policy.covers(len(toks), trimmable, floor, len(old_toks), is_prefix):
+            hints = policy.stronger_hints(hints, writes.hints_of(db, old.id))
             writes.remove(db, old.id)
+    return hints
 
 
 def _evict(

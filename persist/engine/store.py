@@ -309,6 +309,7 @@ class Store(StoreUpkeep):
         tokenizer: Any = None,
         limit: int = 5,
         other_namespaces: bool = False,
+        bounded: bool = False,
     ) -> Explanation:
         """Why ``lookup`` of ``tokens`` would miss or hit short, from the index alone.
 
@@ -318,6 +319,8 @@ class Store(StoreUpkeep):
         prefix (``persist.engine.explain.REASONS``).  Reads no blob, counts
         nothing.  ``other_namespaces`` adds a count (never content) of longer
         shared prefixes elsewhere: for an operator, never for a tenant.
+        ``bounded`` reads only the rows the lookup keys lead to (a few index seeks,
+        a few dozen rows: ``persist.storage.nearest``), as ``persist serve`` does.
         """
         from .explain import explain
 
@@ -326,7 +329,7 @@ class Store(StoreUpkeep):
         return explain(
             self.index, self.blobs, self.costs, toks, identity, namespace,
             limit=limit, tokenizer=tokenizer, other_namespaces=other_namespaces,
-            strict_backend=self.strict_backend,
+            strict_backend=self.strict_backend, bounded=self.block_tokens if bounded else None,
         )  # fmt: skip
 
     def warm(self, identity: ModelIdentity, n: int, *, namespace: str | None = None) -> WarmReport:

@@ -1,25 +1,29 @@
 """Warm start: a store's most valuable entries for one model, read into the host tier
 before the first request needs them (``Store.warm``, ``persist serve --warm N``).
 
-Value is the order eviction keeps entries in, reversed: pinned first, then the
-most recently used.  Entries are read oldest-valued first so the host tier's
-LRU keeps the most valuable if they do not all fit; no more is read than the
-tier's budget holds.  An entry that fails its checks is skipped (and logged),
-never served.
+Value is the order eviction keeps entries in, reversed: pinned first, then
+``policy.eviction_key`` from last to first (entries a ttl protects, higher
+priorities, the most recently used), and the tier keeps their hints.  Entries
+are read least valuable first so the host tier keeps the most valuable if they
+do not all fit; no more is read than the tier's budget holds.  An entry that
+fails its checks is skipped (and logged), never served.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import policy
 from ..errors import CorruptBlobError
 from ..format.tokens import unpack_tokens
 from ..identity import ModelIdentity
 from ..storage.blobs import BlobStore
 from ..storage.index import Index
+from ..storage.retention import hinted_rows
 from ..storage.rows import SnapshotRow, listed_info
 from .host.store_hooks import owner
 from .host.tier import HostTier
@@ -43,12 +47,25 @@ class WarmReport:
 
 
 def warm_candidates(
-    rows: list[SnapshotRow], identity: ModelIdentity, n: int, budget: int
+    rows: list[SnapshotRow],
+    identity: ModelIdentity,
+    n: int,
+    budget: int,
+    hints: Mapping[int, tuple[float, int]] | None = None,
+    now: float | None = None,
 ) -> list[SnapshotRow]:
     """The ``n`` most valuable rows of ``identity`` that fit ``budget`` bytes together,
-    most valuable first.  Rows no lookup may take (unverified tokens) are left out."""
+    most valuable first (``hints``: retention hints by row id, at ``now``).  Rows no
+    lookup may take (unverified tokens) are left out."""
     mine = [r for r in rows if r.identity == identity.digest and r.min_resume <= r.n_tokens]
-    mine.sort(key=lambda r: (not r.pinned, -r.used, -r.id))
+    hints, now = hints or {}, time.time() if now is None else now
+
+    def key(r: SnapshotRow) -> tuple[bool, tuple[bool, int, float, int]]:
+        ttl, prio = hints.get(r.id, (0.0, 0))
+        e = policy.EvictEntry(r.id, r.used, False, (), ttl, prio)
+        return r.pinned, policy.eviction_key(e, now)
+
+    mine.sort(key=key, reverse=True)
     out: list[SnapshotRow] = []
     total = 0
     for r in mine:
@@ -71,7 +88,9 @@ def warm(
 ) -> WarmReport:
     t0 = time.perf_counter()
     every = index.snapshots(namespace, named_only=False)
-    rows = warm_candidates(every, identity, n, host.max_bytes)
+    with index.read() as db:
+        hinted = hinted_rows(db)
+    rows = warm_candidates(every, identity, n, host.max_bytes, hinted)
     kept = tokens = nbytes = skipped = 0
     for row in reversed(rows):  # the most valuable last: the most recently kept
         try:
@@ -86,7 +105,7 @@ def warm(
         ok = host.keep(
             who, unpack_tokens(row.tokens), cache, copy=True, trimmable=bool(row.trimmable),
             min_resume=int(row.min_resume), sticky=row.role == "checkpoint",
-            info=listed_info(row),
+            info=listed_info(row), hints=hinted.get(row.id),
         )  # fmt: skip
         if not ok:
             skipped += 1

@@ -33,7 +33,9 @@ from mlx_lm.server import APIHandler
 
 from .bounds import RequestLimits
 from .disconnect import ClientGone, watching
+from .explaining import HEADER, ExplainSlot, explain_asked
 from .generation import CLIENT_CLOSED, GenerationFailed, take_error_status
+from .hints import RequestHints, take_hints
 from .metrics import CONTENT_TYPE
 from .request_checks import BadRequest, check_request, normalize, parse_json
 
@@ -60,6 +62,9 @@ class PersistHandler(APIHandler):
     server: DrainingServer
     limits = RequestLimits()  # persist serve's subclass holds the operator's (server.serve)
     public_marks = False  # --allow-public-marks: a request may mark its system prompt public
+    persist_explain = False  # the client asked for its verdict (serve.explaining)
+    persist_hints: RequestHints | None = None  # its retention hints (serve.hints)
+    persist_slot: ExplainSlot | None = None  # its verdict, once the lookup ran
 
     def setup(self) -> None:
         super().setup()
@@ -151,10 +156,12 @@ class PersistHandler(APIHandler):
             body = parse_json(raw)
             check_request(endpoint, body, self._takes_images(body), self.public_marks)
             renamed = self.limits.admit(body)
+            self.persist_explain = explain_asked(self.headers)
+            self.persist_hints, stripped = take_hints(endpoint, body)
         except BadRequest as e:
             self._json(getattr(e, "status", 400), e.body())
             return
-        if normalize(body) or renamed:
+        if normalize(body) or renamed or stripped:
             raw = json.dumps(body).encode()
         # mlx-lm's do_POST reads the body again: from memory, exactly these bytes
         self.path = endpoint  # and routes on the path without its query string
@@ -215,6 +222,23 @@ class PersistHandler(APIHandler):
         if loaded is not None:
             loaded.wait(self.server.read_timeout)
         return getattr(gen.model_provider, "processor", None) is not None
+
+    def end_headers(self) -> None:
+        slot = self.persist_slot
+        if slot is not None and self._code == 200:
+            if getattr(self, "stream", False):  # sent before the answer: the lookup first
+                slot.ready.wait(self.server.read_timeout)
+            if slot.verdict is not None:
+                self.send_header(HEADER, slot.verdict.header())
+                self.send_header("Access-Control-Expose-Headers", HEADER)
+        super().end_headers()
+
+    def generate_response(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        resp: dict[str, Any] = super().generate_response(*args, **kwargs)
+        slot = self.persist_slot
+        if slot is not None and slot.verdict is not None and not self.stream:
+            resp["persist"] = {"explain": slot.verdict.extension()}
+        return resp
 
     def _set_completion_headers(self, status_code: int = 200) -> None:
         # mlx-lm answers 404 for every exception of generate(); ask which one it was

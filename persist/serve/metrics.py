@@ -143,6 +143,7 @@ class ServeMetrics:
             "persist_store_counter_errors", "Store counter updates skipped (a full disk, a busy "
             "index); the request was served anyway.", registry=r,
         )  # fmt: skip
+        self.misses: Counter | None = None  # by reason (serve.explaining.miss_counter)
         r.register(_Gauges(self))
         self.outcomes = Outcomes(self._counted)  # each request's prompt once (prompt_counts)
 

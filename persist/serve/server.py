@@ -22,17 +22,19 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
 from ..codecs.dispatch import serves_itself
 from ..codecs.snapshot import capture
+from ..engine.host.eviction import EvictionWatch
 from ..engine.host.store_hooks import HOST, owner
-from ..engine.host.tier import DEVICE_MEMORY, EvictionWatch, HostTier, default_budget, placement
+from ..engine.host.tier import DEVICE_MEMORY, HostTier, default_budget, placement
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
 from .coverage import covered_key
 from .handoff import handed_off, writer_stream
+from .hints import HintedKeys, Hints
 from .kept_keys import KeptKeys
 from .metrics import ServeMetrics
 from .tenants import Scoped, Tenants
@@ -43,6 +45,7 @@ log = logging.getLogger("persist")
 
 
 Resolver = Callable[[Any], "ModelIdentity | None"]
+Queued = tuple[ModelIdentity, str, list[int], list[Any], "Hints | None"]  # a save, written behind
 
 
 def _constant(identity: ModelIdentity) -> Resolver:
@@ -93,12 +96,11 @@ class PersistentPromptCache(LRUPromptCache):
         self.when_full, self.block_seconds = when_full, block_seconds
         self.counters: Counter[str] = Counter()
         self._kept = KeptKeys()  # what this process stored or queued: captured once
+        self._hinted = HintedKeys()  # the hints of what memory holds, for the host tier
         # a tenant's counts, by namespace (serve.tenant_metrics); None: not kept
         self.on_count: Callable[[str, dict[str, int]], None] | None = None
-        # (identity, namespace, tokens, the cache's layers): captured on the writer thread
-        self._queue: queue.Queue[tuple[ModelIdentity, str, list[int], list[Any]] | None] = (
-            queue.Queue(queue_size)
-        )
+        # captured on the writer thread, from the cache's layers (serve.handoff)
+        self._queue: queue.Queue[Queued | None] = queue.Queue(queue_size)
         self._writer = threading.Thread(
             target=self._write_behind, name="persist-writer", daemon=True
         )
@@ -168,11 +170,12 @@ class PersistentPromptCache(LRUPromptCache):
         """Keep what mlx-lm evicts.  Called inside its bookkeeping (the entry is out of
         its trie, its bytes not yet subtracted): nothing may escape from here."""
         try:
+            hints = self._hinted.pop(model, tokens)  # by the trie's own key
             model, ns = self._scope(model)
             identity = self.identity_for(model)
             if self.host is not None and identity is not None:
                 with self._on_thread("keep"):
-                    self.host.keep(self._owner(identity, ns), tokens, cache)
+                    self.host.keep(self._owner(identity, ns), tokens, cache, hints=hints)
         except Exception as e:  # the tier must never take the server down
             log.warning("persist: could not keep an evicted cache in the host cache: %s", e)
 
@@ -195,7 +198,10 @@ class PersistentPromptCache(LRUPromptCache):
         prompt_cache: list[Any],
         *,
         cache_type: str = "assistant",
+        hints: Hints | None = None,
     ) -> None:
+        """mlx-lm's insert, then the write-behind; ``hints`` (ttl, priority): the
+        request's retention hints for this cache (``serve.hints``)."""
         # kept under what its layers cover: a speculative turn's is one short of its key
         covered = covered_key(tokens, prompt_cache)
         if covered is None:
@@ -203,6 +209,7 @@ class PersistentPromptCache(LRUPromptCache):
             return
         tokens = covered
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        self._hinted.add(model, tokens, hints, can_trim_prompt_cache(prompt_cache))
         model, ns = self._scope(model)
         identity = self.identity_for(model)
         if identity is None:  # no identity vouches for it: memory only
@@ -211,7 +218,7 @@ class PersistentPromptCache(LRUPromptCache):
         if self.store.read_only:  # served from, never written: memory only
             return
         key = self._kept.key(identity.digest, ns, tokens)
-        if key in self._kept:  # this process stored (or queued) these very tokens
+        if key in self._kept and hints is None:  # stored (or queued) these very tokens
             self._count(ns, captures_skipped=1)
             return
         try:
@@ -225,7 +232,7 @@ class PersistentPromptCache(LRUPromptCache):
             self._count(ns, persist_errors=1)
             log.warning("persist: could not persist a cache: %s", e)
             return
-        item = (identity, ns, list(tokens), list(prompt_cache))
+        item = (identity, ns, list(tokens), list(prompt_cache), hints)
         try:
             with self._on_thread("queue"):  # a full write-behind queue holds the thread
                 if self.when_full == "block":
@@ -247,15 +254,18 @@ class PersistentPromptCache(LRUPromptCache):
             try:
                 if item is None:
                     return
-                identity, ns, tokens, layers = item
+                identity, ns, tokens, layers, hints = item
                 m = self.metrics
                 probe = m.probe(save=True) if m is not None else None
                 ok = False
+                ttl, priority = hints if hints is not None else (None, None)
                 try:
                     with writer_stream():
                         snap = capture(layers, tokens)
                     del layers  # the host bytes are all the save needs from here
-                    self.store.save(snap, tokens, identity=identity, namespace=ns)
+                    self.store.save(
+                        snap, tokens, identity=identity, namespace=ns, ttl=ttl, priority=priority
+                    )
                     ok = True
                 finally:
                     if m is not None and probe is not None:
@@ -353,6 +363,7 @@ def serve(
 
     from .allowed_models import listing_only
     from .bounds import limits_for
+    from .explaining import miss_counter
     from .handler import PersistHandler, models_without_hf_cache
     from .http_edge import serve_until_signal
     from .logs import start_line, stop_line, use_log_format
@@ -383,6 +394,8 @@ def serve(
     prepare()  # CUDA: lanes up and kernels built before the first request (issue 39)
     measure_prefills(server, store, lambda model: by_model.get(id(model)))
     metrics = ServeMetrics(store, namespace)
+    metrics.misses = miss_counter(metrics.registry)
+    honour = not tenancy.multi or tenant_max_bytes is not None  # serve.hints: budgets
     budget = host_budget(host_cache)
     metrics.host = host = HostTier(budget) if budget > 0 else None
     warming = warmer(store, host, warm)
@@ -407,6 +420,7 @@ def serve(
             host=host,
         )
         count_by_tenant(pc, metrics, tenancy)
+        pc.hints_honoured = honour
         caches.append(pc)
         return pc
 
@@ -421,6 +435,9 @@ def serve(
             log.warning("persist: store %s is read-only: serving, saving nothing", store.root)
         level, line = tenancy_line(tenancy, shared)
         log.log(level, line)
+        if not honour:
+            log.warning("persist: retention hints in requests are ignored: tenants share the "
+                        "store's budget (give --tenant-max-bytes to honour them)")  # fmt: skip
         # loaded, run once (kernels built) and warmed before the server listens
         took = first_forward(model_provider)
         if took is not None:

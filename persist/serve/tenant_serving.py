@@ -35,7 +35,9 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 
 from ..errors import AccessDeniedError
+from .explaining import ExplainSlot, judge, told
 from .generation import GuardedGenerator
+from .hints import SaveHints, cuts
 from .request_checks import BadRequest, public_mark
 from .tenants import Scoped, Tenants
 
@@ -56,10 +58,13 @@ _here = threading.local()  # the generation thread's request being prepared (ask
 
 @dataclass(frozen=True)
 class Asking:
-    """Whose request: its namespace, and how many leading tokens are a public prefix."""
+    """Whose request: its namespace, how many leading tokens are a public prefix, the
+    retention hints of its saves, and where its verdict goes if it asked for one."""
 
     namespace: str
     public: int = 0
+    hints: SaveHints | None = None
+    explain: ExplainSlot | None = None
 
 
 def _asking() -> Asking | None:
@@ -87,7 +92,11 @@ class TenantScoping:
     def __init__(self, *args: Any, tenants: Tenants, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tenants = tenants
+        # requests' retention hints are applied (persist serve: not when tenants share
+        # the store's budget, where one tenant's hints would evict another's entries)
+        self.hints_honoured = True
         self.counters: Any
+        self.store: Any
         self.metrics: Any
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
@@ -95,26 +104,52 @@ class TenantScoping:
         if ask is None:  # no request noted: nothing shared is safe to hand out
             self.counters.update(unscoped=1)
             return None, tokens
-        lookup = super().fetch_nearest_cache  # type: ignore[misc]
-        if not 0 < ask.public < len(tokens):
-            return lookup(Scoped(model, ask.namespace), tokens)
-        # two lookups, one request: /metrics counts the one whose cache is handed out
-        with self._holding() as own:
-            cache, rest = lookup(Scoped(model, ask.namespace), tokens)
-        have = len(tokens) - len(rest) if cache is not None else 0
-        p, seen = ask.public, own
-        if have < p:
-            ns = self.tenants.public_namespace
-            with self._holding() as public:
-                # one token past the cut: every tier leaves a prompt's last token to prefill
-                pub, pub_rest = lookup(Scoped(model, ns), tokens[: p + 1])
-            got = p + 1 - len(pub_rest) if pub is not None else 0
-            if have < got <= p:  # never past the cut (another public prefix may go on)
-                cache, rest, seen = pub, list(tokens[got:]), public or own
-        if self.metrics is not None:
-            served = len(tokens) - len(rest) if cache is not None else 0
-            self.metrics.outcomes.count_once(seen, len(tokens), served)
-        return cache, rest
+        try:
+            lookup = super().fetch_nearest_cache  # type: ignore[misc]
+            before = self.store.costs.last
+            # two lookups, one request: /metrics counts the one whose cache is handed out
+            with self._holding() as own:
+                cache, rest = lookup(Scoped(model, ask.namespace), tokens)
+            decision = self.store.costs.last  # the store's, if it was asked (a new one)
+            decision = None if decision is before else decision
+            have = len(tokens) - len(rest) if cache is not None else 0
+            p, seen = ask.public, own
+            if 0 < p < len(tokens) and have < p:
+                ns = self.tenants.public_namespace
+                with self._holding() as public:
+                    # one token past the cut: every tier leaves a prompt's last token to prefill
+                    pub, pub_rest = lookup(Scoped(model, ns), tokens[: p + 1])
+                got = p + 1 - len(pub_rest) if pub is not None else 0
+                if have < got <= p:  # never past the cut (another public prefix may go on)
+                    cache, rest, have, seen = pub, list(tokens[got:]), got, public or own
+            if self.metrics is not None:
+                self.metrics.outcomes.count_once(seen, len(tokens), have)
+            self._judge(model, ask, tokens, have, decision)
+            return cache, rest
+        finally:
+            if ask.explain is not None:
+                ask.explain.ready.set()
+
+    def _judge(self, model: Any, ask: Asking, tokens: list[int], have: int, d: Any) -> None:
+        """Why this lookup reused ``have`` tokens (``serve.explaining``): counted when it
+        is not a hit, and told to a request that asked.  Never fails the request."""
+        identity = self.identity_for(model)  # type: ignore[attr-defined]
+        if identity is None:
+            return
+        try:
+            with self._on_thread("explain"):  # type: ignore[attr-defined]
+                asked = ask.explain is not None
+                v = judge(self.store, identity, ask.namespace, tokens, have, d, asked)
+        except Exception as e:  # a verdict is never worth a request
+            log.warning("persist: could not judge a lookup: %s", e)
+            return
+        if v is None:
+            return
+        if v.reason != "hit" and self.metrics is not None and self.metrics.misses is not None:
+            self.metrics.misses.labels(v.reason).inc()
+        if ask.explain is not None:
+            ask.explain.verdict = v
+            told(v)
 
     def _holding(self) -> Any:
         """Hold what a lookup reports to /metrics (``serve.prompt_counts``)."""
@@ -138,7 +173,12 @@ class TenantScoping:
             return
         ns = self.tenants.public_namespace if 0 < ask.public == len(tokens) else ask.namespace
         plain = list(prompt_cache)
-        super().insert_cache(Scoped(model, ns), tokens, plain, cache_type=cache_type)  # type: ignore[misc]
+        # a tenant's hints are for its own entries, never for the public namespace's
+        own = ns == ask.namespace and ask.hints is not None and self.hints_honoured
+        hints = ask.hints.for_length(len(tokens)) if own and ask.hints is not None else None
+        super().insert_cache(  # type: ignore[misc]
+            Scoped(model, ns), tokens, plain, cache_type=cache_type, hints=hints
+        )
 
 
 def scoped_cache(base: type) -> type:
@@ -213,8 +253,29 @@ class TenantGenerator(GuardedGenerator):
         ):
             extra = getattr(self.model_provider.cli_args, "chat_template_args", None) or {}
             public = public_cut(tokenizer, request, args, len(segments[0]), extra)
-        _here.asking = Asking(ns, public)
+        hints = None
+        if getattr(request, "persist_hints", None) is not None and cache.hints_honoured:
+            hints = self._save_hints(tokenizer, request, args, out[0])
+        _here.asking = Asking(ns, public, hints, getattr(request, "persist_explain", None))
         return out
+
+    def _save_hints(self, tokenizer: Any, request: Any, args: Any, prompt: list[int]) -> SaveHints:
+        """The request's hints, its marks as prompt lengths: each marked message's end
+        through the chat template as mlx-lm renders the prompt (``serve.hints.cuts``)."""
+        asked = request.persist_hints
+        if request.request_type != "chat" or not getattr(tokenizer, "has_chat_template", False):
+            whole = tuple((len(prompt), ttl) for _, ttl in asked.marks)
+            return SaveHints(whole, asked.ttl, asked.priority)
+        kwargs = dict(getattr(self.model_provider.cli_args, "chat_template_args", None) or {})
+        kwargs.update(getattr(args, "chat_template_kwargs", None) or {})
+
+        def render(k: int) -> list[int]:
+            head = request.messages[:k]
+            return list(tokenizer.apply_chat_template(
+                head, add_generation_prompt=False, tools=request.tools, tokenize=True, **kwargs
+            ))  # fmt: skip
+
+        return SaveHints(cuts(asked, render, prompt), asked.ttl, asked.priority)
 
     def _serve_single(self, request: Any, stream: Any) -> Any:
         _here.single = True
@@ -301,6 +362,9 @@ def tenant_handler(base: type, tenants: Tenants) -> type:
             salt = self.body.get("cache_salt")  # a bad one: ValueError, which mlx-lm answers 400
             request.persist_namespace = tenants.namespace_for(self.persist_tenant, salt)
             request.persist_public_mark = public_mark(self.body)  # checked: allowed, a chat
+            request.persist_hints = self.persist_hints
+            if self.persist_explain:  # where the generation thread leaves its verdict
+                self.persist_slot = request.persist_explain = ExplainSlot()
             return request
 
         def handle_chat_completions(self) -> Any:

@@ -30,6 +30,7 @@ __all__ = [
     "owned_namespaces",
     "anonymous_prefixes_of",
     "lru_victim",
+    "hinted_rows",
     "evict_lru",
     "collect",
     "collect_measured",
@@ -200,6 +201,12 @@ def _first_keys(
         e = policy.EvictEntry(hinted[0], hinted[1], False, (), hinted[2], hinted[3])
         found.append(policy.eviction_key(e, now))
     return found
+
+
+def hinted_rows(db: sqlite_utils.Database) -> dict[int, tuple[float, int]]:
+    """Every snapshot's retention hints (ttl, priority), by id: few rows, read whole."""
+    got = db.execute("SELECT snapshot, ttl, priority FROM retention_hints")
+    return {int(r[0]): (float(r[1]), int(r[2])) for r in got}
 
 
 def evict_lru(

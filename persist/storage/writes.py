@@ -137,6 +137,14 @@ def set_hints(db: sqlite_utils.Database, ids: Sequence[int], ttl: float, priorit
             )
 
 
+def hints_of(db: sqlite_utils.Database, snapshot_id: int) -> tuple[float, int] | None:
+    """The retention hints of one snapshot (None: none)."""
+    got = db.execute(
+        "SELECT ttl, priority FROM retention_hints WHERE snapshot = ?", [snapshot_id]
+    ).fetchone()
+    return None if got is None else (float(got[0]), int(got[1]))
+
+
 def session_hints(db: sqlite_utils.Database, namespace: str, name: str) -> tuple[float, int] | None:
     """The retention hints of a session's named snapshot (None: none)."""
     got = db.execute(

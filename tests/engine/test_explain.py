@@ -1,5 +1,6 @@
 """``Store.explain``: each reason it gives, reproduced for real (tiny models, a real
-store), and each checked against what ``Store.lookup`` really does."""
+store), and each checked against what ``Store.lookup`` really does; the bounded
+explain (``bounded=True``, what persist serve runs) gives the same answer in each."""
 
 from __future__ import annotations
 
@@ -21,6 +22,19 @@ def saved(store: persist.Store, model: Any, identity: Any, toks: list[int], name
     store.save(prefill(model, toks, step=64)[0], toks, identity=identity, session=name)
 
 
+def explained(store: persist.Store, prompt: list[int], **kw: Any) -> Any:
+    """``store.explain``, and the bounded one (what persist serve runs) saying the same."""
+    full = store.explain(prompt, **kw)
+    near = store.explain(prompt, bounded=True, **kw)
+    for got in (full, near):
+        assert got.reason == full.reason, (got.message, full.message)
+        assert (got.best.usable if got.best else 0) == (full.best.usable if full.best else 0)
+        assert (got.longest.shared if got.longest else 0) == (
+            full.longest.shared if full.longest else 0
+        )
+    return full
+
+
 def agrees_with_lookup(store: persist.Store, prompt: list[int], identity: Any, usable: int) -> None:
     hit = store.lookup(prompt, identity=identity, max_cost=float("inf"))
     assert (0 if hit is None else len(hit.tokens)) == usable
@@ -28,7 +42,7 @@ def agrees_with_lookup(store: persist.Store, prompt: list[int], identity: Any, u
 
 def test_nothing_stored_is_empty(tiny: Any, store: persist.Store) -> None:
     _, _, identity = ident(tiny, "llama")
-    got = store.explain(tokens_for(40), identity=identity)
+    got = explained(store, tokens_for(40), identity=identity)
     assert (got.reason, got.best, got.longest, got.nearest) == ("empty", None, None, [])
 
 
@@ -37,7 +51,7 @@ def test_a_full_hit_says_so(tiny: Any, store: persist.Store) -> None:
     toks = tokens_for(96, 1)
     saved(store, model, identity, toks, "chat")
     prompt = toks + tokens_for(10, 2)
-    got = store.explain(prompt, identity=identity, tokenizer=tok)
+    got = explained(store, prompt, identity=identity, tokenizer=tok)
     assert got.reason == "hit" and got.best is not None
     assert (got.best.shared, got.best.usable, got.best.session) == (96, 96, "chat")
     assert got.best.prompt_next == prompt[96:100] and got.best.stored_next == []
@@ -50,7 +64,7 @@ def test_divergence_is_located_with_context(tiny: Any, store: persist.Store) -> 
     toks = tokens_for(80, 3)
     saved(store, model, identity, toks, "doc")
     prompt = toks[:50] + [(toks[50] + 1) % 256] + toks[51:]
-    got = store.explain(prompt, identity=identity)
+    got = explained(store, prompt, identity=identity)
     near = got.nearest[0]
     assert (near.shared, near.usable, near.reason) == (50, 50, "hit")
     assert near.before == toks[46:50]
@@ -63,7 +77,7 @@ def test_another_identity_names_the_fields(tiny: Any, store: persist.Store) -> N
     toks = tokens_for(64, 4)
     saved(store, model, plain, toks, "chat")
     other = persist.ModelIdentity.of(model, tok, max_kv_size=4096)
-    got = store.explain(toks + [5], identity=other)
+    got = explained(store, toks + [5], identity=other)
     assert got.reason == "identity" and got.best is None
     assert got.longest is not None and got.longest.shared == 64
     assert got.longest.identity_fields == ["cache_config.max_kv_size"]
@@ -74,7 +88,7 @@ def test_the_last_prompt_token_is_always_computed(tiny: Any, store: persist.Stor
     model, _, identity = ident(tiny, "llama")
     toks = tokens_for(64, 5)
     saved(store, model, identity, toks, "chat")
-    got = store.explain(toks, identity=identity)
+    got = explained(store, toks, identity=identity)
     assert got.reason == "last-token" and got.best is not None and got.best.usable == 63
     agrees_with_lookup(store, toks, identity, 63)
 
@@ -84,7 +98,7 @@ def test_recurrent_state_serves_only_its_own_length(tiny: Any, store: persist.St
     toks = tokens_for(48, 6)
     saved(store, model, identity, toks, "chat")
     prompt = toks[:30] + tokens_for(10, 7)
-    got = store.explain(prompt, identity=identity)
+    got = explained(store, prompt, identity=identity)
     assert got.reason == "exact-only" and got.best is None
     assert got.longest is not None and "48 tokens" in got.longest.detail
     agrees_with_lookup(store, prompt, identity, 0)
@@ -97,7 +111,7 @@ def test_a_quantized_snapshot_has_a_floor(tiny: Any, store: persist.Store) -> No
     toks = tokens_for(160, 8)
     store.save(kv_quantized(model, toks, 100), toks, identity=identity, session="q")
     prompt = toks[:80] + tokens_for(20, 9)
-    got = store.explain(prompt, identity=identity)
+    got = explained(store, prompt, identity=identity)
     assert got.reason == "floor" and got.best is None
     assert got.longest is not None and "quantized-kv" in got.longest.detail
     agrees_with_lookup(store, prompt, identity, 0)
@@ -114,7 +128,7 @@ def test_a_hit_the_cost_model_declines(tiny: Any, store: persist.Store) -> None:
                 store.costs.restored(identity, tier, nbytes, nbytes / 1e3)
         store.costs.prefilled(identity, 0, 96, 96 / 1e6)
     prompt = toks + [1]
-    got = store.explain(prompt, identity=identity)
+    got = explained(store, prompt, identity=identity)
     assert got.reason == "declined", got.message
     assert got.cost is not None and got.cost["restore"] is False
     assert store.lookup(prompt, identity=identity) is None  # the lookup declines it too
@@ -126,7 +140,7 @@ def test_a_damaged_row_is_named(tiny: Any, store: persist.Store) -> None:
     saved(store, model, identity, toks, "chat")
     with store.index.write() as db:  # a flipped field the row checksum must catch
         db.execute("UPDATE snapshots SET min_resume = min_resume + 7 WHERE name = 'chat'")
-    got = store.explain(toks + [1], identity=identity)
+    got = explained(store, toks + [1], identity=identity)
     assert got.nearest[0].reason == "damaged" and got.best is None
     with store.index.write() as db:  # put it back, so the store is consistent again
         db.execute("UPDATE snapshots SET min_resume = min_resume - 7 WHERE name = 'chat'")
@@ -136,7 +150,7 @@ def test_other_namespaces_give_a_count_never_content(tiny: Any, store: persist.S
     model, _, identity = ident(tiny, "llama")
     toks = tokens_for(64, 12)
     store.save(prefill(model, toks, step=64)[0], toks, identity=identity, namespace="alice")
-    got = store.explain(toks + [1], identity=identity, namespace="bob", other_namespaces=True)
+    got = explained(store, toks + [1], identity=identity, namespace="bob", other_namespaces=True)
     assert (got.reason, got.nearest, got.other_namespaces) == ("empty", [], 1)
     assert store.explain(toks + [1], identity=identity, namespace="bob").other_namespaces is None
 
@@ -149,6 +163,6 @@ def test_a_front_dropped_chunked_session_is_a_floor(tiny: Any, store: persist.St
     _, _, ident, toks, cache = session(tiny)
     store.save(cache, toks, identity=ident)
     prompt = prompt_sharing(toks, 56)
-    got = store.explain(prompt, identity=ident)
+    got = explained(store, prompt, identity=ident)
     assert got.reason == "floor" and got.best is None, got.message
     agrees_with_lookup(store, prompt, ident, 0)

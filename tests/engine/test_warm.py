@@ -62,3 +62,16 @@ def test_warm_needs_a_host_tier_and_a_count(tiny: Any, tmp_path: Path) -> None:
         pytest.raises(InvalidArgumentError),
     ):
         s.warm(identity, -1)
+
+
+def test_warm_takes_hinted_entries_before_recent_ones(tiny: Any, tmp_path: Path) -> None:
+    _, identity, chats = saved_chats(tiny, tmp_path / "s")
+    with persist.Store(tmp_path / "s", host_cache=64 << 20) as store:
+        store.pin("c0", pinned=False)
+        store.retain("c1", ttl=3600, priority=2)  # older than c2, but hinted
+        assert store.warm(identity, 1).entries == 1
+        assert store.host is not None
+        ((_, kept),) = store.host._entries.items()
+        assert len(kept.tokens) == 64 and (kept.ttl, kept.priority) == (3600.0, 2)
+        hit = store.lookup(chats[1] + [7], identity=identity, max_cost=float("inf"))
+        assert hit is not None and hit.source == "host"

@@ -130,3 +130,17 @@ def persist_budget(n: int) -> Any:
     from persist.storage.retention import Budgets
 
     return Budgets(max_bytes=n)
+
+
+def test_a_prefix_that_covers_a_hinted_one_keeps_its_hints(tmp_path: Path) -> None:
+    """An anonymous prefix saved with hints (a server's agent prefix) is replaced by the
+    longer entry that covers it (its next turn): that one serves the prefix now."""
+    with persist.Store(tmp_path / "s", block_tokens=16) as s:
+        toks = [1000 + k for k in range(64)]
+        s.save([kv(64, 1)], toks, identity=IDENTITY, ttl=3600, priority=2)
+        s.save([kv(80, 1)], [*toks, *range(16)], identity=IDENTITY)  # covers it
+        got = s.index.db.execute(
+            "SELECT n_tokens, ttl, priority FROM snapshots JOIN retention_hints ON id = snapshot"
+        ).fetchall()
+        assert got == [(80, 3600.0, 2)]
+        assert s.check() == []

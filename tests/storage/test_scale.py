@@ -6,7 +6,7 @@ SQL work at 3,000 sessions as at 300 (counted in SQLite VM steps, never timed).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,6 +18,7 @@ from persist.storage import listing
 from tests.golden.cases import IDENTITY
 from tests.golden.cases import kv_cache as kv
 from tests.helpers import raw
+from tests.store_helpers import steps
 
 SYSTEM = list(range(1000, 1300))  # 300 tokens: one full block and 44 of the next
 SMALL, BIG = 300, 3000
@@ -35,22 +36,6 @@ def chat(i: int) -> list[int]:
 
 
 BASE = [kv(340, 1), kv(340, 3)]  # every chat's cache (the same bytes: no blob writes)
-
-
-def steps(store: persist.Store, run: Callable[[], Any]) -> int:
-    """SQLite VM instructions ``run`` executes on the store's connection."""
-    n = [0]
-
-    def tick() -> int:
-        n[0] += 1
-        return 0
-
-    store.index.db.conn.set_progress_handler(tick, 1)
-    try:
-        run()
-    finally:
-        store.index.db.conn.set_progress_handler(None, 1)
-    return n[0]
 
 
 def grow(store: persist.Store, start: int, stop: int) -> None:

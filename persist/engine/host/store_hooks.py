@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ...errors import InvalidStateError
 from ...format.tokens import unpack_tokens
 from ...identity import ModelIdentity, backend_kind
+from ...storage import writes
 from ...storage.chains import HEAD_TOKENS
 from ...storage.full import best_effort
 from ...storage.rows import listed_info
@@ -34,7 +35,7 @@ from .tier import HOST, HostHit, HostTier
 
 if TYPE_CHECKING:
     from ...codecs.snapshot import Snapshot
-    from ...storage.index import SnapshotRow
+    from ...storage.index import Index, SnapshotRow
     from ...storage.types import EntryInfo
 
 __all__ = ["owner", "keep_saved", "host_hit", "served", "from_host", "HOST"]
@@ -55,12 +56,16 @@ def keep_saved(
     row: SnapshotRow,
     info: EntryInfo,
     who: str,
+    index: Index,
 ) -> None:
-    """After the commit: keep a copy of what ``row`` saved, unless it never serves a
-    lookup.  A failure here is logged, never raised: the save is durable already."""
+    """After the commit: keep a copy of what ``row`` saved, with its retention hints,
+    unless it never serves a lookup.  A failure here is logged, never raised: the
+    save is durable already."""
     if row.min_resume > row.n_tokens:  # unverified tokens: no lookup may take it
         return
     try:
+        with index.read() as db:
+            hints = writes.hints_of(db, row.id)
         host.keep(
             who,
             unpack_tokens(row.tokens),
@@ -70,6 +75,7 @@ def keep_saved(
             min_resume=int(row.min_resume),
             sticky=row.role == "checkpoint",
             info=info,
+            hints=hints,
         )
     except Exception as e:
         log.warning("persist: the host cache did not keep a save: %s", e)

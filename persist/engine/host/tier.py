@@ -4,8 +4,10 @@ Two keepers use it.  ``persist serve`` keeps what mlx-lm's ``LRUPromptCache``
 evicts (``--prompt-cache-size`` or its byte limit reached): asking the
 durable store for it again costs a file read and a checksum pass.
 ``persist.Store(root, host_cache=N)`` keeps a copy of every save that may
-serve lookups (``engine.host.store_hooks``).  Up to a byte budget, least recently
-used first out (with ``--tenant-max-bytes``, by tenants' shares: ``engine.host.shares``).
+serve lookups (``engine.host.store_hooks``).  Up to a byte budget, evicted in
+the store's order (``engine.host.eviction``: least recently used first unless
+retention hints say otherwise), by tenants' shares with ``--tenant-max-bytes``
+(``engine.host.shares``).
 
 Entries are kept as codec records (``persist.codecs``) and served by the
 resume policy the durable index uses (``policy.best_candidate``: the longest usable
@@ -49,6 +51,7 @@ from ...cuda.pinned_pool import Held, Holder, cuda_holder, proven
 from ...errors import HostCacheFullError, InvalidArgumentError
 from ...marks import carries_unverified
 from ...records import Record
+from .eviction import Kept, Key, victims
 from .records import arrays_of, copied, emptied, filled, handed_out
 from .shares import Shares
 
@@ -104,20 +107,6 @@ class HostHit:
     info: Any = None  # what the keeper attached (the Store: the save's EntryInfo)
 
 
-@dataclass
-class _Kept:
-    id: int
-    records: list[Record]
-    nbytes: int
-    tokens: Any  # numpy int64: compared with a prompt in one pass
-    trimmable: bool
-    min_resume: int
-    sticky: bool  # a checkpoint: kept even when a longer entry covers it
-    info: Any
-    used: int = 0
-    held: Held | None = None  # with a holder: the arrays' bytes (records hold SLOT)
-
-
 def _common(kept: Any, toks: Any) -> int:
     n = min(len(kept), len(toks))
     differ = np.flatnonzero(kept[:n] != toks[:n])
@@ -125,7 +114,8 @@ def _common(kept: Any, toks: Any) -> int:
 
 
 class HostTier:
-    """Kept caches by (owner, tokens), LRU by bytes under ``max_bytes``.
+    """Kept caches by (owner, tokens), under ``max_bytes``: LRU, unless retention hints
+    order them (``engine.host.eviction``: the store's ``policy.eviction_key``).
 
     ``owner`` is whatever keys a keeper's lookups apart: namespace, model
     digest and (a strict store's) backend kind, for ``persist serve`` and a
@@ -155,11 +145,12 @@ class HostTier:
         # --tenant-max-bytes: one tenant cannot evict everyone)
         self.owner_max_bytes: int | None = None
         self._shares = Shares()
-        self._entries: OrderedDict[tuple[str, tuple[int, ...]], _Kept] = OrderedDict()
+        self._entries: OrderedDict[Key, Kept] = OrderedDict()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.hits = self.misses = self.kept = self.evicted = 0
         self.clock = time.perf_counter  # tests inject one: no timing verdicts
+        self.now = time.time  # what a ttl counts in (tests inject one)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -175,6 +166,7 @@ class HostTier:
         min_resume: int | None = None,
         sticky: bool = False,
         info: Any = None,
+        hints: tuple[float, int] | None = None,
     ) -> bool:
         """Keep ``cache`` (covering exactly ``tokens``); False if it cannot fit.
 
@@ -183,7 +175,9 @@ class HostTier:
         caller goes on using it; a copy of its live positions is kept.
         ``trimmable`` and ``min_resume`` default to the codecs' facts.  Older
         entries of ``owner`` the new one covers (``policy.covers``) are
-        dropped, unless ``sticky`` (checkpoints, as the durable store keeps)."""
+        dropped, unless ``sticky`` (checkpoints, as the durable store keeps), and the
+        new one keeps their retention hints.  ``hints`` (ttl seconds, priority) order
+        eviction as the store's do (``engine.host.eviction``); the budgets still hold."""
         if not tokens:
             return False
         if cache.unverified if isinstance(cache, Snapshot) else carries_unverified(cache):
@@ -216,9 +210,12 @@ class HostTier:
             if n > self.max_bytes:  # closed meanwhile
                 return False
             i = next(self._ids)
-            kept = _Kept(i, records, n, toks, trimmable, min_resume, sticky, info, used=i)
+            kept = Kept(i, records, n, toks, trimmable, min_resume, sticky, info, used=i)
+            kept.touched = self.now()
+            kept.hint(hints)
             self._drop_covered(owner, kept)
             if key in self._entries:  # never two entries' bytes under one key
+                kept.hint(self._hints_of(key))
                 self._remove(key)
             if not self._make_room(owner, n, self.max_bytes):
                 return False
@@ -248,7 +245,8 @@ class HostTier:
         more bytes within its share and the tier holds at most ``limit`` with them."""
         while True:
             over = self.nbytes + n > limit
-            key = self._shares.victim(self._entries, owner, n, over, self.owner_max_bytes)
+            order = victims(self._entries, self.now())  # hints first, then least recent
+            key = self._shares.victim(order, owner, n, over, self.owner_max_bytes)
             if key is None:
                 share = self.owner_max_bytes
                 return not over and (share is None or self._shares.fits(owner, n, share))
@@ -271,7 +269,7 @@ class HostTier:
                 if not self._make_room(owner, n, self.nbytes + n - 1):  # one more goes
                     return None
 
-    def _remove(self, key: tuple[str, tuple[int, ...]]) -> None:
+    def _remove(self, key: Key) -> None:
         """Under the lock: drop an entry, its pages back to the pool."""
         kept = self._entries.pop(key)
         self.nbytes -= kept.nbytes
@@ -279,7 +277,11 @@ class HostTier:
         if kept.held is not None and self.holder is not None:
             self.holder.release(kept.held)
 
-    def _drop_covered(self, owner: str, new: _Kept) -> None:
+    def _hints_of(self, key: Key) -> tuple[float, int]:
+        kept = self._entries[key]
+        return kept.ttl, kept.priority
+
+    def _drop_covered(self, owner: str, new: Kept) -> None:
         """Under the lock: what ``new`` stands in for goes (the same tokens at least)."""
         for key, old in list(self._entries.items()):
             if key[0] != owner or (old.sticky and len(old.tokens) != len(new.tokens)):
@@ -287,9 +289,10 @@ class HostTier:
             is_prefix = _common(old.tokens, new.tokens) == len(old.tokens)
             n, trim, floor = len(new.tokens), new.trimmable, new.min_resume
             if policy.covers(n, trim, floor, len(old.tokens), is_prefix):
+                new.hint(self._hints_of(key))  # it serves old's prefix now: its hints too
                 self._remove(key)
 
-    def _choose(self, owner: str, toks: Any) -> tuple[tuple[str, tuple[int, ...]], int] | None:
+    def _choose(self, owner: str, toks: Any) -> tuple[Key, int] | None:
         """Under the lock: (key, usable prefix) the resume policy picks, or None."""
         keys, cands = {}, []
         for key, kept in self._entries.items():
@@ -335,7 +338,7 @@ class HostTier:
             key, use = found
             self._entries.move_to_end(key)
             kept = self._entries[key]
-            kept.used = next(self._ids)
+            kept.used, kept.touched = next(self._ids), self.now()
             self.hits += 1
             t0 = self.clock()
             records, fresh = self._given(kept)
@@ -347,7 +350,7 @@ class HostTier:
         nbytes = int(sum(a.nbytes for a in arrays_of(records)))  # what was copied
         return HostHit(cache, [int(t) for t in toks[:use]], nbytes, seconds, kept.info)
 
-    def _given(self, kept: _Kept) -> tuple[list[Record], frozenset[int]]:
+    def _given(self, kept: Kept) -> tuple[list[Record], frozenset[int]]:
         """Under the lock: the entry's records, their arrays unpacked from its pages
         if it has any (and those arrays' ids: nothing else holds them)."""
         if kept.held is None or self.holder is None:
@@ -383,23 +386,3 @@ class HostTier:
                 "kept": self.kept,
                 "evicted": self.evicted,
             }
-
-
-class EvictionWatch:
-    """mlx-lm's prompt trie, with every ``pop`` (an eviction) reported first.
-
-    ``LRUPromptCache`` evicts through ``_trie.pop`` only (its ``insert_cache``
-    and ``trim_to``); dropping the prefixes a longer trimmable cache covers
-    goes through ``pop_prefixes``, which is no loss and is not reported.
-    """
-
-    def __init__(self, trie: Any, on_evict: Any) -> None:
-        self._trie, self._on_evict = trie, on_evict
-
-    def pop(self, model: Any, tokens: Any) -> Any:
-        entry = self._trie.pop(model, tokens)
-        self._on_evict(model, list(tokens), entry.prompt_cache)
-        return entry
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._trie, name)
