@@ -5,6 +5,7 @@
 #   bench/cuda_restore_run.sh restore32k      # 32k: restore rows and limits only
 #   bench/cuda_restore_run.sh tests
 #   bench/cuda_restore_run.sh servehost   # the host tier serving an evicted conversation
+#   bench/cuda_restore_run.sh servetests e2e   # persist serve end to end against mlx_lm.server
 # Everything it writes goes to $OUT (probe report, logs, bench results).
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -47,6 +48,16 @@ for phase in "$@"; do
   servehost)
     timeout 300 python3 -m bench.bench_serve_host --reps 3 --name serve-host-cuda 2>&1 | tail -12
     cp bench/results/serve-host-cuda.* "$OUT/" ;;
+  e2e)
+    # persist serve against plain mlx_lm.server, Llama-3-8B shape, ~8k-token system prompt
+    timeout 500 python3 -m bench.bench_e2e --quick --shape llama3-8b --system-words 1700 \
+      --out cuda 2>&1 | tee "$OUT/e2e.log" | tail -30
+    cp bench/results/e2e-cuda.* "$OUT/" ;;
+  servetests)
+    timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/serve/test_quiet_requests.py \
+      2>&1 | tee "$OUT/cuda-serve-tests.log" | tail -5 ;;
+  firstcall)
+    timeout 300 python3 -m bench.cuda_first_call --out "$OUT" 2>&1 | tail -20 ;;
   recompute)
     timeout 170 python3 -m bench.bench_recompute --lengths 1024 2048 8192 2>&1 | tee "$OUT/recompute.log"
     cp bench/results/recompute-cuda.md bench/results/recompute-cuda.json "$OUT/" ;;

@@ -202,6 +202,12 @@ def main() -> None:
         "-15 because SIGTERM kills it):",
         "",
         *included("serve-load"),
+        "",
+        "`persist serve` against plain `mlx_lm.server` end to end, side by side in one",
+        "run (`python -m bench.bench_e2e`; the CPU run of record was taken while the",
+        "2-core VM also ran a test suite: compare the servers, not the seconds):",
+        "",
+        *(included("e2e-cpu") if (RESULTS / "e2e-cpu.md").exists() else []),
     ]
     print("\n".join(lines))
 

@@ -247,7 +247,9 @@ def test_serve_on_a_read_only_store_serves_and_says_so(
     text = log.read_text()
     assert "is read-only: serving, saving nothing" in text
     assert "Traceback" not in text and " 0 write errors" in text
-    assert srv.proc.returncode == 0
+    # once in CI, under load, the process ended in SIGABRT after its stop line: the log
+    # says how far the stop got
+    assert srv.proc.returncode == 0, text[-3000:]
 
 
 def test_health_of_a_read_only_store_is_ok_and_names_the_mode(
