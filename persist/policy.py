@@ -19,7 +19,6 @@ __all__ = [
     "best_candidate",
     "combine_trimmable",
     "combine_floor",
-    "quantized_floor",
     "common_offset",
     "could_serve",
     "supersedes",
@@ -50,17 +49,6 @@ def combine_trimmable(layers: Iterable[bool]) -> bool:
 def combine_floor(layers: Iterable[int]) -> int:
     """A snapshot's min resume offset is the highest of its layers'."""
     return max(layers, default=0)
-
-
-def quantized_floor(floor: int, quantized: bool, start: int | None) -> int:
-    """A snapshot's min resume offset under an identity whose caches mlx-lm
-    quantizes from ``start`` positions on (kv_bits, quantized_kv_start): a
-    snapshot holding quantized layers serves no prefix of ``start`` tokens or
-    fewer, where a fresh run's caches are still plain.  ``start`` None (no
-    kv_bits, or no start named) changes nothing."""
-    if quantized and start is not None:
-        return max(floor, start + 1)
-    return floor
 
 
 def common_offset(offsets: Iterable[int | None], what: str = "layers") -> int | None:

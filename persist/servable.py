@@ -23,6 +23,8 @@ __all__ = [
     "ANY",
     "RULES",
     "intersect",
+    "kv_bits_floor",
+    "holds_quantized",
     "of_record",
     "of_layers",
     "of_manifest",
@@ -83,8 +85,27 @@ def rotating(meta: Mapping[str, Any], inner: Sequence[Servable] = ()) -> Servabl
 
 def quantized(meta: Mapping[str, Any], inner: Sequence[Servable] = ()) -> Servable:
     """``quantized-kv``: positions below the conversion point were quantized at
-    once; a cut below ``min_resume_offset`` is a state no fresh run holds."""
-    return Servable(True, min(_int(meta, "min_resume_offset"), _int(meta, "offset")))
+    once; a cut below ``min_resume_offset`` is a state no fresh run holds.  A
+    record never holds fewer positions than that (its codec checks it); a live
+    cache cut below it outside persist (mlx-lm's ``trim_prompt_cache`` in its
+    server's prompt cache) does, and serves nothing, itself included."""
+    return Servable(True, _int(meta, "min_resume_offset"))
+
+
+def kv_bits_floor(floor: int, quantized: bool, start: int | None) -> int:
+    """The floor of a state holding ``quantized`` layers under an identity whose
+    caches mlx-lm quantizes from ``start`` positions on (kv_bits,
+    quantized_kv_start): it serves no prefix of ``start`` tokens or fewer, where
+    a fresh run's caches are still plain.  ``start`` None (no kv_bits, or no start
+    named) changes nothing."""
+    if quantized and start is not None:
+        return max(floor, start + 1)
+    return floor
+
+
+def holds_quantized(rec: Any) -> bool:
+    """Is a quantized layer anywhere in a record's tree (a converted wrapper's too)?"""
+    return _base(rec.kind) == "quantized-kv" or any(holds_quantized(c) for c in rec.children)
 
 
 def batch_rotating(meta: Mapping[str, Any], inner: Sequence[Servable] = ()) -> Servable:

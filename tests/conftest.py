@@ -22,6 +22,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama4": ("llama4", {}),
     # head_dim 64 so kv_bits group sizes 32 and 64 apply
     "llama_hd64": ("llama", {"head_dim": 64}),
+    # head_dim 32 so its attention layers quantize with kv_bits group size 32
+    "qwen3_next_hd32": ("qwen3_next", {"head_dim": 32}),
     # another hybrid model, as a speculative draft that disagrees with qwen3_next
     "qwen3_next_b": ("qwen3_next", {"rope_theta": 20000.0, "linear_conv_kernel_dim": 3}),
     # DeepSeek-V4 (deepseek_v41): with index layers, and without (a deterministic forward)

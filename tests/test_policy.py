@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from persist import policy
+from persist import policy, servable
 from persist.policy import Candidate, EvictEntry
 
 
@@ -105,7 +105,7 @@ def test_a_quantized_snapshot_never_serves_the_plain_positions(
 ) -> None:
     """Under an identity that quantizes from ``start``, no prefix of ``start`` tokens
     or fewer is taken from a quantized snapshot; everything else is as before."""
-    got = policy.quantized_floor(floor, quantized, start)
+    got = servable.kv_bits_floor(floor, quantized, start)
     assert got >= floor
     if not quantized or start is None:
         assert got == floor

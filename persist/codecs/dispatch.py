@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import NotResumableError, UnsupportedVersionError
 from ..kinds import class_for, codec_for, kind_of, require_known
 from ..records import Record, RecordSpec, ResumeFacts
-from ..servable import of_record
+from ..servable import holds_quantized, kv_bits_floor, of_record
 from .base import invalid
 
 __all__ = [
@@ -36,13 +36,18 @@ def facts_of(cache: Any) -> ResumeFacts:
     return facts
 
 
-def serves_itself(cache: Any) -> bool:
+def serves_itself(cache: Any, kv_start: int | None = None) -> bool:
     """Is every layer of a live cache list a state its kind's rule serves at its own
     length?  A cut made outside persist (mlx-lm's ``trim_prompt_cache`` in its
-    server's prompt cache) may leave one no fresh prefill gives."""
+    server's prompt cache) may leave one no fresh prefill gives.  ``kv_start``:
+    the identity's quantized_kv_start (kv_bits), below which a fresh run is plain."""
     for c in cache:
-        rule, offset = of_record(encode_cache(c)), facts_of(c).offset
-        if rule is not None and offset is not None and rule.floor > offset:
+        rec, facts = encode_cache(c), facts_of(c)
+        if facts.offset is None:
+            continue
+        rule = of_record(rec)
+        floor = max(rule.floor if rule is not None else 0, facts.min_resume_offset)
+        if kv_bits_floor(floor, holds_quantized(rec), kv_start) > facts.offset:
             return False
     return True
 

@@ -46,11 +46,14 @@ class QuantizedKVCodec(LeafCodec):
             # Pin the unknown conversion point at the first save, so later
             # saves of the same live cache agree with its restored copies.
             cache.min_resume_offset = n
+        # A live cache cut below its floor outside persist (mlx-lm's trim) is
+        # recorded at its own length; its facts keep the floor above it, so the
+        # index's min_resume lets no lookup serve it (persist.servable.quantized).
         meta = {
             "offset": n,
             "bits": int(cache.bits),
             "group_size": int(cache.group_size),
-            "min_resume_offset": self.facts(cache).min_resume_offset,
+            "min_resume_offset": min(self.facts(cache).min_resume_offset, n),
         }
         tensors = {}
         if n:

@@ -17,7 +17,7 @@ configured; two facts of the cache itself can contradict it cheaply:
   names S, a layer quantized from fewer positions (a ``quantized-kv``
   record's floor, ``min_resume_offset``; a ``delayed-quantized`` wrapper's
   ``converted_at``) is a state no fresh run has: refused.  Its snapshots
-  serve no prefix of S tokens or fewer (``policy.quantized_floor``).
+  serve no prefix of S tokens or fewer (``servable.kv_bits_floor``).
 - rings.  Every ring (``rotating-kv``, ``batch-rotating-kv``, anywhere in a
   layer's tree), and every layer without one, must be what the identity's
   model makes under its ``max_kv_size`` (``ModelIdentity.windows``: a model's

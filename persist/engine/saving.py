@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from .. import policy
+from .. import policy, servable
 from ..codecs.base import dtype_name
 from ..codecs.snapshot import Snapshot
 from ..errors import (
@@ -271,7 +271,7 @@ def _commit(
 ) -> SnapshotRow | None:
     t, namespace, toks = target, target.namespace, snap.tokens or []
     # a quantized snapshot serves no prefix of quantized_kv_start tokens or fewer
-    floor = policy.quantized_floor(
+    floor = servable.kv_bits_floor(
         snap.min_resume_offset, holds_quantized(snap.records), quantized_start(t.identity)
     )
     new_files = {b.file for b in written}

@@ -27,7 +27,7 @@ def inherits_unverified(db: Any, namespace: str, name: str, toks: list[int]) -> 
     the shared tier's lookups and on every machine its record reaches, while a
     restore by name never consults the floor.  The mark is its metadata, not
     that floor: a quantized snapshot of ``quantized_kv_start`` tokens has a
-    floor above its length too (``policy.quantized_floor``) and is verified."""
+    floor above its length too (``servable.kv_bits_floor``) and is verified."""
     for old in writes.session_rows(db, namespace, name):
         if old.name is not None and marked(old.metadata):
             old_toks = unpack_tokens(old.tokens)

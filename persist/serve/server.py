@@ -29,6 +29,7 @@ from ..codecs.snapshot import capture
 from ..engine.host.eviction import EvictionWatch
 from ..engine.host.store_hooks import HOST, owner
 from ..engine.host.tier import DEVICE_MEMORY, HostTier, default_budget, placement
+from ..engine.layer_checks import quantized_start
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
@@ -110,10 +111,17 @@ class PersistentPromptCache(LRUPromptCache):
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = super().fetch_nearest_cache(model, tokens)
-        if cache is not None and not serves_itself(cache):  # mlx-lm cut it (persist.servable)
+        if cache is not None and not self._served(model, cache):
             cache, rest = None, list(tokens)
         with self._on_thread("lookup"):
             return self._nearer(model, tokens, cache, rest)
+
+    def _served(self, model: Any, cache: Any) -> bool:
+        """May memory's cache (mlx-lm may have cut it) be handed out?  The servable
+        rules of its layers, under the identity's kv_bits start (persist.servable)."""
+        identity = self.identity_for(self._scope(model)[0])
+        start = quantized_start(identity) if identity is not None else None
+        return serves_itself(cache, start)
 
     def _nearer(
         self, model: Any, tokens: list[int], cache: Any, rest: list[int]

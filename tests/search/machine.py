@@ -1,12 +1,15 @@
 """A Hypothesis state machine over one live session of a tiny model and one store.
 
-It feeds random prefill chunks and single decode steps, saves (in this Store,
-or in a new Store over the same folder), looks up random shared lengths of
-what it saved, through the index or the host tier, and restores sessions by
-name in a new Store.  The oracle for every hit and restore: a fresh cache fed
-the hit's own tokens in the same chunks the session was fed (MLX on CPU is not
-chunk-invariant), continued with the same tokens, gives the same logits and
-holds the same state after every step, bit for bit.
+It feeds random prefill chunks and single decode steps (with kv_bits, converted
+to quantized layers as mlx-lm does), saves (in this Store, or in a new Store
+over the same folder), looks up random shared lengths of what it saved,
+through the index or the host tier, and restores sessions by name in a new
+Store; tests/search/far_rules.py adds restores in a fresh process, a shared
+(Redis) tier and persist serve's memory tier.  The oracle for every hit and
+restore (tests/search/oracle.py): a fresh cache fed the hit's own tokens in the
+same chunks the session was fed (MLX on CPU is not chunk-invariant), continued
+with the same tokens, gives the same logits and holds the same state after
+every step, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,24 +17,25 @@ from __future__ import annotations
 import random
 import shutil
 import tempfile
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from mlx_lm.models.cache import (
-    ChunkedKVCache,
-    can_trim_prompt_cache,
-    make_prompt_cache,
-    trim_prompt_cache,
-)
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 import persist
 from persist.errors import SessionNotFoundError
-from tests.helpers import assert_same_state, live_state, raw
+from tests.search.far_rules import FarRules
+from tests.search.oracle import (
+    Quant,
+    chunks_upto,
+    feed,
+    quantized,
+    replay,
+    same_continuation,
+)
 
 GIB = 1 << 30
 MAX_TOKENS = 160  # the session never grows past this: tiny models, quick steps
@@ -42,7 +46,7 @@ NAMES = ["a", "b", "c"]  # "c" only ever by import
 
 @dataclass
 class Tally:
-    """What one family's search checked: sequences, states, hits, restores, misses."""
+    """What one family's search checked: sequences, states, hits, restores, misses..."""
 
     sequences: int = 0
     states: int = 0
@@ -51,60 +55,36 @@ class Tally:
     misses: int = 0
     repairs: int = 0
     imports: int = 0
+    processes: int = 0  # restores in a fresh process
+    pulls: int = 0  # lookups and restores by a new machine from the shared tier
+    served: int = 0  # persist serve memory-tier (prompt cache) hits
+    conversions: int = 0  # sessions converted to quantized layers (kv_bits)
     by_length: dict[int, int] = field(default_factory=dict)
 
 
-def feed(model: Any, chunks: Sequence[Sequence[int]], cache: list[Any] | None = None) -> list[Any]:
-    """A cache fed ``chunks``, one call each (a fresh one unless ``cache`` is given)."""
-    cache = make_prompt_cache(model) if cache is None else cache
-    for c in chunks:
-        model(mx.array([list(c)]), cache=cache)
-        mx.eval([x.state for x in cache])
-    return cache
-
-
-def chunks_upto(chunks: Sequence[Sequence[int]], k: int) -> list[list[int]]:
-    """The session's chunks cut at ``k`` tokens: a fresh prefill of the first ``k``."""
-    out, n = [], 0
-    for c in chunks:
-        if n >= k:
-            break
-        out.append(list(c[: k - n]))
-        n += len(out[-1])
-    return out
-
-
-def same_continuation(model: Any, got: list[Any], want: list[Any], nxt: Sequence[int]) -> None:
-    # A chunked layer is compared from the next call on: a fresh prefill may still
-    # hold one position before its last chunk that mlx-lm's next front drop removes
-    # (and the saved state no longer has); docs/FORMAT.md "Servable prefixes".
-    plain = [i for i, c in enumerate(want) if not isinstance(c, ChunkedKVCache)]
-    assert_same_state(live_state([got[i] for i in plain]), live_state([want[i] for i in plain]))
-    for i, t in enumerate(nxt):
-        a = model(mx.array([[t]]), cache=got)[0, -1]
-        b = model(mx.array([[t]]), cache=want)[0, -1]
-        mx.eval(a, b)
-        assert raw(a) == raw(b), f"logits differ {i + 1} steps after the hit"
-        assert_same_state(live_state(got), live_state(want))
-
-
-class Search(RuleBasedStateMachine):
-    """Subclassed per family by ``machine_for`` (model, identity and tally bound)."""
+class Search(FarRules, RuleBasedStateMachine):
+    """Subclassed per family by ``machine_for`` (model, identity, tally and the
+    optional parts bound: kv_bits, a recipe for fresh processes, a shared tier)."""
 
     model: Any = None
     identity: Any = None
     tally: Tally = Tally()
     vocab = 250
+    quant: Quant | None = None
+    exact_calls = True  # oracle.calls_are_exact: else the reference replays the calls
 
     def __init__(self) -> None:
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="persist-search-"))
-        self.store = persist.Store(self.root / "s", block_tokens=BLOCK)
+        self.start_far()
+        self.store = self._open(False)
         self.cache = make_prompt_cache(self.model)
         self.chunks: list[list[int]] = []
+        self.drafts: list[list[int]] = []  # each chunk's rejected drafts (fed in its call)
         self.saved: list[int] = []  # lengths saved (every one a prefix of the session)
         self.named: dict[str, int] = {}
         self.repaired = False  # a repair may cut or remove any session sharing a blob
+        self.converted = False  # kv_bits quantized the session
         self.rng = random.Random(0)
         self.tally.sequences += 1
 
@@ -112,42 +92,75 @@ class Search(RuleBasedStateMachine):
     def tokens(self) -> list[int]:
         return [t for c in self.chunks for t in c]
 
-    def _feed(self, toks: list[int]) -> None:
-        feed(self.model, [toks], self.cache)
+    def _call(self, toks: list[int]) -> None:
+        """One model call of the session, then mlx-lm's kv_bits conversion."""
+        feed(self.model, [toks], self.cache, self.quant)
+
+    def _fed(self, toks: list[int], drafts: list[int] | None = None) -> None:
+        """``toks`` are the session's next chunk (what its cache now holds), fed in
+        one call with ``drafts`` after them, which were rolled back."""
         self.chunks.append(toks)
+        self.drafts.append(drafts or [])
+        if not self.converted and quantized(self.cache):
+            self.converted = True
+            self.tally.conversions += 1
         self.tally.states += 1
+
+    def fresh(self, k: int) -> list[Any]:
+        """The oracle's cache: a fresh prefill of the session's first ``k`` tokens."""
+        if not self.exact_calls:
+            calls = list(zip(self.chunks, self.drafts, strict=True))
+            return replay(self.model, calls, k, self.quant)
+        return feed(self.model, chunks_upto(self.chunks, k), quant=self.quant)
+
+    def continued(self, got: list[Any], k: int, nxt: list[int]) -> None:
+        """``got`` (holding the session's first ``k`` tokens) continues with ``nxt``
+        exactly like a fresh prefill of those tokens."""
+        after = self.quant.convert if self.quant is not None else None
+        same_continuation(self.model, got, self.fresh(k), nxt, after)
 
     @initialize(n=st.integers(1, 48), seed=st.integers(0, 2**16))
     def first_prefill(self, n: int, seed: int) -> None:
         self.rng = random.Random(seed)
-        self._feed([self.rng.randrange(self.vocab) for _ in range(n)])
+        self._random_chunk(n)
+
+    def _random_chunk(self, n: int) -> None:
+        toks = [self.rng.randrange(self.vocab) for _ in range(n)]
+        self._call(toks)
+        self._fed(toks)
 
     @precondition(lambda self: len(self.tokens) < MAX_TOKENS - 48)
     @rule(n=st.integers(2, 48))
     def prefill(self, n: int) -> None:
-        self._feed([self.rng.randrange(self.vocab) for _ in range(n)])
+        self._random_chunk(n)
 
     @precondition(lambda self: len(self.tokens) < MAX_TOKENS)
     @rule(steps=st.integers(1, 12))
     def decode(self, steps: int) -> None:
         for _ in range(steps):
-            self._feed([self.rng.randrange(self.vocab)])
+            self._random_chunk(1)
 
     @precondition(
         lambda self: len(self.tokens) < MAX_TOKENS - 8 and can_trim_prompt_cache(self.cache)
     )
     @rule(n=st.integers(2, 8), data=st.data())
     def speculative_round(self, n: int, data: st.DataObject) -> None:
-        """Draft tokens fed in one call, the rejected ones trimmed (mlx-lm's
-        speculative decoding): the cache holds the accepted ones as that call's chunk."""
+        """Draft tokens fed in one call (kv_bits conversion after it, as mlx-lm's
+        speculative decoding does), the rejected ones trimmed: the cache holds the
+        accepted ones as that call's chunk."""
         toks = [self.rng.randrange(self.vocab) for _ in range(n)]
         rejected = data.draw(st.integers(1, n - 1), label="rejected")
-        feed(self.model, [toks], self.cache)
+        q = self.quant
+        if q is not None and not quantized(self.cache) and len(self.tokens) + n >= q.start:
+            # mlx-lm would quantize at the drafts' peak, before the rollback: a
+            # state no fresh run holds, that persist cannot recognize once the
+            # session grows past the start (docs/FORMAT.md: a known limit)
+            return
+        self._call(toks)
         if not can_trim_prompt_cache(self.cache):  # a ring the drafts filled: all kept
             rejected = 0
         assert trim_prompt_cache(self.cache, rejected) == rejected
-        self.chunks.append(toks[: n - rejected])
-        self.tally.states += 1
+        self._fed(toks[: n - rejected], toks[n - rejected :])
 
     @rule(session=st.sampled_from([None, "a", "b"]), host=st.booleans())
     def save(self, session: str | None, host: bool) -> None:
@@ -158,11 +171,40 @@ class Search(RuleBasedStateMachine):
         if session is not None:
             self.named[session] = len(self.tokens)
 
+    def _open(self, host: bool, root: Path | None = None) -> persist.Store:
+        return persist.Store(
+            root or self.root / "s",
+            block_tokens=BLOCK,
+            host_cache=GIB if host else None,
+            shared=self.shared,
+        )
+
     def _reopen(self, host: bool) -> None:
         self.store.close()
-        self.store = persist.Store(
-            self.root / "s", block_tokens=BLOCK, host_cache=GIB if host else None
-        )
+        self.store = self._open(host)
+
+    def prompt(self, pick: int, frac: float, lengths: list[int]) -> tuple[list[int], int]:
+        """A prompt sharing h tokens of one of ``lengths``, then a token the session
+        did not have there; and h."""
+        toks = self.tokens
+        n = lengths[pick % len(lengths)]
+        h = max(1, min(n, round(frac * n)))
+        other = (toks[h] + 1) % self.vocab if h < len(toks) else 0
+        return [*toks[:h], other, 7], h
+
+    def check_lookup(self, store: persist.Store, pick: int, frac: float) -> None:
+        """``store``'s hit for a prompt sharing a random part of a saved length is
+        a fresh prefill of the tokens it claims (or a miss)."""
+        prompt, h = self.prompt(pick, frac, self.saved)
+        hit = store.lookup(prompt, identity=self.identity)
+        if hit is None:
+            self.tally.misses += 1
+            return
+        k = len(hit.tokens)
+        assert k <= h and hit.tokens == self.tokens[:k]
+        self.continued(hit.cache, k, prompt[h : h + CONTINUE])
+        self.tally.hits += 1
+        self.tally.by_length[k] = self.tally.by_length.get(k, 0) + 1
 
     @precondition(lambda self: bool(self.saved))
     @rule(
@@ -174,20 +216,7 @@ class Search(RuleBasedStateMachine):
         """A prompt sharing h tokens of a saved length, then a token it did not have."""
         if reopen:
             self._reopen(False)
-        toks = self.tokens
-        n = self.saved[pick % len(self.saved)]
-        h = max(1, min(n, round(frac * n)))
-        other = (toks[h] + 1) % self.vocab if h < len(toks) else 0
-        hit = self.store.lookup([*toks[:h], other, 7], identity=self.identity)
-        if hit is None:
-            self.tally.misses += 1
-            return
-        k = len(hit.tokens)
-        assert k <= h and hit.tokens == toks[:k]
-        want = feed(self.model, chunks_upto(self.chunks, k))
-        same_continuation(self.model, hit.cache, want, [other, 7][:CONTINUE])
-        self.tally.hits += 1
-        self.tally.by_length[k] = self.tally.by_length.get(k, 0) + 1
+        self.check_lookup(self.store, pick, frac)
 
     @precondition(lambda self: bool(self.named))
     @rule(name=st.sampled_from(["a", "b"]))
@@ -231,8 +260,7 @@ class Search(RuleBasedStateMachine):
         assert k == self.named[name] or (self.repaired and k < self.named[name])
         self.named[name] = k
         assert r.tokens == self.tokens[:k]
-        want = feed(self.model, chunks_upto(self.chunks, k))
-        same_continuation(self.model, r.cache, want, [3, 5][:CONTINUE])
+        self.continued(r.cache, k, [3, 5][:CONTINUE])
 
     @precondition(lambda self: bool(self.named))
     @rule(name=st.sampled_from(NAMES), pick=st.integers(0, 1 << 16), at=st.integers(0, 255))
@@ -263,10 +291,20 @@ class Search(RuleBasedStateMachine):
         assert all(n <= len(self.tokens) for n in self.saved)
 
     def teardown(self) -> None:
+        self.stop_far()
         self.store.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def machine_for(model: Any, identity: Any, tally: Tally) -> type[Search]:
-    """The search bound to one family's model (a class: Hypothesis makes instances)."""
-    return type("SearchOf", (Search,), {"model": model, "identity": identity, "tally": tally})
+def machine_for(
+    model: Any,
+    identity: Any,
+    tally: Tally,
+    vocab: int = 250,
+    **parts: Any,
+) -> type[Search]:
+    """The search bound to one family's model (a class: Hypothesis makes instances),
+    feeding token ids below ``vocab``.  ``parts``: ``quant`` (kv_bits), ``recipe``
+    and ``processes`` (restores in a fresh process), ``shared`` (a Redis URL)."""
+    bound = {"model": model, "identity": identity, "tally": tally, "vocab": min(vocab, 250)}
+    return type("SearchOf", (Search,), {**bound, **parts})

@@ -4,13 +4,13 @@ The default budget is quick (a few sequences per family); ``PERSIST_LONG=1``
 runs the long one and writes what it checked to
 bench/results/state-space-search.json.  A failure Hypothesis finds is shrunk
 and printed as a sequence of steps: keep it as a plain regression test.
+Families: every cache family persist's tiny models have, and two run with
+kv_bits (mlx-lm converts their KV layers to QuantizedKVCache mid-session).
+Each restores a session in a fresh process at most ``PROCESSES`` times.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict
 from typing import Any
 
 import pytest
@@ -18,32 +18,43 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import persist
-from tests.helpers import ROOT
 from tests.search.machine import Tally, machine_for
+from tests.search.oracle import Quant
+from tests.search.results import LONG, record
 
-LONG = os.environ.get("PERSIST_LONG") == "1"
 BUDGET = settings(
-    max_examples=40 if LONG else 5,
-    stateful_step_count=25 if LONG else 12,
+    max_examples=40 if LONG else 10,
+    stateful_step_count=25 if LONG else 15,
     deadline=None,
     derandomize=not LONG,  # the quick run is the same every time
     suppress_health_check=list(HealthCheck),
 )
+PROCESSES = 4 if LONG else 1
 # tiny models of each cache family: plain KV, sliding window rings, chunked
-# attention, recurrent state (Mamba), hybrids (gated delta, Mamba + attention)
-FAMILIES = ["llama", "gemma3", "llama4", "mamba2", "qwen3_next", "falcon_h1"]
-TALLIES: dict[str, Tally] = {}
+# attention, recurrent state (Mamba), hybrids (gated delta, Mamba + attention);
+# and kv_bits sessions (a plain and a hybrid model) converted at a start the
+# sessions pass
+FAMILIES: dict[str, tuple[str, Quant | None]] = {
+    "llama": ("llama", None),
+    "gemma3": ("gemma3", None),
+    "llama4": ("llama4", None),
+    "mamba2": ("mamba2", None),
+    "qwen3_next": ("qwen3_next", None),
+    "falcon_h1": ("falcon_h1", None),
+    "llama+kv4": ("llama_hd64", Quant(bits=4, group=32, start=24)),
+    "qwen3_next+kv8": ("qwen3_next_hd32", Quant(bits=8, group=32, start=40)),
+}
 
 
-@pytest.mark.parametrize("variant", FAMILIES)
-def test_every_hit_and_restore_is_a_fresh_prefill(tiny: Any, variant: str) -> None:
-    model, tok, _ = tiny(variant)
-    tally = TALLIES.setdefault(variant, Tally())
-    machine = machine_for(model, persist.ModelIdentity.of(model, tok), tally)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_hit_and_restore_is_a_fresh_prefill(tiny: Any, family: str) -> None:
+    variant, quant = FAMILIES[family]
+    model, tok, model_dir = tiny(variant)
+    tally = Tally()
+    ident = persist.ModelIdentity.of(model, tok, **(quant.identity() if quant else {}))
+    recipe = {"dir": str(model_dir)}
+    machine = machine_for(model, ident, tally, quant=quant, recipe=recipe, processes=PROCESSES)
     run_state_machine_as_test(machine, settings=BUDGET)
     assert tally.sequences > 0
-    if LONG:
-        out = ROOT / "bench" / "results" / "state-space-search.json"
-        got = json.loads(out.read_text()) if out.exists() else {}
-        got[variant] = {**asdict(tally), "by_length": len(tally.by_length)}
-        out.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
+    assert quant is None or tally.conversions > 0  # the search reached quantized states
+    record("families", family, tally)
