@@ -45,7 +45,7 @@ import persist
 from bench import default_path
 from bench.common import RESULTS, direct_write, evict, raw_read, raw_write, warm
 from bench.shapes import IDENTITY, first_step, llama, qwen3_next
-from persist.serve.server import keep_freed_buffers
+from persist.serve.app import keep_freed_buffers
 
 Op = tuple[Callable[[], Any] | None, Callable[[], Any]]
 

@@ -200,7 +200,7 @@ def serve_cmd(
       persist serve --model ./tiny --warm 50 --port 8080
     """
     from ..apps.hub import resolve_model
-    from ..serve.server import serve
+    from ..serve.app import serve
     from ..serve.tenants import tenants_from
 
     with _exit_line(log_format):

@@ -37,7 +37,7 @@ from .explaining import HEADER, ExplainSlot, explain_asked
 from .generation import CLIENT_CLOSED, GenerationFailed, take_error_status
 from .hints import RequestHints, take_hints
 from .metrics import CONTENT_TYPE
-from .request_checks import BadRequest, check_request, normalize, parse_json
+from .request_checks import BadRequest, check_request, normalize, parse_json, public_mark
 
 if TYPE_CHECKING:
     from .http_edge import DrainingServer
@@ -60,8 +60,9 @@ class PersistHandler(APIHandler):
     """One connection (HTTP/1.0: one request).  ``self.server`` is a DrainingServer."""
 
     server: DrainingServer
-    limits = RequestLimits()  # persist serve's subclass holds the operator's (server.serve)
+    limits = RequestLimits()  # persist serve's subclass holds the operator's (serve.app.serve)
     public_marks = False  # --allow-public-marks: a request may mark its system prompt public
+    persist_public_mark = False  # this request marked its system prompt public (checked)
     persist_explain = False  # the client asked for its verdict (serve.explaining)
     persist_hints: RequestHints | None = None  # its retention hints (serve.hints)
     persist_slot: ExplainSlot | None = None  # its verdict, once the lookup ran
@@ -157,6 +158,8 @@ class PersistHandler(APIHandler):
             check_request(endpoint, body, self._takes_images(body), self.public_marks)
             renamed = self.limits.admit(body)
             self.persist_explain = explain_asked(self.headers)
+            # read before take_hints strips the persist field mlx-lm never sees
+            self.persist_public_mark = public_mark(body)
             self.persist_hints, stripped = take_hints(endpoint, body)
         except BadRequest as e:
             self._json(getattr(e, "status", 400), e.body())

@@ -28,14 +28,13 @@ from typing import Any
 
 from ..engine.lifecycle import MAX_PRIORITY, MAX_TTL, check_hints, parse_ttl, stronger_hints
 from ..errors import InvalidArgumentError
-from .request_checks import BadRequest
+from .request_checks import PERSIST_FIELDS, BadRequest
 
 __all__ = ["RequestHints", "SaveHints", "HintedKeys", "take_hints", "cuts", "MAX_MARKS"]
 
 MAX_MARKS = 4  # cache_control marks per request, as Anthropic allows
 TTLS = {"5m": 300.0, "1h": 3600.0}  # Anthropic's cache_control ttl values
 DEFAULT_TTL = "5m"  # Anthropic's, when a mark names none
-EXTENSION = frozenset({"ttl", "priority", "pin"})
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ def _extension(ext: Any) -> tuple[float, int]:
     """(ttl seconds, priority) of the ``persist`` body field."""
     if not isinstance(ext, dict):
         raise BadRequest('persist must be a JSON object: {"ttl", "priority", "pin"}', "persist")
-    unknown = sorted(set(ext) - EXTENSION)
+    unknown = sorted(set(ext) - PERSIST_FIELDS)  # public_system: request_checks's
     if unknown:
         names = ", ".join(unknown)
         raise BadRequest(f"persist takes ttl, priority and pin, not {names}", "persist")

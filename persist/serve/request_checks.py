@@ -163,6 +163,10 @@ def check_request(
     _check_mark(path, body, marks)
 
 
+# the request extension's fields: the public mark (here) and retention hints (serve.hints)
+PERSIST_FIELDS = frozenset({"public_system", "ttl", "priority", "pin"})
+
+
 def public_mark(body: dict[str, Any]) -> bool:
     """Whether a checked body marks its system prompt public (``persist.public_system``)."""
     field = body.get("persist")
@@ -176,9 +180,9 @@ def _check_mark(path: str, body: dict[str, Any], allowed: bool) -> None:
     field = body.get("persist")
     if field is None:
         return
-    if not isinstance(field, dict) or not set(field) <= {"public_system"}:
+    if not isinstance(field, dict) or not set(field) <= PERSIST_FIELDS:
         raise BadRequest(
-            "persist must be a JSON object whose only field is public_system", "persist"
+            "persist must be a JSON object of public_system, ttl, priority and pin", "persist"
         )
     mark = field.get("public_system")
     if mark is not None and not isinstance(mark, bool):

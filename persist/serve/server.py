@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
@@ -28,7 +28,7 @@ from ..codecs.dispatch import serves_itself
 from ..codecs.snapshot import capture
 from ..engine.host.eviction import EvictionWatch
 from ..engine.host.store_hooks import HOST, owner
-from ..engine.host.tier import DEVICE_MEMORY, HostTier, default_budget, placement
+from ..engine.host.tier import HostTier
 from ..engine.layer_checks import quantized_start
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
@@ -38,9 +38,9 @@ from .handoff import handed_off, writer_stream
 from .hints import HintedKeys, Hints
 from .kept_keys import KeptKeys
 from .metrics import ServeMetrics
-from .tenants import Scoped, Tenants
+from .tenants import Scoped
 
-__all__ = ["PersistentPromptCache", "keep_freed_buffers", "host_budget"]
+__all__ = ["PersistentPromptCache"]
 
 log = logging.getLogger("persist")
 
@@ -318,194 +318,3 @@ class PersistentPromptCache(LRUPromptCache):
         except Exception as e:
             if self.metrics is not None:
                 self.metrics.store_failed(e, counter=True)
-
-
-def serve(
-    model_dir: str,
-    store_root: Any,
-    *,
-    max_bytes: int | None = None,
-    namespace: str = "default",
-    server_args: list[str] | None = None,
-    backlog: int = 128,
-    drain_timeout: float = 60.0,
-    queue_size: int = 64,
-    when_full: str = "block",
-    shared: str | None = None,
-    cold: str | None = None,
-    tier_key: bytes | None = None,
-    mlx_cache: int | None = None,
-    read_timeout: float = 30.0,
-    max_request_bytes: int = 4 << 20,
-    log_format: str = "text",
-    host_cache: int | None = None,
-    max_connections: int = 128,
-    max_tokens_limit: int | None = None,
-    allowed_models: Sequence[str] = (),
-    model_names: Sequence[str] = (),
-    tenants: Tenants | None = None,
-    tenant_max_bytes: int | None = None,
-    warm: int = 0,
-) -> None:
-    """Run mlx-lm's server (``mlx_lm.server``) with the store behind its prompt cache.
-
-    Blocks until SIGTERM or Ctrl-C, then stops in order: no new connections,
-    the accepted requests finish (up to ``drain_timeout`` seconds), the
-    write-behind queue is flushed, the store closed.  A second signal exits
-    at once.  If generation stops for good, the same stop runs and
-    InvalidStateError is raised (the CLI exits 1).  ``mlx_cache``: see
-    ``keep_freed_buffers``; ``read_timeout``, ``max_request_bytes``, ``max_connections``:
-    ``server_handler``, ``server_http``; ``host_cache``: bytes of evicted caches kept in
-    RAM (``engine.host.tier``; None: ``host_budget``; 0: none).  ``max_tokens_limit``,
-    ``allowed_models`` (beside the served model and ``model_names``, its other names):
-    ``serve.bounds``, ``serve.allowed_models``.  ``tenants``: who is asking and the
-    public prefixes (``serve.tenants``; None: single-tenant); ``tenant_max_bytes``: the
-    store's budget for each namespace (tenant).
-    ``warm``: each model loaded gets its ``warm`` most valuable entries read into the
-    host tier (the default model before the server listens; ``serve.warm_start``).
-    """
-    import functools
-    import sys
-
-    import mlx_lm.server as server
-
-    from .allowed_models import listing_only
-    from .bounds import limits_for
-    from .explaining import miss_counter
-    from .handler import PersistHandler, models_without_hf_cache
-    from .http_edge import serve_until_signal
-    from .logs import start_line, stop_line, use_log_format
-    from .model_identity import track_identities
-    from .prefill_rates import measure_prefills
-    from .tenant_metrics import count_by_tenant, tenancy_line
-    from .tenant_serving import TenantGenerator, scoped_cache, tagging_batches, tenant_handler
-    from .warm_start import first_forward, warmer
-
-    tenancy = tenants or Tenants(namespace)
-
-    keep_freed_buffers(mlx_cache)
-    by_model: dict[int, ModelIdentity] = {}
-    warmers: list[Callable[[ModelIdentity], None]] = []  # set once the store is open
-
-    def warm_loaded(identity: ModelIdentity) -> None:
-        for w in warmers:
-            w(identity)
-
-    identities = track_identities(server, by_model, warm_loaded)
-    store = Store(
-        store_root, max_bytes=max_bytes, shared=shared, cold=cold, tier_key=tier_key,
-        namespace_max_bytes=tenant_max_bytes,
-    )  # fmt: skip
-    tidied = store.tidy()  # what killed writers left: no cron job for check --fix
-    from ..engine.staged.restore import prepare
-
-    prepare()  # CUDA: lanes up and kernels built before the first request (issue 39)
-    measure_prefills(server, store, lambda model: by_model.get(id(model)))
-    metrics = ServeMetrics(store, namespace)
-    metrics.misses = miss_counter(metrics.registry)
-    honour = not tenancy.multi or tenant_max_bytes is not None  # serve.hints: budgets
-    budget = host_budget(host_cache)
-    metrics.host = host = HostTier(budget) if budget > 0 else None
-    warming = warmer(store, host, warm)
-    if warming is not None:
-        warmers.append(warming)
-    if host is not None:
-        host.owner_max_bytes = tenant_max_bytes  # a tenant's share of the host tier too
-    caches: list[PersistentPromptCache] = []
-    TenantPromptCache = scoped_cache(PersistentPromptCache)
-
-    def make(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
-        pc = TenantPromptCache(
-            max_size,
-            max_bytes,
-            tenants=tenancy,
-            store=store,
-            identity=identities.get,
-            namespace=namespace,
-            queue_size=queue_size,
-            when_full=when_full,
-            metrics=metrics,
-            host=host,
-        )
-        count_by_tenant(pc, metrics, tenancy)
-        pc.hints_honoured = honour
-        caches.append(pc)
-        return pc
-
-    real_run = server.run
-
-    def run(host: str, port: int, model_provider: Any, *args: Any, **kwargs: Any) -> None:
-        use_log_format(log_format)  # mlx-lm's main has configured logging by now
-        log.info(start_line(store, namespace, shared, cold, queue_size, when_full, metrics.host))
-        if tidied:
-            log.info("persist: removed %d leftovers of interrupted saves", len(tidied))
-        if store.read_only:
-            log.warning("persist: store %s is read-only: serving, saving nothing", store.root)
-        level, line = tenancy_line(tenancy, shared)
-        log.log(level, line)
-        if not honour:
-            log.warning("persist: retention hints in requests are ignored: tenants share the "
-                        "store's budget (give --tenant-max-bytes to honour them)")  # fmt: skip
-        # loaded, run once (kernels built) and warmed before the server listens
-        took = first_forward(model_provider)
-        if took is not None:
-            log.info("persist: model loaded and its kernels built in %.2f s", took)
-        real_run(host, port, model_provider, *args, **kwargs)
-
-    server.LRUPromptCache = make  # type: ignore[assignment,misc]
-    server.ResponseGenerator = TenantGenerator  # type: ignore[misc]
-    # over the class measure_prefills made: both the timing and the tags
-    server.BatchGenerator = tagging_batches(server.BatchGenerator)  # type: ignore[assignment,misc]
-    limits = limits_for(model_dir, model_names, allowed_models, max_tokens_limit)
-    handler = type(
-        "PersistHandler", (PersistHandler,), {"limits": limits, "public_marks": tenancy.marks}
-    )
-    handler = tenant_handler(handler, tenancy)
-    server.scan_cache_dir = listing_only(
-        models_without_hf_cache(server.scan_cache_dir), limits.models
-    )
-    server.run = run
-    server._run_http_server = functools.partial(
-        serve_until_signal,
-        server,
-        backlog=backlog,
-        drain_timeout=drain_timeout,
-        handler=handler,
-        metrics=metrics,
-        read_timeout=read_timeout,
-        max_request_bytes=max_request_bytes,
-        max_connections=max_connections,
-    )
-    sys.argv = ["mlx_lm.server", "--model", str(model_dir), *(server_args or [])]
-    try:
-        server.main()
-    finally:
-        for pc in caches:
-            pc.close()
-        log.info(stop_line(metrics.summary(), store))
-        store.close()
-
-
-def host_budget(host_cache: int | None) -> int:
-    """The host tier's bytes: ``host_cache`` if given, else the default budget where
-    the tier keeps entries off the device (host or pinned host memory); none on CUDA
-    without pinned memory, where it would hold what mlx-lm's eviction meant to free."""
-    if host_cache is not None:
-        return host_cache
-    return 0 if placement() == DEVICE_MEMORY else default_budget()
-
-
-def keep_freed_buffers(limit: int | None) -> int | None:
-    """Let MLX's CPU backend keep up to ``limit`` bytes of freed buffers for reuse
-    (None: its memory limit, as MLX does on GPUs); the old limit, or None off the CPU.
-
-    On the CPU MLX keeps only 32 MiB, so every restored cache (and every
-    growth of a live one) faults in fresh pages: 2-3x the cost of reading
-    the bytes on a VM.  A server restores all day; its freed caches should
-    be reused as they are on Metal and CUDA.
-    """
-    import mlx.core as mx
-
-    if mx.default_device() != mx.cpu:
-        return None
-    return int(mx.set_cache_limit(mx.get_memory_limit() if limit is None else limit))

@@ -38,7 +38,7 @@ from ..errors import AccessDeniedError
 from .explaining import ExplainSlot, judge, told
 from .generation import GuardedGenerator
 from .hints import SaveHints, cuts
-from .request_checks import BadRequest, public_mark
+from .request_checks import BadRequest
 from .tenants import Scoped, Tenants
 
 __all__ = [
@@ -361,7 +361,7 @@ def tenant_handler(base: type, tenants: Tenants) -> type:
         def _scoped(self, request: Any) -> Any:
             salt = self.body.get("cache_salt")  # a bad one: ValueError, which mlx-lm answers 400
             request.persist_namespace = tenants.namespace_for(self.persist_tenant, salt)
-            request.persist_public_mark = public_mark(self.body)  # checked: allowed, a chat
+            request.persist_public_mark = self.persist_public_mark  # checked: allowed, a chat
             request.persist_hints = self.persist_hints
             if self.persist_explain:  # where the generation thread leaves its verdict
                 self.persist_slot = request.persist_explain = ExplainSlot()

@@ -21,7 +21,8 @@ from persist.cuda.pinned import CUDA_PINNED, Choice
 from persist.engine.host import tier as host_tier
 from persist.engine.host.tier import DEVICE_MEMORY, HostTier, default_budget
 from persist.errors import NotResumableError
-from persist.serve.server import PersistentPromptCache, host_budget
+from persist.serve.app import host_budget
+from persist.serve.server import PersistentPromptCache
 from tests.engine.host_checks import scribble_all
 from tests.helpers import (
     NEXT,

@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from persist.serve.server import keep_freed_buffers
+from persist.serve.app import keep_freed_buffers
 from tests.helpers import ON_CUDA
 
 pytestmark = pytest.mark.skipif(ON_CUDA, reason="MLX's GPU backends keep freed buffers already")

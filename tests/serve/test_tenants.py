@@ -420,3 +420,30 @@ def test_a_public_mark_without_the_operators_leave_is_refused(
         assert code == 200  # an explicit false asks for nothing
     finally:
         srv.stop()
+
+
+def test_a_public_mark_and_retention_hints_in_one_persist_field_are_both_honoured(
+    model_dir: Any, tiny: Any, tmp_path: Path
+) -> None:
+    """The persist field carries the public mark and retention hints together: neither
+    refuses the other's keys, and the mark is read before the hints are stripped from
+    what mlx-lm sees (the two were built apart and, merged, lost the mark)."""
+    _, tok, _ = tiny("llama")
+    system = [{"role": "system", "content": PUBLIC}]
+    later = f"{NOTE} And when is my refund due?"
+    prompt = tok.apply_chat_template([*system, {"role": "user", "content": later}],
+                                     add_generation_prompt=True)  # fmt: skip
+    empty = tok.apply_chat_template([*system, {"role": "user", "content": ""}])
+    cut = next(i for i, (a, b) in enumerate(zip(empty, prompt, strict=False)) if a != b)
+    args = ("--api-keys", str(key_file(tmp_path)), "--allow-public-marks",
+            "--tenant-max-bytes", "64M")  # fmt: skip
+    srv = persist_serve(model_dir("llama"), tmp_path / "store", tmp_path / "a.log", *args)
+    both = {"persist": {"public_system": True, "priority": 3, "ttl": "1h"}}
+    try:
+        code, first = marked_chat(srv, NOTE, "alice", **both)
+        assert code == 200 and reused(first) == 0, first
+        code, second = marked_chat(srv, later, "bob", **both)
+        assert code == 200, second
+        assert reused(second) == cut > 0
+    finally:
+        srv.stop()
