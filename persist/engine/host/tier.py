@@ -277,6 +277,12 @@ class HostTier:
         if kept.held is not None and self.holder is not None:
             self.holder.release(kept.held)
 
+    def _evict_oldest(self) -> None:
+        """Under the lock: the first entry in eviction order goes (what ``_make_room``
+        takes first when no tenant share decides)."""
+        self._remove(next(iter(victims(self._entries, self.now()))))
+        self.evicted += 1
+
     def _hints_of(self, key: Key) -> tuple[float, int]:
         kept = self._entries[key]
         return kept.ttl, kept.priority
