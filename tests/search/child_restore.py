@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 import persist
+from persist.errors import SessionNotFoundError
 from tests.helpers import raw
 from tests.search.oracle import Quant, comparable, state_of
 
@@ -48,7 +49,11 @@ def main() -> None:
     quant = Quant(**job["quant"]) if job.get("quant") else None
     model, ident = model_of(job["recipe"], quant.identity() if quant else {})
     with persist.Store(job["store"], block_tokens=job["block_tokens"]) as store:
-        loaded = store.restore(job["session"], identity=ident)
+        try:
+            loaded = store.restore(job["session"], identity=ident)
+        except SessionNotFoundError:  # a repair removed it: the parent knows when
+            Path(sys.argv[2]).write_text(json.dumps({"missing": True}))
+            return
     cache = loaded.cache
     report: dict[str, Any] = {
         "tokens": loaded.tokens,

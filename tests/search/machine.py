@@ -82,7 +82,7 @@ class Search(FarRules, RuleBasedStateMachine):
         self.chunks: list[list[int]] = []
         self.drafts: list[list[int]] = []  # each chunk's rejected drafts (fed in its call)
         self.saved: list[int] = []  # lengths saved (every one a prefix of the session)
-        self.named: dict[str, int] = {}
+        self.named: dict[str, int] = {}  # the length each session was last saved at
         self.repaired = False  # a repair may cut or remove any session sharing a blob
         self.converted = False  # kv_bits quantized the session
         self.rng = random.Random(0)
@@ -257,8 +257,8 @@ class Search(FarRules, RuleBasedStateMachine):
             del self.named[name]
             return
         k = len(r.tokens)
+        # a repair cuts it; a shared tier may give back the fleet's whole copy
         assert k == self.named[name] or (self.repaired and k < self.named[name])
-        self.named[name] = k
         assert r.tokens == self.tokens[:k]
         self.continued(r.cache, k, [3, 5][:CONTINUE])
 
