@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -88,3 +90,17 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     from tests import tools
 
     tools.summary(terminalreporter)
+
+
+@pytest.fixture(autouse=True)
+def _python_ctrl_c() -> Iterator[None]:
+    """Every test starts with Python's own SIGINT handler and leaves it so: the tests
+    that send a real SIGINT expect KeyboardInterrupt.  In CI's full run (round 5) an
+    earlier test left another handler in place and three Ctrl-C tests saw no
+    KeyboardInterrupt; which one was not found in runs of parts of the suite."""
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if main:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
