@@ -25,7 +25,7 @@ from tests.search.oracle import Quant
 from tests.search.results import LONG, record
 
 BUDGET = settings(
-    max_examples=60 if LONG else 10,
+    max_examples=100 if LONG else 10,
     stateful_step_count=30 if LONG else 15,
     deadline=None,
     derandomize=not LONG,  # the quick run is the same every time
