@@ -19,6 +19,7 @@ __all__ = [
     "trim_record",
     "capacity_of",
     "serves_itself",
+    "cut_clean",
 ]
 
 
@@ -50,6 +51,17 @@ def serves_itself(cache: Any, kv_start: int | None = None) -> bool:
         if kv_bits_floor(floor, holds_quantized(rec), kv_start) > facts.offset:
             return False
     return True
+
+
+def cut_clean(cache: list[Any]) -> list[Any]:
+    """``cache`` with every layer a cache class's own trim left holding the positions
+    it cut (mlx-lm's ``ConcatenateKVCache.trim``, which its server's prompt cache
+    uses) rebuilt from its record: live data only, as persist's own cut keeps it."""
+    out = []
+    for c in cache:
+        hides = getattr(codec_for(kind_of(c)), "hides_positions", None)
+        out.append(decode_record(encode_cache(c)) if hides is not None and hides(c) else c)
+    return out
 
 
 def trim_record(record: Record, n: int) -> Record:

@@ -114,6 +114,11 @@ class ConcatKVCodec(KVCodec):
         c.offset = record.meta["offset"]
         return c
 
+    def hides_positions(self, cache: Any) -> bool:
+        """mlx-lm's trim of this class only lowers ``offset``: its arrays still hold
+        the cut positions, and its next update appends after them."""
+        return cache.keys is not None and int(cache.keys.shape[-2]) != int(cache.offset)
+
 
 class ChunkedKVCodec(LeafCodec):
     """mlx-lm ``ChunkedKVCache``: holds positions [start_position, offset)."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
-from ..codecs.dispatch import serves_itself
+from ..codecs.dispatch import cut_clean, serves_itself
 from ..codecs.snapshot import capture
 from ..engine.host.eviction import EvictionWatch
 from ..engine.host.store_hooks import HOST, owner
@@ -111,8 +111,10 @@ class PersistentPromptCache(LRUPromptCache):
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = super().fetch_nearest_cache(model, tokens)
-        if cache is not None and not self._served(model, cache):
-            cache, rest = None, list(tokens)
+        if cache is not None:  # mlx-lm may have cut it, with each class's own trim
+            cache = cut_clean(cache)
+            if not self._served(model, cache):
+                cache, rest = None, list(tokens)
         with self._on_thread("lookup"):
             return self._nearer(model, tokens, cache, rest)
 

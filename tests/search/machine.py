@@ -72,13 +72,15 @@ class Search(FarRules, RuleBasedStateMachine):
     vocab = 250
     quant: Quant | None = None
     exact_calls = True  # oracle.calls_are_exact: else the reference replays the calls
+    cache_class: Any = None  # one cache class for every layer (a user's choice), else the model's
+    rollbacks = True  # False: the cache class's own trim is no rollback (ConcatenateKVCache)
 
     def __init__(self) -> None:
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="persist-search-"))
         self.start_far()
         self.store = self._open(False)
-        self.cache = make_prompt_cache(self.model)
+        self.cache = self.new_cache()
         self.chunks: list[list[int]] = []
         self.drafts: list[list[int]] = []  # each chunk's rejected drafts (fed in its call)
         self.saved: list[int] = []  # lengths saved (every one a prefix of the session)
@@ -87,6 +89,11 @@ class Search(FarRules, RuleBasedStateMachine):
         self.converted = False  # kv_bits quantized the session
         self.rng = random.Random(0)
         self.tally.sequences += 1
+
+    def new_cache(self) -> list[Any]:
+        if self.cache_class is None:
+            return make_prompt_cache(self.model)
+        return [self.cache_class() for _ in self.model.layers]
 
     @property
     def tokens(self) -> list[int]:
@@ -111,7 +118,7 @@ class Search(FarRules, RuleBasedStateMachine):
         if not self.exact_calls:
             calls = list(zip(self.chunks, self.drafts, strict=True))
             return replay(self.model, calls, k, self.quant)
-        return feed(self.model, chunks_upto(self.chunks, k), quant=self.quant)
+        return feed(self.model, chunks_upto(self.chunks, k), self.new_cache(), self.quant)
 
     def continued(self, got: list[Any], k: int, nxt: list[int]) -> None:
         """``got`` (holding the session's first ``k`` tokens) continues with ``nxt``
@@ -141,7 +148,11 @@ class Search(FarRules, RuleBasedStateMachine):
             self._random_chunk(1)
 
     @precondition(
-        lambda self: len(self.tokens) < MAX_TOKENS - 8 and can_trim_prompt_cache(self.cache)
+        lambda self: (
+            self.rollbacks
+            and len(self.tokens) < MAX_TOKENS - 8
+            and can_trim_prompt_cache(self.cache)
+        )
     )
     @rule(n=st.integers(2, 8), data=st.data())
     def speculative_round(self, n: int, data: st.DataObject) -> None:

@@ -37,7 +37,7 @@ LEADS: dict[tuple[str, ...], str] = {}  # signature -> the architecture searched
 
 def budget(lead: bool) -> settings:
     return settings(
-        max_examples=(40 if lead else 8) if LONG else (10 if lead else 4),
+        max_examples=(60 if lead else 14) if LONG else (10 if lead else 4),
         stateful_step_count=(25 if lead else 15) if LONG else (20 if lead else 12),
         deadline=None,
         derandomize=not LONG,  # the quick run is the same every time

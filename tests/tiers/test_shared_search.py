@@ -17,7 +17,7 @@ from tests.search.machine import Tally, machine_for
 from tests.search.results import LONG, record
 
 BUDGET = settings(
-    max_examples=40 if LONG else 10,
+    max_examples=60 if LONG else 10,
     stateful_step_count=25 if LONG else 15,
     deadline=None,
     derandomize=not LONG,
