@@ -34,17 +34,9 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
 import persist
-from bench.common import RESULTS, SMALL_LLAMA, evict, warm
+from bench.common import LLAMA3_8B, RESULTS, SMALL_LLAMA, evict, warm
 from persist.identity import current_backend
 
-LLAMA3_8B = {
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-}
 IDENTITY = persist.ModelIdentity("bench", "c", "w", "t", "h", name="bench")
 CHUNK = 2048
 

@@ -27,6 +27,16 @@ SMALL_LLAMA = {
     "head_dim": 64,
 }
 
+# Llama-3-8B's model shape (random weights: bench_recompute, bench_e2e)
+LLAMA3_8B = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
+
 SHAPES = {
     # layers, kv heads, head dim (bf16)
     "llama3-8b": (32, 8, 128),
