@@ -25,7 +25,10 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
+import signal
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -123,8 +126,28 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def scrape(port: int) -> str:
+    """persist serve's /metrics (where its request time went: lookup, restore, keep)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return "\n".join(line for line in text.splitlines() if line.startswith("persist_"))
+
+
+def profiler(srv: Server, logs: Path | None, life: str) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling persist serve's threads (E2E_PYSPY: its path), into ``logs``."""
+    spy = os.environ.get("E2E_PYSPY")
+    if not spy or logs is None:
+        return None
+    out = logs / f"pyspy-{life.replace(' ', '-')}.txt"
+    args = [spy, "record", "--pid", str(srv.proc.pid), "--format", "raw", "-o", str(out),
+            "--threads", "--nonblocking", "--rate", "200"]  # fmt: skip
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def run(model: Path, tmp: Path, sessions: list[Session], rounds: int, cache_size: int,
-        max_tokens: int) -> dict[str, Any]:  # fmt: skip
+        max_tokens: int, logs: Path | None = None) -> dict[str, Any]:  # fmt: skip
     kinds = ["plain", "persist"]
     rows: dict[str, dict[str, list[dict[str, Any]]]] = {k: {} for k in kinds}
     starts: dict[str, list[float]] = {k: [] for k in kinds}
@@ -135,13 +158,18 @@ def run(model: Path, tmp: Path, sessions: list[Session], rounds: int, cache_size
         order = kinds if n % 2 == 0 else kinds[::-1]
         n += 1
         for k in order:
-            rows[k].setdefault(phase, []).append(streamed(servers[k].port, messages, max_tokens))
+            row = streamed(servers[k].port, messages, max_tokens)
+            rows[k].setdefault(phase, []).append(row)
+            if logs is not None:  # every request, to read where time went
+                with (logs / "requests.jsonl").open("a") as f:
+                    f.write(json.dumps({"server": k, "phase": phase, **row}) + "\n")
 
     for life in ("before restart", "after restart"):
         servers = {}
         for k in kinds:
             servers[k], took = start(k, model, tmp, cache_size)
             starts[k].append(took)
+        spy = profiler(servers["persist"], logs, life)
         try:
             for r in range(rounds if life == "before restart" else 1):
                 for s in sessions:
@@ -149,6 +177,13 @@ def run(model: Path, tmp: Path, sessions: list[Session], rounds: int, cache_size
                         "first contact" if r == 0 else "returning")  # fmt: skip
                     ask(servers, phase, s.next_request(len(s.turns)))
         finally:
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
+            if logs is not None:
+                (logs / f"metrics-{life.replace(' ', '-')}.txt").write_text(
+                    scrape(servers["persist"].port)
+                )
             for srv in servers.values():
                 srv.stop()
     out: dict[str, Any] = {}
@@ -191,6 +226,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="an existing model folder (skip making one)")
     ap.add_argument("--out", default="cpu", help="results name: bench/results/e2e-OUT.*")
     ap.add_argument("--system-words", type=int)
+    ap.add_argument("--logs", type=Path, help="keep every request, persist's /metrics, logs")
     args = ap.parse_args()
     words = args.system_words or (500 if args.quick else 1200)
     agents, chats, rounds = (2, 2, 2) if args.quick else (3, 3, 3)
@@ -199,7 +235,14 @@ def main() -> None:
         tmp = Path(d)
         model = args.model or make_model(tmp / "model", "llama", overrides=SHAPES[args.shape])
         sessions = workload(words, words // 2, agents, chats)
-        res = run(model, tmp, sessions, rounds, cache_size, max_tokens=8)
+        if args.logs is not None:
+            args.logs.mkdir(parents=True, exist_ok=True)
+        try:
+            res = run(model, tmp, sessions, rounds, cache_size, max_tokens=8, logs=args.logs)
+        finally:
+            if args.logs is not None:  # the servers' own logs (timings, warnings)
+                for log in tmp.glob("*.log"):
+                    (args.logs / log.name).write_bytes(log.read_bytes())
     setup = (
         f"`python -m bench.bench_e2e{' --quick' if args.quick else ''} --shape {args.shape}` on "
         f"{machine()}: llama ({args.shape}) random weights, {agents} agent sessions sharing one "

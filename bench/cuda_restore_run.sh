@@ -50,8 +50,8 @@ for phase in "$@"; do
     cp bench/results/serve-host-cuda.* "$OUT/" ;;
   e2e)
     # persist serve against plain mlx_lm.server, Llama-3-8B shape, ~8k-token system prompt
-    timeout 500 python3 -m bench.bench_e2e --quick --shape llama3-8b --system-words 1700 \
-      --out cuda 2>&1 | tee "$OUT/e2e.log" | tail -30
+    E2E_PYSPY=/tmp/site/bin/py-spy timeout 500 python3 -m bench.bench_e2e --quick --shape llama3-8b --system-words 1700 \
+      --out cuda --logs "$OUT/e2e-logs" 2>&1 | tee "$OUT/e2e.log" | tail -30
     cp bench/results/e2e-cuda.* "$OUT/" ;;
   servetests)
     timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/serve/test_quiet_requests.py \
