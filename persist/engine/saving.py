@@ -52,7 +52,7 @@ HASHERS = min(4, os.cpu_count() or 1)  # blocks hashed at once (xxhash drops the
 Hashed = list[tuple[Piece, Parts, bytes]]  # ``blocks.materialize``
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Target:
     """What a save is for: the model, where it goes, and how it is kept."""
 
@@ -107,9 +107,29 @@ def write_and_commit(
         try:
             index.begin_pending(salt)
             refs, tail = _write_blobs(
-                index, blobs, p, chs, secret, block_tokens, written, progress, salt
+                index,
+                blobs,
+                p,
+                chs=chs,
+                secret=secret,
+                block_tokens=block_tokens,
+                written=written,
+                progress=progress,
+                salt=salt,
             )
-            done = _commit(index, blobs, p, snap, chs, refs, tail, written, target, salt, budgets)
+            done = _commit(
+                index,
+                blobs,
+                p,
+                snap=snap,
+                chs=chs,
+                refs=refs,
+                tail=tail,
+                written=written,
+                target=target,
+                salt=salt,
+                budgets=budgets,
+            )
         except BaseException as e:
             # Decide by the index, not by the exception: a Ctrl-C that lands
             # just after the COMMIT must not unlink what the commit references.
@@ -160,6 +180,7 @@ def _write_blobs(
     index: Index,
     blobs: BlobStore,
     p: Plan,
+    *,
     chs: list[bytes],
     secret: bytes,
     block_tokens: int,
@@ -260,6 +281,7 @@ def _commit(
     index: Index,
     blobs: BlobStore,
     p: Plan,
+    *,
     snap: Snapshot,
     chs: list[bytes],
     refs: list[BlockRef],
@@ -318,10 +340,25 @@ def _commit(
             )
         hints = _hints(db, t, namespace, who)  # read before the session's old row goes
         if t.name is not None:
-            _retire(db, namespace, t.name, t.identity.digest, snap.trimmable, floor, toks)
+            _retire(
+                db,
+                namespace,
+                t.name,
+                digest=t.identity.digest,
+                trimmable=snap.trimmable,
+                floor=floor,
+                toks=toks,
+            )
         elif t.role == "prefix":
             covered = _replace_covered(
-                db, namespace, t.identity.digest, snap.trimmable, floor, toks, chs, p.block
+                db,
+                namespace,
+                t.identity.digest,
+                trimmable=snap.trimmable,
+                floor=floor,
+                toks=toks,
+                chs=chs,
+                block=p.block,
             )
             hints = policy.stronger_hints(hints, covered)
         elif t.owner is not None:  # a checkpoint saved again (a resumed prime): one row
@@ -337,7 +374,14 @@ def _commit(
 
 
 def _retire(
-    db: Any, namespace: str, name: str, digest: str, trimmable: bool, floor: int, toks: list[int]
+    db: Any,
+    namespace: str,
+    name: str,
+    *,
+    digest: str,
+    trimmable: bool,
+    floor: int,
+    toks: list[int],
 ) -> None:
     """Replace the session's previous snapshot: supersede it, or keep it as a checkpoint."""
     for old in writes.session_rows(db, namespace, name):
@@ -347,9 +391,9 @@ def _retire(
             len(toks),
             trimmable,
             floor,
-            old.n_tokens,
-            is_prefix,
-            old.name is None,
+            old_len=old.n_tokens,
+            old_is_prefix=is_prefix,
+            old_is_checkpoint=old.name is None,
         )
         if action == "drop":
             writes.remove(db, old.id)
@@ -386,6 +430,7 @@ def _replace_covered(
     db: Any,
     namespace: str,
     digest: str,
+    *,
     trimmable: bool,
     floor: int,
     toks: list[int],
@@ -396,7 +441,10 @@ def _replace_covered(
     bounded by distinct prefixes.  Their strongest retention hints, which the new
     one keeps: it serves their prefixes now."""
     hints = None
-    for old in retention.anonymous_prefixes_of(db, namespace, digest, chs, toks, block):
+    olds = retention.anonymous_prefixes_of(
+        db, namespace, digest, chains=chs, tokens=toks, block=block
+    )
+    for old in olds:
         old_toks = unpack_tokens(old.tokens)
         is_prefix = toks[: len(old_toks)] == old_toks
         if policy.covers(len(toks), trimmable, floor, len(old_toks), is_prefix):

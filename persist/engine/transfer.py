@@ -371,6 +371,7 @@ def write_file(
     path: str | os.PathLike[str],
     cache: list[Any],
     tokens: list[int],
+    *,
     identity: ModelIdentity,
     metadata: dict[str, str],
     fmt: str = "persist",
@@ -388,6 +389,7 @@ def export_row(
     index: Any,
     blobs: Any,
     row: Any,
+    *,
     path: str | os.PathLike[str],
     format: str,
     model: str | None = None,
@@ -420,7 +422,7 @@ def export_row(
             )
         _same_model(identity, ModelIdentity.from_path(folder), model)
         meta = mlx_lm_metadata(meta, model)
-    write_file(path, cache, unpack_tokens(row.tokens), identity, meta, format)
+    write_file(path, cache, unpack_tokens(row.tokens), identity=identity, metadata=meta, fmt=format)
 
 
 def _recorded_model(identity: ModelIdentity) -> str:
