@@ -447,7 +447,7 @@ class Store(StoreUpkeep):
         ``identity`` of the model that computed it and the ``tokens`` it covers
         (checked against every layer's offset), and the ``model`` itself so
         the file's layers are checked against the model's own caches (count,
-        kinds, heads, head dims, dtypes: ``transfer.check_fits``).  A cache
+        kinds, heads, head dims, dtypes: ``cache_fit.check_fits``).  A cache
         with no offset (purely recurrent) cannot vouch for any token list: it
         is refused unless ``unverified_tokens`` (``Store.save``).
         ``chat_tokens`` (the text's tokens with the chat template) only let the
