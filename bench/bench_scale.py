@@ -183,14 +183,14 @@ class _Serial:
 def serial_saves() -> Iterator[None]:
     """The build's bulk without a save's threads: for tiny caches starting them is
     most of a save (the index work, the SQL and the files are the same)."""
-    from persist.engine import saving
+    from persist.engine import blob_writes
 
-    real = saving.ThreadPoolExecutor
-    saving.ThreadPoolExecutor = _Serial  # type: ignore[misc,assignment]
+    real = blob_writes.ThreadPoolExecutor
+    blob_writes.ThreadPoolExecutor = _Serial  # type: ignore[misc,assignment]
     try:
         yield
     finally:
-        saving.ThreadPoolExecutor = real  # type: ignore[misc]
+        blob_writes.ThreadPoolExecutor = real  # type: ignore[misc]
 
 
 def vm_steps(store: persist.Store, run: Any) -> int:

@@ -197,7 +197,14 @@ def run_keys(tmp: Path, url: str) -> dict[str, Any]:
             assert a.shared is not None
             for _ in range(20):
                 t = time.perf_counter()
-                a.shared.pull_prefix(a.index, a.blobs, long, IDENTITY, ns, a.block_tokens)
+                a.shared.pull_prefix(
+                    a.index,
+                    a.blobs,
+                    long,
+                    identity=IDENTITY,
+                    namespace=ns,
+                    block=a.block_tokens,
+                )
                 keep(f"lookup of {LONG} tokens in the tier ({label})", time.perf_counter() - t)
     for a, _ in stores.values():
         a.close()

@@ -114,7 +114,9 @@ def main() -> None:
     for tensor in range(64):
         for block in range(32):
             at = dd + tensor * heads * pitch + block * row
-            pieces.append(kernels.Placed(off, 0, heads * row, at, row, pitch, row))
+            pieces.append(
+                kernels.Placed(src=off, a=0, b=heads * row, dst=at, row=row, pitch=pitch, keep=row)
+            )
             off += heads * row
     for rep in range(2):
         t = time.perf_counter()

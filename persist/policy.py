@@ -7,7 +7,7 @@ replaces which, and what to evict lives here, so it can be tested alone.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
 from .errors import NotResumableError
@@ -143,6 +143,7 @@ def retire(
     new_len: int,
     new_trimmable: bool,
     new_floor: int,
+    *,
     old_len: int,
     old_is_prefix: bool,
     old_is_checkpoint: bool,
@@ -182,6 +183,7 @@ class EvictEntry:
     used: float
     pinned: bool
     blobs: tuple[str, ...]
+    _: KW_ONLY
     ttl: float = 0.0  # a retention hint: kept first for ttl seconds after its last use
     priority: int = 0  # a retention hint: higher is evicted later
 
@@ -359,7 +361,7 @@ def restore_estimate(samples: Mapping[int, Sequence[float]], nbytes: int) -> Res
 Reason = Literal["unmeasured", "faster", "slower", "max_cost", "learning", "uncertain", "explore"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CostDecision:
     """Restore a hit of ``tokens`` tokens (``nbytes`` to read), or prefill them again.
 
@@ -382,10 +384,10 @@ def decide_cost(
     tokens: int,
     nbytes: int,
     tier: str,
+    *,
     restore_s: float | None,
     prefill_s: float | None,
     max_cost: float | None = None,
-    *,
     best_s: float | None = None,
     samples: int | None = None,
     explore: bool = False,
@@ -402,7 +404,17 @@ def decide_cost(
     """
 
     def out(ok: bool, reason: Reason) -> CostDecision:
-        return CostDecision(tokens, nbytes, tier, restore_s, prefill_s, ok, reason, best_s, samples)
+        return CostDecision(
+            tokens=tokens,
+            nbytes=nbytes,
+            tier=tier,
+            restore_s=restore_s,
+            prefill_s=prefill_s,
+            restore=ok,
+            reason=reason,
+            best_s=best_s,
+            samples=samples,
+        )
 
     if restore_s is None or (prefill_s is None and max_cost is None):
         return out(True, "unmeasured")

@@ -60,7 +60,7 @@ def test_restore_time_is_bytes_over_the_nearest_rate(r: dict[int, float], n: int
 def test_the_decision(
     tokens: int, nbytes: int, rs: float | None, ps: float | None, cap: float | None
 ) -> None:
-    d = policy.decide_cost(tokens, nbytes, "local", rs, ps, cap)
+    d = policy.decide_cost(tokens, nbytes, "local", restore_s=rs, prefill_s=ps, max_cost=cap)
     if rs is None or (ps is None and cap is None):
         assert d.restore and d.reason == "unmeasured"  # today's behaviour until measured
     elif cap is not None:
@@ -138,7 +138,14 @@ def test_an_estimate_is_positive_and_its_best_no_slower(
 def test_one_slow_sample_never_declines_and_a_confident_one_may_explore() -> None:
     def decide(samples: int, best: float, explore: bool = False) -> policy.CostDecision:
         return policy.decide_cost(
-            100, 1 << 20, "local", 2.0, 1.0, best_s=best, samples=samples, explore=explore
+            100,
+            1 << 20,
+            "local",
+            restore_s=2.0,
+            prefill_s=1.0,
+            best_s=best,
+            samples=samples,
+            explore=explore,
         )
 
     assert (decide(1, 2.0).restore, decide(1, 2.0).reason) == (True, "learning")
@@ -147,6 +154,8 @@ def test_one_slow_sample_never_declines_and_a_confident_one_may_explore() -> Non
     assert (decide(3, 2.0).restore, decide(3, 2.0).reason) == (False, "slower")
     assert (decide(3, 2.0, True).restore, decide(3, 2.0, True).reason) == (True, "explore")
     # a caller's limit is a limit: no learning, no exploring past it
-    capped = policy.decide_cost(100, 1, "local", 2.0, 1.0, 1.5, samples=1, explore=True)
+    capped = policy.decide_cost(
+        100, 1, "local", restore_s=2.0, prefill_s=1.0, max_cost=1.5, samples=1, explore=True
+    )
     assert (capped.restore, capped.reason) == (False, "max_cost")
     assert (decide(3, 0.5).samples, decide(3, 0.5).best_s) == (3, 0.5)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import KW_ONLY, asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -174,26 +174,43 @@ def generate(
             store,
             session,
             tokenizer,
-            prompt,
-            system,
-            identity,
-            namespace,
-            bar("restore"),
+            prompt=prompt,
+            system=system,
+            identity=identity,
+            namespace=namespace,
+            bar=bar("restore"),
             template_kwargs=template_kwargs,
             fresh=new,
         )
     else:
         prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))
-        got = resume_text(store, session, prompt_ids, identity, namespace, bar("restore"), new)
+        got = resume_text(
+            store,
+            session,
+            prompt_ids,
+            identity=identity,
+            namespace=namespace,
+            bar=bar("restore"),
+            fresh=new,
+        )
     if len(got.tokens) == got.covered:
         raise InvalidArgumentError("the prompt is empty after tokenization")
     tokens, covered = got.tokens, got.covered
     decision = store.costs.last
     sampling = sampling or Sampling()
     cache = got.cache if got.cache is not None else _new_cache(model, identity)
-    run = _Run(model, tokenizer, identity, sampling, prefill_step_size, should_stop)
+    run = _Run(
+        model,
+        tokenizer,
+        identity=identity,
+        sampling=sampling,
+        prefill_step_size=prefill_step_size,
+        should_stop=should_stop,
+    )
     started = time.perf_counter()
-    got_run = run(tokens[covered:], cache, max_tokens, bar("prefill"), on_text, t0)
+    got_run = run(
+        tokens[covered:], cache, max_tokens=max_tokens, bar=bar("prefill"), on_text=on_text, t0=t0
+    )
     out, text, first = got_run.tokens, got_run.text, got_run.first
     elapsed = time.perf_counter() - t0
     if out:  # the prompt's forward (and one step) until the first token: a prefill rate
@@ -271,6 +288,7 @@ class _Run:
 
     model: Any
     tokenizer: Any
+    _: KW_ONLY
     identity: ModelIdentity
     sampling: Sampling
     prefill_step_size: int
@@ -293,6 +311,7 @@ class _Run:
         self,
         prompt: list[int],
         cache: list[Any],
+        *,
         max_tokens: int,
         bar: Progress | None,
         on_text: Callable[[str], None] | None,

@@ -18,7 +18,7 @@ from ..records import RecordSpec
 __all__ = ["LayerInfo", "FileInfo", "describe_file", "verify_file"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerInfo:
     index: int
     kind: str
@@ -61,7 +61,7 @@ def describe_file(path: str | os.PathLike[str]) -> FileInfo:
     layers = []
     for i, spec in enumerate(m.layers):
         n, b = _tensor_stats(spec)
-        layers.append(LayerInfo(i, spec.kind, spec.version, n, b))
+        layers.append(LayerInfo(index=i, kind=spec.kind, version=spec.version, tensors=n, bytes=b))
     return FileInfo(
         path=str(path),
         file_bytes=Path(path).stat().st_size,
@@ -83,14 +83,14 @@ def verify_file(path: str | os.PathLike[str]) -> FileInfo:
     facts = snapshot_facts(loaded.cache)
     layers = [
         LayerInfo(
-            layer.index,
-            layer.kind,
-            layer.version,
-            layer.tensors,
-            layer.bytes,
-            f.offset,
-            f.trimmable,
-            f.min_resume_offset,
+            index=layer.index,
+            kind=layer.kind,
+            version=layer.version,
+            tensors=layer.tensors,
+            bytes=layer.bytes,
+            offset=f.offset,
+            trimmable=f.trimmable,
+            min_resume_offset=f.min_resume_offset,
         )
         for layer, f in zip(info.layers, facts, strict=True)
     ]

@@ -33,7 +33,7 @@ CHAT_KEY = "persist.chat"  # session metadata: the chat's messages, as JSON
 ANSWER_ROOM = 256 << 10  # metadata kept free for the answer a turn adds
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Resumed:
     cache: list[Any] | None
     tokens: list[int]  # every token of this turn, the session's history included
@@ -47,6 +47,7 @@ def resume_text(
     store: Store,
     session: str,
     new: list[int],
+    *,
     identity: ModelIdentity,
     namespace: str,
     bar: Progress | None,
@@ -61,13 +62,19 @@ def resume_text(
     except SessionNotFoundError:
         hit = store.lookup(new, identity=identity, namespace=namespace)
         if hit is None:
-            return Resumed(None, new, 0, "none", 0)
-        return Resumed(hit.cache, new, len(hit.tokens), "prefix", 0)
+            return Resumed(cache=None, tokens=new, covered=0, source="none", version=0)
+        covered = len(hit.tokens)
+        return Resumed(cache=hit.cache, tokens=new, covered=covered, source="prefix", version=0)
     if CHAT_KEY in restored.entry.metadata:  # raw text would end the chat's messages
         raise InvalidArgumentError(f"session {session!r} is a chat; continue it with --chat")
     tokens, unverified = restored.tokens + new, _unverified(restored)
     return Resumed(
-        restored.cache, tokens, len(restored.tokens), "session", restored.entry.id, unverified
+        cache=restored.cache,
+        tokens=tokens,
+        covered=len(restored.tokens),
+        source="session",
+        version=restored.entry.id,
+        unverified=unverified,
     )
 
 
@@ -116,6 +123,7 @@ def resume_chat(
     store: Store,
     session: str,
     tokenizer: Any,
+    *,
     prompt: str,
     system: str | None,
     identity: ModelIdentity,
@@ -158,13 +166,22 @@ def resume_chat(
     version = 0 if restored is None else restored.entry.id
     if restored is not None and full[: len(restored.tokens)] == restored.tokens:
         resumed = Resumed(
-            restored.cache, full, len(restored.tokens), "session", version, _unverified(restored)
+            cache=restored.cache,
+            tokens=full,
+            covered=len(restored.tokens),
+            source="session",
+            version=version,
+            unverified=_unverified(restored),
         )
         return resumed, messages
     hit = store.lookup(full, identity=identity, namespace=namespace)
     if hit is None:
-        return Resumed(None, full, 0, "none", version), messages
-    return Resumed(hit.cache, full, len(hit.tokens), "prefix", version), messages
+        return Resumed(cache=None, tokens=full, covered=0, source="none", version=version), messages
+    covered = len(hit.tokens)
+    resumed = Resumed(
+        cache=hit.cache, tokens=full, covered=covered, source="prefix", version=version
+    )
+    return resumed, messages
 
 
 def chat_metadata(messages: list[dict[str, str]], answer: str) -> dict[str, str]:

@@ -310,7 +310,7 @@ def warm() -> None:
     ``persist serve`` calls this before it answers.  The host tier's page table
     is a device buffer here: the kernels only follow pointers."""
     (scratch, at), (dest, to) = device_buffers([64, 64])
-    scatter(scratch, [Placed(0, 0, 16, to, 16, 16, 16)])
+    scatter(scratch, [Placed(src=0, a=0, b=16, dst=to, row=16, pitch=16, keep=16)])
     addresses([dest])
     pack([(mx.zeros((16,), dtype=mx.uint8), 0)], [at], 64)
     unpack([(0, 16, (16,), mx.uint8)], [at], 64)

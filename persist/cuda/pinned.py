@@ -70,7 +70,7 @@ class Lane(Protocol):
     back, ``cuda/readback``): ``current`` readies the thread for the lane's
     copies (``enter`` without the reader), ``fetch`` queues a copy of ``n``
     device bytes into a slot, ``settle`` waits for it.  A lane may also have
-    ``send(slot, fd, pos, n, pieces, fresh)`` and ``answer(sent)``: its reader
+    ``send(slot, fd, pos=..., n=..., pieces=..., fresh=...)`` and ``answer(sent)``: its reader
     process reads and checks the slot (``cuda/readers``); without them the
     reader thread does (``engine/staged/slot_reads``).
     """

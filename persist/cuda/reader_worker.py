@@ -48,6 +48,7 @@ SHORT = "short"  # ``fill``'s answer when the file ended first
 def fill(
     view: memoryview,
     fd: int,
+    *,
     at: int,
     lo: int,
     hi: int,
@@ -110,7 +111,7 @@ def serve(view: memoryview, msg: bytes, fd: int, hashers: dict[str, Any]) -> byt
     for w in words:
         a, b, ident, flags, digest = w.split(",")
         pieces.append((int(a), int(b), ident, int(flags), bytes.fromhex(digest)))
-    got = fill(view, fd, at, lo, hi, pos, pieces, hashers)
+    got = fill(view, fd, at=at, lo=lo, hi=hi, pos=pos, pieces=pieces, hashers=hashers)
     if got is None:
         return b"ok"
     return b"short" if got == SHORT else b"bad " + got.encode("ascii")

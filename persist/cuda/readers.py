@@ -152,7 +152,7 @@ class Readers:
                 raise ReaderLost(f"reader process {i} could not start: {e}") from None
 
     def send(
-        self, i: int, slot: int, fd: int, pos: int, n: int, pieces: list[Piece], fresh: bool
+        self, i: int, slot: int, fd: int, *, pos: int, n: int, pieces: list[Piece], fresh: bool
     ) -> Sent:
         """Ask worker ``i`` for slot bytes [0, n) of lane ``i`` from file ``fd`` at
         ``pos``, every piece checked; ``answer`` waits for it.  ``fresh``: a new run

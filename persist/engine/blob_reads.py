@@ -9,6 +9,7 @@ tensor piece against its own checksum, while it is read into its buffer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections import OrderedDict
@@ -143,6 +144,7 @@ def read_all(
     pool: ThreadPoolExecutor,
     ahead: Ahead,
     blobs: BlobStore,
+    *,
     pieces: list[Piece],
     heads: dict[str, tuple[int, bytes] | None],
     buffers: Buffers,
@@ -170,9 +172,17 @@ def read_all(
     try:
         for n, (file, at, which) in enumerate(pieces):
             ahead.window(n + AHEAD)
-            pending.add(
-                pool.submit(_read_blob, blobs, file, heads[file], at, which, buffers, split)
+            read = functools.partial(
+                _read_blob,
+                blobs,
+                file,
+                heads[file],
+                at=at,
+                which=which,
+                buffers=buffers,
+                split=split,
             )
+            pending.add(pool.submit(read))
             if len(pending) >= 2 * WORKERS:  # a bounded queue: few open files
                 finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                 settle(finished)
@@ -188,6 +198,7 @@ def _read_blob(
     blobs: BlobStore,
     file: str,
     known: tuple[int, bytes] | None,
+    *,
     at: int,
     which: str,
     buffers: Buffers,
@@ -209,4 +220,13 @@ def _read_blob(
 
 def _piece(blob: Blob, key: str, out: Any, view: memoryview, axis: int, at: int) -> TensorPiece:
     e, where = entry(blob, key)
-    return TensorPiece(e.start, e.spec, view, tuple(out.shape), at, axis, blob.sums[key], where)
+    return TensorPiece(
+        start=e.start,
+        stored=e.spec,
+        into=view,
+        alloc_shape=tuple(out.shape),
+        at=at,
+        axis=axis,
+        want=blob.sums[key],
+        where=where,
+    )

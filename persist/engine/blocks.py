@@ -47,7 +47,7 @@ class Piece:
     runs: list[memoryview] | None = None  # its contiguous runs, where the plan knows them
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     records: list[Record]
     specs: dict[str, TensorSpec]  # whole tensors
@@ -103,7 +103,16 @@ def plan(snap: Snapshot, block: int, dtype_name: Any) -> Plan:
                 split[key] = axis
     n = len(snap.tokens or [])
     rows = {k: _token_rows(snap.host[k], a) for k, a in split.items()}
-    return Plan(snap.records, specs, split, n // block, block, n, snap.host, rows)
+    return Plan(
+        records=snap.records,
+        specs=specs,
+        split=split,
+        n_blocks=n // block,
+        block=block,
+        n_tokens=n,
+        arrays=snap.host,
+        rows=rows,
+    )
 
 
 def _key(layer: int, axis_name: str) -> str:

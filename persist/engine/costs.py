@@ -159,11 +159,19 @@ class CostModel:
         tier, nbytes = tiers[0]
         known = [p for p in parts if p is not None]
         if len(known) < len(parts):
-            return policy.decide_cost(tokens, nbytes, tier, None, prefill, max_cost)
+            return policy.decide_cost(
+                tokens, nbytes, tier, restore_s=None, prefill_s=prefill, max_cost=max_cost
+            )
         return policy.decide_cost(
-            tokens, nbytes, tier, sum(p.seconds for p in known), prefill, max_cost,
-            best_s=sum(p.best for p in known), samples=min(p.samples for p in known),
-        )  # fmt: skip
+            tokens,
+            nbytes,
+            tier,
+            restore_s=sum(p.seconds for p in known),
+            prefill_s=prefill,
+            max_cost=max_cost,
+            best_s=sum(p.best for p in known),
+            samples=min(p.samples for p in known),
+        )
 
     def decide(
         self,
@@ -209,14 +217,23 @@ class CostModel:
         if nbytes > 0 and seconds > 0:
             here, bucket = self._machine(identity), policy.rate_bucket(nbytes)
             what = self._what("restore", tier)
-            rates.record(self.index, here, what, tier, bucket, nbytes / seconds, self.wall())
+            rate = nbytes / seconds
+            rates.record(self.index, here, what, key=tier, bucket=bucket, rate=rate, at=self.wall())
 
     def prefilled(self, identity: ModelIdentity, start: int, end: int, seconds: float) -> None:
         """A measured prefill of positions [start, end) (the forward and its evaluation)."""
         if end - start >= MIN_PREFILL and seconds > 0:
             here, bucket = self._machine(identity), policy.rate_bucket((start + end) // 2)
             rate, what = (end - start) / seconds, self._what("prefill", identity.digest)
-            rates.record(self.index, here, what, identity.digest, bucket, rate, self.wall())
+            rates.record(
+                self.index,
+                here,
+                what,
+                key=identity.digest,
+                bucket=bucket,
+                rate=rate,
+                at=self.wall(),
+            )
 
     @contextmanager
     def timing_restore(self, identity: ModelIdentity, tier: str, nbytes: int) -> Iterator[None]:

@@ -51,7 +51,7 @@ REASONS = {
 CONTEXT = 4  # tokens shown on each side of a divergence
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Near:
     """One stored snapshot sharing ``shared`` tokens with the prompt."""
 
@@ -71,7 +71,7 @@ class Near:
     in_markup: bool = False  # the divergence is at a special (chat template) token
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Explanation:
     prompt_tokens: int
     namespace: str
@@ -108,6 +108,7 @@ def _near(
     row: SnapshotRow,
     toks: list[int],
     packed: bytes,
+    *,
     identity: ModelIdentity,
     decode: Callable[[list[int]], str] | None,
     special: set[int],
@@ -141,9 +142,21 @@ def _near(
         text["stored_next"] = decode(s_next)
     markup = bool(special) and any(t in special for t in p_next[:1] + s_next[:1])
     return Near(
-        row.id, row.name, row.role, row.n_tokens, shared, usable, reason, detail, fields,
-        p_next, s_next, before, text, markup,
-    )  # fmt: skip
+        id=row.id,
+        session=row.name,
+        role=row.role,
+        tokens=row.n_tokens,
+        shared=shared,
+        usable=usable,
+        reason=reason,
+        detail=detail,
+        identity_fields=fields,
+        prompt_next=p_next,
+        stored_next=s_next,
+        before=before,
+        text=text,
+        in_markup=markup,
+    )
 
 
 def explain(
@@ -151,9 +164,9 @@ def explain(
     blobs: BlobStore,
     costs: CostModel,
     tokens: Sequence[int],
+    *,
     identity: ModelIdentity,
     namespace: str,
-    *,
     limit: int = 5,
     tokenizer: Any = None,
     other_namespaces: bool = False,
@@ -172,7 +185,10 @@ def explain(
     rows = {r.id: r for r in listed}
     nears = [
         n
-        for n in (_near(r, toks, packed, identity, decode, special) for r in rows.values())
+        for n in (
+            _near(r, toks, packed, identity=identity, decode=decode, special=special)
+            for r in rows.values()
+        )
         if n.shared >= HEAD_TOKENS  # a lookup never reuses less (storage.chains)
     ]
     with index.read() as db:  # the checksums of the rows that share a prefix, no others
@@ -182,11 +198,21 @@ def explain(
     longest = max(nears, key=lambda n: (n.shared, n.usable), default=None)
     cost = None
     if best is not None:
-        cost, best = _priced(index, blobs, costs, identity, best, rows[best.id])
+        cost, best = _priced(index, blobs, costs, identity=identity, best=best, row=rows[best.id])
     reason, message = _verdict(best, longest)
     others = _elsewhere(index, namespace, toks, longest) if other_namespaces else None
     shown = sorted(nears, key=lambda n: (-n.shared, -n.usable, n.id))[:limit]
-    return Explanation(len(toks), namespace, best, longest, reason, message, shown, others, cost)
+    return Explanation(
+        prompt_tokens=len(toks),
+        namespace=namespace,
+        best=best,
+        longest=longest,
+        reason=reason,
+        message=message,
+        nearest=shown,
+        other_namespaces=others,
+        cost=cost,
+    )
 
 
 def _replace(n: Near, **kw: Any) -> Near:
@@ -207,6 +233,7 @@ def _priced(
     index: Index,
     blobs: BlobStore,
     costs: CostModel,
+    *,
     identity: ModelIdentity,
     best: Near,
     row: SnapshotRow,

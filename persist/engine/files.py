@@ -70,7 +70,15 @@ def save_file(
     ident = identity.to_dict() if identity is not None else None
 
     def manifest_meta(sums: dict[str, bytes]) -> dict[str, str]:
-        body = pack_manifest(snap.records, specs, sums, snap.tokens, meta, ident, created)
+        body = pack_manifest(
+            snap.records,
+            specs,
+            sums,
+            tokens=snap.tokens,
+            metadata=meta,
+            identity=ident,
+            created=created,
+        )
         return file_metadata(body)
 
     created = time.time()
@@ -160,11 +168,11 @@ def _read_layer(fd: int, spec: RecordSpec, keys: Any, manifest: Manifest, where:
             manifest.offsets[key],
             stored,
             view,
-            tuple(out.shape),
-            0,
-            2,
-            manifest.checksums[key],
-            f"{where}: tensor {key!r}",
+            alloc_shape=tuple(out.shape),
+            at=0,
+            axis=2,
+            want=manifest.checksums[key],
+            where=f"{where}: tensor {key!r}",
         )
         tensors[name] = out
     kids = tuple(_read_layer(fd, c, keys, manifest, where) for c in spec.children)

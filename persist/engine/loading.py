@@ -94,12 +94,29 @@ def load_snapshot(
     if choice.ring is not None and not staging.busy():
         try:
             arrays = _staged(
-                choice.ring, blobs, pieces, heads, specs, split, length, room, progress
+                choice.ring,
+                blobs,
+                pieces,
+                heads=heads,
+                specs=specs,
+                split=split,
+                length=length,
+                room=room,
+                progress=progress,
             )
         except ReaderLost as e:  # the next restore starts a new reader process
             _log.warning("persist: %s; this restore reads on the host path", e)
     if arrays is None:
-        arrays = _host(blobs, pieces, heads, specs, split, length, room, progress)
+        arrays = _host(
+            blobs,
+            pieces,
+            heads=heads,
+            specs=specs,
+            split=split,
+            length=length,
+            room=room,
+            progress=progress,
+        )
     records = [_record(spec, str(i), arrays) for i, spec in enumerate(specs)]
     if keep is not None and keep != row.n_tokens:
         trimmed = [trim_record(r, keep) for r in records]
@@ -123,6 +140,7 @@ def _note_path(index: Index, choice: pinned.Choice) -> None:
 def _host(
     blobs: BlobStore,
     pieces: list[Piece],
+    *,
     heads: dict[str, tuple[int, bytes] | None],
     specs: list[RecordSpec],
     split: dict[str, int],
@@ -135,7 +153,16 @@ def _host(
         ahead = Ahead(pool, blobs, [f for f, _, _ in pieces])
         ahead.window(0)  # the disk starts while the buffers are allocated
         buffers = _allocate(specs, split, length, room)
-        read_all(pool, ahead, blobs, pieces, heads, buffers, split, progress)
+        read_all(
+            pool,
+            ahead,
+            blobs,
+            pieces=pieces,
+            heads=heads,
+            buffers=buffers,
+            split=split,
+            progress=progress,
+        )
     for key, (n, _) in room.items():
         out, view, axis = buffers[key]
         partial_room.zero_past(view, tuple(out.shape), dtype_name(out), axis, n)
@@ -148,6 +175,7 @@ def _staged(
     ring: pinned.Ring,
     blobs: BlobStore,
     pieces: list[Piece],
+    *,
     heads: dict[str, tuple[int, bytes] | None],
     specs: list[RecordSpec],
     split: dict[str, int],
@@ -169,7 +197,11 @@ def _staged(
         for (key, (shape, axis, d)), (_, addr) in zip(shapes.items(), made, strict=True)
     }
     jobs = [
-        staging.Job(functools.partial(_open_staged, blobs, f, heads[f], at, which, dests, split))
+        staging.Job(
+            functools.partial(
+                _open_staged, blobs, f, heads[f], at=at, which=which, dests=dests, split=split
+            )
+        )
         for f, at, which in pieces
     ]
     each = [known[0] if (known := heads[f]) is not None else 0 for f, _, _ in pieces]
@@ -184,6 +216,7 @@ def _open_staged(
     blobs: BlobStore,
     file: str,
     known: tuple[int, bytes] | None,
+    *,
     at: int,
     which: str,
     dests: dict[str, staging.Dest],
@@ -198,7 +231,9 @@ def _open_staged(
 
 def _want(blob: Blob, key: str, at: int) -> staging.Want:
     e, where = entry(blob, key)
-    return staging.Want(key, e.start, e.end, e.spec, at, blob.sums[key], where)
+    return staging.Want(
+        key=key, start=e.start, end=e.end, stored=e.spec, at=at, want=blob.sums[key], where=where
+    )
 
 
 def _wanted(

@@ -52,17 +52,42 @@ def nearest(
 
         who = owner(namespace, identity, strict)
         ram, kept = host_hit(
-            host, costs, identity, namespace, who, toks, longer_than=longer_than, max_cost=max_cost
+            host,
+            costs,
+            identity,
+            namespace=namespace,
+            who=who,
+            toks=toks,
+            longer_than=longer_than,
+            max_cost=max_cost,
         )
     have = max(kept, longer_than)  # what a pull or a read must beat (a declined copy too)
     if kept < len(toks) - 1:  # nothing beats a hit of every token but the last
         for tier in tiers:  # the fleet's deepest snapshot, if it beats what is here
-            tier.pull_prefix(i, store.blobs, toks, identity, namespace, b, costs, max_cost, have)
+            tier.pull_prefix(
+                i,
+                store.blobs,
+                toks,
+                identity=identity,
+                namespace=namespace,
+                block=b,
+                costs=costs,
+                max_cost=max_cost,
+                longer_than=have,
+            )
         found = lookup_prefix(
-            i, store.blobs, toks, identity, namespace, b, longer_than=have,
-            strict_backend=strict, costs=costs, max_cost=max_cost,
+            i,
+            store.blobs,
+            toks,
+            identity=identity,
+            namespace=namespace,
+            block_tokens=b,
+            longer_than=have,
+            strict_backend=strict,
+            costs=costs,
+            max_cost=max_cost,
             count_miss=not kept,  # a declined copy was counted as cost_recomputed
-        )  # fmt: skip
+        )
         if found is not None:
             cache, row, prefix = found
             return Restored(cache, toks[:prefix], store._info(row))
@@ -71,5 +96,12 @@ def nearest(
     from .host.store_hooks import from_host
 
     return from_host(
-        store, host, toks, identity, namespace, who, longer_than=longer_than, max_cost=max_cost
+        store,
+        host,
+        toks,
+        identity=identity,
+        namespace=namespace,
+        who=who,
+        longer_than=longer_than,
+        max_cost=max_cost,
     )

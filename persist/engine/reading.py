@@ -43,6 +43,7 @@ def restore_named(
     blobs: BlobStore,
     namespace: str,
     session: str,
+    *,
     identity: ModelIdentity,
     progress: Progress | None = None,
     strict_backend: bool = False,
@@ -105,6 +106,7 @@ def index_hit(
     index: Index,
     toks: list[int],
     identity: ModelIdentity,
+    *,
     namespace: str,
     block_tokens: int,
     skip: set[int],
@@ -114,17 +116,19 @@ def index_hit(
     if secret is None:
         return None
     chs = chains(chain_root(secret, identity.digest), toks, block_tokens)
-    return lookup_queries.best_row(index, namespace, identity.digest, chs, toks, block_tokens, skip)
+    return lookup_queries.best_row(
+        index, namespace, identity.digest, chains=chs, toks=toks, block=block_tokens, skip=skip
+    )
 
 
 def lookup_prefix(
     index: Index,
     blobs: BlobStore,
     toks: list[int],
+    *,
     identity: ModelIdentity,
     namespace: str,
     block_tokens: int,
-    *,
     longer_than: int = 0,
     strict_backend: bool = False,
     costs: CostModel | None = None,
@@ -140,7 +144,11 @@ def lookup_prefix(
     tokens (or than ``max_cost`` seconds) is declined: None, as a miss.
     """
     skip: set[int] = set()
-    while (found := index_hit(index, toks, identity, namespace, block_tokens, skip)) is not None:
+    while (
+        found := index_hit(
+            index, toks, identity, namespace=namespace, block_tokens=block_tokens, skip=skip
+        )
+    ) is not None:
         row, prefix = found
         if strict_backend and _other_backend(row, identity):
             skip.add(row.id)  # computed on another backend: not for a strict store

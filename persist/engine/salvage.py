@@ -43,13 +43,12 @@ def cutter(index: Index, blobs: BlobStore, block_tokens: int, budgets: retention
             meta = msgpack.unpackb(row.metadata, raw=False)
             assert row.name is not None
             target = Target(
-                saved_identity(row),
-                row.namespace,
-                row.name,
-                None,
-                "session",
-                row.pinned,
-                meta,
+                identity=saved_identity(row),
+                namespace=row.namespace,
+                name=row.name,
+                role="session",
+                pin=row.pinned,
+                metadata=meta,
                 if_version=row.id,  # a session saved again meanwhile is not cut back
             )
             snap = captured(cache, unpack_tokens(row.tokens)[:keep], target.identity)

@@ -96,5 +96,5 @@ def published(
         from .host.store_hooks import keep_saved, owner
 
         who = owner(target.namespace, target.identity, store.strict_backend)
-        keep_saved(store.host, cache, row, info, who, store.index)
+        keep_saved(store.host, cache, row, info=info, who=who, index=store.index)
     return info

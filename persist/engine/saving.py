@@ -13,7 +13,6 @@ import contextlib
 import errno
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +27,6 @@ from ..errors import (
     StoreBusyError,
     StoreFullError,
 )
-from ..format.container import write_tensors
-from ..format.manifest import blob_metadata
 from ..format.tokens import pack_tokens, unpack_tokens
 from ..identity import ModelIdentity
 from ..records import Progress
@@ -37,7 +34,8 @@ from ..storage import retention, writes
 from ..storage.blobs import BlobStore
 from ..storage.index import BlockRef, Index, NewBlob, SnapshotRow
 from ..storage.leases import Lease
-from .blocks import Parts, Piece, Plan, chain_root, chains, content_key, head_key, materialize, plan
+from .blob_writes import write_blobs
+from .blocks import Plan, chain_root, chains, head_key, plan
 from .layer_checks import (
     holds_quantized,
     quantized_start,
@@ -47,12 +45,9 @@ from .unverified import UNVERIFIED_KEY, inherits_unverified
 __all__ = ["Target", "write_and_commit"]
 
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-WRITERS = 2  # blobs written at once (one fsyncs while the other writes)
-HASHERS = min(4, os.cpu_count() or 1)  # blocks hashed at once (xxhash drops the GIL)
-Hashed = list[tuple[Piece, Parts, bytes]]  # ``blocks.materialize``
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Target:
     """What a save is for: the model, where it goes, and how it is kept."""
 
@@ -86,7 +81,7 @@ def write_and_commit(
 
     A session saved again (turn n+1) writes only the blocks whose bytes changed:
     every block is hashed in full and one whose content key is a live blob is
-    taken as it is (``_put``).  Nothing short of the bytes is trusted: MLX writes
+    taken as it is (``blob_writes._put``).  Nothing short of the bytes is trusted: MLX writes
     in place (``c.keys[..., 5, :] = x``) keep the Python object and its buffer,
     so no identity or fingerprint can prove a block unchanged (docs/FORMAT.md)."""
     identity, namespace = target.identity, target.namespace
@@ -106,10 +101,30 @@ def write_and_commit(
         salt = lease.salt
         try:
             index.begin_pending(salt)
-            refs, tail = _write_blobs(
-                index, blobs, p, chs, secret, block_tokens, written, progress, salt
+            refs, tail = write_blobs(
+                index,
+                blobs,
+                p,
+                chs=chs,
+                secret=secret,
+                block_tokens=block_tokens,
+                written=written,
+                progress=progress,
+                salt=salt,
             )
-            done = _commit(index, blobs, p, snap, chs, refs, tail, written, target, salt, budgets)
+            done = _commit(
+                index,
+                blobs,
+                p,
+                snap=snap,
+                chs=chs,
+                refs=refs,
+                tail=tail,
+                written=written,
+                target=target,
+                salt=salt,
+                budgets=budgets,
+            )
         except BaseException as e:
             # Decide by the index, not by the exception: a Ctrl-C that lands
             # just after the COMMIT must not unlink what the commit references.
@@ -156,110 +171,11 @@ def _committed(index: Index, salt: str) -> bool:
         return True  # the index cannot say: keep the files (check removes orphans)
 
 
-def _write_blobs(
-    index: Index,
-    blobs: BlobStore,
-    p: Plan,
-    chs: list[bytes],
-    secret: bytes,
-    block_tokens: int,
-    written: list[NewBlob],
-    progress: Progress | None,
-    salt: str,
-) -> tuple[list[BlockRef], str]:
-    refs = []
-    n = p.n_tokens
-    blocks = n // block_tokens
-    writes = _Writes(blobs, salt, written)
-    # Hashing every byte is most of a turn's save (the blocks unchanged since
-    # the last one are found by it): on threads, ahead of the lookups and writes.
-    hashing = ThreadPoolExecutor(HASHERS, thread_name_prefix="persist-hash")
-    try:
-        hashed = hashing.map(
-            lambda i: materialize(p.block_pieces(i)), range(blocks if p.split else 0)
-        )
-        for i in range(blocks):
-            mats = next(hashed) if p.split else []
-            blob = _put(index, secret, b"block", mats, writes) if mats else None
-            refs.append(BlockRef(i, chs[i + 1], blob))
-            if progress is not None:
-                progress(i + 1, blocks + 1)
-        tail = _put(index, secret, b"tail", materialize(p.tail_pieces(n)), writes)
-    except BaseException:
-        hashing.shutdown(wait=True, cancel_futures=True)
-        with contextlib.suppress(BaseException):  # the first error is the one to report
-            writes.close()
-        raise
-    hashing.shutdown(wait=True)
-    writes.close()  # every blob on disk (fsynced, renamed) before the commit
-    if progress is not None:
-        progress(blocks + 1, blocks + 1)
-    return refs, tail
-
-
-class _Writes:
-    """The blob writes of one save, WRITERS at a time: one blob is fsynced while
-    the next is written.  ``close`` waits for every write that started and lists
-    it in ``written`` (so a failed save removes it), then raises the first failure."""
-
-    def __init__(self, blobs: BlobStore, salt: str, written: list[NewBlob]) -> None:
-        self.blobs, self.salt, self.written = blobs, salt, written
-        self.pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="persist-write")
-        self.running: dict[str, Future[tuple[str, int, bytes]]] = {}
-
-    def find(self, key: str) -> str | None:
-        """The file of a blob of these bytes this save already writes."""
-        if key in self.running:
-            return self.blobs.file_name(key, self.salt)
-        return next((b.file for b in self.written if b.key == key), None)
-
-    def start(self, key: str, write: Any, size_hint: int) -> str:
-        if len(self.running) >= 2 * WRITERS:  # bounded: a few blobs' views in flight
-            self._settle(next(iter(self.running)))
-        self.running[key] = self.pool.submit(self.blobs.put, key, write, size_hint, self.salt)
-        return self.blobs.file_name(key, self.salt)
-
-    def _settle(self, key: str) -> None:
-        file, size, head = self.running.pop(key).result()
-        self.written.append(NewBlob(file, key, size, head))
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        first: BaseException | None = None
-        for key in list(self.running):
-            try:
-                self._settle(key)
-            except BaseException as e:
-                self.running.pop(key, None)
-                first = first or e
-        if first is not None:
-            raise first
-
-
-def _put(index: Index, secret: bytes, role: bytes, mats: Hashed, writes: _Writes) -> str:
-    key = content_key(secret, role, mats)
-    same = writes.find(key)  # the same bytes twice in one snapshot: one file
-    if same is not None:
-        return same
-    existing = index.live_blob(key)
-    if existing is not None:
-        return existing[0]
-    items = [(pc.key, pc.spec, (lambda runs=runs: runs)) for pc, runs, _ in mats]
-    sums = {pc.key: s for pc, _, s in mats}
-    meta_role = role.decode()
-
-    def write(sink: Any) -> bytes:
-        write_tensors(sink, items, lambda got: blob_metadata(meta_role, got), sums)
-        return bytes(sink.head_digest)
-
-    size_hint = sum(pc.spec.nbytes for pc, _, _ in mats)
-    return writes.start(key, write, size_hint)
-
-
 def _commit(
     index: Index,
     blobs: BlobStore,
     p: Plan,
+    *,
     snap: Snapshot,
     chs: list[bytes],
     refs: list[BlockRef],
@@ -318,10 +234,25 @@ def _commit(
             )
         hints = _hints(db, t, namespace, who)  # read before the session's old row goes
         if t.name is not None:
-            _retire(db, namespace, t.name, t.identity.digest, snap.trimmable, floor, toks)
+            _retire(
+                db,
+                namespace,
+                t.name,
+                digest=t.identity.digest,
+                trimmable=snap.trimmable,
+                floor=floor,
+                toks=toks,
+            )
         elif t.role == "prefix":
             covered = _replace_covered(
-                db, namespace, t.identity.digest, snap.trimmable, floor, toks, chs, p.block
+                db,
+                namespace,
+                t.identity.digest,
+                trimmable=snap.trimmable,
+                floor=floor,
+                toks=toks,
+                chs=chs,
+                block=p.block,
             )
             hints = policy.stronger_hints(hints, covered)
         elif t.owner is not None:  # a checkpoint saved again (a resumed prime): one row
@@ -337,7 +268,14 @@ def _commit(
 
 
 def _retire(
-    db: Any, namespace: str, name: str, digest: str, trimmable: bool, floor: int, toks: list[int]
+    db: Any,
+    namespace: str,
+    name: str,
+    *,
+    digest: str,
+    trimmable: bool,
+    floor: int,
+    toks: list[int],
 ) -> None:
     """Replace the session's previous snapshot: supersede it, or keep it as a checkpoint."""
     for old in writes.session_rows(db, namespace, name):
@@ -347,9 +285,9 @@ def _retire(
             len(toks),
             trimmable,
             floor,
-            old.n_tokens,
-            is_prefix,
-            old.name is None,
+            old_len=old.n_tokens,
+            old_is_prefix=is_prefix,
+            old_is_checkpoint=old.name is None,
         )
         if action == "drop":
             writes.remove(db, old.id)
@@ -386,6 +324,7 @@ def _replace_covered(
     db: Any,
     namespace: str,
     digest: str,
+    *,
     trimmable: bool,
     floor: int,
     toks: list[int],
@@ -396,7 +335,10 @@ def _replace_covered(
     bounded by distinct prefixes.  Their strongest retention hints, which the new
     one keeps: it serves their prefixes now."""
     hints = None
-    for old in retention.anonymous_prefixes_of(db, namespace, digest, chs, toks, block):
+    olds = retention.anonymous_prefixes_of(
+        db, namespace, digest, chains=chs, tokens=toks, block=block
+    )
+    for old in olds:
         old_toks = unpack_tokens(old.tokens)
         is_prefix = toks[: len(old_toks)] == old_toks
         if policy.covers(len(toks), trimmable, floor, len(old_toks), is_prefix):

@@ -174,9 +174,16 @@ class Store(StoreUpkeep):
         if unverified_tokens and session is None:
             raise InvalidArgumentError("unverified tokens are kept only under a session name")
         target = Target(
-            identity, namespace, session, None, role, pin, meta, if_version, unverified_tokens,
+            identity=identity,
+            namespace=namespace,
+            name=session,
+            role=role,
+            pin=pin,
+            metadata=meta,
+            if_version=if_version,
+            unverified=unverified_tokens,
             hints=check_hints(ttl, priority),
-        )  # fmt: skip
+        )
         return self._save(cache, tokens, target, progress)
 
     def checkpoint(
@@ -192,7 +199,8 @@ class Store(StoreUpkeep):
         that serves prefix lookups, kept even when it is a prefix of a longer snapshot."""
         from .saving import Target
 
-        return self._save(cache, tokens, Target(identity, namespace, None, session, "checkpoint"))
+        target = Target(identity=identity, namespace=namespace, owner=session, role="checkpoint")
+        return self._save(cache, tokens, target)
 
     def _save(
         self,
@@ -227,7 +235,14 @@ class Store(StoreUpkeep):
         self._pull_named(session, namespace)
         i, strict = self.index, self.strict_backend
         cache, row = restore_named(
-            i, self.blobs, namespace, session, identity, progress, strict, self.costs
+            i,
+            self.blobs,
+            namespace,
+            session,
+            identity=identity,
+            progress=progress,
+            strict_backend=strict,
+            costs=self.costs,
         )
         notice = pop_notice(i, namespace, session)
         if notice is not None:  # said once, here and to whoever logs
@@ -297,7 +312,14 @@ class Store(StoreUpkeep):
 
         toks = check_tokens(tokens)
         check_name(namespace, "namespace")
-        found = index_hit(self.index, toks, identity, namespace, self.block_tokens, set())
+        found = index_hit(
+            self.index,
+            toks,
+            identity,
+            namespace=namespace,
+            block_tokens=self.block_tokens,
+            skip=set(),
+        )
         return None if found is None else (self._info(found[0]), found[1])
 
     def explain(
@@ -327,10 +349,18 @@ class Store(StoreUpkeep):
         toks = check_tokens(tokens)
         check_name(namespace, "namespace")
         return explain(
-            self.index, self.blobs, self.costs, toks, identity, namespace,
-            limit=limit, tokenizer=tokenizer, other_namespaces=other_namespaces,
-            strict_backend=self.strict_backend, bounded=self.block_tokens if bounded else None,
-        )  # fmt: skip
+            self.index,
+            self.blobs,
+            self.costs,
+            toks,
+            identity=identity,
+            namespace=namespace,
+            limit=limit,
+            tokenizer=tokenizer,
+            other_namespaces=other_namespaces,
+            strict_backend=self.strict_backend,
+            bounded=self.block_tokens if bounded else None,
+        )
 
     def warm(self, identity: ModelIdentity, n: int, *, namespace: str | None = None) -> WarmReport:
         """Read the ``n`` most valuable entries of ``identity`` (pinned, then most
@@ -345,7 +375,15 @@ class Store(StoreUpkeep):
             raise InvalidArgumentError(f"warm takes a count of entries, at least 0: {n!r}")
         if namespace is not None:
             check_name(namespace, "namespace")
-        return warm(self.index, self.blobs, self.host, identity, n, namespace, self.strict_backend)
+        return warm(
+            self.index,
+            self.blobs,
+            self.host,
+            identity=identity,
+            n=n,
+            namespace=namespace,
+            strict_backend=self.strict_backend,
+        )
 
     # -- listing and maintenance --------------------------------------------
 
@@ -385,7 +423,9 @@ class Store(StoreUpkeep):
         row = self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
         if row is None:
             raise SessionNotFoundError(session, namespace)
-        export_row(self.index, self.blobs, row, path, format, model, model_dir)
+        export_row(
+            self.index, self.blobs, row, path=path, format=format, model=model, model_dir=model_dir
+        )
         return self._info(row)
 
     def import_file(
@@ -407,7 +447,7 @@ class Store(StoreUpkeep):
         ``identity`` of the model that computed it and the ``tokens`` it covers
         (checked against every layer's offset), and the ``model`` itself so
         the file's layers are checked against the model's own caches (count,
-        kinds, heads, head dims, dtypes: ``transfer.check_fits``).  A cache
+        kinds, heads, head dims, dtypes: ``cache_fit.check_fits``).  A cache
         with no offset (purely recurrent) cannot vouch for any token list: it
         is refused unless ``unverified_tokens`` (``Store.save``).
         ``chat_tokens`` (the text's tokens with the chat template) only let the

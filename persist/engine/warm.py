@@ -62,7 +62,7 @@ def warm_candidates(
 
     def key(r: SnapshotRow) -> tuple[bool, tuple[bool, int, float, int]]:
         ttl, prio = hints.get(r.id, (0.0, 0))
-        e = policy.EvictEntry(r.id, r.used, False, (), ttl, prio)
+        e = policy.EvictEntry(r.id, r.used, False, (), ttl=ttl, priority=prio)
         return r.pinned, policy.eviction_key(e, now)
 
     mine.sort(key=key, reverse=True)
@@ -81,6 +81,7 @@ def warm(
     index: Index,
     blobs: BlobStore,
     host: HostTier,
+    *,
     identity: ModelIdentity,
     n: int,
     namespace: str | None,

@@ -280,7 +280,7 @@ class Sink:
 
 # Staging buffers outlive the writer threads (new every save): fresh pages are slow
 # on VMs (~1 s/GiB on a 2-core one), so the next save reuses these.
-KEEP_STAGES = 2  # a save writes two blobs at once (engine/saving.WRITERS)
+KEEP_STAGES = 2  # a save writes two blobs at once (engine/blob_writes.WRITERS)
 _free_stages: list[mmap.mmap] = []
 _stages_lock = threading.Lock()
 

@@ -93,6 +93,7 @@ def pack_manifest(
     records: list[Record],
     specs: dict[str, TensorSpec],
     checksums: dict[str, bytes],
+    *,
     tokens: list[int] | None,
     metadata: dict[str, str],
     identity: dict[str, Any] | None,

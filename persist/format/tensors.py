@@ -149,6 +149,7 @@ def read_piece(
     start: int,
     stored: TensorSpec,
     into: memoryview,
+    *,
     alloc_shape: tuple[int, ...],
     at: int,
     axis: int,
@@ -156,7 +157,17 @@ def read_piece(
     where: str,
 ) -> None:
     """Read a stored tensor into ``into`` at position ``at`` of ``axis``; verify it."""
-    read_pieces(fd, [Piece(start, stored, into, alloc_shape, at, axis, want, where)])
+    piece = Piece(
+        start=start,
+        stored=stored,
+        into=into,
+        alloc_shape=alloc_shape,
+        at=at,
+        axis=axis,
+        want=want,
+        where=where,
+    )
+    read_pieces(fd, [piece])
 
 
 def read_pieces(fd: int, pieces: list[Piece]) -> None:

@@ -31,6 +31,7 @@ class RedisRecords(RedisConnection):
         rkey: str,
         record: bytes,
         pointers: Sequence[tuple[str, bytes, bytes]],
+        *,
         trimmable: bool = True,
         secret: bytes | None = None,
         replace: bool = True,  # a plain SET always (the cold tier's is write-once)
@@ -50,9 +51,18 @@ class RedisRecords(RedisConnection):
         p = self.prefix(namespace)
         if session is None:
             out: bytes | None = self._call(
-                "put record", lambda: self._put(p, rkey, record, pointers, trimmable,
-                                                secret, replace_pointers, self.ttl_s)
-            )  # fmt: skip
+                "put record",
+                lambda: self._put(
+                    p,
+                    rkey,
+                    record,
+                    pointers=pointers,
+                    trimmable=trimmable,
+                    secret=secret,
+                    replace_pointers=replace_pointers,
+                    ttl=self.ttl_s,
+                ),
+            )
             self._ok()
             return out
 
@@ -70,7 +80,16 @@ class RedisRecords(RedisConnection):
             raise SessionMoved(f"session {name.decode(errors='replace')!r} moved on {self.url}")
         out = self._call(
             "put record",
-            lambda: self._put(p, None, record, pointers, trimmable, secret, replace_pointers, None),
+            lambda: self._put(
+                p,
+                None,
+                record,
+                pointers=pointers,
+                trimmable=trimmable,
+                secret=secret,
+                replace_pointers=replace_pointers,
+                ttl=None,
+            ),
         )
         self._ok()
         return out
@@ -80,6 +99,7 @@ class RedisRecords(RedisConnection):
         p: str,
         rkey: str | None,
         record: bytes,
+        *,
         pointers: Sequence[tuple[str, bytes, bytes]],
         trimmable: bool,
         secret: bytes | None,

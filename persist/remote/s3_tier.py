@@ -244,6 +244,7 @@ class S3Tier:
         rkey: str,
         record: bytes,
         pointers: Sequence[tuple[str, bytes, bytes]],
+        *,
         trimmable: bool = True,
         secret: bytes | None = None,
         replace: bool = False,

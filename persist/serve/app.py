@@ -141,7 +141,16 @@ def serve(
 
     def run(host: str, port: int, model_provider: Any, *args: Any, **kwargs: Any) -> None:
         use_log_format(log_format)  # mlx-lm's main has configured logging by now
-        log.info(start_line(store, namespace, shared, cold, queue_size, when_full, metrics.host))
+        line = start_line(
+            store,
+            namespace,
+            shared=shared,
+            cold=cold,
+            queue=queue_size,
+            when_full=when_full,
+            host=metrics.host,
+        )
+        log.info(line)
         if tidied:
             log.info("persist: removed %d leftovers of interrupted saves", len(tidied))
         if store.read_only:

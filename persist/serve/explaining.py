@@ -40,7 +40,7 @@ YES, NO = frozenset({"1", "true", "yes"}), frozenset({"0", "false", "no"})
 MISS_REASONS = tuple(r for r in REASONS if r != "hit")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Verdict:
     reason: str  # a REASONS code
     prompt: int  # prompt tokens
@@ -111,6 +111,7 @@ def judge(
     identity: ModelIdentity,
     namespace: str,
     tokens: list[int],
+    *,
     cached: int,
     decision: Any,
     asked: bool,
@@ -126,18 +127,22 @@ def judge(
     shared = max(cached, e.longest.shared if e.longest is not None else 0)
     usable = max(cached, e.best.usable if e.best is not None else 0)
     fields = e.longest.identity_fields if e.longest is not None else []
+
+    def verdict(reason: str, **more: Any) -> Verdict:
+        return Verdict(reason=reason, prompt=n, cached=cached, shared=shared, usable=usable, **more)
+
     if decision is not None and not decision.restore and cached < decision.tokens:
         cost = {"restore_s": decision.restore_s, "prefill_s": decision.prefill_s}
-        return Verdict("declined", n, cached, shared, usable, [], cost)
+        return verdict("declined", cost=cost)
     if shared < HEAD_TOKENS:  # memory reuses a chat template's first tokens: no hit
-        return Verdict("empty", n, cached, shared, usable)
+        return verdict("empty")
     if cached >= min(shared, n - 1):
-        return Verdict("hit", n, cached, shared, usable)
+        return verdict("hit")
     reason = e.reason
     if reason == "declined":  # predicted so, but this lookup restored (or never asked)
         longest = e.longest.reason if e.longest is not None else "hit"
         reason = longest if longest != "declined" else "hit"
-    return Verdict(reason, n, cached, shared, usable, fields if reason == "identity" else [])
+    return verdict(reason, fields=fields if reason == "identity" else [])
 
 
 def told(v: Verdict) -> None:

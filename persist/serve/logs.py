@@ -72,6 +72,7 @@ def _size(n: float) -> str:
 def start_line(
     store: Any,
     namespace: str,
+    *,
     shared: str | None,
     cold: str | None,
     queue: int,

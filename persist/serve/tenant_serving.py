@@ -139,7 +139,15 @@ class TenantScoping:
         try:
             with self._on_thread("explain"):  # type: ignore[attr-defined]
                 asked = ask.explain is not None
-                v = judge(self.store, identity, ask.namespace, tokens, have, d, asked)
+                v = judge(
+                    self.store,
+                    identity,
+                    ask.namespace,
+                    tokens,
+                    cached=have,
+                    decision=d,
+                    asked=asked,
+                )
         except Exception as e:  # a verdict is never worth a request
             log.warning("persist: could not judge a lookup: %s", e)
             return

@@ -37,7 +37,15 @@ def warmer(store: Store, host: HostTier | None, n: int) -> Callable[[ModelIdenti
 
     def run(identity: ModelIdentity) -> None:
         try:
-            r = warm(store.index, store.blobs, host, identity, n, None, store.strict_backend)
+            r = warm(
+                store.index,
+                store.blobs,
+                host,
+                identity=identity,
+                n=n,
+                namespace=None,
+                strict_backend=store.strict_backend,
+            )
         except Exception as e:
             log.warning("persist: warm start failed: %s", e)
             return

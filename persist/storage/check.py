@@ -61,8 +61,10 @@ def check_store(
     with index.read() as db:
         n_rows = int(db.execute("SELECT COUNT(*) FROM snapshots").fetchone()[0])
     total = len(rows) + n_rows
-    problems += _orphans(index, blobs, rows, pending, on_disk, fix, n_rows)
-    bad = damaged(blobs, rows, on_disk, progress, 0, total)
+    problems += _orphans(
+        index, blobs, rows, pending=pending, on_disk=on_disk, fix=fix, n_snapshots=n_rows
+    )
+    bad = damaged(blobs, rows, on_disk, progress=progress, done=0, total=total)
     problems += repair(index, blobs, bad, fix, cut)
     problems += _rows(index, fix, progress, len(rows), total)
     problems += _refcounts(index, fix)
@@ -84,7 +86,10 @@ def tidy(index: Index, blobs: FileBlobs) -> list[Problem]:
     rows, pending = index.blob_rows_and_pending()
     with index.read() as db:
         n_rows = int(db.execute("SELECT COUNT(*) FROM snapshots").fetchone()[0])
-    return problems + _orphans(index, blobs, rows, pending, on_disk, True, n_rows)
+    orphans = _orphans(
+        index, blobs, rows, pending=pending, on_disk=on_disk, fix=True, n_snapshots=n_rows
+    )
+    return problems + orphans
 
 
 def _sqlite(index: Index) -> list[Problem]:
@@ -260,6 +265,7 @@ def _orphans(
     index: Index,
     blobs: FileBlobs,
     rows: dict[str, tuple[int, bytes, int, bool]],
+    *,
     pending: dict[str, tuple[int, float]],
     on_disk: set[str],
     fix: bool,

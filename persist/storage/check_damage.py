@@ -74,6 +74,7 @@ def damaged(
     blobs: FileBlobs,
     rows: dict[str, tuple[int, bytes, int, bool]],
     on_disk: set[str],
+    *,
     progress: Progress | None = None,
     done: int = 0,
     total: int = 0,

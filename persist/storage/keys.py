@@ -72,6 +72,7 @@ def block_chain(anchor: bytes, tokens: Sequence[int]) -> bytes:
 def add(
     db: sqlite_utils.Database,
     snapshot_id: int,
+    *,
     chains: Sequence[bytes],
     tokens: Sequence[int],
     block: int,

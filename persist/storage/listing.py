@@ -59,7 +59,9 @@ def stream(
         raise InvalidArgumentError(f"limit must be a count >= 0, got {limit!r}")
     page = PAGE if limit is None else max(1, min(PAGE, limit))  # --limit 5 reads 5 rows
     if prefix is not None:
-        rows = _prefixed(index, namespace, every, sort, prefix, page, limit)
+        rows = _prefixed(
+            index, namespace, every=every, sort=sort, prefix=prefix, page=page, limit=limit
+        )
     elif sort == "name":
         rows = _by_name(index, namespace, every, page)
     else:
@@ -70,6 +72,7 @@ def stream(
 def _pages(
     index: Index,
     select: str,
+    *,
     filt: str,
     args: list[Any],
     order: str,
@@ -106,12 +109,23 @@ def _filters(namespace: str | None, named: bool | None) -> tuple[str, list[Any]]
 def _by_name(index: Index, namespace: str | None, every: bool, page: int) -> Iterator[SnapshotRow]:
     filt, args = _filters(namespace, True)
     select = f"SELECT {COLS} FROM snapshots INDEXED BY snapshots_name"
-    yield from _pages(index, select, filt, args, "namespace, name", ("namespace", "name"), page)
+    after: tuple[str, ...] = ("namespace", "name")
+    yield from _pages(
+        index, select, filt=filt, args=args, order="namespace, name", after=after, page_rows=page
+    )
     if every:
         filt, args = _filters(namespace, False)
         select = f"SELECT {COLS} FROM snapshots INDEXED BY snapshots_unnamed"
         after = ("namespace", "role", "id")
-        yield from _pages(index, select, filt, args, "namespace, role, id", after, page)
+        yield from _pages(
+            index,
+            select,
+            filt=filt,
+            args=args,
+            order="namespace, role, id",
+            after=after,
+            page_rows=page,
+        )
 
 
 def _ordered(
@@ -120,7 +134,7 @@ def _ordered(
     name, order, after = ORDERS[sort]
     filt, args = _filters(namespace, None if every else True)
     select = f"SELECT {COLS} FROM snapshots INDEXED BY {name}"
-    yield from _pages(index, select, filt, args, order, after, page)
+    yield from _pages(index, select, filt=filt, args=args, order=order, after=after, page_rows=page)
 
 
 def _past(prefix: str) -> str | None:
@@ -138,6 +152,7 @@ def _past(prefix: str) -> str | None:
 def _prefixed(
     index: Index,
     namespace: str | None,
+    *,
     every: bool,
     sort: str,
     prefix: str,
@@ -157,13 +172,16 @@ def _prefixed(
             spaces = [r[0] for r in db.execute("SELECT name FROM namespaces ORDER BY name")]
     if sort == "name":
         for ns in spaces:
-            yield from _name_range(index, ns, "name", prefix, stop, page)
+            yield from _name_range(index, ns, "name", prefix=prefix, stop=stop, page=page)
             if every:
-                yield from _name_range(index, ns, "owner", prefix, stop, page)
+                yield from _name_range(index, ns, "owner", prefix=prefix, stop=stop, page=page)
         return
     key = "used" if sort == "used" else "bytes"
     ordered = heapq.merge(
-        *(_range_keys(index, ns, every, key, prefix, stop, limit) for ns in spaces),
+        *(
+            _range_keys(index, ns, every=every, key=key, prefix=prefix, stop=stop, limit=limit)
+            for ns in spaces
+        ),
         reverse=True,
     )
     while True:
@@ -177,7 +195,7 @@ def _prefixed(
 
 
 def _name_range(
-    index: Index, ns: str, col: str, prefix: str, stop: str | None, page: int
+    index: Index, ns: str, col: str, *, prefix: str, stop: str | None, page: int
 ) -> Iterator[SnapshotRow]:
     """The sessions (``col`` name) or the checkpoints (``col`` owner) of namespace ``ns``
     whose name or owner starts with the prefix, in name (owner, id) order, paged."""
@@ -186,16 +204,22 @@ def _name_range(
     if col == "name":
         select = f"SELECT {COLS} FROM snapshots INDEXED BY snapshots_name"
         filt = f" AND namespace = ? AND name IS NOT NULL AND name >= ?{bound}"
-        yield from _pages(index, select, filt, args, "name", ("name",), page)
+        yield from _pages(
+            index, select, filt=filt, args=args, order="name", after=("name",), page_rows=page
+        )
     else:
         select = f"SELECT {COLS} FROM snapshots INDEXED BY snapshots_owner"
         filt = f" AND namespace = ? AND owner >= ?{bound} AND name IS NULL"
-        yield from _pages(index, select, filt, args, "owner, id", ("owner", "id"), page)
+        after = ("owner", "id")
+        yield from _pages(
+            index, select, filt=filt, args=args, order="owner, id", after=after, page_rows=page
+        )
 
 
 def _range_keys(
     index: Index,
     ns: str,
+    *,
     every: bool,
     key: str,
     prefix: str,

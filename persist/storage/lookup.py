@@ -193,6 +193,7 @@ def best_row(
     index: Index,
     namespace: str,
     identity: str,
+    *,
     chains: Sequence[bytes],
     toks: list[int],
     block: int,

@@ -51,7 +51,7 @@ def near_rows(
         ids: list[int] = []
         for digest in [identity, *_recent_identities(db, namespace, identity)]:
             chs = chains(chain_root(secret, digest), toks, block)
-            ids += _near_ids(db, namespace, digest, chs, list(toks), block)
+            ids += _near_ids(db, namespace, digest, chs=chs, toks=list(toks), block=block)
         unique = list(dict.fromkeys(ids))
         marks = ",".join("?" * len(unique))
         return Index.rows_where(db, f"id IN ({marks})", unique) if unique else []
@@ -75,6 +75,7 @@ def _near_ids(
     db: sqlite_utils.Database,
     namespace: str,
     digest: str,
+    *,
     chs: list[bytes],
     toks: list[int],
     block: int,

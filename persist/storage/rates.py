@@ -49,6 +49,7 @@ def record(
     index: Index,
     machine: str,
     what: str,
+    *,
     key: str,
     bucket: int,
     rate: float,
@@ -58,7 +59,8 @@ def record(
     when, in ``time.time`` seconds; now by default)."""
     if not rate > 0 or rate == float("inf"):
         return
-    best_effort(_record, index, machine, what, key, bucket, rate, time.time() if at is None else at)
+    when = time.time() if at is None else at
+    best_effort(_record, index, machine, what, key=key, bucket=bucket, rate=rate, at=when)
 
 
 def _recent(raw: Any, rate: float, samples: int) -> list[float]:
@@ -74,7 +76,7 @@ def _recent(raw: Any, rate: float, samples: int) -> list[float]:
 
 
 def _record(
-    index: Index, machine: str, what: str, key: str, bucket: int, rate: float, at: float
+    index: Index, machine: str, what: str, *, key: str, bucket: int, rate: float, at: float
 ) -> None:
     where = [machine, what, key, bucket]
     with index.write() as db:

@@ -125,6 +125,7 @@ def anonymous_prefixes_of(
     db: sqlite_utils.Database,
     namespace: str,
     identity: str,
+    *,
     chains: Sequence[bytes],
     tokens: Sequence[int],
     block: int,
@@ -198,7 +199,7 @@ def _first_keys(
     if plain is not None:
         found.append(policy.eviction_key(policy.EvictEntry(plain[0], plain[1], False, ()), now))
     if hinted is not None:
-        e = policy.EvictEntry(hinted[0], hinted[1], False, (), hinted[2], hinted[3])
+        e = policy.EvictEntry(hinted[0], hinted[1], False, (), ttl=hinted[2], priority=hinted[3])
         found.append(policy.eviction_key(e, now))
     return found
 

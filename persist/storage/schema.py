@@ -263,7 +263,15 @@ def _backfill_keys(db: sqlite_utils.Database) -> None:
         ]
         toks = unpack_tokens(bytes(raw))
         if len(chs) == len(toks) // block + 1:  # else damaged: check reports the row
-            keys.add(db, sid, chs, toks, block, bool(trimmable), int(floor))
+            keys.add(
+                db,
+                sid,
+                chains=chs,
+                tokens=toks,
+                block=block,
+                trimmable=bool(trimmable),
+                min_resume=int(floor),
+            )
 
 
 BACKFILLS = {4: _backfill_keys}

@@ -89,7 +89,15 @@ def add_heads(
     trimmable, floor = db.execute(
         "SELECT trimmable, min_resume FROM snapshots WHERE id = ?", [snapshot_id]
     ).fetchone()
-    keys.add(db, snapshot_id, chains, tokens, block, bool(trimmable), int(floor))
+    keys.add(
+        db,
+        snapshot_id,
+        chains=chains,
+        tokens=tokens,
+        block=block,
+        trimmable=bool(trimmable),
+        min_resume=int(floor),
+    )
 
 
 def remove(db: sqlite_utils.Database, snapshot_id: int) -> None:

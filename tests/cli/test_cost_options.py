@@ -24,7 +24,9 @@ def _taught(home: Path, seconds_per_restore: float) -> None:
                 rate = (1 << bucket) / seconds_per_restore
                 for what in ("restore", "restore-first"):
                     for _ in range(3):
-                        rates.record(store.index, machine, what, "local", bucket, rate)
+                        rates.record(
+                            store.index, machine, what, key="local", bucket=bucket, rate=rate
+                        )
 
 
 def test_max_cost_limits_a_prefix_hit_and_reset_rates_forgets(

@@ -81,9 +81,14 @@ def test_persist_generate_resumes_a_front_dropped_prefix_exactly(
         r = generate(model, tok, ident, store, session="b", prompt=text, max_tokens=4)
         new = [*toks[:h], ord("#"), ord("!")]
         want = feed(model, toks[: r.reused_tokens]) if r.reused_tokens else make_prompt_cache(model)
-        out, _, _ = _Run(model, tok, ident, persist.apps.generate.Sampling(), 2048)(
-            new[r.reused_tokens :], want, 4, None, None, 0.0
+        run = _Run(
+            model,
+            tok,
+            identity=ident,
+            sampling=persist.apps.generate.Sampling(),
+            prefill_step_size=2048,
         )
+        out, _, _ = run(new[r.reused_tokens :], want, max_tokens=4, bar=None, on_text=None, t0=0.0)
         assert r.generated_tokens == len(out)
         got = store.restore("b", identity=ident)
         assert got.tokens == new + out

@@ -194,8 +194,8 @@ def test_a_hit_in_the_page_cache_and_one_on_the_disk_have_rates_of_their_own(
             pytest.skip("this kernel or file system cannot say what is in the page cache")
         here = rates.machine_name(ident.backend)
         for bucket in range(40):  # 600 tokens prefill in 0.6 s; 1 GB/s warm, 1 kB/s cold
-            rates.record(store.index, here, "restore", "local", bucket, 1e9)
-            rates.record(store.index, here, "restore", "local-disk", bucket, 1e3)
+            rates.record(store.index, here, "restore", key="local", bucket=bucket, rate=1e9)
+            rates.record(store.index, here, "restore", key="local-disk", bucket=bucket, rate=1e3)
         warm = store.lookup(prompt, identity=ident)
         assert warm is not None and store.costs.last is not None
         assert store.costs.last.tier == "local" and store.costs.last.restore

@@ -2,7 +2,7 @@
 changed since its last save or restore (from any Store object, in any process),
 and still restores bit for bit.
 
-The spy counts the blocks a save writes (``saving._put`` with role block that
+The spy counts the blocks a save writes (``blob_writes._put`` with role block that
 starts a blob write); every test also restores and compares, so a wrong reuse
 cannot pass.  In-place writes and the property test: test_incremental_sound.py.
 """
@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 
 import persist
-from persist.engine import saving
+from persist.engine import blob_writes
 from tests.helpers import (
     NEXT,
     assert_same_state,
@@ -32,7 +32,7 @@ BLOCK = 64
 
 def written_blocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
-    real = saving._put
+    real = blob_writes._put
 
     def spy(index: Any, secret: Any, role: bytes, mats: Any, writes: Any) -> str:
         before = len(writes.running) + len(writes.written)
@@ -41,7 +41,7 @@ def written_blocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             seen.append(1)
         return out
 
-    monkeypatch.setattr(saving, "_put", spy)
+    monkeypatch.setattr(blob_writes, "_put", spy)
     return seen
 
 

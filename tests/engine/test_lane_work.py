@@ -24,7 +24,10 @@ def wants_of(sizes_and_gaps: list[tuple[int, int]]) -> list[Want]:
     out, pos = [], 0
     for i, (size, gap) in enumerate(sizes_and_gaps):
         pos += gap
-        out.append(Want(f"t{i}", pos, pos + size, TensorSpec("uint8", (size,)), 0, b"", "w"))
+        stored = TensorSpec("uint8", (size,))
+        out.append(
+            Want(key=f"t{i}", start=pos, end=pos + size, stored=stored, at=0, want=b"", where="w")
+        )
         pos += size
     return out
 

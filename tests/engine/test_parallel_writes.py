@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import persist
-from persist.engine import saving
+from persist.engine import blob_writes
 from persist.storage.blobs import FileBlobs
 from tests.helpers import live_state, prefill, tokens_for
 from tests.store_helpers import clean
@@ -85,7 +85,7 @@ def test_bytes_already_being_written_by_this_save_are_not_written_twice(tmp_path
         return b""
 
     written: list[Any] = []
-    writes = saving._Writes(blobs, "0123456789ab", written)
+    writes = blob_writes._Writes(blobs, "0123456789ab", written)
     file = writes.start("a" * 32, write, 10)
     assert started.wait(10)
     assert writes.find("a" * 32) == file  # still being written: the same file

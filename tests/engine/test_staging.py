@@ -665,7 +665,9 @@ def test_requests_longer_than_a_message_are_split(
 
 
 def _fake_piece(i: int) -> readers_mod.Piece:
-    return readers_mod.Piece(i, i + 1, i, True, True, bytes(16), "t")
+    return readers_mod.Piece(
+        a=i, b=i + 1, ident=i, first=True, last=True, digest=bytes(16), where="t"
+    )
 
 
 def _saved(tiny: Any, tmp_path: Path, n: int = 100) -> tuple[persist.Store, Any, Any, int]:
@@ -747,7 +749,7 @@ def test_a_reply_out_of_step_is_never_taken(monkeypatch: pytest.MonkeyPatch) -> 
         t = threading.Thread(target=stale_worker)
         t.start()
         with open(__file__, "rb") as f, pytest.raises(readers_mod.ReaderLost, match="out of step"):
-            readers.answer(readers.send(0, 0, f.fileno(), 0, 16, [], True))
+            readers.answer(readers.send(0, 0, f.fileno(), pos=0, n=16, pieces=[], fresh=True))
         t.join(30)
         assert sleeper.poll() is not None and readers._procs[0] is None
     finally:

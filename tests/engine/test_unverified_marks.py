@@ -154,7 +154,7 @@ def test_a_turn_of_an_unverified_session_kept_under_name_2_stays_unverified(
     cache, _ = prefill(model, toks)
     with persist.Store(tmp_path / "s") as store:
         store.save(cache, toks, identity=ident, session="m", unverified_tokens=True)
-        got = resume_text(store, "m", list(NEXT), ident, "default", None)
+        got = resume_text(store, "m", list(NEXT), identity=ident, namespace="default", bar=None)
         store.save(cache, toks, identity=ident, session="m")  # another writer's turn
         assert got.cache is not None
         _, greedy = continue_run(model, got.cache, got.tokens[got.covered :])

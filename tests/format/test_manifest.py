@@ -35,7 +35,9 @@ def _header(meta: dict[str, str], tensors: dict[str, TensorSpec]) -> Header:
 
 def test_a_file_manifest_round_trips() -> None:
     sums = {k: bytes([i]) * CHECKSUM_BYTES for i, k in enumerate(SPECS)}
-    body = pack_manifest([RECORD], SPECS, sums, [5, 6, 7], {"a": "b"}, None, 1.5)
+    body = pack_manifest(
+        [RECORD], SPECS, sums, tokens=[5, 6, 7], metadata={"a": "b"}, identity=None, created=1.5
+    )
     m = unpack_manifest(_header(file_metadata(body), SPECS), "f")
     assert m.tokens == [5, 6, 7] and m.metadata == {"a": "b"} and m.checksums == sums
     assert m.layers[0].kind == "kv"
@@ -45,7 +47,9 @@ def test_a_file_manifest_round_trips() -> None:
 
 def test_a_manifest_that_disagrees_with_the_header_is_refused() -> None:
     sums = {k: bytes(CHECKSUM_BYTES) for k in SPECS}
-    body = pack_manifest([RECORD], SPECS, sums, None, {}, None, 0.0)
+    body = pack_manifest(
+        [RECORD], SPECS, sums, tokens=None, metadata={}, identity=None, created=0.0
+    )
     other = {"0/keys": SPEC, "0/values": TensorSpec("F32", SPEC.shape)}
     with pytest.raises(CorruptBlobError):
         unpack_manifest(_header(file_metadata(body), other), "f")

@@ -61,11 +61,28 @@ def test_pieces_fill_a_buffer_with_room_to_grow(tmp_path: Path) -> None:
     fd = _file(tmp_path, data)
     try:
         n = len(bytes(as_bytes(first)))
+        first_spec, second_spec = TensorSpec("F32", (1, 1, 4, 2)), TensorSpec("F32", (1, 1, 2, 2))
         read_piece(
-            fd, 0, TensorSpec("F32", (1, 1, 4, 2)), view, out.shape, 0, 2, checksum(data[:n]), "p"
+            fd,
+            0,
+            first_spec,
+            view,
+            alloc_shape=out.shape,
+            at=0,
+            axis=2,
+            want=checksum(data[:n]),
+            where="p",
         )
         read_piece(
-            fd, n, TensorSpec("F32", (1, 1, 2, 2)), view, out.shape, 4, 2, checksum(data[n:]), "p"
+            fd,
+            n,
+            second_spec,
+            view,
+            alloc_shape=out.shape,
+            at=4,
+            axis=2,
+            want=checksum(data[n:]),
+            where="p",
         )
     finally:
         os.close(fd)
@@ -78,7 +95,17 @@ def test_a_piece_with_a_wrong_checksum_is_refused(tmp_path: Path) -> None:
     fd = _file(tmp_path, bytes(16))
     try:
         with pytest.raises(CorruptBlobError, match="checksum"):
-            read_piece(fd, 0, spec, view, out.shape, 0, 2, checksum(b"other"), "p")
+            read_piece(
+                fd,
+                0,
+                spec,
+                view,
+                alloc_shape=out.shape,
+                at=0,
+                axis=2,
+                want=checksum(b"other"),
+                where="p",
+            )
     finally:
         os.close(fd)
 
@@ -97,7 +124,17 @@ def _pieces(tmp_path: Path, rows: int) -> tuple[int, list[Piece], list[mx.array]
         spec = TensorSpec("F32", tuple(t.shape))
         out, view = allocate(TensorSpec("F32", (1, t.shape[1], 8, 4)), None, 2)
         if i != 2:
-            pieces.append(Piece(start, spec, view, tuple(out.shape), 3, 2, checksum(b), f"t{i}"))
+            piece = Piece(
+                start=start,
+                stored=spec,
+                into=view,
+                alloc_shape=tuple(out.shape),
+                at=3,
+                axis=2,
+                want=checksum(b),
+                where=f"t{i}",
+            )
+            pieces.append(piece)
             outs.append(out)
         start += len(b)
     return fd, pieces[::-1], outs, [t for i, t in enumerate(tensors) if i != 2]

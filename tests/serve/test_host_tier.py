@@ -180,7 +180,16 @@ def test_a_lookup_beside_a_close_is_a_typed_error(tmp_path: Path) -> None:
         strict_backend = False
 
     with pytest.raises(InvalidStateError, match="closed"):
-        from_host(Closing(), None, [1, 2, 3], IDENT, "default", "who", longer_than=0, max_cost=None)  # type: ignore[arg-type]
+        from_host(
+            Closing(),  # type: ignore[arg-type]
+            None,
+            [1, 2, 3],
+            identity=IDENT,
+            namespace="default",
+            who="who",
+            longer_than=0,
+            max_cost=None,
+        )
 
 
 def test_a_shared_host_tier_keeps_tenants_apart(tiny: Any, tmp_path: Path) -> None:

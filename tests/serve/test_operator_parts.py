@@ -181,7 +181,15 @@ def test_a_hit_from_the_disk_counts_as_local_reads(tier: str, tmp_path: Path) ->
 
     with Store(tmp_path / "s") as store:
         m = ServeMetrics(store, "default")
-        cost = CostDecision(600, 1_000_000, tier, 0.01, 0.1, True, "faster")
+        cost = CostDecision(
+            tokens=600,
+            nbytes=1_000_000,
+            tier=tier,
+            restore_s=0.01,
+            prefill_s=0.1,
+            restore=True,
+            reason="faster",
+        )
         probe = m.probe()
         assert probe is not None
         m.looked_up(probe, prompt=603, memory=0, hit=600, cost=cost)

@@ -116,7 +116,8 @@ def test_lookup_keys_pick_what_the_policy_picks_over_every_row(
         prompt = base[:cut] + extra
         if not prompt:
             return
-        got = lookup.best_row(index, "ns", "id", chains(ROOT, prompt, BLOCK), prompt, BLOCK, set())
+        chs = chains(ROOT, prompt, BLOCK)
+        got = lookup.best_row(index, "ns", "id", chains=chs, toks=prompt, block=BLOCK, skip=set())
         assert (None if got is None else (got[0].id, got[1])) == brute(index, prompt)
         for sid in {r.id for r in index.snapshots("ns", False)}:  # removal leaves no key
             with index.write() as db:

@@ -114,7 +114,9 @@ def test_sql_eviction_agrees_with_the_policy_rule(tmp_path: Path) -> None:
         for sid, used, pin, tail in db.execute("SELECT id, used, pinned, tail FROM snapshots"):
             ttl, prio = hints_of.get(sid, (0.0, 0))
             entries.append(
-                policy.EvictEntry(sid, used, bool(pin), (tail, *refs.get(sid, [])), ttl, prio)
+                policy.EvictEntry(
+                    sid, used, bool(pin), (tail, *refs.get(sid, [])), ttl=ttl, priority=prio
+                )
             )
         sizes = dict(db.execute("SELECT file, size FROM blobs WHERE dead = 0").fetchall())
         budget = s.stats().unique_bytes // 4

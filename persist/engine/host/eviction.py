@@ -24,7 +24,7 @@ __all__ = ["Kept", "Key", "order", "victims", "EvictionWatch"]
 Key = tuple[str, tuple[int, ...]]  # (owner, tokens)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Kept:
     id: int
     records: list[Record]
@@ -54,7 +54,7 @@ class Kept:
 def order(kept: Kept, now: float) -> tuple[bool, int, float, int]:
     """``policy.eviction_key`` of an entry: its ttl counts from its last use in wall
     time; ties in that time fall back to the use order (the key's last element)."""
-    e = policy.EvictEntry(kept.used, kept.touched, False, (), kept.ttl, kept.priority)
+    e = policy.EvictEntry(kept.used, kept.touched, False, (), ttl=kept.ttl, priority=kept.priority)
     return policy.eviction_key(e, now)
 
 

@@ -54,6 +54,7 @@ def keep_saved(
     host: HostTier,
     cache: Sequence[Any] | Snapshot,
     row: SnapshotRow,
+    *,
     info: EntryInfo,
     who: str,
     index: Index,
@@ -85,10 +86,10 @@ def host_hit(
     host: HostTier | None,
     costs: CostModel,
     identity: ModelIdentity,
+    *,
     namespace: str,
     who: str,
     toks: list[int],
-    *,
     longer_than: int,
     max_cost: float | None,
 ) -> tuple[int, int]:
@@ -114,6 +115,7 @@ def served(
     host: HostTier,
     costs: CostModel,
     identity: ModelIdentity,
+    *,
     who: str,
     toks: Sequence[int],
     longer_than: int,
@@ -148,10 +150,10 @@ def from_host(
     store: StoreView,
     host: HostTier | None,
     toks: list[int],
+    *,
     identity: ModelIdentity,
     namespace: str,
     who: str,
-    *,
     longer_than: int,
     max_cost: float | None,
 ) -> Restored | None:
@@ -162,15 +164,23 @@ def from_host(
     i, costs = store.index, store.costs  # index: closed -> InvalidStateError
     if host is None:
         raise InvalidStateError("the store was closed during the lookup")
-    hit = served(host, costs, identity, who, toks, longer_than)
+    hit = served(host, costs, identity, who=who, toks=toks, longer_than=longer_than)
     if hit is not None:
         best_effort(i.count, namespace, host_hits=1, restored_tokens=len(hit.tokens))
         return Restored(hit.cache, hit.tokens, hit.info, source=HOST)
     b, strict = store.block_tokens, store.strict_backend
     found = lookup_prefix(
-        i, store.blobs, toks, identity, namespace, b, longer_than=longer_than,
-        strict_backend=strict, costs=costs, max_cost=max_cost,
-    )  # fmt: skip
+        i,
+        store.blobs,
+        toks,
+        identity=identity,
+        namespace=namespace,
+        block_tokens=b,
+        longer_than=longer_than,
+        strict_backend=strict,
+        costs=costs,
+        max_cost=max_cost,
+    )
     if found is None:
         return None
     cache, row, prefix = found

@@ -210,7 +210,17 @@ class HostTier:
             if n > self.max_bytes:  # closed meanwhile
                 return False
             i = next(self._ids)
-            kept = Kept(i, records, n, toks, trimmable, min_resume, sticky, info, used=i)
+            kept = Kept(
+                id=i,
+                records=records,
+                nbytes=n,
+                tokens=toks,
+                trimmable=trimmable,
+                min_resume=min_resume,
+                sticky=sticky,
+                info=info,
+                used=i,
+            )
             kept.touched = self.now()
             kept.hint(hints)
             self._drop_covered(owner, kept)

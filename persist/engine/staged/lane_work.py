@@ -175,5 +175,16 @@ def task_slots(
                 pieces.append((w, a, b))
                 placed.append(Placed(off + a, a + pos - w.start, b + pos - w.start, *where[w.key]))
             done = blob if pos + n >= end else None
-            yield Slot(slot, n, pos, chunk, off, pieces, placed, blob.fd, fresh, done)
+            yield Slot(
+                slot=slot,
+                n=n,
+                pos=pos,
+                chunk=chunk,
+                off=off,
+                pieces=pieces,
+                placed=placed,
+                fd=blob.fd,
+                fresh=fresh,
+                done=done,
+            )
             pos, fresh = pos + n, False

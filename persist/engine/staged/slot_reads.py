@@ -81,7 +81,8 @@ def read_in_worker(lane: Lane, slots: Iterator[Slot], land: Land) -> None:
         for s in slots:  # the next slot: its previous copy is done
             pieces = [_piece(w, a, b, s.pos) for w, a, b in s.pieces]
             # pending first: if the last answer fails, this request is still drained
-            last, pending = pending, (send(s.slot, s.fd, s.pos, s.n, pieces, s.fresh), s)
+            sent = send(s.slot, s.fd, pos=s.pos, n=s.n, pieces=pieces, fresh=s.fresh)
+            last, pending = pending, (sent, s)
             if last is not None:
                 answer(last[0])
                 land(last[1])
@@ -97,7 +98,15 @@ def read_in_worker(lane: Lane, slots: Iterator[Slot], land: Land) -> None:
 
 def _piece(w: Want, a: int, b: int, pos: int) -> Piece:
     # a tensor's file offset names it: unique in its blob, the same in every slot
-    return Piece(a, b, w.start, a + pos == w.start, b + pos == w.end, w.want, w.where)
+    return Piece(
+        a=a,
+        b=b,
+        ident=w.start,
+        first=a + pos == w.start,
+        last=b + pos == w.end,
+        digest=w.want,
+        where=w.where,
+    )
 
 
 def _fill(view: memoryview, s: Slot, hashers: dict[str, Any]) -> None:
@@ -108,7 +117,9 @@ def _fill(view: memoryview, s: Slot, hashers: dict[str, Any]) -> None:
         (a, b, w.key, int(a + pos == w.start) | 2 * int(b + pos == w.end), w.want)
         for w, a, b in s.pieces
     ]
-    got = reader_worker.fill(view, s.fd, 0, 0, s.n, pos, checks, hashers, PIECE)
+    got = reader_worker.fill(
+        view, s.fd, at=0, lo=0, hi=s.n, pos=pos, pieces=checks, hashers=hashers, piece=PIECE
+    )
     if got == reader_worker.SHORT:
         where = s.pieces[-1][0].where if s.pieces else "blob"
         raise CorruptBlobError(where, "file truncated inside a tensor")

@@ -120,7 +120,15 @@ class Shared:
             forks = len(self.conflicts)
             got = self._run(
                 lambda s=secret: push(
-                    index, blobs, self.tier, self.keys, namespace, sid, s, verify, self.conflicts
+                    index,
+                    blobs,
+                    self.tier,
+                    keys=self.keys,
+                    namespace=namespace,
+                    sid=sid,
+                    secret=s,
+                    verify=verify,
+                    conflicts=self.conflicts,
                 )
             )
             done, after = got if got is not None else (None, None)
@@ -157,7 +165,18 @@ class Shared:
         try:
             if secret is not None and index.secret(namespace) is None:
                 index.set_secret(namespace, secret)  # recovered from the record itself
-            if self._run(lambda: pull(index, blobs, self.tier, self.keys, namespace, body, True)):
+            pulled = self._run(
+                lambda: pull(
+                    index,
+                    blobs,
+                    self.tier,
+                    keys=self.keys,
+                    namespace=namespace,
+                    body=body,
+                    named=True,
+                )
+            )
+            if pulled:
                 self._count(index, namespace, "hits")
                 index.saw(namespace, name, float(body["row"]["created"]))
                 return True
@@ -210,6 +229,7 @@ class Shared:
         index: Index,
         blobs: BlobStore,
         toks: list[int],
+        *,
         identity: Any,
         namespace: str,
         block: int,
@@ -225,7 +245,9 @@ class Shared:
         secret = self.secret(index, namespace)  # adopts the fleet's secret on a new machine
         if secret is None:
             return
-        local = index_hit(index, toks, identity, namespace, block, set())
+        local = index_hit(
+            index, toks, identity, namespace=namespace, block_tokens=block, skip=set()
+        )
         every = chains(chain_root(secret, identity.digest), toks, block)
         heads = boundary_heads(every, toks, block)  # prefixes that end inside a block
         want = Expect(namespace, secret=secret, block=block, identity=identity.digest)
@@ -235,12 +257,26 @@ class Shared:
             self._count(index, namespace, "misses")
             return
         usable, body = found
-        if not self._worth(costs, identity, namespace, body, usable, max_cost):
+        worth = self._worth(
+            costs, identity, namespace=namespace, body=body, usable=usable, max_cost=max_cost
+        )
+        if not worth:
             return
         before = dict(self.tier.counters)
         try:
             t0 = time.perf_counter()
-            if self._run(lambda: pull(index, blobs, self.tier, self.keys, namespace, body, False)):
+            pulled = self._run(
+                lambda: pull(
+                    index,
+                    blobs,
+                    self.tier,
+                    keys=self.keys,
+                    namespace=namespace,
+                    body=body,
+                    named=False,
+                )
+            )
+            if pulled:
                 self._count(index, namespace, "hits")
                 moved = self.tier.counters.get("bytes_pulled", 0) - before.get("bytes_pulled", 0)
                 if costs is not None:
@@ -295,6 +331,7 @@ class Shared:
         self,
         costs: CostModel | None,
         identity: Any,
+        *,
         namespace: str,
         body: dict[str, Any],
         usable: int,

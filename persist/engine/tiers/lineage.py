@@ -113,6 +113,7 @@ def kept_name(
     keys: Keys,
     namespace: str,
     name: str,
+    *,
     secret: bytes | None,
     tokens: list[int],
     rkey: str,

@@ -32,6 +32,7 @@ def pull(
     index: Index,
     blobs: BlobStore,
     tier: Tier,
+    *,
     keys: Keys,
     namespace: str,
     body: dict[str, Any],
@@ -58,7 +59,7 @@ def pull(
         except BadValue:
             tier.marks.bad(namespace, name)  # the next push of it reads it and repairs it
             raise
-        return _local(blobs, key, data, facts[key], salt, written)
+        return _local(blobs, key, data, facts=facts[key], salt=salt, written=written)
 
     try:
         index.begin_pending(salt)
@@ -67,7 +68,16 @@ def pull(
             if file is None:
                 raise EvictedError(f"shared blob {names[name]}", "the tier no longer holds it")
             files[names[name]] = file
-        return _commit(index, blobs, namespace, body, files, written, salt, named)
+        return _commit(
+            index,
+            blobs,
+            namespace,
+            body=body,
+            files=files,
+            written=written,
+            salt=salt,
+            named=named,
+        )
     except BaseException:
         for b in written:
             blobs.delete(b.file)
@@ -78,7 +88,13 @@ def pull(
 
 
 def _local(
-    blobs: BlobStore, key: str, data: bytes, facts: list[Any], salt: str, written: list[NewBlob]
+    blobs: BlobStore,
+    key: str,
+    data: bytes,
+    *,
+    facts: list[Any],
+    salt: str,
+    written: list[NewBlob],
 ) -> str:
     """The local file of blob ``key`` from the tier's bytes (its tag checked), checked
     (its size, its header against the record, every tensor against its checksum)."""
@@ -103,6 +119,7 @@ def _commit(
     index: Index,
     blobs: BlobStore,
     namespace: str,
+    *,
     body: dict[str, Any],
     files: dict[str, str],
     written: list[NewBlob],

@@ -113,6 +113,7 @@ def push(
     index: Index,
     blobs: BlobStore,
     tier: Tier,
+    *,
     keys: Keys,
     namespace: str,
     sid: int,
@@ -189,7 +190,16 @@ def push(
     for _ in range(MAX_RACES):  # a race lost: the tier's session read again, decided again
         try:
             kept, after, had = _write_record(
-                tier, keys, namespace, fields, body, chs, name, base, secret, verify
+                tier,
+                keys,
+                namespace,
+                fields=fields,
+                body=body,
+                chs=chs,
+                name=name,
+                base=base,
+                secret=secret,
+                verify=verify,
             )
             break
         except SessionMoved as e:
@@ -209,6 +219,7 @@ def _write_record(
     tier: Tier,
     keys: Keys,
     namespace: str,
+    *,
     fields: dict[str, Any],
     body: dict[str, Any],
     chs: list[bytes],
@@ -227,7 +238,9 @@ def _write_record(
     session, kept, same = None, name, True
     if name is not None:
         toks = unpack_tokens(fields["tokens"])
-        kept, held = kept_name(tier, keys, namespace, name, secret, toks, rkey, base)
+        kept, held = kept_name(
+            tier, keys, namespace, name, secret=secret, tokens=toks, rkey=rkey, base=base
+        )
         if kept != name:
             fields["name"] = body["row"]["name"] = kept
             rkey, record = seal_record(keys, namespace, body)
@@ -239,10 +252,16 @@ def _write_record(
     trimmable = bool(fields["trimmable"])
     bad = _wrong_pointers(tier, keys, namespace, ptrs, trimmable) if verify else set()
     after = tier.put_record(
-        namespace, rkey, record, ptrs, trimmable, None if keys.key is not None else secret,
+        namespace,
+        rkey,
+        record,
+        ptrs,
+        trimmable=trimmable,
+        secret=None if keys.key is not None else secret,
         replace=verify and on_tier is not None and not good_record,
-        replace_pointers=bad, session=session,
-    )  # fmt: skip
+        replace_pointers=bad,
+        session=session,
+    )
     return kept, after, good_record and not bad and same  # same: the pointer named it
 
 

@@ -1,0 +1,128 @@
+"""The blobs of one save: every block hashed in full (on threads), and written
+only when no live blob holds the same bytes, WRITERS at a time.
+
+Step 6 of ARCHITECTURE.md's save path, for ``saving.write_and_commit``: every
+blob is on disk (fsynced, renamed) before it returns, and listed in ``written``
+so a failed save removes it.  The commit that references them is the caller's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..format.container import write_tensors
+from ..format.manifest import blob_metadata
+from ..records import Progress
+from ..storage.blobs import BlobStore
+from ..storage.index import BlockRef, Index, NewBlob
+from .blocks import Parts, Piece, Plan, content_key, materialize
+
+__all__ = ["HASHERS", "WRITERS", "write_blobs"]
+
+WRITERS = 2  # blobs written at once (one fsyncs while the other writes)
+HASHERS = min(4, os.cpu_count() or 1)  # blocks hashed at once (xxhash drops the GIL)
+Hashed = list[tuple[Piece, Parts, bytes]]  # ``blocks.materialize``
+
+
+def write_blobs(
+    index: Index,
+    blobs: BlobStore,
+    p: Plan,
+    *,
+    chs: list[bytes],
+    secret: bytes,
+    block_tokens: int,
+    written: list[NewBlob],
+    progress: Progress | None,
+    salt: str,
+) -> tuple[list[BlockRef], str]:
+    refs = []
+    n = p.n_tokens
+    blocks = n // block_tokens
+    writes = _Writes(blobs, salt, written)
+    # Hashing every byte is most of a turn's save (the blocks unchanged since
+    # the last one are found by it): on threads, ahead of the lookups and writes.
+    hashing = ThreadPoolExecutor(HASHERS, thread_name_prefix="persist-hash")
+    try:
+        hashed = hashing.map(
+            lambda i: materialize(p.block_pieces(i)), range(blocks if p.split else 0)
+        )
+        for i in range(blocks):
+            mats = next(hashed) if p.split else []
+            blob = _put(index, secret, b"block", mats, writes) if mats else None
+            refs.append(BlockRef(i, chs[i + 1], blob))
+            if progress is not None:
+                progress(i + 1, blocks + 1)
+        tail = _put(index, secret, b"tail", materialize(p.tail_pieces(n)), writes)
+    except BaseException:
+        hashing.shutdown(wait=True, cancel_futures=True)
+        with contextlib.suppress(BaseException):  # the first error is the one to report
+            writes.close()
+        raise
+    hashing.shutdown(wait=True)
+    writes.close()  # every blob on disk (fsynced, renamed) before the commit
+    if progress is not None:
+        progress(blocks + 1, blocks + 1)
+    return refs, tail
+
+
+class _Writes:
+    """The blob writes of one save, WRITERS at a time: one blob is fsynced while
+    the next is written.  ``close`` waits for every write that started and lists
+    it in ``written`` (so a failed save removes it), then raises the first failure."""
+
+    def __init__(self, blobs: BlobStore, salt: str, written: list[NewBlob]) -> None:
+        self.blobs, self.salt, self.written = blobs, salt, written
+        self.pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="persist-write")
+        self.running: dict[str, Future[tuple[str, int, bytes]]] = {}
+
+    def find(self, key: str) -> str | None:
+        """The file of a blob of these bytes this save already writes."""
+        if key in self.running:
+            return self.blobs.file_name(key, self.salt)
+        return next((b.file for b in self.written if b.key == key), None)
+
+    def start(self, key: str, write: Any, size_hint: int) -> str:
+        if len(self.running) >= 2 * WRITERS:  # bounded: a few blobs' views in flight
+            self._settle(next(iter(self.running)))
+        self.running[key] = self.pool.submit(self.blobs.put, key, write, size_hint, self.salt)
+        return self.blobs.file_name(key, self.salt)
+
+    def _settle(self, key: str) -> None:
+        file, size, head = self.running.pop(key).result()
+        self.written.append(NewBlob(file, key, size, head))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        first: BaseException | None = None
+        for key in list(self.running):
+            try:
+                self._settle(key)
+            except BaseException as e:
+                self.running.pop(key, None)
+                first = first or e
+        if first is not None:
+            raise first
+
+
+def _put(index: Index, secret: bytes, role: bytes, mats: Hashed, writes: _Writes) -> str:
+    key = content_key(secret, role, mats)
+    same = writes.find(key)  # the same bytes twice in one snapshot: one file
+    if same is not None:
+        return same
+    existing = index.live_blob(key)
+    if existing is not None:
+        return existing[0]
+    items = [(pc.key, pc.spec, (lambda runs=runs: runs)) for pc, runs, _ in mats]
+    sums = {pc.key: s for pc, _, s in mats}
+    meta_role = role.decode()
+
+    def write(sink: Any) -> bytes:
+        write_tensors(sink, items, lambda got: blob_metadata(meta_role, got), sums)
+        return bytes(sink.head_digest)
+
+    size_hint = sum(pc.spec.nbytes for pc, _, _ in mats)
+    return writes.start(key, write, size_hint)
