@@ -6,6 +6,7 @@
 #   bench/cuda_restore_run.sh tests
 #   bench/cuda_restore_run.sh servehost   # the host tier serving an evicted conversation
 #   bench/cuda_restore_run.sh servetests e2e   # persist serve end to end against mlx_lm.server
+#   bench/cuda_restore_run.sh serveprobe       # where a serve hit's time goes, in one process
 # Everything it writes goes to $OUT (probe report, logs, bench results).
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -56,6 +57,8 @@ for phase in "$@"; do
   servetests)
     timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/serve/test_quiet_requests.py \
       2>&1 | tee "$OUT/cuda-serve-tests.log" | tail -5 ;;
+  serveprobe)
+    timeout 200 python3 -m bench.cuda_serve_probe --out "$OUT" 2>&1 | tail -40 ;;
   firstcall)
     timeout 300 python3 -m bench.cuda_first_call --out "$OUT" 2>&1 | tail -20 ;;
   recompute)

@@ -112,8 +112,9 @@ class ServeMetrics:
             "Time persist spends on mlx-lm's generation thread, by step (lookup: the host "
             "tier and the store asked; handoff: a cache's arrays evaluated for the writer "
             "thread, which copies them to host bytes; queue: "
-            "waiting for room in the write-behind queue; keep: an evicted cache copied to the "
-            "host tier): what it adds to a request's latency.",
+            "waiting for room in the write-behind queue; keep: an evicted cache handed to the "
+            "keeper thread, which copies it to the host tier): what it adds to a request's "
+            "latency.",
             ["step"], buckets=SECONDS, registry=r,
         )  # fmt: skip
         self.read_bytes = Counter(

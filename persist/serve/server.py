@@ -36,6 +36,7 @@ from ..identity import ModelIdentity
 from .coverage import covered_key
 from .handoff import handed_off, writer_stream
 from .hints import HintedKeys, Hints
+from .keeper import EvictionKeeper
 from .kept_keys import KeptKeys
 from .metrics import ServeMetrics
 from .tenants import Scoped
@@ -80,8 +81,10 @@ class PersistentPromptCache(LRUPromptCache):
     ) -> None:
         super().__init__(max_size, max_bytes)
         self.host = host  # what mlx-lm evicts is kept there, asked before the store
+        self._keeper: EvictionKeeper | None = None
         if host is not None:
             self._trie = EvictionWatch(self._trie, self._evicted)  # type: ignore[assignment]
+            self._keeper = EvictionKeeper(host)  # the copies, off the generation thread
         self.metrics = metrics  # persist serve's Prometheus metrics (apps.metrics)
         if metrics is not None:
             metrics.caches.append(self)
@@ -144,6 +147,8 @@ class PersistentPromptCache(LRUPromptCache):
                 m.prompt_only(len(tokens), have)
             return cache, rest
         probe = m.probe() if m is not None else None
+        if self._keeper is not None:  # the host tier as if evictions were kept in place
+            self._keeper.settle()
         try:
             # after memory, one order for every tier: host RAM, the fleet, the index
             # (engine.lookup_order); a host copy is made only if it is the longest
@@ -183,9 +188,10 @@ class PersistentPromptCache(LRUPromptCache):
             hints = self._hinted.pop(model, tokens)  # by the trie's own key
             model, ns = self._scope(model)
             identity = self.identity_for(model)
-            if self.host is not None and identity is not None:
-                with self._on_thread("keep"):
-                    self.host.keep(self._owner(identity, ns), tokens, cache, hints=hints)
+            if self._keeper is not None and identity is not None:
+                with self._on_thread("keep"):  # a hand-over: serve.keeper copies it
+                    if not self._keeper.offer(self._owner(identity, ns), tokens, cache, hints):
+                        log.info("persist: an evicted cache was not kept: two are in flight")
         except Exception as e:  # the tier must never take the server down
             log.warning("persist: could not keep an evicted cache in the host cache: %s", e)
 
@@ -290,13 +296,18 @@ class PersistentPromptCache(LRUPromptCache):
                 self._queue.task_done()
 
     def flush(self) -> None:
-        """Wait until every queued insert is durable in the store."""
+        """Wait until every queued insert is durable in the store, and every evicted
+        cache handed over is kept in the host tier."""
         self._queue.join()
+        if self._keeper is not None:
+            self._keeper.settle()
 
     def close(self) -> None:
         self.flush()
         self._queue.put(None)
         self._writer.join()
+        if self._keeper is not None:
+            self._keeper.close()
 
     @contextlib.contextmanager
     def _on_thread(self, step: str) -> Iterator[None]:

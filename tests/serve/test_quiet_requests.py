@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import persist
+from persist.engine.host.tier import HostTier
 from persist.serve import server as server_module
 from persist.serve.kept_keys import KeptKeys
 from persist.serve.server import PersistentPromptCache
@@ -114,3 +115,34 @@ def test_capture_runs_on_the_writer_thread_and_saves_the_cache(
         hit = store.lookup([*toks, 7], identity=ident)
         assert hit is not None and list(hit.tokens) == toks
         assert_same_state(live_state(hit.cache), live_state(live))
+
+
+def test_an_evicted_cache_is_kept_off_the_generation_thread(
+    tiny: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    # mlx-lm evicts inside its insert, which its server makes mid-prompt: the copy
+    # into the host tier (on a GPU, pinned pages and a device-to-host read) runs on
+    # persist's keeper thread, and the next lookup finds the kept cache there.
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    first, second = tokens_for(60, seed=94), tokens_for(60, seed=95)
+    threads: list[str] = []
+    host = HostTier(1 << 30)
+    real = host.keep
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(host, "keep", spy)
+    with persist.Store(tmp_path / "s", max_bytes=1 << 30) as store:
+        pc = PersistentPromptCache(1, store=store, identity=ident, host=host)
+        try:
+            pc.insert_cache("m", first, prefill(model, first)[0])
+            pc.insert_cache("m", second, prefill(model, second)[0])  # evicts the first
+            cache, rest = pc.fetch_nearest_cache("m", [*first, 5])
+        finally:
+            pc.close()
+        assert threads == ["persist-keeper"]
+        assert cache is not None and rest == [5]
+        assert pc.counters["host_hits"] == 1
