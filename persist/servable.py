@@ -25,6 +25,8 @@ __all__ = [
     "intersect",
     "kv_bits_floor",
     "holds_quantized",
+    "plain_past_start",
+    "CONVERTIBLE_KINDS",
     "of_record",
     "of_layers",
     "of_manifest",
@@ -101,6 +103,32 @@ def kv_bits_floor(floor: int, quantized: bool, start: int | None) -> int:
     if quantized and start is not None:
         return max(floor, start + 1)
     return floor
+
+
+# kinds whose mlx-lm class has ``to_quantized``: ``maybe_quantize_kv_cache`` converts
+# a top-level layer of these once it holds quantized_kv_start positions (rings raise)
+CONVERTIBLE_KINDS = ("kv", "rotating-kv", "batch-rotating-kv")
+
+
+def plain_past_start(layers: Sequence[Any], n: int, start: int | None) -> str | None:
+    """Why a state of ``n`` positions whose top-level ``layers`` (records or layer
+    maps: kind, meta) is one no fresh run holds under an identity whose caches
+    mlx-lm quantizes from ``start`` positions on, or None.  mlx-lm converts every
+    convertible layer after any forward that leaves it holding ``start`` or more,
+    so such a layer still plain at ``n >= start`` is no fresh run's; nor is a
+    ``delayed-quantized`` wrapper converting at another point than ``start`` (its
+    conversion and mlx-lm's differ once a forward ends between the two)."""
+    if start is None or n < start:
+        return None
+    for i, layer in enumerate(layers):
+        kind = layer.kind if hasattr(layer, "kind") else str(layer.get("kind", ""))
+        meta = layer.meta if hasattr(layer, "meta") else layer.get("meta") or {}
+        base = _base(kind)
+        if base in CONVERTIBLE_KINDS:
+            return f"layer {i} ({base}) holds {n} positions unquantized"
+        if base == "delayed-quantized" and meta.get("start") != start:
+            return f"layer {i} (delayed-quantized) converts at {meta.get('start')}"
+    return None
 
 
 def holds_quantized(rec: Any) -> bool:

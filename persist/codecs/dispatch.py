@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import NotResumableError, UnsupportedVersionError
 from ..kinds import class_for, codec_for, kind_of, require_known
 from ..records import Record, RecordSpec, ResumeFacts
-from ..servable import holds_quantized, kv_bits_floor, of_record
+from ..servable import holds_quantized, kv_bits_floor, of_record, plain_past_start
 from .base import invalid
 
 __all__ = [
@@ -41,9 +41,15 @@ def serves_itself(cache: Any, kv_start: int | None = None) -> bool:
     """Is every layer of a live cache list a state its kind's rule serves at its own
     length?  A cut made outside persist (mlx-lm's ``trim_prompt_cache`` in its
     server's prompt cache) may leave one no fresh prefill gives.  ``kv_start``:
-    the identity's quantized_kv_start (kv_bits), below which a fresh run is plain."""
-    for c in cache:
-        rec, facts = encode_cache(c), facts_of(c)
+    the identity's quantized_kv_start (kv_bits), below which a fresh run is plain
+    and from which it is quantized."""
+    records = [encode_cache(c) for c in cache]
+    offsets = [facts_of(c).offset for c in cache]
+    n = max((o for o in offsets if o is not None), default=0)
+    if plain_past_start(records, n, kv_start) is not None:  # mlx-lm holds these quantized
+        return False
+    for c, rec in zip(cache, records, strict=True):
+        facts = facts_of(c)
         if facts.offset is None:
             continue
         rule = of_record(rec)

@@ -9,8 +9,11 @@ configured; two facts of the cache itself can contradict it cheaply:
   wrapper (which becomes one) is saved only under an identity whose
   ``kv_bits`` and ``kv_group_size`` are that layer's bits and group size: a
   plain lookup must never get quantized caches.  Plain KV layers under a
-  kv_bits identity are fine: mlx-lm quantizes only from
-  ``quantized_kv_start`` on;
+  kv_bits identity are fine while they hold fewer than its
+  ``quantized_kv_start`` (S) positions: from S on, mlx-lm holds them
+  quantized, so a plain layer (or a ring, which mlx-lm cannot quantize, or a
+  ``delayed-quantized`` wrapper converting elsewhere than S) holding S or more
+  is refused (``servable.plain_past_start``);
 - where quantization began.  mlx-lm converts a cache once a forward leaves
   it holding ``quantized_kv_start`` (S) positions or more
   (``maybe_quantize_kv_cache``: ``offset >= S``), so under an identity that
@@ -35,10 +38,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..errors import IdentityMismatchError
+from ..errors import IdentityMismatchError, InvalidArgumentError
 from ..identity import ModelIdentity
 from ..kinds import parse_kind
 from ..records import Record
+from ..servable import plain_past_start
 
 __all__ = [
     "check_layers",
@@ -46,6 +50,8 @@ __all__ = [
     "check_quantized",
     "refuse_quantized",
     "refuse_early",
+    "refuse_plain_past_start",
+    "refuse_quantized_rings",
     "quantized_start",
     "holds_quantized",
     "QUANTIZING_KINDS",
@@ -116,6 +122,51 @@ def check_quantized(records: Sequence[Record], identity: ModelIdentity) -> None:
         for kind, bits, group, floor in _quantized(record):
             refuse_quantized(f"layer {i} ({kind})", bits, group, identity, "this cache")
             refuse_early(f"layer {i} ({kind})", floor, identity, "this cache")
+    n = max((_offset(r) for r in records), default=0)  # recurrent layers hold none
+    refuse_plain_past_start(records, n, identity, "this cache")
+
+
+def refuse_quantized_rings(identity: ModelIdentity) -> None:
+    """InvalidArgumentError for kv_bits on a model whose caches hold rings (its own
+    sliding-window layers, or max_kv_size): mlx-lm cannot quantize a ring, and
+    fails once a prompt reaches quantized_kv_start.  Said before anything runs."""
+    cfg = dict(identity.cache_config)
+    if cfg.get("kv_bits") is None or not identity.windows:
+        return
+    layer, size, keep = identity.windows[0]
+    raise InvalidArgumentError(
+        f"kv_bits={cfg['kv_bits']} cannot be used with {identity.display()}: its layer "
+        f"{layer} is a ring of {size} positions (keep {keep}; a sliding window or "
+        "max_kv_size), and mlx-lm cannot quantize rings (RotatingKVCache); drop kv_bits"
+        + (" or max_kv_size" if cfg.get("max_kv_size") is not None else "")
+    )
+
+
+def _offset(record: Record) -> int:
+    """The positions a layer's record covers (a wrapper's: its inner record's)."""
+    off = record.meta.get("offset")
+    if type(off) is int:
+        return off
+    return max((_offset(c) for c in record.children), default=0)
+
+
+def refuse_plain_past_start(
+    layers: Sequence[Any], n: int, identity: ModelIdentity, where: str
+) -> None:
+    """IdentityMismatchError when a state of ``n`` positions holds a layer still
+    plain where mlx-lm, under the identity's kv_bits, holds it quantized."""
+    start = quantized_start(identity)
+    why = plain_past_start(layers, n, start)
+    if why is None:
+        return
+    cfg = dict(identity.cache_config)
+    raise IdentityMismatchError(
+        where,
+        ["quantized_kv_start"],
+        why,
+        f"{identity.display()} with kv_bits={cfg.get('kv_bits')}, quantized_kv_start={start}, "
+        "from which mlx-lm holds caches quantized",
+    )
 
 
 def quantized_start(identity: ModelIdentity) -> int | None:

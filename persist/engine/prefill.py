@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from .. import policy
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedCacheError
 from ..identity import ModelIdentity
+from .layer_checks import MLX_LM_GROUP_SIZE
 
 if TYPE_CHECKING:
     from .store import Store
@@ -70,6 +71,7 @@ def prefill(
         raise InvalidArgumentError(
             f"the cache already covers {done} positions of {len(toks)} tokens"
         )
+    quantize = _quantizer(identity)
     wanted = {p for p in marks if 0 < p <= len(toks)}
     if checkpoint_every:
         wanted |= set(range(checkpoint_every, len(toks) + 1, checkpoint_every))
@@ -80,6 +82,7 @@ def prefill(
             upto = min(end, done + _room(cache, end - done))
             t0 = time.perf_counter()
             model(mx.array([toks[done:upto]]), cache=cache)
+            quantize(cache)
             mx.eval([c.state for c in cache])
             if store is not None and identity is not None:  # the cost model's prefill rate
                 store.record_prefill(identity, done, upto, time.perf_counter() - t0)
@@ -91,6 +94,32 @@ def prefill(
                 cache, toks[:end], identity=identity, session=session, namespace=namespace
             )
     return cache
+
+
+def _quantizer(identity: ModelIdentity | None) -> Callable[[list[Any]], None]:
+    """What mlx-lm's generate_step does to the caches after every forward under the
+    identity's kv_bits (``maybe_quantize_kv_cache``), so checkpoints hold the states
+    a fresh run of that identity holds: plain below quantized_kv_start, quantized
+    from it on (mlx-lm's default start where the identity names none)."""
+    cfg = dict(identity.cache_config) if identity is not None else {}
+    bits = cfg.get("kv_bits")
+    if bits is None:
+        return lambda cache: None
+    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
+
+    start = cfg.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START)
+    group = cfg.get("kv_group_size", MLX_LM_GROUP_SIZE)
+
+    def quantize(cache: list[Any]) -> None:
+        try:
+            maybe_quantize_kv_cache(cache, start, group, bits)
+        except NotImplementedError as e:  # mlx-lm: "RotatingKVCache Quantization NYI"
+            raise UnsupportedCacheError(
+                f"kv_bits={bits} from {start} positions on: mlx-lm cannot quantize a ring "
+                f"(a sliding-window layer, or max_kv_size) ({e})"
+            ) from e
+
+    return quantize
 
 
 def _room(cache: list[Any], want: int) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 from ..engine.host.tier import HostTier
 from ..engine.store import Store
 from ..engine.warm import warm
+from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
 
 __all__ = ["first_forward", "warmer"]
@@ -61,7 +62,8 @@ def warmer(store: Store, host: HostTier | None, n: int) -> Callable[[ModelIdenti
 
 def first_forward(model_provider: Any) -> float | None:
     """Load the default model and run it once (seconds taken; None: no default model,
-    or it failed, which the generation thread then reports as it always does)."""
+    or it failed, which the generation thread then reports as it always does).
+    Options the model cannot serve (InvalidArgumentError) stop the start."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -76,6 +78,8 @@ def first_forward(model_provider: Any) -> float | None:
         logits = model(mx.array([ids]), cache=cache)
         mx.eval(logits)
         mx.eval(model(mx.argmax(logits[:, -1:], axis=-1), cache=cache))
+    except InvalidArgumentError:
+        raise  # options this model cannot serve (kv_bits on rings): refused at start
     except Exception as e:
         log.warning("persist: the first forward pass at start failed: %s", e)
         return None

@@ -192,3 +192,27 @@ def test_a_huge_prompt_file_is_refused_before_it_is_read(
     at += ("--store", str(tmp_path / "st"))
     base = peak_rss_of(*at, "--prompt-file", str(small))
     assert peak_rss_of(*at, "--prompt-file", str(huge)) - base < 32 << 20
+
+
+def test_kv_bits_on_a_model_with_rings_is_refused_before_anything_runs(
+    tmp_path: Path, model_dir: Any
+) -> None:
+    """gemma3's sliding-window layers are RotatingKVCache, which mlx-lm cannot
+    quantize: generate failed with exit 3 ("a bug in persist") once the prompt
+    reached --quantized-kv-start, and persist serve answered 500 to every such
+    request.  Both refuse the options at once, naming the ring."""
+    m = model_dir("gemma3")
+    res = run(
+        "generate", "--model", str(m), "--store", str(tmp_path / "s"), "--session", "g",
+        "--prompt", "hello world this is a test", "-m", "2",
+        "--kv-bits", "4", "--kv-group-size", "16", "--quantized-kv-start", "2", code=1,
+    )  # fmt: skip
+    assert "cannot quantize rings" in res.output and "layer 0 is a ring" in res.output
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "PERSIST_HOME": str(tmp_path / "h")}
+    served = subprocess.run(
+        [sys.executable, "-m", "persist", "serve", "--model", str(m), "--port", "0",
+         "--kv-bits", "4", "--quantized-kv-start", "4"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert served.returncode == 1, served.stderr
+    assert "cannot quantize rings" in served.stderr
