@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CorruptBlobError, InvalidArgumentError, UnsupportedVersionError
 from ..format.opening import file_kind
 from .full import disk_full_error, full_disk
-from .index import corruption_is_typed, end_transaction
 from .lost import damaged_index, lost_index
 from .migrations import BACKFILLS, MIGRATIONS, SCHEMA_VERSION
+from .transactions import corruption_is_typed, end_transaction
 
 if TYPE_CHECKING:
     import sqlite_utils
