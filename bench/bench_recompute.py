@@ -35,7 +35,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import persist
 from bench.common import LLAMA3_8B, RESULTS, SMALL_LLAMA, evict, warm
-from persist.identity import current_backend
+from persist.identity.model_facts import current_backend
 
 IDENTITY = persist.ModelIdentity("bench", "c", "w", "t", "h", name="bench")
 CHUNK = 2048

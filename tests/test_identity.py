@@ -148,14 +148,15 @@ def test_an_identity_from_before_the_modules_field_loads_and_differs(tiny: Any) 
     back, and never equals one made now: its caches are misses, not errors."""
     import dataclasses
 
-    from persist.identity import DIGEST_FIELDS, _canonical, _sha
+    from persist.identity import DIGEST_FIELDS
+    from persist.identity.model_facts import canonical, sha
 
     model, tok, _ = tiny("llama")
     now = ModelIdentity.of(model, tok)
     old = dataclasses.replace(now, modules="")
     d = old.to_dict()
     assert "modules" not in d and "modules" in now.to_dict()
-    assert d["digest"] == _sha(_canonical({k: getattr(old, k) for k in DIGEST_FIELDS}))
+    assert d["digest"] == sha(canonical({k: getattr(old, k) for k in DIGEST_FIELDS}))
     assert ModelIdentity.from_dict(d) == old and old != now
     assert now.diff(old) == ["modules"]
     assert ModelIdentity.from_dict(now.to_dict()) == now

@@ -25,7 +25,7 @@ import pytest
 
 from persist import ModelIdentity
 from persist.errors import IdentityUnavailableError, PersistError
-from persist.identity import CONFIG_ATTRS, config_digest
+from persist.identity.model_facts import CONFIG_ATTRS, config_digest
 
 BASE: dict[str, Any] = {
     "hidden_size": 64,

@@ -86,6 +86,7 @@ LISTING_NEVER = (
     "persist.storage.blobs",
     "persist.storage.retention",
     "persist.format.container",
+    "persist.format.sink",
     "persist.policy",
     "persist.cli.maintenance",
     "persist.cli.run",

@@ -1,4 +1,5 @@
-"""The restore-or-recompute rule (``persist.policy``): pure functions, Hypothesis."""
+"""The restore-or-recompute rule (``persist.policy.recompute``) and partial reads
+(``policy.partial_blocks``): pure functions, Hypothesis."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from persist import policy
+from persist.policy import recompute
 
 rates = st.dictionaries(st.integers(0, 40), st.floats(1e-3, 1e12), max_size=8)
 
 
 def test_buckets_are_powers_of_two() -> None:
-    assert [policy.rate_bucket(n) for n in (0, 1, 2, 3, 4, 255, 256, 1 << 20)] == [
+    assert [recompute.rate_bucket(n) for n in (0, 1, 2, 3, 4, 255, 256, 1 << 20)] == [
         0, 1, 2, 2, 3, 8, 9, 21,
     ]  # fmt: skip
 
@@ -21,11 +23,11 @@ def test_buckets_are_powers_of_two() -> None:
 @given(rates, st.integers(0, 1 << 18), st.integers(0, 1 << 18), st.integers(0, 1 << 18))
 def test_prefill_time_adds_up_over_a_split(r: dict[int, float], a: int, b: int, c: int) -> None:
     lo, mid, hi = sorted((a, b, c))
-    whole = policy.prefill_seconds(r, lo, hi)
+    whole = recompute.prefill_seconds(r, lo, hi)
     if not r:
         assert whole is None
         return
-    parts = policy.prefill_seconds(r, lo, mid), policy.prefill_seconds(r, mid, hi)
+    parts = recompute.prefill_seconds(r, lo, mid), recompute.prefill_seconds(r, mid, hi)
     assert whole is not None and all(p is not None for p in parts)
     assert math.isclose(whole, sum(p for p in parts if p is not None), rel_tol=1e-9, abs_tol=1e-12)
     assert whole >= 0
@@ -33,20 +35,20 @@ def test_prefill_time_adds_up_over_a_split(r: dict[int, float], a: int, b: int, 
 
 @given(st.floats(1.0, 1e7), st.integers(1, 1 << 17))
 def test_a_constant_rate_is_tokens_over_rate(rate: float, n: int) -> None:
-    got = policy.prefill_seconds({5: rate}, 0, n)
+    got = recompute.prefill_seconds({5: rate}, 0, n)
     assert got is not None and math.isclose(got, n / rate, rel_tol=1e-9)
 
 
 def test_slower_long_contexts_cost_more_per_token() -> None:
     r = {b: 1000.0 / max(1, b - 8) for b in range(0, 18)}  # slower as the context grows
-    first = policy.prefill_seconds(r, 0, 1024)
-    later = policy.prefill_seconds(r, 1 << 15, (1 << 15) + 1024)
+    first = recompute.prefill_seconds(r, 0, 1024)
+    later = recompute.prefill_seconds(r, 1 << 15, (1 << 15) + 1024)
     assert first is not None and later is not None and later > first
 
 
 @given(rates, st.integers(0, 1 << 40))
 def test_restore_time_is_bytes_over_the_nearest_rate(r: dict[int, float], n: int) -> None:
-    got = policy.restore_seconds(r, n)
+    got = recompute.restore_seconds(r, n)
     assert (got is None) == (not r)
 
 
@@ -60,7 +62,7 @@ def test_restore_time_is_bytes_over_the_nearest_rate(r: dict[int, float], n: int
 def test_the_decision(
     tokens: int, nbytes: int, rs: float | None, ps: float | None, cap: float | None
 ) -> None:
-    d = policy.decide_cost(tokens, nbytes, "local", restore_s=rs, prefill_s=ps, max_cost=cap)
+    d = recompute.decide_cost(tokens, nbytes, "local", restore_s=rs, prefill_s=ps, max_cost=cap)
     if rs is None or (ps is None and cap is None):
         assert d.restore and d.reason == "unmeasured"  # today's behaviour until measured
     elif cap is not None:
@@ -89,28 +91,28 @@ def test_a_partial_read_covers_the_hit_and_no_more(
 
 
 def test_an_estimate_is_the_median_of_its_samples_with_an_optimistic_end() -> None:
-    assert policy.rate_of([]) is None and policy.rate_of([0.0, -1.0]) is None
-    one = policy.rate_of([5.0])
-    assert one == policy.RateEstimate(5.0, 5.0, 1)
-    five = policy.rate_of([1.0, 100.0, 3.0, 2.0, 4.0])  # one fast outlier moves nothing
-    assert five == policy.RateEstimate(3.0, 4.0, 5)
-    four = policy.rate_of([1.0, 1.0, 9.0, 9.0])
+    assert recompute.rate_of([]) is None and recompute.rate_of([0.0, -1.0]) is None
+    one = recompute.rate_of([5.0])
+    assert one == recompute.RateEstimate(5.0, 5.0, 1)
+    five = recompute.rate_of([1.0, 100.0, 3.0, 2.0, 4.0])  # one fast outlier moves nothing
+    assert five == recompute.RateEstimate(3.0, 4.0, 5)
+    four = recompute.rate_of([1.0, 1.0, 9.0, 9.0])
     assert four is not None and four.typical == 5.0 and four.best == 9.0
 
 
 @given(st.lists(st.floats(1e-3, 1e9), min_size=1, max_size=9))
 def test_the_optimistic_end_is_never_below_the_median(samples: list[float]) -> None:
-    got = policy.rate_of(samples)
+    got = recompute.rate_of(samples)
     assert got is not None and min(samples) <= got.typical <= got.best <= max(samples)
     assert got.samples == len(samples)
 
 
 def test_a_thin_bucket_borrows_its_neighbours_samples() -> None:
     nbytes = 3 << 20  # bucket 22
-    b = policy.rate_bucket(nbytes)
-    got = policy.restore_estimate({b: [1e6], b - 1: [1e9, 1e9], b + 1: [1e9]}, nbytes)
+    b = recompute.rate_bucket(nbytes)
+    got = recompute.restore_estimate({b: [1e6], b - 1: [1e9, 1e9], b + 1: [1e9]}, nbytes)
     assert got is not None and got.samples == 4 and got.seconds == nbytes / 1e9
-    alone = policy.restore_estimate({b: [1e6, 1e6, 1e6], b + 3: [1e9]}, nbytes)
+    alone = recompute.restore_estimate({b: [1e6, 1e6, 1e6], b + 3: [1e9]}, nbytes)
     assert alone is not None and alone.samples == 3 and alone.seconds == nbytes / 1e6
 
 
@@ -118,11 +120,11 @@ def test_a_faster_larger_bucket_bounds_a_slow_estimate() -> None:
     """Restoring fewer bytes never takes longer than the fewest bytes of a larger
     bucket did: one slow bucket next to a 22x faster one up (issue 39)."""
     nbytes = 3 << 20
-    b = policy.rate_bucket(nbytes)
+    b = recompute.rate_bucket(nbytes)
     slow = [1e7] * 5
-    got = policy.restore_estimate({b: slow, b + 1: [2.2e8] * 3}, nbytes)
+    got = recompute.restore_estimate({b: slow, b + 1: [2.2e8] * 3}, nbytes)
     assert got is not None and got.seconds == (1 << b) / 2.2e8 < nbytes / 1e7
-    thin = policy.restore_estimate({b: slow, b + 2: [2.2e8] * 2}, nbytes)  # not confident
+    thin = recompute.restore_estimate({b: slow, b + 2: [2.2e8] * 2}, nbytes)  # not confident
     assert thin is not None and thin.seconds == nbytes / 1e7
 
 
@@ -131,13 +133,13 @@ def test_a_faster_larger_bucket_bounds_a_slow_estimate() -> None:
 def test_an_estimate_is_positive_and_its_best_no_slower(
     samples: dict[int, list[float]], nbytes: int
 ) -> None:
-    got = policy.restore_estimate(samples, nbytes)
+    got = recompute.restore_estimate(samples, nbytes)
     assert got is not None and 0 < got.best <= got.seconds and got.samples >= 1
 
 
 def test_one_slow_sample_never_declines_and_a_confident_one_may_explore() -> None:
-    def decide(samples: int, best: float, explore: bool = False) -> policy.CostDecision:
-        return policy.decide_cost(
+    def decide(samples: int, best: float, explore: bool = False) -> recompute.CostDecision:
+        return recompute.decide_cost(
             100,
             1 << 20,
             "local",
@@ -154,7 +156,7 @@ def test_one_slow_sample_never_declines_and_a_confident_one_may_explore() -> Non
     assert (decide(3, 2.0).restore, decide(3, 2.0).reason) == (False, "slower")
     assert (decide(3, 2.0, True).restore, decide(3, 2.0, True).reason) == (True, "explore")
     # a caller's limit is a limit: no learning, no exploring past it
-    capped = policy.decide_cost(
+    capped = recompute.decide_cost(
         100, 1, "local", restore_s=2.0, prefill_s=1.0, max_cost=1.5, samples=1, explore=True
     )
     assert (capped.restore, capped.reason) == (False, "max_cost")

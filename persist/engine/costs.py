@@ -1,4 +1,4 @@
-"""Restore or recompute: measured rates in, a decision out (``policy.decide_cost``).
+"""Restore or recompute: measured rates in, a decision out (``policy.recompute.decide_cost``).
 
 Restores are timed where they happen (``reading``: the local store; ``tiers``:
 a pull from Redis or S3; ``host_store.served``: a copy out of the host tier)
@@ -8,7 +8,7 @@ and prefills where they happen (``persist.prefill``, ``persist generate``,
 learns from the others.  No measurement yet: restore, as persist always did.
 
 The model keeps learning (issue 39): an estimate is the median of a bucket's
-latest samples with its optimistic end and sample count (``policy.rate_of``);
+latest samples with its optimistic end and sample count (``policy.recompute.rate_of``);
 the first restore from a tier and the first prefill of a model in a process
 carry one-time costs (kernels compiled, pinned memory allocated, pages
 faulted in) and are kept apart as ``<what>-first``, never as a rate (they
@@ -31,6 +31,7 @@ import msgpack
 from .. import policy
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
+from ..policy import recompute
 from ..storage import rates
 from ..storage.full import best_effort
 
@@ -101,7 +102,7 @@ class CostModel:
 
     def __init__(self, index: Index) -> None:
         self.index = index
-        self.last: policy.CostDecision | None = None
+        self.last: recompute.CostDecision | None = None
         self.clock: Callable[[], float] = time.perf_counter  # tests inject one: no timing verdicts
         self.wall: Callable[[], float] = time.time  # when samples are taken: their age
         self.max_cost: float | None = None  # a lookup's limit when it names none (--max-cost)
@@ -133,9 +134,9 @@ class CostModel:
 
     def restore_estimate(
         self, identity: ModelIdentity, tier: str, nbytes: int
-    ) -> policy.RestoreEstimate | None:
+    ) -> recompute.RestoreEstimate | None:
         got = self._samples(identity, "restore", tier)
-        return policy.restore_estimate({b: s.values for b, s in got.items()}, nbytes)
+        return recompute.restore_estimate({b: s.values for b, s in got.items()}, nbytes)
 
     def restore_seconds(self, identity: ModelIdentity, tier: str, nbytes: int) -> float | None:
         est = self.restore_estimate(identity, tier, nbytes)
@@ -143,8 +144,8 @@ class CostModel:
 
     def prefill_seconds(self, identity: ModelIdentity, start: int, end: int) -> float | None:
         got = self._samples(identity, "prefill", identity.digest)
-        typical = {b: est.typical for b, s in got.items() if (est := policy.rate_of(s.values))}
-        return policy.prefill_seconds(typical, start, end)
+        typical = {b: est.typical for b, s in got.items() if (est := recompute.rate_of(s.values))}
+        return recompute.prefill_seconds(typical, start, end)
 
     def predict(
         self,
@@ -152,17 +153,17 @@ class CostModel:
         tiers: list[tuple[str, int]],
         tokens: int,
         max_cost: float | None,
-    ) -> policy.CostDecision:
+    ) -> recompute.CostDecision:
         """The decision on ``tokens`` tokens through ``tiers``, recorded nowhere, no exploring."""
         parts = [self.restore_estimate(identity, t, n) for t, n in tiers]
         prefill = self.prefill_seconds(identity, 0, tokens)
         tier, nbytes = tiers[0]
         known = [p for p in parts if p is not None]
         if len(known) < len(parts):
-            return policy.decide_cost(
+            return recompute.decide_cost(
                 tokens, nbytes, tier, restore_s=None, prefill_s=prefill, max_cost=max_cost
             )
-        return policy.decide_cost(
+        return recompute.decide_cost(
             tokens,
             nbytes,
             tier,
@@ -180,7 +181,7 @@ class CostModel:
         tiers: list[tuple[str, int]],
         tokens: int,
         max_cost: float | None,
-    ) -> policy.CostDecision:
+    ) -> recompute.CostDecision:
         """Restore ``tokens`` tokens through ``tiers`` ((tier, bytes) read from each)?
         ``max_cost`` None: the model's own (``self.max_cost``, persist's --max-cost)."""
         limit = self.max_cost if max_cost is None else max_cost
@@ -196,7 +197,7 @@ class CostModel:
     def _explore_due(self, identity: ModelIdentity, tier: str, nbytes: int) -> bool:
         """Measure a declined hit again? Every EXPLORE_EVERY-th decline of its bucket
         in this process, or when its bucket's newest sample is EXPLORE_AFTER old."""
-        key = (tier, policy.rate_bucket(nbytes))
+        key = (tier, recompute.rate_bucket(nbytes))
         n = self._declined.get(key, 0) + 1
         got = self._samples(identity, "restore", tier).get(key[1])
         stale = got is not None and self.wall() - got.updated >= EXPLORE_AFTER
@@ -215,7 +216,7 @@ class CostModel:
 
     def restored(self, identity: ModelIdentity, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
-            here, bucket = self._machine(identity), policy.rate_bucket(nbytes)
+            here, bucket = self._machine(identity), recompute.rate_bucket(nbytes)
             what = self._what("restore", tier)
             rate = nbytes / seconds
             rates.record(self.index, here, what, key=tier, bucket=bucket, rate=rate, at=self.wall())
@@ -223,7 +224,7 @@ class CostModel:
     def prefilled(self, identity: ModelIdentity, start: int, end: int, seconds: float) -> None:
         """A measured prefill of positions [start, end) (the forward and its evaluation)."""
         if end - start >= MIN_PREFILL and seconds > 0:
-            here, bucket = self._machine(identity), policy.rate_bucket((start + end) // 2)
+            here, bucket = self._machine(identity), recompute.rate_bucket((start + end) // 2)
             rate, what = (end - start) / seconds, self._what("prefill", identity.digest)
             rates.record(
                 self.index,

@@ -21,7 +21,7 @@ from ..codecs import capacity_of, check_spec
 from ..codecs.base import dtype_name
 from ..codecs.snapshot import capture, rebuild, require_covers
 from ..errors import CorruptBlobError, StorageError
-from ..format.container import atomic_write, read_header, write_tensors
+from ..format.container import read_header, write_tensors
 from ..format.manifest import (
     Manifest,
     check_metadata,
@@ -31,6 +31,7 @@ from ..format.manifest import (
     unpack_manifest,
 )
 from ..format.opening import open_regular
+from ..format.sink import atomic_write
 from ..format.tensors import allocate, as_bytes, read_piece
 from ..identity import ModelIdentity
 from ..records import Record, RecordSpec, TensorSpec

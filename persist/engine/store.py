@@ -17,21 +17,18 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     InvalidArgumentError,
-    PersistError,
     SessionNotFoundError,
-    StorageError,
 )
 from ..format.manifest import check_metadata
 from ..format.tokens import check_tokens, unpack_tokens
 from ..identity import ModelIdentity
 from ..records import Progress
-from ..storage import access, full, retention
-from ..storage.blobs import FileBlobs
+from ..storage import retention
 from ..storage.check_damage import pop_notice
 from ..storage.housekeeping import remembered_budget
 from ..storage.index import Index, SnapshotRow
 from ..storage.rows import check_name, listed_info, store_root
-from ..storage.schema import connect
+from ..storage.store_folder import open_folder
 from ..storage.types import EntryInfo, Restored
 from .costs import CostModel
 from .lifecycle import StoreUpkeep, check_hints
@@ -47,7 +44,6 @@ if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by
 __all__ = ["Store", "check_name"]
 
 log = logging.getLogger("persist")
-DEFAULT_BLOCK = 256
 
 
 class Store(StoreUpkeep):
@@ -84,17 +80,8 @@ class Store(StoreUpkeep):
             raise InvalidArgumentError("block_tokens must be between 1 and 1048576")
         self.budgets = retention.Budgets(max_bytes, namespace_max_bytes)
         self.strict_backend = strict_backend  # refuse caches another MLX backend computed
-        try:
-            if not self.root.exists():
-                access.private_mkdir(self.root)  # and every folder above it: 0700
-            access.check_owner(self.root)  # another user's store is refused, as ssh does
-            self.read_only = access.read_only(self.root)
-            self.blobs = FileBlobs(self.root)
-            db = self._connect(block_tokens)
-        except PersistError:
-            raise
-        except OSError as e:  # permissions, a missing folder, a file where a folder goes
-            raise StorageError(f"cannot open the store at {self.root}", e) from e
+        opened = open_folder(self.root, block_tokens)  # storage.store_folder
+        self.read_only, self.blobs, db = opened.read_only, opened.blobs, opened.db
         self._index: Index | None = Index(db, self.root if self.read_only else None)
         if max_bytes is None:  # a budget remembered for this store binds every opener
             self.budgets = retention.Budgets(remembered_budget(self._index), namespace_max_bytes)
@@ -109,24 +96,6 @@ class Store(StoreUpkeep):
         self.block_tokens = int(
             db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0]
         )
-
-    def _connect(self, block_tokens: int | None) -> Any:
-        if self.read_only:  # lists, shows, exports and restores; writes are refused
-            return access.connect_read_only(self.root / "index.sqlite")
-        # a fresh connection needs room for SQLite's -shm: on a full disk, the reserve's
-        db = full.with_room(
-            self.root,
-            lambda: connect(
-                self.root / "index.sqlite",
-                block_tokens or DEFAULT_BLOCK,
-                adopt=block_tokens is None,
-            ),
-        )
-        for suffix in ("", "-wal", "-shm"):
-            p = self.root / f"index.sqlite{suffix}"
-            if p.exists() and not p.is_symlink():
-                os.chmod(p, 0o600)
-        return db
 
     # -- saving -----------------------------------------------------------
 

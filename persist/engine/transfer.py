@@ -30,9 +30,10 @@ from ..errors import (
     UnknownKindError,
     UnsupportedFormatError,
 )
-from ..format.container import fsync_dir, read_header
+from ..format.container import read_header
 from ..format.manifest import is_mlx_lm_metadata
 from ..format.opening import open_regular
+from ..format.sink import fsync_dir
 from ..identity import ModelIdentity
 from .cache_fit import check_fits, check_quantized
 from .files import load_file, save_file

@@ -2,34 +2,30 @@
 
 Pure Python, no mlx: the store uses it on blobs too.  The reader checks the
 whole header against the file before anything is allocated (sizes, offsets,
-dtypes, shapes); the writer streams one tensor at a time, hashing as it
-writes, then fills the checksums into a header of fixed length.
+dtypes, shapes); the writer streams one tensor at a time into a
+``format.sink.Sink``, hashing as it writes, then fills the checksums into a
+header of fixed length.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import mmap
 import os
 import re
 import struct
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO, TypeVar
+from typing import BinaryIO
 
 import xxhash
 
 from ..errors import CorruptBlobError
 from ..records import DTYPE_SIZES, TensorSpec
+from .sink import Sink
 
-T = TypeVar("T")
-
-__all__ = ["atomic_write", "MAX_HEADER_BYTES", "Entry", "Header", "read_header"]
-__all__ += ["header_bytes", "parse_header"]
-__all__ += ["write_tensors", "Sink", "checksum", "fsync_dir", "CHECKSUM_BYTES"]
+__all__ = ["MAX_HEADER_BYTES", "Entry", "Header", "read_header", "header_bytes"]
+__all__ += ["parse_header", "write_tensors", "checksum", "CHECKSUM_BYTES"]
 
 MAX_HEADER_BYTES = 40 << 20  # the largest manifest (32 MiB as base64) and 65,536 tensor entries
 MAX_TENSORS = 1 << 16  # 4,096 layers of up to 16 tensors
@@ -38,7 +34,6 @@ MAX_JSON_DEPTH = 8  # a safetensors header nests 3 deep; refuse more before pars
 _INNERMOST = re.compile(rb"[\[{][^\[\]{}]*[\]}]")
 _NOT_STRUCTURE = bytes(set(range(256)) - set(b'"[]{}'))
 CHECKSUM_BYTES = 16
-ALIGN = 8
 
 
 def checksum(data: memoryview | bytes) -> bytes:
@@ -188,124 +183,6 @@ def _check_layout(where: str, entries: dict[str, Entry], data_start: int, size: 
 # A tensor's bytes, in one buffer or several contiguous ones in row-major order.
 Producer = Callable[[], memoryview | Sequence[memoryview]]
 
-DIRECT_ALIGN = 4096
-DIRECT_MIN_BYTES = 4 << 20
-STAGE_BYTES = 8 << 20
-
-
-class Sink:
-    """A new file written sequentially, then fsynced.
-
-    Where the filesystem allows it the file is opened with O_DIRECT and fed
-    through an aligned staging buffer: writes then skip the page cache, which
-    on some machines (VMs with cold memory) is several times faster than
-    filling fresh cache pages, and a save does not evict the caller's data.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], mode: int = 0o600, size_hint: int = 0) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        self.direct = False
-        # Small files go through the page cache: no 4 KiB header alignment for them.
-        direct = getattr(os, "O_DIRECT", 0) if size_hint >= DIRECT_MIN_BYTES else 0
-        fd = -1
-        if direct:
-            try:
-                fd = os.open(path, flags | direct, mode)
-                self.direct = True
-            except OSError:
-                fd = -1
-        if fd < 0:
-            fd = os.open(path, flags, mode)
-        self.fd = fd
-        self.size = 0
-        self.head_digest = b""  # set by write_tensors: checksum of the final header
-        self._stage = _take_stage() if self.direct else None
-        self._fill = 0
-
-    @property
-    def align(self) -> int:
-        return DIRECT_ALIGN if self.direct else ALIGN
-
-    def write(self, data: memoryview | bytes) -> None:
-        view = memoryview(data).cast("B")
-        self.size += view.nbytes
-        if self._stage is None:
-            _write_all(self.fd, view)
-            return
-        stage = memoryview(self._stage)
-        while view.nbytes:
-            n = min(view.nbytes, STAGE_BYTES - self._fill)
-            stage[self._fill : self._fill + n] = view[:n]
-            self._fill += n
-            view = view[n:]
-            if self._fill == STAGE_BYTES:
-                _write_all(self.fd, stage)
-                self._fill = 0
-
-    def rewrite_head(self, head: bytes) -> None:
-        """Overwrite the first ``len(head)`` bytes (a multiple of ``align``)."""
-        if self._stage is None:
-            os.pwrite(self.fd, head, 0)
-            return
-        buf = mmap.mmap(-1, len(head))  # page-aligned, as O_DIRECT requires
-        try:
-            buf.write(head)
-            if os.pwrite(self.fd, memoryview(buf), 0) != len(head):
-                raise OSError("short write of the header")
-        finally:
-            buf.close()
-
-    def flush(self) -> None:
-        """Write what is staged and trim the alignment padding (no fsync yet)."""
-        if self._stage is not None and self._fill:
-            padded = -(-self._fill // DIRECT_ALIGN) * DIRECT_ALIGN
-            self._stage[self._fill : padded] = bytes(padded - self._fill)
-            _write_all(self.fd, memoryview(self._stage)[:padded])
-            self._fill = 0
-            os.ftruncate(self.fd, self.size)
-
-    def finish(self) -> None:
-        """Write what is staged, then fsync: nothing is written to the file after this."""
-        self.flush()
-        os.fsync(self.fd)
-
-    def close(self) -> None:
-        if self._stage is not None:
-            _give_stage(self._stage)
-            self._stage = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-# Staging buffers outlive the writer threads (new every save): fresh pages are slow
-# on VMs (~1 s/GiB on a 2-core one), so the next save reuses these.
-KEEP_STAGES = 2  # a save writes two blobs at once (engine/blob_writes.WRITERS)
-_free_stages: list[mmap.mmap] = []
-_stages_lock = threading.Lock()
-
-
-def _take_stage() -> mmap.mmap:
-    with _stages_lock:
-        return _free_stages.pop() if _free_stages else mmap.mmap(-1, STAGE_BYTES)
-
-
-def _give_stage(stage: mmap.mmap) -> None:
-    with _stages_lock:
-        if len(_free_stages) < KEEP_STAGES:
-            _free_stages.append(stage)
-            return
-    # A failed write's traceback may still hold a view of the buffer;
-    # then the garbage collector unmaps it later.
-    with contextlib.suppress(BufferError):
-        stage.close()
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view.nbytes:
-        n = os.write(fd, view)
-        view = view[n:]
-
 
 def write_tensors(
     sink: Sink,
@@ -368,38 +245,3 @@ def _header_bytes(table: dict[str, object], meta: dict[str, str], align: int) ->
     body = json.dumps({"__metadata__": meta, **table}, separators=(",", ":")).encode()
     body += b" " * (-(8 + len(body)) % align)  # data starts aligned
     return struct.pack("<Q", len(body)) + body
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(
-    tmp: str | os.PathLike[str],
-    final: str | os.PathLike[str],
-    write: Callable[[Sink], T],
-    size_hint: int = 0,
-    mode: int = 0o600,
-) -> tuple[int, T]:
-    """The one write path of every persist file: tmp, stream, fsync, rename, fsync the folder.
-
-    ``write`` streams into the sink and finishes (fsyncs) it.  Returns the
-    file's size and what ``write`` returned; on any failure the tmp file goes.
-    """
-    sink = Sink(tmp, mode, size_hint)
-    try:
-        result = write(sink)
-        size = sink.size
-        sink.close()
-        os.replace(tmp, final)
-        fsync_dir(os.path.dirname(os.fspath(final)) or ".")
-    except BaseException:
-        sink.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return size, result

@@ -13,7 +13,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..engine.host.tier import DEVICE_MEMORY, HostTier, default_budget, placement
+from ..engine.host.placement import DEVICE_MEMORY, default_budget, placement
+from ..engine.host.tier import HostTier
 from ..engine.store import Store
 from ..identity import ModelIdentity
 from .metrics import ServeMetrics

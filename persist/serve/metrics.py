@@ -5,7 +5,7 @@ two servers in one process, or a test, must not share counters).  Events
 are counted where they happen (the prompt cache's lookups on the
 generation thread, its saves on the writer thread, the HTTP handlers);
 gauges (queue depth, tier breakers, generation alive) are read at scrape
-time.  Counters are this process's since it started, as Prometheus
+time (``serve.scrape_gauges``).  Counters are this process's since it started, as Prometheus
 expects; ``persist stats`` keeps the store's own totals across restarts.
 """
 
@@ -28,12 +28,12 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..engine.costs import LOCAL, LOCAL_DISK
 from ..errors import StoreFullError
 from ..storage.housekeeping import wal_bytes
 from .prompt_counts import Outcome, Outcomes
+from .scrape_gauges import ScrapeGauges
 
 __all__ = ["ServeMetrics", "CONTENT_TYPE"]
 
@@ -145,7 +145,7 @@ class ServeMetrics:
             "index); the request was served anyway.", registry=r,
         )  # fmt: skip
         self.misses: Counter | None = None  # by reason (serve.explaining.miss_counter)
-        r.register(_Gauges(self))
+        r.register(ScrapeGauges(self))
         self.outcomes = Outcomes(self._counted)  # each request's prompt once (prompt_counts)
 
     # -- recording -------------------------------------------------------------
@@ -360,62 +360,3 @@ def _duration(s: float) -> str:
     m, sec = divmod(int(s), 60)
     h, m = divmod(m, 60)
     return f"up {h}h{m:02d}m" if h else f"up {m}m{sec:02d}s"
-
-
-class _Gauges:
-    """What is read at scrape time: queue, generation, tiers, store bytes against budget."""
-
-    def __init__(self, m: ServeMetrics) -> None:
-        self.m = m
-
-    def collect(self) -> Iterator[Any]:
-        m = self.m
-        depth, room = m.queue()
-        yield _gauge("persist_write_queue_depth", "Caches waiting to be written behind.", depth)
-        yield _gauge("persist_write_queue_capacity", "Room in the write-behind queue.", room)
-        yield _gauge(
-            "persist_generation_alive", "1 while the generation thread serves requests.",
-            int(m.generation_alive()),
-        )  # fmt: skip
-        failures = CounterMetricFamily(
-            "persist_generation_failures", "Generation-loop failures survived (requests failed)."
-        )
-        failures.add_metric([], getattr(m.generator, "failures", 0))
-        yield failures
-        yield from _abandoned(m.generator)
-        up = GaugeMetricFamily(
-            "persist_tier_up", "1 unless the tier's breaker skips it after a failure.",
-            labels=["tier"],
-        )  # fmt: skip
-        for name, state in m.tiers().items():
-            up.add_metric([name], int(state == "up"))
-        yield up
-        yield _gauge("persist_store_bytes", "Bytes the store holds on disk.", m.read_store_bytes())
-        if m.host is not None:
-            got = m.host.stats()
-            yield _gauge("persist_host_cache_bytes", "Bytes the host-RAM tier holds.", got["bytes"])
-            yield _gauge(
-                "persist_host_cache_budget_bytes", "The host-RAM tier's budget (--host-cache).",
-                got["budget_bytes"],
-            )  # fmt: skip
-        budget = m.store.budgets.max_bytes
-        if budget is not None:
-            yield _gauge("persist_store_budget_bytes", "The store's budget (--max-bytes).", budget)
-
-
-def _abandoned(generator: Any) -> Iterator[CounterMetricFamily]:
-    """Requests whose client left before the answer (``serve.disconnect``), and the tokens
-    generated for them after that: what they cost once nobody would read them."""
-    gone = CounterMetricFamily(
-        "persist_requests_abandoned", "Requests stopped because their client closed."
-    )
-    gone.add_metric([], getattr(generator, "abandoned", 0))
-    wasted = CounterMetricFamily(
-        "persist_abandoned_tokens", "Tokens generated for a request after its client closed."
-    )
-    wasted.add_metric([], getattr(generator, "wasted_tokens", 0))
-    return iter((gone, wasted))
-
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)

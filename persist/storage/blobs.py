@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
 
 from ..errors import CorruptBlobError
-from ..format.container import Sink, atomic_write, fsync_dir
 from ..format.opening import open_regular
+from ..format.sink import Sink, atomic_write, fsync_dir
 from . import leases
 
 __all__ = ["BlobStore", "FileBlobs", "FILE_RE"]

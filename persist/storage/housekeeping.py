@@ -161,7 +161,7 @@ def truncate_wal(index: Index) -> bool:
     large delete); it needs no new space.  A reader still inside a transaction keeps
     it: the log is then left as it is (the next checkpoint after the reader ends
     resets it, and ``journal_size_limit`` cuts it back).  Whether it was truncated."""
-    from .index import corruption_is_typed
+    from .transactions import corruption_is_typed
 
     with index.lock, corruption_is_typed():
         index.db.execute(f"PRAGMA busy_timeout={CHECKPOINT_WAIT_MS}")  # a reader: give up
@@ -179,7 +179,7 @@ def vacuum(index: Index, root: Path) -> bool:
     log (else the free pages stay for later rows, and the store keeps working).
     Whether the index was compacted."""
     from .full import RESERVE_BYTES, full_disk
-    from .index import corruption_is_typed
+    from .transactions import corruption_is_typed
 
     truncate_wal(index)
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import os
 import sqlite3
 import threading
@@ -18,13 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import (
-    CorruptBlobError,
-    ReadOnlyStoreError,
-    StorageError,
-    StoreBusyError,
-    StoreFullError,
-)
+from ..errors import CorruptBlobError, ReadOnlyStoreError
 from .rows import (
     SNAPSHOT_COLS,
     BlockRef,
@@ -35,54 +28,14 @@ from .rows import (
     row_digest,
     row_of,
 )
+from .transactions import corruption_is_typed, end_transaction
 
 if TYPE_CHECKING:
     import sqlite_utils
 
     from .types import EntryInfo
 
-__all__ = ["Index", "SnapshotRow", "NewBlob", "BlockRef", "corruption_is_typed", "end_transaction"]
-
-
-@contextlib.contextmanager
-def corruption_is_typed() -> Iterator[None]:
-    """A damaged index file surfaces as CorruptBlobError, not as a raw sqlite3 error."""
-    try:
-        yield
-    except sqlite3.OperationalError as e:
-        if "decode to UTF-8" in str(e):  # a flipped byte inside a text column
-            raise CorruptBlobError("index.sqlite", f"the index is damaged: {e}") from None
-        if "database or disk is full" in str(e):  # SQLite could not grow its log or file
-            raise StoreFullError(0, 0, f"the disk holding the store is full ({e})") from None
-        if "disk I/O error" in str(e):
-            raise StorageError("the store's index", OSError(errno.EIO, str(e))) from None
-        if "database is locked" in str(e):  # another process held it past the busy timeout
-            raise StoreBusyError(
-                f"the store's index stayed locked by another process ({e}); retry later"
-            ) from None
-        raise  # other operational errors are not damage
-    except (sqlite3.IntegrityError, sqlite3.ProgrammingError):
-        raise  # bugs are not damage
-    except sqlite3.DatabaseError as e:
-        raise CorruptBlobError("index.sqlite", f"the index is damaged: {e}") from None
-
-
-def end_transaction(db: sqlite_utils.Database, verb: str) -> None:
-    """COMMIT or ROLLBACK the connection's transaction, if it is in one, even through
-    Ctrl-Cs: an interrupt raised as the statement was about to run is caught and the
-    statement tried again, then raised once the transaction is over.  The
-    connection is asked, not a flag: BEGIN itself may have failed (a locked
-    database) or been interrupted as it returned."""
-    interrupted: KeyboardInterrupt | None = None
-    while True:
-        try:
-            if db.conn.in_transaction:
-                db.execute(verb)
-            break
-        except KeyboardInterrupt as e:
-            interrupted = e
-    if interrupted is not None:
-        raise interrupted
+__all__ = ["Index", "SnapshotRow", "NewBlob", "BlockRef"]
 
 
 # Forced plan: walk blocks by chain hash first (SQLite has no statistics to know).

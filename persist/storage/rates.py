@@ -3,9 +3,9 @@
 A rate is kept per machine (host name and MLX backend: a store on a shared
 disk serves machines of different speeds), per what was measured ("restore"
 keyed by tier, "prefill" keyed by model identity) and per power-of-two
-bucket of the amount (``policy.rate_bucket``), as its latest
-``policy.KEEP_SAMPLES`` samples: an estimate is read from several runs
-(``policy.rate_of``), so one noisy run moves it only part of the way, and a
+bucket of the amount (``policy.recompute.rate_bucket``), as its latest
+``policy.recompute.KEEP_SAMPLES`` samples: an estimate is read from several runs
+(``policy.recompute.rate_of``), so one noisy run moves it only part of the way, and a
 run measured again replaces the oldest.  Recording is
 best effort: a read never fails because its statistics could not be written
 (a full disk drops them, counted by ``full.dropped``).
@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from .. import policy
+from ..policy import recompute
 from .full import best_effort
 from .index import Index
 
@@ -86,8 +86,8 @@ def _record(
             where,
         ).fetchone()
         kept = [] if row is None else _recent(row[2], float(row[0]), int(row[1]))
-        kept = [*kept, rate][-policy.KEEP_SAMPLES :]
-        est = policy.rate_of(kept)
+        kept = [*kept, rate][-recompute.KEEP_SAMPLES :]
+        est = recompute.rate_of(kept)
         assert est is not None
         n = 1 if row is None else int(row[1]) + 1
         db.execute(
@@ -119,7 +119,7 @@ def rates(index: Index, machine: str, what: str, key: str) -> dict[int, float]:
     """Bucket -> the median rate per second measured here for ``what``/``key``."""
     out = {}
     for b, s in samples(index, machine, what, key).items():
-        est = policy.rate_of(s.values)
+        est = recompute.rate_of(s.values)
         if est is not None:
             out[b] = est.typical
     return out

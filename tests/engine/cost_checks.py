@@ -45,7 +45,7 @@ def slowed(store: persist.Store, delay: float) -> persist.Store:
 def learned(store: persist.Store, prompt: list[int], ident: Any, most: int = 8) -> list[str]:
     """Look ``prompt`` up until a hit is declined (at most ``most`` times): the reasons.
     The first restore of a process is kept apart (one-time costs), and fewer than
-    policy.MIN_SAMPLES samples decline nothing."""
+    policy.recompute.MIN_SAMPLES samples decline nothing."""
     reasons = []
     for _ in range(most):
         hit = store.lookup(prompt, identity=ident)

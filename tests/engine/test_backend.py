@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 import persist
-from persist.identity import backend_kind, current_backend
+from persist.identity import backend_kind
+from persist.identity.model_facts import current_backend
 from tests.helpers import another_backend, prefill, tokens_for
 
 

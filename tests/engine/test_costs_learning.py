@@ -14,7 +14,7 @@ from typing import Any
 
 import persist
 from persist.engine.costs import EXPLORE_AFTER, EXPLORE_EVERY
-from persist.policy import MIN_SAMPLES
+from persist.policy.recompute import MIN_SAMPLES
 from persist.storage import rates
 from tests.engine.cost_checks import SLOW_PREFILL, TINY_PREFILL, learned, primed, slowed
 from tests.helpers import tokens_for

@@ -18,8 +18,9 @@ import pytest
 import persist
 from persist.cuda import pinned
 from persist.cuda.pinned import CUDA_PINNED, Choice
-from persist.engine.host import tier as host_tier
-from persist.engine.host.tier import DEVICE_MEMORY, HostTier, default_budget
+from persist.engine.host import placement as host_placement
+from persist.engine.host.placement import DEVICE_MEMORY, default_budget
+from persist.engine.host.tier import HostTier
 from persist.errors import NotResumableError
 from persist.serve.app import host_budget
 from persist.serve.server import PersistentPromptCache
@@ -174,7 +175,7 @@ def test_where_the_tier_keeps_entries_and_the_serve_budget(
     assert plain.holder is None
     assert plain.where == {"cpu": "host memory", "cuda": DEVICE_MEMORY}[pinned.backend()]
     assert host_budget(None) == default_budget() and host_budget(0) == 0
-    monkeypatch.setattr(host_tier, "cuda_holder", lambda budget: host_holder(budget))
+    monkeypatch.setattr(host_placement, "cuda_holder", lambda budget: host_holder(budget))
     with pinned.use(Choice(CUDA_PINNED, "a test's stand-in")):
         tier = HostTier(GIB)
         assert tier.holder is not None and tier.where == WHERE
@@ -182,7 +183,7 @@ def test_where_the_tier_keeps_entries_and_the_serve_budget(
         assert HostTier(0).holder is None
     monkeypatch.setattr(pinned, "backend", lambda: "cuda")
     with pinned.use(Choice(pinned.HOST, "no pinned memory")):
-        assert host_tier.placement() == DEVICE_MEMORY
+        assert host_placement.placement() == DEVICE_MEMORY
         assert host_budget(None) == 0  # would hold device memory: off unless asked
         assert host_budget(1 << 20) == 1 << 20
 
@@ -194,7 +195,7 @@ def test_a_store_keeps_its_saves_in_pages_on_the_pinned_path(
     identity = persist.ModelIdentity.of(model, tok)
     toks = tokens_for(200, seed=23)
     cache, _ = prefill(model, toks)
-    monkeypatch.setattr(host_tier, "cuda_holder", lambda budget: host_holder(budget))
+    monkeypatch.setattr(host_placement, "cuda_holder", lambda budget: host_holder(budget))
     with pinned.use(Choice(CUDA_PINNED, "a test's stand-in")):  # only the tier's choice
         store = persist.Store(tmp_path / "store", host_cache=GIB)
     with store:
@@ -256,7 +257,7 @@ def test_a_tier_whose_pages_fail_their_check_keeps_nothing(
         return [mx.zeros_like(a) for a in out]
 
     monkeypatch.setattr(
-        host_tier, "cuda_holder", lambda budget: Spoiled(host_holder(budget), zeroed)
+        host_placement, "cuda_holder", lambda budget: Spoiled(host_holder(budget), zeroed)
     )
     with pinned.use(Choice(CUDA_PINNED, "a test's stand-in")):
         tier = HostTier(GIB)
@@ -295,7 +296,7 @@ def test_a_small_host_cache_on_cuda_is_checked_within_its_budget(
     """A --host-cache below the page-spanning check's 4 MiB turned the tier off,
     saying its pages had failed."""
     monkeypatch.setattr(
-        host_tier,
+        host_placement,
         "cuda_holder",
         lambda budget: host_holder(budget, page_bytes=2 << 20, chunk_bytes=2 << 20),
     )

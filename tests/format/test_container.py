@@ -14,7 +14,8 @@ import pytest
 
 import persist
 from persist.errors import CorruptBlobError
-from persist.format.container import atomic_write, checksum, read_header, write_tensors
+from persist.format.container import checksum, read_header, write_tensors
+from persist.format.sink import atomic_write
 from persist.records import TensorSpec
 from tests.golden.example.render import FILE as TINY
 from tests.golden.example.render import render

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from persist.format import container
-from persist.format.container import DIRECT_MIN_BYTES, KEEP_STAGES, STAGE_BYTES, Sink
+from persist.format import sink as sink_module
+from persist.format.sink import DIRECT_MIN_BYTES, KEEP_STAGES, STAGE_BYTES, Sink
 
 
 @pytest.fixture
@@ -19,16 +19,16 @@ def stages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     probe.close()
     if not probe.direct:
         pytest.skip("this filesystem refuses O_DIRECT: no staging buffers")
-    monkeypatch.setattr(container, "_free_stages", [])
+    monkeypatch.setattr(sink_module, "_free_stages", [])
     made: list[int] = []
-    real = container.mmap.mmap
+    real = sink_module.mmap.mmap
 
     def counting(fileno: int, length: int, *a: Any, **k: Any) -> Any:
         if length == STAGE_BYTES:
             made.append(length)
         return real(fileno, length, *a, **k)
 
-    monkeypatch.setattr(container.mmap, "mmap", counting)
+    monkeypatch.setattr(sink_module.mmap, "mmap", counting)
     return made
 
 
@@ -61,7 +61,7 @@ def test_sinks_open_at_once_never_share_a_buffer_and_few_are_kept(
     assert len({id(s._stage) for s in sinks}) == len(sinks) == len(stages)
     for s in sinks:
         s.close()
-    assert len(container._free_stages) == KEEP_STAGES  # the others are unmapped
+    assert len(sink_module._free_stages) == KEEP_STAGES  # the others are unmapped
     again = [Sink(tmp_path / f"g{i}", size_hint=DIRECT_MIN_BYTES) for i in range(KEEP_STAGES)]
     assert len(stages) == KEEP_STAGES + 2  # served from the kept ones
     for s in again:

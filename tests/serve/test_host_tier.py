@@ -15,8 +15,9 @@ import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import persist
+from persist.engine.host.placement import default_budget
 from persist.engine.host.store_hooks import from_host
-from persist.engine.host.tier import HostTier, default_budget
+from persist.engine.host.tier import HostTier
 from persist.errors import InvalidArgumentError, InvalidStateError, PersistError
 from persist.identity import ModelIdentity
 from persist.serve.server import PersistentPromptCache

@@ -176,7 +176,7 @@ def test_a_hit_from_the_disk_counts_as_local_reads(tier: str, tmp_path: Path) ->
     """Attack 27 (round 4): a store hit priced at the disk's rate ("local-disk")
     added nothing to persist_tier_read_bytes_total{tier="local"}."""
     from persist import Store
-    from persist.policy import CostDecision
+    from persist.policy.recompute import CostDecision
     from persist.serve.metrics import ServeMetrics
 
     with Store(tmp_path / "s") as store:

@@ -25,14 +25,13 @@ with a kernel and unpacks a hit over PCIe into fresh device arrays (kernel
 outputs: device memory, never managed memory), and eviction frees the pages.
 The tier's byte count is then the pages' bytes and stays the authority: it
 evicts down to its budget before it asks the pool for pages.  CUDA without
-pinned memory keeps device arrays (``placement``: "device memory").
+pinned memory keeps device arrays (``engine.host.placement``: "device memory").
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -47,55 +46,20 @@ from ... import policy, servable
 from ...codecs import encode_cache, facts_of, trim_record
 from ...codecs.snapshot import Snapshot, rebuild, require_covers
 from ...cuda import pinned
-from ...cuda.pinned_pool import Held, Holder, cuda_holder, proven
+from ...cuda.pinned_pool import Held, Holder
 from ...errors import HostCacheFullError, InvalidArgumentError
 from ...marks import carries_unverified
 from ...records import Record
 from .eviction import Kept, Key, victims
+from .placement import pinned_holder, placement
 from .records import arrays_of, copied, emptied, filled, handed_out
 from .shares import Shares
 
 log = logging.getLogger("persist")
 
-__all__ = ["HostTier", "HostHit", "default_budget", "placement", "HOST"]
+__all__ = ["HostTier", "HostHit", "HOST"]
 
 HOST = "host"  # the tier name in rates, metrics, lookups and Restored.source
-DEFAULT_CAP = 8 << 30  # bytes: the default budget's ceiling
-DEFAULT_SHARE = 0.10  # of MemAvailable
-DEVICE_MEMORY = "device memory"  # CUDA without pinned pages: where serve leaves it off
-
-
-def default_budget(meminfo: str = "/proc/meminfo") -> int:
-    """min(10% of MemAvailable, 8 GiB); 0 where MemAvailable cannot be read."""
-    try:
-        with open(meminfo, encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    kib = int(line.split()[1])
-                    return min(int(kib * 1024 * DEFAULT_SHARE), DEFAULT_CAP)
-    except (OSError, ValueError, IndexError):
-        pass  # no /proc (macOS): fall through to sysconf
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return 0
-    return min(int(free * DEFAULT_SHARE), DEFAULT_CAP)
-
-
-def placement() -> str:
-    """Where a tier made now without a holder keeps its entries, in words."""
-    if pinned.data_path().path == pinned.CUDA_PINNED:
-        return "pinned host memory"
-    here = pinned.backend()
-    return {"cuda": DEVICE_MEMORY, "metal": "unified memory"}.get(here, "host memory")
-
-
-def _pinned(max_bytes: int) -> tuple[Holder | None, str | None]:
-    """(pinned pages, None) once they gave back bit for bit what they were given
-    (``proven``), else (None, why not)."""
-    holder = cuda_holder(max_bytes)
-    why = proven(holder, max_bytes)
-    return (holder, None) if why is None else (None, why)
 
 
 @dataclass(frozen=True)
@@ -133,7 +97,7 @@ class HostTier:
         self.max_bytes, self.holder = max_bytes, holder
         why = None
         if holder is None and max_bytes and pinned.data_path().path == pinned.CUDA_PINNED:
-            self.holder, why = _pinned(max_bytes)
+            self.holder, why = pinned_holder(max_bytes)
         self.where = self.holder.where if self.holder is not None else placement()
         if why is not None:
             # never a wrong cache, and never device memory mlx-lm's eviction meant to

@@ -1,16 +1,17 @@
 """The resume policy: pure functions over plain records (no disk, no mlx).
 
 Every decision about which stored state may serve a prompt, which snapshot
-replaces which, and what to evict lives here, so it can be tested alone.
+replaces which, and what to evict lives here, so it can be tested alone;
+whether to restore a hit or recompute it is ``policy.recompute``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
-from .errors import NotResumableError
+from ..errors import NotResumableError
 
 __all__ = [
     "Candidate",
@@ -29,15 +30,6 @@ __all__ = [
     "stronger_hints",
     "plan_eviction",
     "partial_blocks",
-    "rate_bucket",
-    "prefill_seconds",
-    "restore_seconds",
-    "RateEstimate",
-    "rate_of",
-    "restore_estimate",
-    "RestoreEstimate",
-    "CostDecision",
-    "decide_cost",
 ]
 
 
@@ -247,184 +239,3 @@ def partial_blocks(
     if keep is None or keep >= n_tokens or not split or keep > n_blocks * block:
         return None
     return -(-keep // block)
-
-
-# -- restore or recompute -------------------------------------------------------
-#
-# Rates are measured on real restores (bytes/s, per tier) and real prefills
-# (tokens/s, per context length) and kept per power of two of the amount:
-# restores have a fixed cost that small ones feel, and a token's prefill cost
-# grows with the context before it (attention).
-
-
-def rate_bucket(amount: int) -> int:
-    """The bucket a measurement of ``amount`` (bytes, or a context position) falls in:
-    positions [2**(b-1), 2**b) are bucket b; 0 is bucket 0."""
-    return max(0, int(amount)).bit_length()
-
-
-def _rate_near(rates: Mapping[int, float], b: int) -> float | None:
-    """The rate of bucket ``b``, else of the nearest measured one (the lower on a tie)."""
-    good = [k for k, r in rates.items() if r > 0]
-    if not good:
-        return None
-    return rates[min(good, key=lambda k: (abs(k - b), k))]
-
-
-def prefill_seconds(rates: Mapping[int, float], start: int, end: int) -> float | None:
-    """Predicted seconds to prefill positions [start, end) after ``start`` cached ones:
-    the per-bucket tokens/s integrated over the positions; None before any measurement."""
-    if _rate_near(rates, 0) is None:
-        return None
-    total, pos = 0.0, max(0, start)
-    while pos < end:
-        b = rate_bucket(pos)
-        stop = min(end, 1 << b)  # the first position of the next bucket
-        rate = _rate_near(rates, b)
-        assert rate is not None
-        total += (stop - pos) / rate
-        pos = stop
-    return total
-
-
-def restore_seconds(rates: Mapping[int, float], nbytes: int) -> float | None:
-    """Predicted seconds to restore ``nbytes`` at the measured bytes/s; None unmeasured."""
-    rate = _rate_near(rates, rate_bucket(nbytes))
-    return None if rate is None else nbytes / rate
-
-
-# A rate is read from the latest few samples of its bucket, never from one: the
-# median is the estimate, the upper quartile the optimistic end of it, and a hit
-# is declined only on MIN_SAMPLES or more (one run slowed by load declined every
-# later hit of a bucket, for good: issue 39).
-MIN_SAMPLES = 3  # samples before an estimate may decline a hit
-KEEP_SAMPLES = 5  # the latest samples a bucket keeps (two fast runs outvote old slow ones)
-
-
-@dataclass(frozen=True)
-class RateEstimate:
-    """What the samples of a bucket say: the median rate, the upper quartile (the
-    optimistic end) and how many samples stand behind them."""
-
-    typical: float
-    best: float
-    samples: int
-
-
-def rate_of(samples: Sequence[float]) -> RateEstimate | None:
-    """The estimate from ``samples`` (rates per second; non-positive ones ignored)."""
-    good = sorted(r for r in samples if r > 0)
-    if not good:
-        return None
-    n = len(good)
-    mid = good[n // 2] if n % 2 else (good[n // 2 - 1] + good[n // 2]) / 2
-    best = good[min(n - 1, -(-3 * n // 4) - 1)]  # nearest rank of the 75th percentile
-    return RateEstimate(mid, max(best, mid), n)
-
-
-@dataclass(frozen=True)
-class RestoreEstimate:
-    """Predicted seconds of a restore (``seconds``), its optimistic end (``best``)
-    and the samples behind it."""
-
-    seconds: float
-    best: float
-    samples: int
-
-
-def restore_estimate(samples: Mapping[int, Sequence[float]], nbytes: int) -> RestoreEstimate | None:
-    """Seconds to restore ``nbytes`` from per-bucket samples of bytes/s; None unmeasured.
-
-    A bucket of fewer than MIN_SAMPLES borrows its neighbours' samples; a bucket
-    never measured takes the nearest one's.  A larger bucket's confident estimate
-    bounds this one from above: restoring fewer bytes never takes longer than
-    the fewest bytes of that bucket did (restores of the next bucket up were 22x
-    faster while one slow sample here declined every hit)."""
-    measured = [k for k, s in samples.items() if any(r > 0 for r in s)]
-    if not measured:
-        return None
-    b = rate_bucket(nbytes)
-    pool = list(samples.get(b, ()))
-    if len(pool) < MIN_SAMPLES:
-        pool += [*samples.get(b - 1, ()), *samples.get(b + 1, ())]
-    est = rate_of(pool) or rate_of(samples[min(measured, key=lambda k: (abs(k - b), k))])
-    assert est is not None
-    seconds, best = nbytes / est.typical, nbytes / est.best
-    for k in measured:
-        above = rate_of(samples[k]) if k > b else None
-        if above is not None and above.samples >= MIN_SAMPLES:
-            lo = 1 << (k - 1)  # the fewest bytes of bucket k: more than nbytes
-            seconds, best = min(seconds, lo / above.typical), min(best, lo / above.best)
-    return RestoreEstimate(seconds, min(best, seconds), est.samples)
-
-
-Reason = Literal["unmeasured", "faster", "slower", "max_cost", "learning", "uncertain", "explore"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class CostDecision:
-    """Restore a hit of ``tokens`` tokens (``nbytes`` to read), or prefill them again.
-
-    ``restore_s`` is the predicted restore (the median rate), ``best_s`` its
-    optimistic end (the upper quartile rate) and ``samples`` the measurements
-    behind it: the decision's confidence."""
-
-    tokens: int
-    nbytes: int
-    tier: str  # where the bytes are: "host" (RAM), "local", "shared", "cold"
-    restore_s: float | None  # predicted; None: never measured here
-    prefill_s: float | None
-    restore: bool
-    reason: Reason
-    best_s: float | None = None
-    samples: int | None = None  # None: as many as confidence needs
-
-
-def decide_cost(
-    tokens: int,
-    nbytes: int,
-    tier: str,
-    *,
-    restore_s: float | None,
-    prefill_s: float | None,
-    max_cost: float | None = None,
-    best_s: float | None = None,
-    samples: int | None = None,
-    explore: bool = False,
-) -> CostDecision:
-    """Take a hit unless restoring it is confidently predicted to lose to a prefill.
-
-    ``max_cost`` (seconds) replaces the predicted prefill as a hard limit (no
-    learning, no exploring past it).  Before anything was measured a hit is
-    restored: persist's behaviour without a model.  Against a prefill, a hit
-    predicted slower is still restored (and so measured again) while fewer than
-    MIN_SAMPLES stand behind the estimate ("learning"), while its optimistic end
-    ``best_s`` beats the prefill ("uncertain"), or when the caller says an
-    exploration is due ("explore": a wrong estimate corrects itself).
-    """
-
-    def out(ok: bool, reason: Reason) -> CostDecision:
-        return CostDecision(
-            tokens=tokens,
-            nbytes=nbytes,
-            tier=tier,
-            restore_s=restore_s,
-            prefill_s=prefill_s,
-            restore=ok,
-            reason=reason,
-            best_s=best_s,
-            samples=samples,
-        )
-
-    if restore_s is None or (prefill_s is None and max_cost is None):
-        return out(True, "unmeasured")
-    if max_cost is not None:
-        return out(restore_s <= max_cost, "max_cost")
-    assert prefill_s is not None
-    if restore_s < prefill_s:
-        return out(True, "faster")
-    if samples is not None and samples < MIN_SAMPLES:
-        return out(True, "learning")
-    if best_s is not None and best_s < prefill_s:
-        return out(True, "uncertain")
-    return out(True, "explore") if explore else out(False, "slower")
