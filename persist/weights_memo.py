@@ -18,11 +18,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
+
+from .private_files import private_mkdir, unsafe_path
 
 __all__ = ["files_key", "recall", "remember", "memo_dir"]
 
@@ -65,10 +68,31 @@ def files_key(dirs: Iterable[Path | None], versions: dict[str, str], structure: 
     return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()
 
 
+_warned: set[Path] = set()
+
+
+def _trusted(d: Path) -> bool:
+    """Only a folder no other user can change (``private_files``) is read or written:
+    a digest planted there would make another model's caches this model's."""
+    why = unsafe_path(d)
+    if why is not None and d not in _warned:
+        _warned.add(d)
+        logging.getLogger("persist").warning(
+            "persist: the weights-digest memo %s %s: not used (every load hashes the "
+            "weights again); chmod go-w it, or remove it", d, why
+        )
+    return why is None
+
+
 def recall(key: str) -> str | None:
-    """The remembered digest, or None (missing or unreadable: computed again)."""
+    """The remembered digest, or None (missing, unreadable, or in a folder another
+    user can change: computed again)."""
+    d = memo_dir()
+    f = d / f"{key}.json"
+    if not _trusted(d) or f.is_symlink() or unsafe_path(f) is not None:
+        return None
     try:
-        data = json.loads((memo_dir() / f"{key}.json").read_text())
+        data = json.loads(f.read_text())
     except (OSError, ValueError):
         return None
     digest = data.get("weights") if isinstance(data, dict) else None
@@ -81,21 +105,11 @@ def remember(key: str, digest: str) -> None:
     Folders 0700 and the file 0600 whatever the umask: it often makes ``PERSIST_HOME``."""
     d = memo_dir()
     with contextlib.suppress(OSError):
-        _private_mkdir(d)
+        private_mkdir(d)
+        if not _trusted(d):
+            return  # never read either (recall): computed in every process
         tmp = d / f".{key}.{secrets.token_hex(4)}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         with os.fdopen(os.open(tmp, flags, 0o600), "w") as f:
             f.write(json.dumps({"weights": digest}))
         os.replace(tmp, d / f"{key}.json")
-
-
-def _private_mkdir(path: Path) -> None:
-    # storage.access.private_mkdir's rule (this module imports nothing): every folder
-    # made 0700; mkdir(parents=True) gave the parents 0777 & ~umask
-    missing = []
-    while not path.exists() and path != path.parent:
-        missing.append(path)
-        path = path.parent
-    for p in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            p.mkdir(mode=0o700)

@@ -340,3 +340,33 @@ def test_a_rope_changed_in_memory_is_another_identity(
     assert not mx.array_equal(before, after).item()  # another model now
     assert persist.ModelIdentity.of(model, tok).digest != hashed.digest
     assert persist.ModelIdentity.of(model, tok, path=d).digest != remembered.digest
+
+
+def test_a_memo_folder_another_user_can_write_is_not_trusted(
+    model_dir: Any, memo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside attack made $PERSIST_HOME/identity/ world-writable (the store
+    refuses that mode on blobs/) and planted model A's digest under model B's
+    files: B resumed A's session.  A folder another user can change is neither
+    read nor written (the digest is computed again); nor is a linked memo file."""
+    from persist import weights_memo
+    from persist.apps.demo import make_model
+
+    a, b = model_dir("llama"), make_model(tmp_path / "b", "llama", seed=1)
+    mine = persist.ModelIdentity.from_path(a).weights
+    theirs = persist.ModelIdentity.from_path(b).weights
+    assert mine != theirs
+    (key_b,) = [p for p in memo.iterdir() if p.read_text().count(theirs)]
+    planted = key_b.read_text().replace(theirs, mine)
+    os.chmod(memo, 0o777)
+    key_b.write_text(planted)
+    calls = counting(monkeypatch)
+    assert persist.ModelIdentity.from_path(b).weights == theirs and calls == [1]
+    assert weights_memo.recall(key_b.stem) is None
+    os.chmod(memo, 0o700)
+    key_b.unlink()
+    elsewhere = memo.parent / "planted.json"
+    elsewhere.write_text(planted)
+    key_b.symlink_to(elsewhere)
+    assert weights_memo.recall(key_b.stem) is None
+    assert persist.ModelIdentity.from_path(b).weights == theirs

@@ -32,7 +32,9 @@ ALLOWED: dict[str, set[str]] = {
     "kinds": BASE,
     # which cache objects came from an unverified session (no mlx): codecs and engine ask
     "marks": set(),
-    "weights_memo": set(),
+    # folders only their owner may change (the store and the digest memo share it)
+    "private_files": set(),
+    "weights_memo": {"private_files"},
     # weights hashed as the format stores them; the memo only for models persist loaded
     "provenance": BASE | {"format", "weights_memo"},
     "identity": BASE | {"provenance"},
@@ -41,7 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     "codecs": BASE | {"format", "policy", "servable", "kinds", "caches", "marks", "cuda"},
     # CUDA transport (driver, kernels, pinned staging, reader processes)
     "cuda": BASE,
-    "storage": BASE | {"format", "policy", "servable"},
+    "storage": BASE | {"format", "policy", "servable", "private_files"},
     # clients of the tiers beyond one machine (Redis, S3)
     "remote": BASE,
     "engine": BASE
@@ -85,6 +87,7 @@ NEVER_MLX = {
     "storage",
     "remote",
     "weights_memo",
+    "private_files",
     "marks",
 }  # numpy neither
 

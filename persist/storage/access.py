@@ -9,7 +9,6 @@ No mlx.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import sqlite3
@@ -19,26 +18,14 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from ..errors import ReadOnlyStoreError, UnsafeStoreError
+from ..private_files import GROUP_ENV, private_mkdir, unsafe
 
 if TYPE_CHECKING:
     import sqlite_utils
 
 __all__ = ["GROUP_ENV", "check_owner", "private_mkdir", "read_only", "connect_read_only"]
 
-GROUP_ENV = "PERSIST_GROUP_STORE"  # "1": the members of the store's group share it
 CHECKED = ("", "blobs", "tmp", "index.sqlite", "index.sqlite-wal", "index.sqlite-shm")
-
-
-def private_mkdir(path: Path) -> None:
-    """Make ``path`` and every missing folder above it 0700 (``mkdir -p`` gave 0755)."""
-    missing = []
-    p = path
-    while not p.exists() and p != p.parent:
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            d.mkdir(mode=0o700)
 
 
 def check_owner(root: Path) -> None:
@@ -59,24 +46,9 @@ def check_owner(root: Path) -> None:
                 shown, fixed = str(p), p
         except FileNotFoundError:  # a dangling link: refused where it stands
             continue
-        why = _unsafe(st, group)
+        why = unsafe(st, group)
         if why is not None:
             raise UnsafeStoreError(shown, why, _fix(fixed, st, group))
-
-
-def _unsafe(st: os.stat_result, group: bool) -> str | None:
-    uid = os.geteuid()
-    if st.st_mode & stat.S_IWOTH:
-        return "can be written by every user"
-    if group:
-        if st.st_gid not in {os.getegid(), *os.getgroups()}:
-            return f"belongs to group {st.st_gid}, not one of yours ({GROUP_ENV}=1)"
-        return None
-    if st.st_uid != uid:
-        return f"is owned by user {st.st_uid}, not by you ({uid})"
-    if st.st_mode & stat.S_IWGRP:
-        return "can be written by its group"
-    return None
 
 
 def _fix(p: Path, st: os.stat_result, group: bool) -> str:
