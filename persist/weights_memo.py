@@ -79,7 +79,9 @@ def _trusted(d: Path) -> bool:
         _warned.add(d)
         logging.getLogger("persist").warning(
             "persist: the weights-digest memo %s %s: not used (every load hashes the "
-            "weights again); chmod go-w it, or remove it", d, why
+            "weights again); chmod go-w it, or remove it",
+            d,
+            why,
         )
     return why is None
 

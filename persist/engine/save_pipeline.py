@@ -30,6 +30,7 @@ from ..storage.rows import check_name, listed_info
 from ..storage.types import EntryInfo
 from .layer_checks import check_layers, check_quantized, check_windows
 from .saving import Target, write_and_commit
+from .tiers.push import push_everywhere
 from .unverified import inherit_mark
 
 if TYPE_CHECKING:
@@ -89,8 +90,7 @@ def published(
 ) -> EntryInfo:
     """After the commit: the reserve, the tiers, the host tier's copy."""
     full.ensure_reserve(store.root)  # before the disk fills: what rm and gc delete with
-    for tier in store.tiers:
-        tier.push(store.index, store.blobs, row.namespace, row.id)
+    push_everywhere(store.tiers, store.index, store.blobs, row.namespace, row.id)
     info = listed_info(row)
     if store.host is not None:
         from .host.store_hooks import keep_saved, owner

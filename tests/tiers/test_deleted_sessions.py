@@ -116,6 +116,36 @@ def test_a_turn_continuing_a_session_deleted_from_the_fleet_is_kept_beside(
         assert c.restore("chat~2", identity=IDENTITY).tokens == later
 
 
+def both(tmp: Path, name: str, redis: Any, s3: Any) -> persist.Store:
+    return persist.Store(tmp / name, tier_key=KEY, shared=redis.url, cold=s3.url)
+
+
+def test_a_fleet_delete_holds_when_the_shared_tier_loses_everything(
+    redis_server: Any, s3_server: Any, tmp_path: Path
+) -> None:
+    """An outside attack: after ``rm --fleet`` wrote tombstones in Redis and S3, Redis
+    was flushed; a machine still holding the deleted session synced it back into
+    Redis under its own name (reporting a conflict only against S3's tombstone), a
+    fresh machine restored it from Redis, and its next turn replaced S3's tombstone.
+    One name for every tier: the cold tier, durable, decides first."""
+    with both(tmp_path, "a", redis_server, s3_server) as a:
+        saved_twice(a)
+    with both(tmp_path, "b", redis_server, s3_server) as b:
+        assert b.restore("chat", identity=IDENTITY).tokens == FLEET
+    with both(tmp_path, "a", redis_server, s3_server) as a:
+        a.delete("chat", fleet=True)
+    redis_server.client().flushall()
+    with both(tmp_path, "b", redis_server, s3_server) as b:
+        got = b.sync()["conflicts"]
+        assert {(c["session"], c["kept_as"]) for c in got} == {("chat", "chat~2")}
+    for only in ({"shared": redis_server.url}, {"cold": s3_server.url}, {}):
+        tiers = only or {"shared": redis_server.url, "cold": s3_server.url}
+        with persist.Store(tmp_path / f"c{len(tiers)}{sorted(tiers)}", tier_key=KEY, **tiers) as c:
+            with pytest.raises(persist.SessionNotFoundError):
+                c.restore("chat", identity=IDENTITY)
+            assert c.restore("chat~2", identity=IDENTITY).tokens == FLEET
+
+
 def test_a_fleet_delete_with_the_tier_down_deletes_nothing(
     redis_server: Any, tmp_path: Path
 ) -> None:

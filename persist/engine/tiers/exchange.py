@@ -104,7 +104,13 @@ class Shared:
                 index.count(namespace, **{f"{self.name}_{what}": n})
 
     def push(
-        self, index: Index, blobs: BlobStore, namespace: str, sid: int, verify: bool = False
+        self,
+        index: Index,
+        blobs: BlobStore,
+        namespace: str,
+        sid: int,
+        verify: bool = False,
+        as_name: str | None = None,
     ) -> str:
         """Push one committed snapshot: ``pushed``, ``present`` (the tier had all of it),
         ``conflict`` (a session that does not continue the tier's one of its name, pushed
@@ -129,6 +135,7 @@ class Shared:
                     secret=s,
                     verify=verify,
                     conflicts=self.conflicts,
+                    as_name=as_name,
                 )
             )
             done, after = got if got is not None else (None, None)

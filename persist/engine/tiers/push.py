@@ -45,7 +45,13 @@ class Shared(Protocol):
     conflicts: list[tuple[str, str]]  # (session, the name its other history was pushed as)
 
     def push(
-        self, index: Index, blobs: BlobStore, namespace: str, sid: int, verify: bool = False
+        self,
+        index: Index,
+        blobs: BlobStore,
+        namespace: str,
+        sid: int,
+        verify: bool = False,
+        as_name: str | None = None,
     ) -> str: ...
 
     def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool: ...
@@ -53,7 +59,7 @@ class Shared(Protocol):
 
 Tier = Any  # a RedisTier or S3Tier (their common methods)
 
-__all__ = ["namespace_secret", "push", "sync"]
+__all__ = ["namespace_secret", "push", "push_everywhere", "sync"]
 
 log = logging.getLogger("persist")
 MAX_RACES = 8  # pushes of one snapshot that may lose the race for its name before it fails
@@ -120,6 +126,7 @@ def push(
     secret: bytes,
     verify: bool = False,
     conflicts: list[tuple[str, str]] | None = None,
+    as_name: str | None = None,
 ) -> tuple[str, bytes | None]:
     """Write a committed snapshot's missing blobs and its record to the tier: ``pushed``,
     ``present`` (nothing was missing or wrong), ``skipped`` (gone meanwhile, or a
@@ -130,7 +137,9 @@ def push(
     (``sync``), and so is the record with ``verify``: a wrong value (a hostile
     writer's, planted ahead of the save or written over it) is overwritten.  A session
     that does not continue the tier's session of its name is pushed as ``NAME~N``
-    beside it (``lineage.kept_name``), and (name, kept name) is added to ``conflicts``."""
+    beside it (``lineage.kept_name``), and (name, kept name) is added to ``conflicts``.
+    ``as_name``: the ``NAME~N`` another tier's conflict gave this session
+    (``push_everywhere``), taken here too."""
     with index.read() as db:
         rows = Index.rows_where(db, "id = ?", [sid])
         refs = Index.blocks_in(db, sid)
@@ -138,6 +147,8 @@ def push(
         return "skipped", None  # evicted meanwhile
     row = rows[0]
     name = row.name if row.role == "session" else None
+    if name is not None and as_name is not None:
+        name = as_name
     base = index.base(namespace, name) if name is not None else None  # before this push
     if name is None and getattr(tier, "named_only", False):
         return "skipped", None
@@ -303,6 +314,30 @@ def _pointers(
     return [(kind, key, keys.pointer(namespace, kind, key, rkey)) for kind, key in items]
 
 
+def push_everywhere(
+    tiers: Sequence[Shared],
+    index: Index,
+    blobs: BlobStore,
+    namespace: str,
+    sid: int,
+    verify: bool = False,
+) -> list[tuple[Shared, str]]:
+    """Push one snapshot to every tier, the durable cold tier first, under one name:
+    a session that one tier's history (or its tombstone: ``rm --fleet``) makes a
+    fork, ``NAME~N``, is pushed as that fork to every later tier too.  A shared tier
+    that lost everything (a Redis flush) would otherwise take it under the name the
+    fleet deleted, and bring the deleted session back to every machine."""
+    done: list[tuple[Shared, str]] = []
+    fork: str | None = None
+    for tier in sorted(tiers, key=lambda t: t.name != "cold"):
+        forks = len(tier.conflicts)
+        how = tier.push(index, blobs, namespace, sid, verify=verify, as_name=fork)
+        if how == "conflict" and fork is None and len(tier.conflicts) > forks:
+            fork = tier.conflicts[-1][1]
+        done.append((tier, how))
+    return done
+
+
 def sync(
     index: Index,
     blobs: BlobStore,
@@ -321,8 +356,7 @@ def sync(
     forked = {t.name: len(t.conflicts) for t in shared}
     failed: set[int] = set()
     for row in rows:
-        for tier in shared:
-            how = tier.push(index, blobs, row.namespace, row.id, verify=True)
+        for tier, how in push_everywhere(shared, index, blobs, row.namespace, row.id, True):
             how = "pushed" if how == "conflict" else how  # beside the tier's: in conflicts
             if how in per[tier.name]:
                 per[tier.name][how] += 1
