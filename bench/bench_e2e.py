@@ -12,12 +12,14 @@ turn after turn.  Sessions take turns round-robin, more of them than
 from mlx-lm's memory.  Then both servers restart and every session returns
 once more.  Both servers run side by side and get each request in turn (the
 first to be asked alternates), so a shared machine's load falls on both alike;
-requests are one at a time, streamed, ``max_tokens`` 8, temperature 0.
+requests are one at a time, streamed, ``max_tokens`` 8, temperature 0.  Each
+server's first request after a start (a short one) compiles its kernels and is
+not timed; after the sessions, two documents no server has seen measure a miss.
 
 Reported per server: time from start to ``/health`` (persist compiles its
 restore kernels before it listens), TTFT p50/p90 and mean per phase (first
-contact, returning after eviction, after the restart), tokens generated per
-second of request time, and the cached prompt tokens the answers report.
+contact, returning after eviction, after the restart, miss), tokens generated
+per second of request time, and the cached prompt tokens the answers report.
 """
 
 from __future__ import annotations
@@ -71,6 +73,12 @@ def workload(system_words: int, doc_words: int, agents: int, chats: int) -> list
         doc = " ".join(f"line {j} of doc {c} says {j * 7 % 101}." for j in range(doc_words // 7))
         out.append(Session(f"chat{c}", [{"role": "user", "content": f"Read this: {doc}"}]))
     return out
+
+
+def unseen(seed: str, chars: int) -> list[dict[str, str]]:
+    """A document as long as a chat's, shared with nothing sent before: a miss."""
+    words = " ".join(f"{seed} fact {j} is {j * 13 % 97}." for j in range(chars // 12 + 1))
+    return [{"role": "user", "content": f"Summarize: {words[:chars]}"}]
 
 
 def streamed(port: int, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
@@ -147,7 +155,7 @@ def profiler(srv: Server, logs: Path | None, life: str) -> subprocess.Popen[byte
 
 
 def run(model: Path, tmp: Path, sessions: list[Session], rounds: int, cache_size: int,
-        max_tokens: int, logs: Path | None = None) -> dict[str, Any]:  # fmt: skip
+        max_tokens: int, logs: Path | None = None, misses: int = 2) -> dict[str, Any]:  # fmt: skip
     kinds = ["plain", "persist"]
     rows: dict[str, dict[str, list[dict[str, Any]]]] = {k: {} for k in kinds}
     starts: dict[str, list[float]] = {k: [] for k in kinds}
@@ -171,11 +179,15 @@ def run(model: Path, tmp: Path, sessions: list[Session], rounds: int, cache_size
             starts[k].append(took)
         spy = profiler(servers["persist"], logs, life)
         try:
+            for k in kinds:  # each server's first request compiles its kernels: not timed
+                streamed(servers[k].port, [{"role": "user", "content": f"warm up {life}"}], 2)
             for r in range(rounds if life == "before restart" else 1):
                 for s in sessions:
                     phase = life if life == "after restart" else (
                         "first contact" if r == 0 else "returning")  # fmt: skip
                     ask(servers, phase, s.next_request(len(s.turns)))
+            for j in range(misses):  # prompts no server has seen: what a miss costs
+                ask(servers, "miss", unseen(f"{life} {j}", len(sessions[-1].opening[0]["content"])))
         finally:
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
@@ -249,7 +261,9 @@ def main() -> None:
         f"long system prompt and {chats} chats each with a document of its own (prompt "
         f"tokens in the table; byte-level tokenizer), {rounds} round-robin turns each with "
         f"`--prompt-cache-size {cache_size}`, then both servers restart and each session "
-        "returns once; requests one at a time, streamed, max_tokens 8; both servers side by "
+        "returns once, then two unseen documents (a miss) in each life; each server's first "
+        "request after a start (short) is not timed; requests one at a time, streamed, "
+        "max_tokens 8; both servers side by "
         "side, each request sent to both (the first asked alternates)."
     )
     write_results(f"e2e-{args.out}", res, render(res, setup))
