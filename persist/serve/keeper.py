@@ -5,8 +5,10 @@ end of every prompt segment: in the middle of a request's prompt processing.
 On a GPU, keeping an evicted 1 GiB cache in pinned host pages (growing the
 pinned pool, then a device-to-host copy) took 0.43 s per cache on an H100 (the
 e2e benchmark's ``/metrics``, step ``keep``), all of it added to that request's
-time to first token.  Here the generation thread only hands the evicted cache
-over; one thread of its own copies it, on a stream of its own
+time to first token.  Here the generation thread only evaluates the evicted
+cache (``handoff.handed_off``, as for an insert: a batch's lazy slice is
+computed on the stream it was made on) and hands it over; one thread of its own
+copies it, on a stream of its own
 (``handoff.writer_stream``).  Safe for the reason the write-behind is: an
 evaluated MLX array never changes, and mlx-lm no longer holds an evicted cache.
 

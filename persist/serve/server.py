@@ -84,7 +84,9 @@ class PersistentPromptCache(LRUPromptCache):
         self._keeper: EvictionKeeper | None = None
         if host is not None:
             self._trie = EvictionWatch(self._trie, self._evicted)  # type: ignore[assignment]
-            self._keeper = EvictionKeeper(host)  # the copies, off the generation thread
+            self._keeper = EvictionKeeper(  # the copies, off the generation thread
+                host, on_error=lambda e: self.counters.update(keep_errors=1)
+            )
         self.metrics = metrics  # persist serve's Prometheus metrics (apps.metrics)
         if metrics is not None:
             metrics.caches.append(self)
@@ -190,6 +192,7 @@ class PersistentPromptCache(LRUPromptCache):
             identity = self.identity_for(model)
             if self._keeper is not None and identity is not None:
                 with self._on_thread("keep"):  # a hand-over: serve.keeper copies it
+                    handed_off(cache)  # a lazy slice is computed where it was made
                     if not self._keeper.offer(self._owner(identity, ns), tokens, cache, hints):
                         log.info("persist: an evicted cache was not kept: two are in flight")
         except Exception as e:  # the tier must never take the server down

@@ -146,3 +146,30 @@ def test_an_evicted_cache_is_kept_off_the_generation_thread(
         assert threads == ["persist-keeper"]
         assert cache is not None and rest == [5]
         assert pc.counters["host_hits"] == 1
+
+
+def test_an_evicted_cache_still_lazy_is_kept(tiny: Any, tmp_path: Path) -> None:
+    # An outside attack: a batched request's cache can reach mlx-lm's eviction
+    # unevaluated (an insert of tokens already stored skips the hand-off), and the
+    # keeper thread could not evaluate it there ("no Stream(cpu, 1) in current
+    # thread"): the evicted cache was lost to the host tier.
+    from mlx_lm.models.cache import KVCache
+
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(60, seed=96)
+    live = prefill(model, toks)[0]
+    lazy = []
+    for c in live:
+        k = KVCache()
+        k.update_and_fetch(c.keys[..., : c.offset, :] * 1, c.values[..., : c.offset, :] * 1)
+        lazy.append(k)  # not evaluated: computed where it was made
+    host = HostTier(1 << 30)
+    with persist.Store(tmp_path / "s", max_bytes=1 << 30) as store:
+        pc = PersistentPromptCache(1, store=store, identity=ident, host=host)
+        try:
+            pc._evicted("m", toks, lazy)
+            pc.flush()
+        finally:
+            pc.close()
+        assert host.stats()["kept"] == 1
