@@ -43,13 +43,11 @@ def serves_itself(cache: Any, kv_start: int | None = None) -> bool:
     server's prompt cache) may leave one no fresh prefill gives.  ``kv_start``:
     the identity's quantized_kv_start (kv_bits), below which a fresh run is plain
     and from which it is quantized."""
-    records = [encode_cache(c) for c in cache]
-    offsets = [facts_of(c).offset for c in cache]
-    n = max((o for o in offsets if o is not None), default=0)
+    records, facts_all = [encode_cache(c) for c in cache], [facts_of(c) for c in cache]
+    n = max((f.offset for f in facts_all if f.offset is not None), default=0)
     if plain_past_start(records, n, kv_start) is not None:  # mlx-lm holds these quantized
         return False
-    for c, rec in zip(cache, records, strict=True):
-        facts = facts_of(c)
+    for rec, facts in zip(records, facts_all, strict=True):
         if facts.offset is None:
             continue
         rule = of_record(rec)

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import IdentityMismatchError
 from ..identity import ModelIdentity
+from ..kinds import kind_of
 from .layer_checks import refuse_early, refuse_plain_past_start, refuse_quantized
 
 __all__ = ["check_fits", "check_quantized"]
@@ -61,8 +62,6 @@ def check_quantized(cache: list[Any], identity: ModelIdentity, where: str) -> No
             refuse_quantized(f"layer {i}", q.bits, q.group_size, identity, where)
             floor = getattr(q, "min_resume_offset", None)
             refuse_early(f"layer {i}", int(q.offset) if floor is None else floor, identity, where)
-    from ..kinds import kind_of
-
     n = max((int(o) for c in cache if type(o := getattr(c, "offset", None)) is int), default=0)
     refuse_plain_past_start([{"kind": kind_of(c)} for c in cache], n, identity, where)
 

@@ -91,32 +91,17 @@ def load_snapshot(
     choice = pinned.data_path()
     _note_path(index, choice)
     arrays = None
+    # what either path reads, and into what shapes
+    reads: dict[str, Any] = dict(
+        heads=heads, specs=specs, split=split, length=length, room=room, progress=progress
+    )
     if choice.ring is not None and not staging.busy():
         try:
-            arrays = _staged(
-                choice.ring,
-                blobs,
-                pieces,
-                heads=heads,
-                specs=specs,
-                split=split,
-                length=length,
-                room=room,
-                progress=progress,
-            )
+            arrays = _staged(choice.ring, blobs, pieces, **reads)
         except ReaderLost as e:  # the next restore starts a new reader process
             _log.warning("persist: %s; this restore reads on the host path", e)
     if arrays is None:
-        arrays = _host(
-            blobs,
-            pieces,
-            heads=heads,
-            specs=specs,
-            split=split,
-            length=length,
-            room=room,
-            progress=progress,
-        )
+        arrays = _host(blobs, pieces, **reads)
     records = [_record(spec, str(i), arrays) for i, spec in enumerate(specs)]
     if keep is not None and keep != row.n_tokens:
         trimmed = [trim_record(r, keep) for r in records]
