@@ -110,6 +110,31 @@ class Ring:
         self.readers = readers  # the lanes' reader processes, if they have them
         self.lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._waiting = 0  # restores waiting for ``lock``: a save's capture gives way
+        self._count = threading.Lock()
+
+    @contextlib.contextmanager
+    def for_restore(self) -> Iterator[None]:
+        """The lanes for one restore.  A restore is a request waiting; a save's
+        capture is background work, so it takes the lanes only while no restore
+        waits (``free_for_capture``) and a piece at a time: a restore waits for at
+        most one piece of a capture, never a whole cache's."""
+        with self._count:
+            self._waiting += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self._count:
+                self._waiting -= 1
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    def free_for_capture(self) -> bool:
+        """Take ``lock`` for one piece of a capture when no restore waits for it and
+        nothing holds it (the caller releases it); False: copy another way."""
+        return self._waiting == 0 and self.lock.acquire(blocking=False)
 
     def pool(self) -> ThreadPoolExecutor:
         """One thread per lane, started once and kept (call with ``lock`` held).

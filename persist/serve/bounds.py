@@ -11,6 +11,7 @@ is refused.  Pure: no mlx, no HTTP.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,11 @@ def check_max_tokens(body: dict[str, Any], limit: int) -> None:
 
 
 def context_length(model: Any) -> int | None:
-    """The model's context in tokens (``max_position_embeddings``), None when unstated."""
+    """The model's context in tokens (``max_position_embeddings``), None when unstated.
+
+    A value that is only the default of mlx-lm's ``ModelArgs`` counts as unstated:
+    mamba2's args default to 2056 whatever its config says (nothing), and a
+    recurrent model has no position limit to enforce."""
     args = getattr(model, "args", None)
     for holder in (args, getattr(args, "text_config", None)):
         n = (
@@ -78,9 +83,19 @@ def context_length(model: Any) -> int | None:
             if isinstance(holder, dict)
             else getattr(holder, "max_position_embeddings", None)
         )
-        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0 and not _default(holder, n):
             return n
     return None
+
+
+def _default(holder: Any, n: int) -> bool:
+    """Is ``n`` the dataclass default of ``holder``'s ``max_position_embeddings``?"""
+    if not dataclasses.is_dataclass(holder):
+        return False
+    for f in dataclasses.fields(holder):
+        if f.name == "max_position_embeddings":
+            return f.default is not dataclasses.MISSING and f.default == n
+    return False
 
 
 def capped(max_tokens: int, prompt_tokens: int, context: int | None) -> int:

@@ -20,6 +20,7 @@ import pytest
 
 from bench.servers import Server
 from persist.apps.demo import make_model
+from persist.serve.bounds import capped, context_length
 from tests.serve.servers import metrics, persist_serve, post, scrape
 
 FORCED = {"65": 100.0}  # always token "A": never an EOS, so only the length ends it
@@ -174,3 +175,17 @@ def test_a_closed_socket_is_told_from_a_quiet_one_and_abandoning_stops_its_conte
     assert ctx._should_stop  # stopped as it arrives
     q.put(Response("a", 65, 0.0, None, ()))  # type: ignore[arg-type]
     assert wasted == [1] and q.wasted == 1
+
+
+def test_a_context_the_config_never_states_is_no_limit(tiny: Any, short_context: Path) -> None:
+    """mlx-lm's mamba2 args default ``max_position_embeddings`` to 2056 when the config
+    says nothing; persist serve refused every longer prompt (outside attack, round 3).
+    Only a stated context bounds a request."""
+    model, _, model_dir = tiny("mamba2")
+    assert "max_position_embeddings" not in json.loads((model_dir / "config.json").read_text())
+    assert context_length(model) is None
+    assert capped(5000, 2100, context_length(model)) == 5000
+    from mlx_lm.utils import load
+
+    stated, _ = load(str(short_context))[:2]
+    assert context_length(stated) == 40

@@ -231,7 +231,7 @@ def stage(
     """
     whole = sizes is None or not in_rounds(total)
     groups = [list(range(len(jobs)))] if whole or sizes is None else rounds(sizes, total)
-    with ring.lock:
+    with ring.for_restore():
         _here.busy = True
         try:
             done = 0
