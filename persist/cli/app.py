@@ -251,7 +251,8 @@ REPORT = "persist: this is a bug in persist; please report it with the traceback
 
 # command -> the module of persist.cli that registers it (imported when it runs)
 COMMANDS = {
-    **dict.fromkeys(["ls", "show", "rm", "check", "pin", "unpin"], "sessions"),
+    **dict.fromkeys(["ls", "show", "check", "pin", "unpin"], "sessions"),
+    "rm": "removal",
     **dict.fromkeys(["gc", "stats", "config"], "maintenance"),
     **dict.fromkeys(["generate", "prime"], "run"),
     **dict.fromkeys(["export", "import", "sync"], "transfer"),

@@ -1,4 +1,4 @@
-"""Store commands: ls, show, rm, gc, check, stats, export, import, pin, sync."""
+"""Store commands: ls, show, check, pin, unpin (rm: ``removal``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ..errors import InvalidArgumentError, SessionNotFoundError
+from ..errors import SessionNotFoundError
 from ..storage.types import EntryInfo
 from .app import (
     cli,
@@ -186,89 +186,6 @@ def _one_line(text: object, width: int = 100) -> str:
     """A message on one line: newlines and control characters shown as escapes."""
     flat = str(text).encode("unicode_escape").decode("ascii", "replace")
     return flat if len(flat) <= width else flat[: width - 3] + "..."
-
-
-@cli.command("rm")
-@click.argument("names", nargs=-1, shell_complete=complete_sessions)
-@click.option("--all", "every", is_flag=True, help="Every session of the namespace.")
-@click.option(
-    "--fleet",
-    is_flag=True,
-    help="Delete the shared and cold tiers' session of each name too (a session this "
-    "store no longer holds included), so the next one saved under the name replaces it.",
-)
-@_namespace
-@store_option
-@json_option
-def rm_cmd(
-    names: tuple[str, ...],
-    every: bool,
-    fleet: bool,
-    namespace: str,
-    store_dir: Path | None,
-    as_json: bool,
-) -> None:
-    """Delete sessions and their checkpoints: NAMES, glob patterns ('work-*'), or --all.
-
-    Every name and pattern must match before anything is deleted.  A delete is
-    local: the tiers keep their session of the name, and a new one saved here under
-    it is pushed beside theirs (NAME~2), a conflict; --fleet deletes theirs too.
-
-    \b
-    Example:
-      persist rm work
-      persist rm 'draft-*' old
-      persist rm --all --namespace trials
-      persist rm --fleet chat
-    """
-    if not names and not every:
-        raise click.UsageError("give session names, patterns, or --all")
-    with open_store(store_dir) as store:
-        if fleet and not store.tiers:
-            raise InvalidArgumentError("rm --fleet needs --shared or --cold (or $PERSIST_*)")
-        doomed = _matching(store.entries(namespace), names, every, namespace, fleet)
-        on_tiers = [n for n in doomed if store.delete(n, namespace=namespace, fleet=fleet)]
-    emit(
-        as_json,
-        {"deleted": doomed, "fleet": on_tiers, "namespace": namespace},
-        lambda _: _render_rm(doomed, on_tiers),
-    )
-
-
-def _render_rm(doomed: list[str], on_tiers: list[str]) -> None:
-    n, listed = len(doomed), plain(", ".join(doomed))
-    said = f"session {plain(repr(doomed[0]))}" if n == 1 else f"{plural(n, 'session')}: {listed}"
-    also = f" (from the tiers too: {plain(', '.join(on_tiers))})" if on_tiers else ""
-    click.echo(f"deleted {said}{also}")
-
-
-def _matching(
-    entries: list[EntryInfo],
-    names: tuple[str, ...],
-    every: bool,
-    namespace: str,
-    exact_ok: bool = False,
-) -> list[str]:
-    """The session names to delete, each once, in the order given; SessionNotFoundError
-    for a name or pattern that matches none (nothing is deleted then).  ``exact_ok``
-    (--fleet): a name, not a pattern, is taken as given: the tiers may hold it."""
-    import fnmatch
-
-    # a session, or the owner of checkpoints an interrupted prime left without one
-    owners = (e.session or e.owner for e in entries)
-    known: list[str] = list(dict.fromkeys(n for n in owners if n))
-    if every:
-        return known
-    out: list[str] = []
-    for pattern in names:
-        if any(c in pattern for c in "*?["):
-            hits = [n for n in known if fnmatch.fnmatchcase(n, pattern)]
-        else:
-            hits = [pattern] if pattern in known or exact_ok else []
-        if not hits:
-            raise SessionNotFoundError(pattern, namespace)
-        out += [n for n in hits if n not in out]
-    return out
 
 
 @cli.command("check")

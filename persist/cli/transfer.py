@@ -214,9 +214,10 @@ def sync_cmd(
     """Push what the tiers (--shared, --cold) lack; fetch named sessions this store lacks.
 
     Reports, per tier, snapshots pushed, already there and failed; exits 1 when any
-    push failed (a tier down, refused, or holding another namespace secret) or met a
-    conflict (a session here that does not continue the tier's session of its name:
-    pushed beside it as NAME~N, the tier's kept).
+    push failed (a tier down, refused, or holding another namespace secret), was held
+    back (a session is pushed to --shared only after --cold, which decides its name,
+    answered) or met a conflict (a session here that does not continue the tier's
+    session of its name: pushed beside it as NAME~N, the tier's kept).
 
     \b
     Example:
@@ -232,6 +233,7 @@ def sync_cmd(
             click.echo(
                 f"{tier}: pushed {n['pushed']}, already there {n['present']}, "
                 f"failed {n['failed']} (of {r['snapshots']} snapshots)"
+                + (f", held back {n['held']} until the cold tier answers" if n["held"] else "")
             )
         click.echo(f"pulled {len(r['pulled'])} sessions")
         if r["missing"]:
@@ -245,11 +247,11 @@ def sync_cmd(
             )
 
     emit(as_json, r, render)
-    if r["failed"]:  # a push that did not happen is not a success
+    if r["failed"] or r["held"]:  # a push that did not happen is not a success
         click.echo(f"persist: {r['snapshots_failed']} snapshots did not reach a tier", err=True)
     if r["unreached"]:  # nor is a pull from a tier that could not be asked
         click.echo(f"persist: {len(r['unreached'])} sessions not pulled: a tier was down", err=True)
     if r["conflicts"]:  # nor is a history kept under another name
         click.echo(f"persist: {len(r['conflicts'])} sessions conflicted with a tier's", err=True)
-    if r["failed"] or r["unreached"] or r["conflicts"]:
+    if r["failed"] or r["held"] or r["unreached"] or r["conflicts"]:
         sys.exit(1)

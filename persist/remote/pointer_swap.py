@@ -10,7 +10,8 @@ beside the winner as ``NAME~N``, a conflict it reports.
 
 - Redis (one server or a Cluster: the pointer is one key, so one slot): WATCH the
   key, read it as the reader reads it (``redis_reads``: at most ``POINTER_BYTES``,
-  a key of another type is none), compare with the token, then MULTI/SET/EXEC,
+  a key of another type is none), compare with the token, then MULTI/SET/EXEC
+  (with PERSIST of the record it names, on one server: ``redis_records``),
   which fails if the key changed after the WATCH.  Transactions need no scripting
   (an ACL without ``+@scripting`` still shares).  The token is the value read.
 - S3: a conditional PUT, ``If-Match`` the ETag read (or ``If-None-Match: *`` where
@@ -34,9 +35,13 @@ class SessionMoved(PersistError, ConnectionError):
     machine pushed): the pusher reads it again and decides again."""
 
 
-def swap_redis(redis: Any, client: Any, key: Any, value: bytes, token: bytes | None) -> bool:
+def swap_redis(
+    redis: Any, client: Any, key: Any, value: bytes, token: bytes | None, durable: Any = None
+) -> bool:
     """SET ``key`` to ``value`` if it still holds ``token`` (None: none, as a reader sees
-    it) or already ``value``; False if another value is there now."""
+    it) or already ``value``; False if another value is there now.  ``durable``: a key
+    (the record the pointer names, on one server only: one transaction is one slot)
+    whose TTL goes in the same transaction, so it lasts exactly when it is named."""
     with client.pipeline(transaction=True) as pipe:
         try:
             pipe.watch(key)
@@ -48,12 +53,13 @@ def swap_redis(redis: Any, client: Any, key: Any, value: bytes, token: bytes | N
                 held = None  # a key of another type reads as none (redis_reads)
             if not isinstance(held, bytes) or not 0 < len(held) <= POINTER_BYTES:
                 held = None
-            if held == value:
-                return True
-            if held != token:
+            if held != value and held != token:
                 return False
             pipe.multi()
-            pipe.set(key, value)
+            if held != value:
+                pipe.set(key, value)
+            if durable is not None:
+                pipe.persist(durable)
             pipe.execute()
             return True
         except redis.WatchError:  # written between the WATCH and the EXEC

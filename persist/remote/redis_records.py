@@ -68,13 +68,15 @@ class RedisRecords(RedisConnection):
 
         def first() -> bool:  # the record before any pointer to it: True if it is new
             pipe = self._client.pipeline(transaction=False)
-            pipe.exists(f"{p}rec:{rkey}")
-            pipe.set(f"{p}rec:{rkey}", record)  # named: no TTL
-            return not pipe.execute()[0]
+            # with a TTL until the pointer names it (a pusher that dies before leaves
+            # nothing for good); one there already keeps its own (a durable one stays)
+            pipe.set(f"{p}rec:{rkey}", record, ex=self.ttl_s, nx=True)
+            pipe.set(f"{p}rec:{rkey}", record, keepttl=True)  # a wrong value replaced
+            return bool(pipe.execute()[0])
 
         created = self._call("put record", first)
         name, value, token = session
-        if not self.swap_session(namespace, name, value, token):
+        if not self._swap(namespace, name, value, token, f"{p}rec:{rkey}"):
             if created:  # nothing names it: not left behind
                 self._call("put record", lambda: self._client.delete(f"{p}rec:{rkey}"))
             raise SessionMoved(f"session {name.decode(errors='replace')!r} moved on {self.url}")
@@ -134,6 +136,25 @@ class RedisRecords(RedisConnection):
         key = reads.pointer_key(self.prefix(namespace), "sess", name)
         ok: bool = self._call(
             "swap session", lambda: swap_redis(self._redis, self._client, key, value, token)
+        )
+        self._ok()
+        return ok
+
+    def _swap(self, namespace: str, name: bytes, value: bytes, token: Any, record: str) -> bool:
+        """``swap_session``, and the record it names made durable (its TTL removed): in
+        the swap's transaction on one server; on a Cluster (the two keys are in two
+        slots) right after it, where a pusher that dies between the two leaves a named
+        record that expires with the TTL, written durable again by the next push or sync
+        of it."""
+        if self.cluster:
+            if not self.swap_session(namespace, name, value, token):
+                return False
+            self._call("put record", lambda: self._client.persist(record))
+            return True
+        key = reads.pointer_key(self.prefix(namespace), "sess", name)
+        ok: bool = self._call(
+            "swap session",
+            lambda: swap_redis(self._redis, self._client, key, value, token, durable=record),
         )
         self._ok()
         return ok

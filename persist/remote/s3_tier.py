@@ -86,6 +86,8 @@ class S3Tier:
         self.counters: dict[str, int] = {}
         self._lock = threading.Lock()
         self.marks = BlobMarks()
+        self._ignores: str | None = None  # the condition the server ignores (probed)
+        self._probed = False
 
     def _path(self, namespace: str, *parts: str) -> str:
         return "/".join([self._root, namespace_tag(namespace), *parts])
@@ -133,9 +135,55 @@ class S3Tier:
         out: bytes | None = self._call("get", run)
         return out
 
+    def _conditions(self, beside: str) -> None:
+        """Before the first write (beside ``path``, in its namespace's folder, where a
+        tenant's credentials may write): does the server honour If-None-Match and
+        If-Match on PUT?  A probe object is created, created again (must fail), put If-Match a
+        wrong ETag (must fail), then deleted.  A server that ignores either would let
+        every compare-and-set win (machines replace each other's sessions, a tombstone
+        is overwritten): every write is refused (TierUnavailable), logged loudly once."""
+        if not self._probed:
+            tag = beside.removeprefix(self._root + "/").partition("/")[0]  # its namespace's
+            path = "/".join([self._root, tag, "probe", os.urandom(8).hex()])
+            ex, put = self._obstore.exceptions, self._obstore.put
+
+            def refused(mode: Any) -> bool:
+                try:
+                    put(self._store, path, b"persist probe", mode=mode)
+                except (ex.AlreadyExistsError, ex.PreconditionError):
+                    return True
+                return False
+
+            def run() -> str | None:
+                put(self._store, path, b"persist probe", mode="create")
+                try:
+                    if not refused("create"):
+                        return "If-None-Match"
+                    if not refused({"e_tag": '"0"'}):
+                        return "If-Match"
+                    return None
+                finally:
+                    self._obstore.delete(self._store, path)
+
+            self._ignores = self._call("probe", run)
+            self._probed = True  # after an answer: an outage probes again next time
+            if self._ignores is not None:
+                log.error(
+                    "persist: cold tier %s ignores %s on PUT: persist will not write to it "
+                    "(compare-and-set would always win and machines would replace each "
+                    "other's sessions); use a server that honours If-Match and "
+                    "If-None-Match (AWS S3, MinIO, Ceph RGW)", self.url, self._ignores,
+                )  # fmt: skip
+        if self._ignores is not None:
+            self._count("refused")
+            raise TierUnavailable(
+                f"cold tier {self.url} ignores {self._ignores} on PUT; nothing is written to it"
+            )
+
     def _create(self, path: str, data: bytes, replace: bool = False) -> bool:
         """Put ``data`` unless the object exists (If-None-Match: the first writer wins),
         or unconditionally with ``replace`` (what is there failed its check); written?"""
+        self._conditions(path)
 
         def run() -> bool:
             ex = self._obstore.exceptions
@@ -289,6 +337,7 @@ class S3Tier:
         a conditional PUT (If-Match its ETag, or If-None-Match where there was none);
         False if another push got there first."""
         path = self._path(namespace, "sess", object_name(name.decode()))
+        self._conditions(path)
         mode: Any = "create" if token is None else {"e_tag": token}
 
         def run() -> bool:

@@ -33,7 +33,7 @@ def test_sync_repairs_a_blob_a_hostile_writer_corrupted(
         for k in blob_keys(r, p):
             r.set(k, b"\0" * len(r.get(k) or b""))  # the hostile write
         report = a.sync()
-        assert report["tiers"]["shared"] == {"pushed": 1, "present": 0, "failed": 0}
+        assert report["tiers"]["shared"] == {"pushed": 1, "present": 0, "failed": 0, "held": 0}
         assert a.sync()["tiers"]["shared"]["present"] == 1  # repaired: now it is there
     with persist.Store(tmp_path / "b", shared=redis_server.url, tier_key=KEY) as b:
         assert b.restore("s", identity=ident).tokens == toks
@@ -142,4 +142,4 @@ def test_sync_reports_a_repaired_session_pointer_as_pushed(
         report = a.sync()
     with persist.Store(tmp_path / "b", shared=redis_server.url, tier_key=KEY) as b:
         assert b.restore("s", identity=ident).tokens == toks  # repaired
-    assert report["tiers"]["shared"] == {"pushed": 1, "present": 0, "failed": 0}
+    assert report["tiers"]["shared"] == {"pushed": 1, "present": 0, "failed": 0, "held": 0}

@@ -1,0 +1,144 @@
+"""``persist rm``: delete sessions here, or (``--fleet``) from the tiers too, name by name.
+
+A fleet delete cannot be all-or-nothing: Redis and S3 share no transaction, and a
+tombstone written on one tier is not taken back.  So each name is deleted on its
+own (a name whose tier could not be asked is deleted nowhere: ``Store.delete``),
+a name that fails does not stop the others, and the command says what happened
+to each and exits 1 naming the ones not deleted.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import (
+    InvalidArgumentError,
+    PersistError,
+    ReadOnlyStoreError,
+    SessionNotFoundError,
+)
+from ..storage.types import EntryInfo
+from .app import cli, complete_sessions, emit, json_option, open_store, plain, plural, store_option
+
+
+@cli.command("rm")
+@click.argument("names", nargs=-1, shell_complete=complete_sessions)
+@click.option("--all", "every", is_flag=True, help="Every session of the namespace.")
+@click.option(
+    "--fleet",
+    is_flag=True,
+    help="Delete the shared and cold tiers' session of each name too (a session this "
+    "store no longer holds included), so the next one saved under the name replaces it.",
+)
+@click.option("--namespace", default="default", show_default=True)
+@store_option
+@json_option
+def rm_cmd(
+    names: tuple[str, ...],
+    every: bool,
+    fleet: bool,
+    namespace: str,
+    store_dir: Path | None,
+    as_json: bool,
+) -> None:
+    """Delete sessions and their checkpoints: NAMES, glob patterns ('work-*'), or --all.
+
+    Every name and pattern must match before anything is deleted.  A delete is
+    local: the tiers keep their session of the name, and a new one saved here under
+    it is pushed beside theirs (NAME~2), a conflict; --fleet deletes theirs too.
+    Each name is deleted on its own: one that fails (a tier that cannot be asked,
+    a name no tier holds) is reported and the others go on; exit 1 names those
+    not deleted.
+
+    \b
+    Example:
+      persist rm work
+      persist rm 'draft-*' old
+      persist rm --all --namespace trials
+      persist rm --fleet chat
+    """
+    if not names and not every:
+        raise click.UsageError("give session names, patterns, or --all")
+    with open_store(store_dir) as store:
+        if fleet and not store.tiers:
+            raise InvalidArgumentError("rm --fleet needs --shared or --cold (or $PERSIST_*)")
+        if store.read_only:  # the store's, not a name's: said once
+            raise ReadOnlyStoreError(store.root)
+        doomed = _matching(store.entries(namespace), names, every, namespace, fleet)
+        deleted, on_tiers, failed = _each(store, doomed, namespace, fleet)
+    out = {"deleted": deleted, "fleet": on_tiers, "namespace": namespace, "not_deleted": failed}
+    emit(as_json, out, lambda _: _render_rm(deleted, on_tiers, failed))
+    if failed:
+        if not as_json:
+            left = plain(", ".join(f["session"] for f in failed))
+            click.echo(
+                f"persist: error: {len(failed)} of {plural(len(doomed), 'session')} "
+                f"not deleted: {left}",
+                err=True,
+            )
+        sys.exit(1)
+
+
+def _each(
+    store: Any, doomed: list[str], namespace: str, fleet: bool
+) -> tuple[list[str], list[str], list[dict[str, str]]]:
+    """Delete each name: (those deleted, those deleted from a tier too, those not:
+    ``{"session", "error"}``)."""
+    deleted: list[str] = []
+    on_tiers: list[str] = []
+    failed: list[dict[str, str]] = []
+    for name in doomed:
+        try:
+            held = store.delete(name, namespace=namespace, fleet=fleet)
+        except PersistError as e:
+            failed.append({"session": name, "error": str(e)})
+            continue
+        deleted.append(name)
+        if held:
+            on_tiers.append(name)
+    return deleted, on_tiers, failed
+
+
+def _render_rm(deleted: list[str], on_tiers: list[str], failed: list[dict[str, str]]) -> None:
+    for f in failed:  # each name not deleted, with why (stdout lists what was)
+        click.echo(f"persist: session {plain(repr(f['session']))} not deleted: "
+                   f"{plain(f['error'])}", err=True)  # fmt: skip
+    if not deleted:
+        return
+    n, listed = len(deleted), plain(", ".join(deleted))
+    said = f"session {plain(repr(deleted[0]))}" if n == 1 else f"{plural(n, 'session')}: {listed}"
+    also = f" (from the tiers too: {plain(', '.join(on_tiers))})" if on_tiers else ""
+    click.echo(f"deleted {said}{also}")
+
+
+def _matching(
+    entries: list[EntryInfo],
+    names: tuple[str, ...],
+    every: bool,
+    namespace: str,
+    exact_ok: bool = False,
+) -> list[str]:
+    """The session names to delete, each once, in the order given; SessionNotFoundError
+    for a name or pattern that matches none (nothing is deleted then).  ``exact_ok``
+    (--fleet): a name, not a pattern, is taken as given: the tiers may hold it."""
+    import fnmatch
+
+    # a session, or the owner of checkpoints an interrupted prime left without one
+    owners = (e.session or e.owner for e in entries)
+    known: list[str] = list(dict.fromkeys(n for n in owners if n))
+    if every:
+        return known
+    out: list[str] = []
+    for pattern in names:
+        if any(c in pattern for c in "*?["):
+            hits = [n for n in known if fnmatch.fnmatchcase(n, pattern)]
+        else:
+            hits = [pattern] if pattern in known or exact_ok else []
+        if not hits:
+            raise SessionNotFoundError(pattern, namespace)
+        out += [n for n in hits if n not in out]
+    return out
