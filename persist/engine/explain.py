@@ -20,13 +20,14 @@ from typing import Any
 from .. import policy
 from ..format.tokens import common_prefix_packed, pack_tokens, unpack_tokens
 from ..identity import ModelIdentity
-from ..servable import of_row
+from ..servable import of_row, plain_reason
 from ..storage.blobs import BlobStore
 from ..storage.chains import HEAD_TOKENS
 from ..storage.index import Index
 from ..storage.nearest import near_rows
 from ..storage.rows import SnapshotRow, listed_info
 from .costs import CostModel, local_hit
+from .layer_checks import quantized_start
 from .reading import _other_backend as computed_elsewhere
 from .reading import saved_identity
 from .unverified import marked
@@ -47,6 +48,10 @@ REASONS = {
     "damaged": "the snapshot's index row fails its checksum",
     "declined": "the cost model predicts prefilling the prefix is faster than restoring it",
     "backend": "the snapshot was computed on another backend (a strict store)",
+    "kv-bits-plain": (
+        "the snapshot holds layers plain past quantized_kv_start, where mlx-lm under "
+        "this identity's kv_bits holds them quantized (an older persist saved it)"
+    ),
 }
 CONTEXT = 4  # tokens shown on each side of a divergence
 
@@ -88,13 +93,17 @@ class Explanation:
 
 
 def _why_short(
-    row: SnapshotRow, shared: int, usable: int, prompt_len: int, kinds: list[str]
+    row: SnapshotRow, shared: int, usable: int, prompt_len: int, kinds: list[str], start: int | None
 ) -> tuple[str, str]:
-    """(reason, detail) for a same-identity snapshot whose usable prefix is below ``shared``."""
+    """(reason, detail) for a same-identity snapshot whose usable prefix is below ``shared``
+    (``start``: the identity's quantized_kv_start under kv_bits)."""
     p = min(shared, prompt_len - 1, row.n_tokens)
     if usable == p < shared:  # it serves all it may: only the prompt's end stops it
         return "last-token", f"the prompt is {prompt_len} tokens; a hit keeps the last to compute"
-    rule = of_row(row.trimmable, row.min_resume, row.manifest)
+    rule = of_row(row.trimmable, row.min_resume, row.manifest, start)
+    if start is not None and rule.below is not None and p >= rule.below:
+        why = plain_reason(row.manifest, start)
+        return "kv-bits-plain", f"{why}; this identity quantizes from quantized_kv_start {start}"
     if p < max(row.min_resume, rule.floor):
         what = ", ".join(sorted({k for k in kinds if k != "kv"})) or "its layers"
         return "floor", f"no prefix below {max(row.min_resume, rule.floor)} tokens ({what})"
@@ -123,15 +132,15 @@ def _near(
         reason, detail, usable = "identity", "differs in " + ", ".join(fields), 0
     else:
         n = len(toks)
+        start = quantized_start(identity)
         usable = policy.usable_prefix(row.n_tokens, shared, n, row.trimmable, row.min_resume)
         # the lookup's own last word: the row's layers' rules (persist.servable)
-        if usable and not of_row(row.trimmable, row.min_resume, row.manifest).serves(
-            usable, row.n_tokens
-        ):
+        rule = of_row(row.trimmable, row.min_resume, row.manifest, start)
+        if usable and not rule.serves(usable, row.n_tokens):
             usable = 0
-        reason, detail = (
-            _why_short(row, shared, usable, n, info.kinds) if usable < shared else ("hit", "")
-        )
+        reason, detail = ("hit", "")
+        if usable < shared:
+            reason, detail = _why_short(row, shared, usable, n, info.kinds, start)
         if marked(row.metadata):
             detail = (detail + "; " if detail else "") + REASONS["unverified"]
     p_next, s_next = toks[shared : shared + CONTEXT], stored[at : at + CONTEXT]
