@@ -5,7 +5,8 @@ touched): every snapshot of the namespace that shares a prefix with the prompt,
 where the prompt diverges from each, and the reason the best usable hit is
 shorter than the longest shared prefix.  ``bounded`` reads only the rows the
 lookup keys lead to (``storage.nearest``: a few index seeks and a few dozen
-rows, whatever the namespace holds), as ``persist serve`` does on every miss.
+rows, whatever the namespace holds), as ``persist serve`` does on every miss;
+either way the row a lookup would restore is found by the lookup's own query.
 Other namespaces are never read for content: at most their count of longer
 shared prefixes is reported, and only when the caller asks (an operator; never
 a tenant of ``persist serve``).
@@ -29,7 +30,7 @@ from ..storage.rows import SnapshotRow, listed_info
 from .costs import CostModel, local_hit
 from .layer_checks import quantized_start
 from .reading import _other_backend as computed_elsewhere
-from .reading import saved_identity
+from .reading import index_hit, saved_identity
 from .unverified import marked
 
 __all__ = ["Near", "Explanation", "explain", "REASONS"]
@@ -180,18 +181,23 @@ def explain(
     tokenizer: Any = None,
     other_namespaces: bool = False,
     strict_backend: bool = False,
-    bounded: int | None = None,
+    block: int,
+    bounded: bool = False,
 ) -> Explanation:
-    """``bounded``: the store's block size, to read only the rows near the prompt
-    (``storage.nearest``); None reads every row of the namespace."""
+    """``bounded``: read only the rows near the prompt (``storage.nearest``, the
+    store's ``block`` size), else every row of the namespace.  Either way the row a
+    lookup would restore is read too, found by the lookup's own index query, so the
+    best hit is the lookup's however many rows share the prefix."""
     toks, packed = list(tokens), pack_tokens(tokens)
     decode = None if tokenizer is None else (lambda ids: str(tokenizer.decode(ids)))
     special = set(getattr(tokenizer, "all_special_ids", None) or ())
-    if bounded is None:
-        listed = index.snapshots(namespace, named_only=False)
+    if bounded:
+        listed = near_rows(index, namespace, identity.digest, toks, block)
     else:
-        listed = near_rows(index, namespace, identity.digest, toks, bounded)
+        listed = index.snapshots(namespace, named_only=False)
     rows = {r.id: r for r in listed}
+    for r in lookup_choices(index, toks, identity, namespace, block, strict_backend):
+        rows.setdefault(r.id, r)
     nears = [
         n
         for n in (
@@ -222,6 +228,36 @@ def explain(
         other_namespaces=others,
         cost=cost,
     )
+
+
+LOOKUP_TRIES = 4  # rows a lookup's choice may pass over (damaged, another backend)
+
+
+def lookup_choices(
+    index: Index,
+    toks: list[int],
+    identity: ModelIdentity,
+    namespace: str,
+    block: int,
+    strict: bool,
+) -> list[SnapshotRow]:
+    """The rows ``Store.lookup`` would try, in its order (``reading.index_hit``: a few
+    index seeks and a bounded number of rows, however many share the prefix): the
+    first it would restore, after those it would pass over (at most LOOKUP_TRIES)."""
+    out: list[SnapshotRow] = []
+    skip: set[int] = set()
+    while len(out) < LOOKUP_TRIES:
+        found = index_hit(index, toks, identity, namespace=namespace, block_tokens=block, skip=skip)
+        if found is None:
+            break
+        row = found[0]
+        out.append(row)
+        with index.read() as db:
+            passed = bool(Index.damaged_rows(db, row.id))
+        if not passed and not (strict and computed_elsewhere(row, identity)):
+            break
+        skip.add(row.id)
+    return out
 
 
 def _replace(n: Near, **kw: Any) -> Near:
