@@ -322,12 +322,18 @@ class PersistentPromptCache(LRUPromptCache):
             if self.metrics is not None:
                 self.metrics.on_generation_thread(step, time.perf_counter() - start)
 
+    def _tenant_count(self, ns: str, deltas: dict[str, int]) -> None:
+        """Hand namespace ``ns``'s counts to /metrics by tenant, when kept (a request's
+        lookups are counted once there: ``serve.tenant_serving``)."""
+        if self.on_count is not None:
+            self.on_count(ns, deltas)
+
     def _count(self, ns: str, **deltas: int) -> None:
         """Count in the process (``counters``) and in namespace ``ns``'s store counters."""
         deltas = {k: v for k, v in deltas.items() if v}
         self.counters.update(deltas)
-        if self.on_count is not None and deltas:
-            self.on_count(ns, deltas)
+        if deltas:
+            self._tenant_count(ns, deltas)
         try:  # best effort: a full disk or a busy index never fails a request (counted)
             if deltas:
                 self.store.count(ns, **{f"serve_{k}": v for k, v in deltas.items()})
