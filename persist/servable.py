@@ -31,19 +31,25 @@ __all__ = [
     "of_layers",
     "of_manifest",
     "of_row",
+    "plain_reason",
 ]
 
 
 @dataclass(frozen=True)
 class Servable:
     """A state of ``length`` positions serves ``length`` itself and, when
-    ``trimmable``, every length in [``floor``, ``length``]; never below ``floor``."""
+    ``trimmable``, every length in [``floor``, ``length``]; never below ``floor``,
+    and with ``below`` set never ``below`` or more (layers a kv_bits identity holds
+    quantized from there on, still plain: ``of_row``'s ``quantized_start``)."""
 
     trimmable: bool
     floor: int
+    below: int | None = None
 
     def serves(self, n: int, length: int) -> bool:
         """May a state of ``length`` positions be cut to (or kept at) ``n``?"""
+        if self.below is not None and n >= self.below:
+            return False
         return 0 < n <= length and self.floor <= n and (n == length or self.trimmable)
 
 
@@ -54,7 +60,12 @@ ANY = Servable(True, 0)  # any prefix (a plain growing KV cache)
 def intersect(parts: Iterable[Servable]) -> Servable:
     """What every part serves: a wrapper, a cache list, a whole snapshot."""
     got = list(parts)
-    return Servable(all(p.trimmable for p in got), max((p.floor for p in got), default=0))
+    ceilings = [p.below for p in got if p.below is not None]
+    return Servable(
+        all(p.trimmable for p in got),
+        max((p.floor for p in got), default=0),
+        min(ceilings) if ceilings else None,
+    )
 
 
 def _int(meta: Mapping[str, Any], key: str, default: int = 0) -> int:
@@ -213,21 +224,41 @@ def of_layers(layers: Sequence[Mapping[str, Any]]) -> Servable | None:
     return intersect(s for s in found if s is not None)
 
 
-def of_manifest(manifest: bytes) -> Servable | None:
-    """The set a stored snapshot's manifest (its layers' records) serves; None when
-    the manifest names a kind without a rule or cannot be read (check reports it)."""
+def _layers(manifest: bytes) -> list[Mapping[str, Any]] | None:
     try:
         layers = msgpack.unpackb(manifest, raw=False)["layers"]
     except Exception:
         return None
-    return of_layers(layers) if isinstance(layers, list) else None
+    return [m for m in layers if isinstance(m, Mapping)] if isinstance(layers, list) else None
 
 
-def of_row(trimmable: bool, floor: int, manifest: bytes) -> Servable:
+def of_manifest(manifest: bytes) -> Servable | None:
+    """The set a stored snapshot's manifest (its layers' records) serves; None when
+    the manifest names a kind without a rule or cannot be read (check reports it)."""
+    layers = _layers(manifest)
+    return None if layers is None else of_layers(layers)
+
+
+def of_row(
+    trimmable: bool, floor: int, manifest: bytes, quantized_start: int | None = None
+) -> Servable:
     """A stored row's set: its columns (written by the rules at save, plus what the
     identity and unverified tokens add) narrowed by the rules over its manifest, so a
     row saved before a rule was tightened (or pulled from an older peer) serves no
-    cut the rules refuse today."""
+    cut the rules refuse today.  ``quantized_start``: the looking identity's
+    quantized_kv_start when it has kv_bits (``layer_checks.quantized_start``); a row
+    whose layers are plain there (``plain_past_start``, saved by an older persist)
+    serves no cut of that many positions or more."""
     stored = Servable(trimmable, floor)
     ruled = of_manifest(manifest)
-    return stored if ruled is None else intersect([stored, ruled])
+    got = stored if ruled is None else intersect([stored, ruled])
+    if quantized_start is not None and plain_reason(manifest, quantized_start) is not None:
+        got = intersect([got, Servable(True, 0, quantized_start)])
+    return got
+
+
+def plain_reason(manifest: bytes, quantized_start: int) -> str | None:
+    """Why a row's layers are no fresh run's once cut to ``quantized_start`` positions
+    or more (``plain_past_start``), or None: what explain tells."""
+    layers = _layers(manifest)
+    return None if layers is None else plain_past_start(layers, quantized_start, quantized_start)

@@ -5,7 +5,8 @@ touched): every snapshot of the namespace that shares a prefix with the prompt,
 where the prompt diverges from each, and the reason the best usable hit is
 shorter than the longest shared prefix.  ``bounded`` reads only the rows the
 lookup keys lead to (``storage.nearest``: a few index seeks and a few dozen
-rows, whatever the namespace holds), as ``persist serve`` does on every miss.
+rows, whatever the namespace holds), as ``persist serve`` does on every miss;
+either way the row a lookup would restore is found by the lookup's own query.
 Other namespaces are never read for content: at most their count of longer
 shared prefixes is reported, and only when the caller asks (an operator; never
 a tenant of ``persist serve``).
@@ -20,15 +21,16 @@ from typing import Any
 from .. import policy
 from ..format.tokens import common_prefix_packed, pack_tokens, unpack_tokens
 from ..identity import ModelIdentity
-from ..servable import of_row
+from ..servable import of_row, plain_reason
 from ..storage.blobs import BlobStore
 from ..storage.chains import HEAD_TOKENS
 from ..storage.index import Index
 from ..storage.nearest import near_rows
 from ..storage.rows import SnapshotRow, listed_info
 from .costs import CostModel, local_hit
+from .layer_checks import quantized_start
 from .reading import _other_backend as computed_elsewhere
-from .reading import saved_identity
+from .reading import index_hit, saved_identity
 from .unverified import marked
 
 __all__ = ["Near", "Explanation", "explain", "REASONS"]
@@ -47,6 +49,10 @@ REASONS = {
     "damaged": "the snapshot's index row fails its checksum",
     "declined": "the cost model predicts prefilling the prefix is faster than restoring it",
     "backend": "the snapshot was computed on another backend (a strict store)",
+    "kv-bits-plain": (
+        "the snapshot holds layers plain past quantized_kv_start, where mlx-lm under "
+        "this identity's kv_bits holds them quantized (an older persist saved it)"
+    ),
 }
 CONTEXT = 4  # tokens shown on each side of a divergence
 
@@ -88,13 +94,17 @@ class Explanation:
 
 
 def _why_short(
-    row: SnapshotRow, shared: int, usable: int, prompt_len: int, kinds: list[str]
+    row: SnapshotRow, shared: int, usable: int, prompt_len: int, kinds: list[str], start: int | None
 ) -> tuple[str, str]:
-    """(reason, detail) for a same-identity snapshot whose usable prefix is below ``shared``."""
+    """(reason, detail) for a same-identity snapshot whose usable prefix is below ``shared``
+    (``start``: the identity's quantized_kv_start under kv_bits)."""
     p = min(shared, prompt_len - 1, row.n_tokens)
     if usable == p < shared:  # it serves all it may: only the prompt's end stops it
         return "last-token", f"the prompt is {prompt_len} tokens; a hit keeps the last to compute"
-    rule = of_row(row.trimmable, row.min_resume, row.manifest)
+    rule = of_row(row.trimmable, row.min_resume, row.manifest, start)
+    if start is not None and rule.below is not None and p >= rule.below:
+        why = plain_reason(row.manifest, start)
+        return "kv-bits-plain", f"{why}; this identity quantizes from quantized_kv_start {start}"
     if p < max(row.min_resume, rule.floor):
         what = ", ".join(sorted({k for k in kinds if k != "kv"})) or "its layers"
         return "floor", f"no prefix below {max(row.min_resume, rule.floor)} tokens ({what})"
@@ -123,15 +133,15 @@ def _near(
         reason, detail, usable = "identity", "differs in " + ", ".join(fields), 0
     else:
         n = len(toks)
+        start = quantized_start(identity)
         usable = policy.usable_prefix(row.n_tokens, shared, n, row.trimmable, row.min_resume)
         # the lookup's own last word: the row's layers' rules (persist.servable)
-        if usable and not of_row(row.trimmable, row.min_resume, row.manifest).serves(
-            usable, row.n_tokens
-        ):
+        rule = of_row(row.trimmable, row.min_resume, row.manifest, start)
+        if usable and not rule.serves(usable, row.n_tokens):
             usable = 0
-        reason, detail = (
-            _why_short(row, shared, usable, n, info.kinds) if usable < shared else ("hit", "")
-        )
+        reason, detail = ("hit", "")
+        if usable < shared:
+            reason, detail = _why_short(row, shared, usable, n, info.kinds, start)
         if marked(row.metadata):
             detail = (detail + "; " if detail else "") + REASONS["unverified"]
     p_next, s_next = toks[shared : shared + CONTEXT], stored[at : at + CONTEXT]
@@ -171,18 +181,23 @@ def explain(
     tokenizer: Any = None,
     other_namespaces: bool = False,
     strict_backend: bool = False,
-    bounded: int | None = None,
+    block: int,
+    bounded: bool = False,
 ) -> Explanation:
-    """``bounded``: the store's block size, to read only the rows near the prompt
-    (``storage.nearest``); None reads every row of the namespace."""
+    """``bounded``: read only the rows near the prompt (``storage.nearest``, the
+    store's ``block`` size), else every row of the namespace.  Either way the row a
+    lookup would restore is read too, found by the lookup's own index query, so the
+    best hit is the lookup's however many rows share the prefix."""
     toks, packed = list(tokens), pack_tokens(tokens)
     decode = None if tokenizer is None else (lambda ids: str(tokenizer.decode(ids)))
     special = set(getattr(tokenizer, "all_special_ids", None) or ())
-    if bounded is None:
-        listed = index.snapshots(namespace, named_only=False)
+    if bounded:
+        listed = near_rows(index, namespace, identity.digest, toks, block)
     else:
-        listed = near_rows(index, namespace, identity.digest, toks, bounded)
+        listed = index.snapshots(namespace, named_only=False)
     rows = {r.id: r for r in listed}
+    for r in lookup_choices(index, toks, identity, namespace, block, strict_backend):
+        rows.setdefault(r.id, r)
     nears = [
         n
         for n in (
@@ -213,6 +228,36 @@ def explain(
         other_namespaces=others,
         cost=cost,
     )
+
+
+LOOKUP_TRIES = 4  # rows a lookup's choice may pass over (damaged, another backend)
+
+
+def lookup_choices(
+    index: Index,
+    toks: list[int],
+    identity: ModelIdentity,
+    namespace: str,
+    block: int,
+    strict: bool,
+) -> list[SnapshotRow]:
+    """The rows ``Store.lookup`` would try, in its order (``reading.index_hit``: a few
+    index seeks and a bounded number of rows, however many share the prefix): the
+    first it would restore, after those it would pass over (at most LOOKUP_TRIES)."""
+    out: list[SnapshotRow] = []
+    skip: set[int] = set()
+    while len(out) < LOOKUP_TRIES:
+        found = index_hit(index, toks, identity, namespace=namespace, block_tokens=block, skip=skip)
+        if found is None:
+            break
+        row = found[0]
+        out.append(row)
+        with index.read() as db:
+            passed = bool(Index.damaged_rows(db, row.id))
+        if not passed and not (strict and computed_elsewhere(row, identity)):
+            break
+        skip.add(row.id)
+    return out
 
 
 def _replace(n: Near, **kw: Any) -> Near:

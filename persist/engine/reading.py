@@ -17,7 +17,6 @@ from ..errors import CorruptBlobError, IdentityMismatchError, SessionNotFoundErr
 from ..identity import ModelIdentity, backend_kind
 from ..marks import mark_unverified
 from ..records import Progress
-from ..servable import plain_past_start
 from ..storage import lookup as lookup_queries
 from ..storage.chains import chain_root, chains
 from ..storage.full import best_effort
@@ -104,23 +103,6 @@ def _other_backend(row: SnapshotRow, identity: ModelIdentity) -> bool:
     return bool(saved and here and saved != here)
 
 
-def _plain_past_start(row: SnapshotRow, prefix: int, identity: ModelIdentity) -> bool:
-    """Does the row, cut to ``prefix``, hold layers still plain where mlx-lm under
-    the identity's kv_bits holds them quantized?  Saves refuse such a state
-    (``layer_checks``); a row saved before they did is passed over here."""
-    start = quantized_start(identity)
-    if start is None or prefix < start:
-        return False
-    try:
-        layers = msgpack.unpackb(row.manifest, raw=False)["layers"]
-    except Exception:
-        return False  # unreadable: load_snapshot refuses it as damaged
-    return (
-        isinstance(layers, list)
-        and plain_past_start([m for m in layers if isinstance(m, dict)], prefix, start) is not None
-    )
-
-
 def index_hit(
     index: Index,
     toks: list[int],
@@ -136,7 +118,14 @@ def index_hit(
         return None
     chs = chains(chain_root(secret, identity.digest), toks, block_tokens)
     return lookup_queries.best_row(
-        index, namespace, identity.digest, chains=chs, toks=toks, block=block_tokens, skip=skip
+        index,
+        namespace,
+        identity.digest,
+        chains=chs,
+        toks=toks,
+        block=block_tokens,
+        skip=skip,
+        quantized_start=quantized_start(identity),  # rows plain past it serve no cut there
     )
 
 
@@ -171,9 +160,6 @@ def lookup_prefix(
         row, prefix = found
         if strict_backend and _other_backend(row, identity):
             skip.add(row.id)  # computed on another backend: not for a strict store
-            continue
-        if _plain_past_start(row, prefix, identity):
-            skip.add(row.id)  # an older persist saved it: mlx-lm holds it quantized
             continue
         if prefix <= longer_than:
             return None

@@ -328,7 +328,8 @@ class Store(StoreUpkeep):
             tokenizer=tokenizer,
             other_namespaces=other_namespaces,
             strict_backend=self.strict_backend,
-            bounded=self.block_tokens if bounded else None,
+            block=self.block_tokens,
+            bounded=bounded,
         )
 
     def warm(self, identity: ModelIdentity, n: int, *, namespace: str | None = None) -> WarmReport:

@@ -173,3 +173,6 @@ class HintedKeys:
 
     def pop(self, model: Any, tokens: Sequence[int]) -> Hints | None:
         return self._hints.pop((model, tuple(tokens)), None)
+
+    def get(self, model: Any, tokens: Sequence[int]) -> Hints | None:
+        return self._hints.get((model, tuple(tokens)))

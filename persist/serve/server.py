@@ -38,6 +38,7 @@ from .handoff import handed_off, writer_stream
 from .hints import HintedKeys, Hints
 from .keeper import EvictionKeeper
 from .kept_keys import KeptKeys
+from .memory_order import HintedOrder
 from .metrics import ServeMetrics
 from .tenants import Scoped
 
@@ -78,8 +79,12 @@ class PersistentPromptCache(LRUPromptCache):
         block_seconds: float = 30.0,
         metrics: ServeMetrics | None = None,
         host: HostTier | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__(max_size, max_bytes)
+        self._hinted = HintedKeys()  # the hints of what memory holds, for the host tier
+        # mlx-lm's own eviction, honouring them within a namespace (serve.memory_order)
+        self._lru = HintedOrder(self._hinted.get, lambda m: self._scope(m)[1], clock)
         self.host = host  # what mlx-lm evicts is kept there, asked before the store
         self._keeper: EvictionKeeper | None = None
         if host is not None:
@@ -102,7 +107,6 @@ class PersistentPromptCache(LRUPromptCache):
         self.when_full, self.block_seconds = when_full, block_seconds
         self.counters: Counter[str] = Counter()
         self._kept = KeptKeys()  # what this process stored or queued: captured once
-        self._hinted = HintedKeys()  # the hints of what memory holds, for the host tier
         # a tenant's counts, by namespace (serve.tenant_metrics); None: not kept
         self.on_count: Callable[[str, dict[str, int]], None] | None = None
         # captured on the writer thread, from the cache's layers (serve.handoff)
@@ -227,8 +231,9 @@ class PersistentPromptCache(LRUPromptCache):
             log.warning("persist: a cache that covers no key was not kept")
             return
         tokens = covered
-        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        # its hints first: the insert's own eviction (serve.memory_order) reads them
         self._hinted.add(model, tokens, hints, can_trim_prompt_cache(prompt_cache))
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         model, ns = self._scope(model)
         identity = self.identity_for(model)
         if identity is None:  # no identity vouches for it: memory only
@@ -322,12 +327,18 @@ class PersistentPromptCache(LRUPromptCache):
             if self.metrics is not None:
                 self.metrics.on_generation_thread(step, time.perf_counter() - start)
 
+    def _tenant_count(self, ns: str, deltas: dict[str, int]) -> None:
+        """Hand namespace ``ns``'s counts to /metrics by tenant, when kept (a request's
+        lookups are counted once there: ``serve.tenant_serving``)."""
+        if self.on_count is not None:
+            self.on_count(ns, deltas)
+
     def _count(self, ns: str, **deltas: int) -> None:
         """Count in the process (``counters``) and in namespace ``ns``'s store counters."""
         deltas = {k: v for k, v in deltas.items() if v}
         self.counters.update(deltas)
-        if self.on_count is not None and deltas:
-            self.on_count(ns, deltas)
+        if deltas:
+            self._tenant_count(ns, deltas)
         try:  # best effort: a full disk or a busy index never fails a request (counted)
             if deltas:
                 self.store.count(ns, **{f"serve_{k}": v for k, v in deltas.items()})

@@ -3,8 +3,13 @@
 Every count the prompt cache makes names its namespace
 (``PersistentPromptCache.on_count``); here it is filed under the tenant
 that namespace belongs to (salted namespaces under their tenant, the
-public prefixes under ``(public)``).  A scrape shows the ``TOP`` tenants by
-lookups and sums the rest under ``(other)``: a server with 100,000 tenants
+public prefixes under ``(public)``).  A request is one lookup, under the
+tenant that sent it, with the tier that answered (``CountsOnce``: its
+lookups in its own namespace and the public one are held, then counted as
+the one whose cache it got); one the public prefix answered also counts in
+``public_hits``, so ``(public)`` has bytes but no lookups of its own.  A
+scrape shows the ``TOP`` tenants by lookups and sums the rest under
+``(other)``: a server with 100,000 tenants
 still has a page of a few dozen series.  Names come from the key file or
 a checked header (letters, digits, ``._@:+=-``), never raw request bytes;
 the reserved labels are in parentheses, which no tenant name holds, so a
@@ -13,6 +18,7 @@ tenant named ``other`` or ``public`` is never summed with them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import Counter
@@ -24,13 +30,68 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ..storage.retention import budget_owner, owned_bytes
 from .tenants import Tenants
 
-__all__ = ["TenantCounts", "count_by_tenant", "tenancy_line", "tenant_of"]
+__all__ = [
+    "CountsOnce",
+    "TenantCounts",
+    "count_by_tenant",
+    "one_lookup",
+    "tenancy_line",
+    "tenant_of",
+]
 
 log = logging.getLogger("persist")
 TOP = 20  # tenants with series of their own; the rest are OTHER
 # reserved labels: parentheses are in no tenant name (serve.tenants.TENANT)
 PUBLIC, NONE, OTHER = "(public)", "(none)", "(other)"
 HITS = ("memory_hits", "host_hits", "store_hits")
+# what a lookup's result is (the tier that answered, or a miss), and the tokens it gave
+RESULT = (*HITS, "misses", "host_tokens", "restored_tokens")
+Counts = list[tuple[str, dict[str, int]]]  # (namespace, deltas) as a lookup reported them
+
+
+def one_lookup(namespace: str, own: Counts, public: Counts, served_public: bool) -> Counts:
+    """A request's lookups in its own namespace and the public one, as one: the result of
+    the lookup whose cache was handed out, under the request's ``namespace`` (with
+    ``public_hits`` when the public prefix answered); every other count (errors) under
+    the namespace it happened in."""
+    chosen = public if served_public else own
+    out: Counts = []
+    result: dict[str, int] = {"public_hits": 1} if served_public else {}
+    for held in (own, public):
+        for ns, deltas in held:
+            other = {k: v for k, v in deltas.items() if k not in RESULT}
+            if other:
+                out.append((ns, other))
+            if held is chosen:
+                for k in RESULT:
+                    result[k] = result.get(k, 0) + deltas.get(k, 0)
+    result = {k: v for k, v in result.items() if v}
+    return [(namespace, result), *out] if result else out
+
+
+class CountsOnce:
+    """Before a PersistentPromptCache: while a request's lookups run (``holding``), the
+    per-tenant counts they report are held in a list instead of filed, so the request
+    files them once (``one_lookup``)."""
+
+    _held = threading.local()
+
+    def _tenant_count(self, ns: str, deltas: dict[str, int]) -> None:
+        held = getattr(self._held, "counts", None)
+        if held is not None:
+            held.append((ns, deltas))
+        else:
+            super()._tenant_count(ns, deltas)  # type: ignore[misc]
+
+    @contextlib.contextmanager
+    def _tenant_holding(self, into: Counts) -> Iterator[None]:
+        """Hold the per-tenant counts lookups on this thread report, in ``into``."""
+        before = getattr(self._held, "counts", None)
+        self._held.counts = into
+        try:
+            yield
+        finally:
+            self._held.counts = before
 
 
 def tenant_of(namespace: str, tenants: Tenants) -> str:
@@ -52,6 +113,9 @@ class TenantCounts:
         self._lock = threading.Lock()
         self._counts: dict[str, Counter[str]] = {}
         self._owners: dict[str, str] = {}  # label -> the namespace its budget is counted by
+        if tenants.public or tenants.marks:  # its bytes are shown, though it looks nothing up
+            self._counts[PUBLIC] = Counter()
+            self._owners[PUBLIC] = budget_owner(tenants.public_namespace)
 
     def count(self, namespace: str, deltas: dict[str, int]) -> None:
         label = tenant_of(namespace, self.tenants)
@@ -79,6 +143,12 @@ class TenantCounts:
             f"Prompt-cache lookups by tenant (top {self.top}, the rest '{OTHER}') and result.",
             labels=["tenant", "result"],
         )
+        public = CounterMetricFamily(
+            "persist_tenant_public_hits",
+            "Of a tenant's hits, those the public prefixes answered (top tenants, "
+            f"the rest '{OTHER}').",
+            labels=["tenant"],
+        )
         stored = GaugeMetricFamily(
             "persist_tenant_store_bytes",
             "Bytes the store holds for a tenant, its salts included: what --tenant-max-bytes "
@@ -88,9 +158,12 @@ class TenantCounts:
         for label, c in ranked:
             lookups.add_metric([label, "hit"], sum(c[h] for h in HITS))
             lookups.add_metric([label, "miss"], c["misses"])
+            if label != PUBLIC:
+                public.add_metric([label], c["public_hits"])
             if label != OTHER:
                 stored.add_metric([label], self._bytes(label))
         yield lookups
+        yield public
         yield stored
 
     def _bytes(self, label: str) -> float:

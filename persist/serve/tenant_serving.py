@@ -39,6 +39,7 @@ from .explaining import ExplainSlot, judge, told
 from .generation import GuardedGenerator
 from .hints import SaveHints, cuts
 from .request_checks import BadRequest
+from .tenant_metrics import Counts, CountsOnce, one_lookup
 from .tenants import Scoped, Tenants
 
 __all__ = [
@@ -85,7 +86,7 @@ class Tagged(list[Any]):
         return out
 
 
-class TenantScoping:
+class TenantScoping(CountsOnce):
     """Over a PersistentPromptCache (``scoped_cache``): every lookup and insert is in the
     asking namespace, as a ``Scoped`` key."""
 
@@ -104,11 +105,14 @@ class TenantScoping:
         if ask is None:  # no request noted: nothing shared is safe to hand out
             self.counters.update(unscoped=1)
             return None, tokens
+        own_counts: Counts = []
+        pub_counts: Counts = []
+        served_public = False
         try:
             lookup = super().fetch_nearest_cache  # type: ignore[misc]
             before = self.store.costs.last
             # two lookups, one request: /metrics counts the one whose cache is handed out
-            with self._holding() as own:
+            with self._holding() as own, self._tenant_holding(own_counts):
                 cache, rest = lookup(Scoped(model, ask.namespace), tokens)
             decision = self.store.costs.last  # the store's, if it was asked (a new one)
             decision = None if decision is before else decision
@@ -116,17 +120,21 @@ class TenantScoping:
             p, seen = ask.public, own
             if 0 < p < len(tokens) and have < p:
                 ns = self.tenants.public_namespace
-                with self._holding() as public:
+                with self._holding() as public, self._tenant_holding(pub_counts):
                     # one token past the cut: every tier leaves a prompt's last token to prefill
                     pub, pub_rest = lookup(Scoped(model, ns), tokens[: p + 1])
                 got = p + 1 - len(pub_rest) if pub is not None else 0
                 if have < got <= p:  # never past the cut (another public prefix may go on)
                     cache, rest, have, seen = pub, list(tokens[got:]), got, public or own
+                    served_public = True
             if self.metrics is not None:
                 self.metrics.outcomes.count_once(seen, len(tokens), have)
             self._judge(model, ask, tokens, have, decision)
             return cache, rest
         finally:
+            # one lookup per request in /metrics by tenant (serve.tenant_metrics)
+            for ns, deltas in one_lookup(ask.namespace, own_counts, pub_counts, served_public):
+                self._tenant_count(ns, deltas)
             if ask.explain is not None:
                 ask.explain.ready.set()
 

@@ -44,9 +44,16 @@ class _Query:
     """What every candidate query of one lookup shares: the prompt, the filters."""
 
     def __init__(
-        self, db: Any, namespace: str, identity: str, toks: list[int], skip: set[int]
+        self,
+        db: Any,
+        namespace: str,
+        identity: str,
+        toks: list[int],
+        skip: set[int],
+        quantized_start: int | None,
     ) -> None:
         self.db, self.toks, self.skip = db, toks, sorted(skip)
+        self.quantized_start = quantized_start  # the rows' rules need it (servable.of_row)
         # policy.COULD_SERVE_SQL: rows that could serve from index columns alone
         self.filt = f" AND s.namespace = ? AND s.identity = ? AND {COULD_SERVE_SQL}"
         self.args: list[Any] = [namespace, identity, len(toks) - 1, len(toks) - 1]
@@ -160,14 +167,13 @@ def candidate_rows(db: sqlite_utils.Database, ids: Sequence[int]) -> list[Snapsh
     return [got[i] for i in dict.fromkeys(ids) if i in got]
 
 
-def _pick(
-    db: sqlite_utils.Database, ids: list[int], at: int, toks: list[int], packed: bytes
-) -> tuple[SnapshotRow, int] | None:
+def _pick(q: _Query, ids: list[int], at: int, packed: bytes) -> tuple[SnapshotRow, int] | None:
     """The policy's choice among one level's candidates (each sharing ``at`` tokens by
     its keys), confirmed on the chosen row's tokens, compared in full; a row whose
     tokens disagree (damage, a collision) gives way to the next choice."""
     if not ids:
         return None
+    db, toks = q.db, q.toks
     marks = ",".join("?" * len(ids))
     facts = db.execute(
         f"SELECT id, n_tokens, trimmable, min_resume, used FROM snapshots WHERE id IN ({marks})",
@@ -180,7 +186,8 @@ def _pick(
             return None
         (row,) = candidate_rows(db, [picked.candidate.id])
         lcp = common_prefix_packed(row.tokens, packed)  # tokens decide
-        rule = of_row(row.trimmable, row.min_resume, row.manifest)  # and its layers' rules
+        # and its layers' rules, under the identity's kv_bits
+        rule = of_row(row.trimmable, row.min_resume, row.manifest, q.quantized_start)
         if choose_by_policy([(picked.candidate, lcp)], len(toks)) == picked and rule.serves(
             picked.prefix, row.n_tokens
         ):
@@ -198,20 +205,22 @@ def best_row(
     toks: list[int],
     block: int,
     skip: set[int],
+    quantized_start: int | None = None,
 ) -> tuple[SnapshotRow, int] | None:
     """The row and usable prefix that serve ``toks`` (chains ``chains``), or None.
 
     Levels come in order of the tokens they would reuse, so the first level
     with a row the policy accepts holds the best hit.  Rows in ``skip``
     (found damaged) are passed over.  Hits shorter than HEAD_TOKENS are not
-    worth a lookup.
+    worth a lookup.  ``quantized_start``: the identity's quantized_kv_start
+    under kv_bits, for the rows' rules (``servable.of_row``).
     """
     usable = len(toks) - 1
     if usable < HEAD_TOKENS:
         return None
     packed = pack_tokens(toks)
     with index.read() as db:
-        q = _Query(db, namespace, identity, toks, skip)
+        q = _Query(db, namespace, identity, toks, skip, quantized_start)
         m = min(matched_blocks(db, namespace, identity, chains), usable // block)
         for k in range(m, -1, -1):
             merged = _levels(q, chains[k], k, block, whole=k < m)
@@ -221,7 +230,7 @@ def best_row(
                 ids: list[int] = []
                 for _, fetch in group:
                     ids += fetch(LEVEL_CANDIDATES - len(ids)) if len(ids) < LEVEL_CANDIDATES else []
-                found = _pick(db, ids, at, toks, packed)
+                found = _pick(q, ids, at, packed)
                 if found is not None:
                     return found
     return None

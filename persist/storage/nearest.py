@@ -16,7 +16,9 @@ namespace's most recently used rows were computed by (a model swapped, another
 
 What it can miss: an untrimmable row that diverges inside a block more than
 ``NEAR_ROWS`` rows hold, and identities not among the ``RECENT_ROWS`` most
-recently used rows.  Hashes and keys only select rows; their tokens decide.
+recently used rows.  Explain adds the lookup's own choice (``best_row``), so
+what is missed is a near or longest row, never the best hit.  Hashes and
+keys only select rows; their tokens decide.
 """
 
 from __future__ import annotations

@@ -117,6 +117,27 @@ def test_a_quantized_snapshot_has_a_floor(tiny: Any, store: persist.Store) -> No
     agrees_with_lookup(store, prompt, identity, 0)
 
 
+@pytest.mark.skipif(ON_CUDA, reason="helpers.NO_KV_BITS_HERE")
+def test_plain_layers_past_quantized_kv_start_are_named(
+    tiny: Any, store: persist.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row an older persist saved with layers still plain past quantized_kv_start
+    (simulated: the save's check switched off) is passed over by the one servable
+    rule lookups use, and explain names why."""
+    from persist.engine import layer_checks
+
+    cfg = {"kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 20}
+    model, _, identity = ident(tiny, "llama_hd64", **cfg)
+    toks = tokens_for(40, 3)
+    with monkeypatch.context() as m:
+        m.setattr(layer_checks, "refuse_plain_past_start", lambda *a, **k: None)
+        saved(store, model, identity, toks, "old")
+    got = explained(store, toks + [5], identity=identity)
+    assert (got.reason, got.best) == ("kv-bits-plain", None), got.message
+    assert got.longest is not None and "quantized_kv_start 20" in got.longest.detail
+    agrees_with_lookup(store, toks + [5], identity, 0)
+
+
 def test_a_hit_the_cost_model_declines(tiny: Any, store: persist.Store) -> None:
     model, _, identity = ident(tiny, "llama")
     toks = tokens_for(96, 10)

@@ -369,6 +369,36 @@ def test_a_request_from_the_public_prefix_counts_its_prompt_once(
         srv.stop()
 
 
+def test_a_request_from_the_public_prefix_is_one_lookup_of_its_tenant(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    """Each request is one lookup in the per-tenant counters, filed under the tenant
+    that sent it with the result its cache came from: a request resuming from the
+    public prefix was two (a miss of its own namespace, a hit of ``(public)``)."""
+    public = tmp_path / "public.json"
+    public.write_text(json.dumps([{"messages": [{"role": "system", "content": PUBLIC}]}]))
+    args = ("--api-keys", str(key_file(tmp_path)), "--public-prefix", str(public))
+    srv = persist_serve(model_dir("llama"), tmp_path / "store", tmp_path / "a.log", *args)
+    name = "persist_tenant_lookups_total"
+    # tenant -> (result, served from the public prefix) of each request
+    sent = [("alice", "miss", 0), ("bob", "hit", 1), ("bob", "hit", 0)]
+    try:
+        for tenant, result, from_public in sent:
+            before = metrics(srv)
+            chat(srv, PUBLIC, "Where is my order?", tenant)
+            after = metrics(srv)
+            moved = {
+                k: after[k] - before.get(k, 0)
+                for k in after
+                if k[0] == name and after[k] != before.get(k, 0)
+            }
+            assert moved == {(name, (("result", result), ("tenant", tenant))): 1}, tenant
+            pub = ("persist_tenant_public_hits_total", (("tenant", tenant),))
+            assert after.get(pub, 0) - before.get(pub, 0) == from_public, tenant
+    finally:
+        srv.stop()
+
+
 MARK = {"persist": {"public_system": True}}  # what extra_body= sends with an OpenAI client
 NOTE = "My PIN is 7351. Where is my order?"
 

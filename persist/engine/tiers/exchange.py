@@ -24,6 +24,7 @@ from ...storage.blobs import BlobStore
 from ...storage.chains import boundary_heads, chain_root, chains
 from ...storage.index import Index
 from ..costs import LOCAL, CostModel
+from ..layer_checks import quantized_start
 from .fleet_block import require_same_block
 from .lineage import open_tombstone
 from .pull import EvictedError, pull
@@ -259,7 +260,7 @@ class Shared:
         heads = boundary_heads(every, toks, block)  # prefixes that end inside a block
         want = Expect(namespace, secret=secret, block=block, identity=identity.digest)
         bodies = self._run(lambda: self._deepest(index, namespace, every[1:], heads, want)) or []
-        found = best_record(bodies, toks)
+        found = best_record(bodies, toks, quantized_start(identity))
         if found is None or found[0] <= max(local[1] if local else 0, longer_than):
             self._count(index, namespace, "misses")
             return

@@ -320,7 +320,9 @@ def packed_chains(root: bytes, packed: bytes, block: int, n: int) -> list[bytes]
     return out
 
 
-def best_record(bodies: list[dict[str, Any]], toks: list[int]) -> tuple[int, dict[str, Any]] | None:
+def best_record(
+    bodies: list[dict[str, Any]], toks: list[int], quantized_start: int | None = None
+) -> tuple[int, dict[str, Any]] | None:
     """(usable prefix, checked body) of the candidate that serves the prompt furthest,
     by the resume policy over its stored tokens (an untrimmable snapshot only at its
     own length)."""
@@ -331,8 +333,10 @@ def best_record(bodies: list[dict[str, Any]], toks: list[int]) -> tuple[int, dic
         lcp = common_prefix_packed(row["tokens"], prompt)  # memcmp, not a loop per token
         # the record's columns narrowed by the rules over its layers (an older peer's
         # columns may predate a rule)
-        rule = of_row(bool(row["trimmable"]), int(row["min_resume"]), row["manifest"])
+        rule = of_row(
+            bool(row["trimmable"]), int(row["min_resume"]), row["manifest"], quantized_start
+        )
         p = policy.usable_prefix(row["n_tokens"], lcp, len(toks), rule.trimmable, rule.floor)
-        if p and (best is None or p > best[0]):
+        if p and rule.serves(p, row["n_tokens"]) and (best is None or p > best[0]):
             best = (p, body)
     return best
