@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..identity import ModelIdentity
+from ..storage.rows import listed_info
 from ..storage.types import Restored
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ def nearest(
         )
         if found is not None:
             cache, row, prefix = found
-            return Restored(cache, toks[:prefix], store._info(row))
+            return Restored(cache, toks[:prefix], listed_info(row))
     if not ram or host is None:
         return None
     from .host.store_hooks import from_host

@@ -3,13 +3,14 @@
 The engine's one public object.  Its methods are thin: they check names and
 identities, then call ``save_pipeline.save`` / ``loading.load_snapshot``
 (which take the index and the blob tier, never the Store) or the storage
-layer (``persist.storage``: SQL and files, no mlx).  Listing and maintenance
-never import mlx: ``persist ls`` starts in a blink.
+layer (``persist.storage``: SQL and files, no mlx).  Here: opening, saving,
+explaining, listing, files; restores and lookups are ``StoreReads``'
+(engine/store_reads.py), closing and upkeep ``StoreUpkeep``'s (engine/lifecycle.py).
+Listing and maintenance never import mlx: ``persist ls`` starts in a blink.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,33 +21,29 @@ from ..errors import (
     SessionNotFoundError,
 )
 from ..format.manifest import check_metadata
-from ..format.tokens import check_tokens, unpack_tokens
+from ..format.tokens import check_tokens
 from ..identity import ModelIdentity
 from ..records import Progress
 from ..storage import retention
-from ..storage.check_damage import pop_notice
 from ..storage.housekeeping import remembered_budget
-from ..storage.index import Index, SnapshotRow
-from ..storage.rows import check_name, listed_info, store_root
+from ..storage.index import Index
+from ..storage.rows import check_name, store_root
 from ..storage.store_folder import open_folder
-from ..storage.types import EntryInfo, Restored
+from ..storage.types import EntryInfo
 from .costs import CostModel
-from .lifecycle import StoreUpkeep, check_hints
+from .lifecycle import check_hints
+from .store_reads import StoreReads
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
     from ..codecs.snapshot import Snapshot
     from .explain import Explanation
-    from .host.tier import HostTier
     from .saving import Target
     from .tiers.exchange import Shared
-    from .warm import WarmReport
 
 __all__ = ["Store", "check_name"]
 
-log = logging.getLogger("persist")
 
-
-class Store(StoreUpkeep):
+class Store(StoreReads):
     """A directory of cached states: ``Store(root, max_bytes=None, block_tokens=256)``.
 
     ``namespace_max_bytes`` (bytes for every namespace, or a map of namespace to
@@ -186,110 +183,7 @@ class Store(StoreUpkeep):
         """Add to ``namespace``'s counters (``persist stats`` shows them)."""
         self.index.count(check_name(namespace, "namespace"), **counters)
 
-    # -- reading ----------------------------------------------------------
-
-    def restore(
-        self,
-        session: str,
-        *,
-        identity: ModelIdentity,
-        namespace: str = "default",
-        progress: Progress | None = None,
-    ) -> Restored:
-        """The named session, as fresh caches, exactly as saved (``reading.restore_named``)."""
-        from .reading import restore_named
-
-        check_name(namespace, "namespace")
-        check_name(session, "session")
-        self._pull_named(session, namespace)
-        i, strict = self.index, self.strict_backend
-        cache, row = restore_named(
-            i,
-            self.blobs,
-            namespace,
-            session,
-            identity=identity,
-            progress=progress,
-            strict_backend=strict,
-            costs=self.costs,
-        )
-        notice = pop_notice(i, namespace, session)
-        if notice is not None:  # said once, here and to whoever logs
-            log.warning("persist: %s", notice)
-        return Restored(cache, unpack_tokens(row.tokens), self._info(row), notice)
-
-    def _pull_named(self, session: str, namespace: str) -> None:
-        """A session this store lacks, from the tiers (the shared one first, then the
-        durable one); SessionUnreachableError when it is still not here and a tier that
-        may hold it could not be asked (a "not found" then would fork its history)."""
-        down = []
-        for tier in self.tiers:
-            if not self.has_session(session, namespace=namespace):
-                before = tier.unreachable
-                tier.pull_session(self.index, self.blobs, namespace, session)
-                if tier.unreachable > before:
-                    down.append(tier)
-        if down and not self.has_session(session, namespace=namespace):
-            from .tiers.lineage import SessionUnreachableError, shown_url
-
-            tiers = [f"{t.name} tier ({shown_url(t.tier.url)})" for t in down]
-            raise SessionUnreachableError(session, namespace, tiers)
-
-    def lookup(
-        self,
-        tokens: Sequence[int],
-        *,
-        identity: ModelIdentity,
-        namespace: str = "default",
-        longer_than: int = 0,
-        max_cost: float | None = None,
-        host: HostTier | None = None,
-    ) -> Restored | None:
-        """The longest usable stored prefix of ``tokens`` (at least one token is left over).
-
-        Token-exact: a hit of k tokens holds exactly what a fresh prefill of
-        those k tokens would (the codecs cut every layer to k).  A hit of at
-        most ``longer_than`` tokens (what a caller already holds in memory)
-        is not read at all and returns None, uncounted.  A hit predicted to
-        restore slower than prefilling its tokens here (rates measured on
-        this machine; ``max_cost`` seconds instead, if given) is declined:
-        None.  ``self.costs.last`` is the decision.  With ``host_cache`` the
-        RAM copy serves unless the store holds a strictly longer hit
-        (``Restored.source`` says which); ``host`` asks that RAM tier instead
-        (``persist serve``'s own).  The order is ``engine.lookup_order``'s.
-        """
-        from .lookup_order import nearest
-
-        toks = check_tokens(tokens)
-        check_name(namespace, "namespace")
-        self.costs.begin(max_cost)  # checks max_cost; forgets the previous decision
-        return nearest(
-            self, toks, identity=identity, namespace=namespace, longer_than=longer_than,
-            max_cost=max_cost, host=self.host if host is None else host, tiers=self.tiers,
-        )  # fmt: skip
-
-    def record_prefill(self, identity: ModelIdentity, start: int, end: int, seconds: float) -> None:
-        """Tell the cost model a prefill of positions [start, end) took ``seconds`` here
-        (``persist.prefill``, ``persist generate`` and ``persist serve`` do)."""
-        self.costs.prefilled(identity, start, end, seconds)
-
-    def find(
-        self, tokens: Sequence[int], *, identity: ModelIdentity, namespace: str = "default"
-    ) -> tuple[EntryInfo, int] | None:
-        """What ``lookup`` would restore (entry, usable prefix), from the index alone."""
-        from .reading import index_hit
-
-        toks = check_tokens(tokens)
-        check_name(namespace, "namespace")
-        found = index_hit(
-            self.index,
-            toks,
-            identity,
-            namespace=namespace,
-            block_tokens=self.block_tokens,
-            skip=set(),
-        )
-        return None if found is None else (self._info(found[0]), found[1])
+    # -- explaining ---------------------------------------------------------
 
     def explain(
         self,
@@ -330,29 +224,6 @@ class Store(StoreUpkeep):
             strict_backend=self.strict_backend,
             block=self.block_tokens,
             bounded=bounded,
-        )
-
-    def warm(self, identity: ModelIdentity, n: int, *, namespace: str | None = None) -> WarmReport:
-        """Read the ``n`` most valuable entries of ``identity`` (pinned, then most
-        recently used; of ``namespace``, or of every namespace when None) into the
-        host tier, as many as its budget holds, so their first lookups are served
-        from RAM.  Needs ``host_cache``."""
-        from .warm import warm
-
-        if self.host is None:
-            raise InvalidArgumentError("warm start needs a host tier: Store(..., host_cache=N)")
-        if type(n) is not int or n < 0:
-            raise InvalidArgumentError(f"warm takes a count of entries, at least 0: {n!r}")
-        if namespace is not None:
-            check_name(namespace, "namespace")
-        return warm(
-            self.index,
-            self.blobs,
-            self.host,
-            identity=identity,
-            n=n,
-            namespace=namespace,
-            strict_backend=self.strict_backend,
         )
 
     # -- listing and maintenance --------------------------------------------
@@ -443,6 +314,3 @@ class Store(StoreUpkeep):
             metadata=got.metadata,
             unverified_tokens=got.unverified,
         )
-
-    def _info(self, r: SnapshotRow) -> EntryInfo:
-        return listed_info(r)  # a row that does not decode is listed as damaged

@@ -18,7 +18,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import persist
-from persist.apps.generate import _Run, generate
+from persist.apps.decoding import Run
+from persist.apps.generate import generate
 from persist.errors import SessionNotFoundError
 from tests.engine.chunked_session import (
     GIB,
@@ -81,7 +82,7 @@ def test_persist_generate_resumes_a_front_dropped_prefix_exactly(
         r = generate(model, tok, ident, store, session="b", prompt=text, max_tokens=4)
         new = [*toks[:h], ord("#"), ord("!")]
         want = feed(model, toks[: r.reused_tokens]) if r.reused_tokens else make_prompt_cache(model)
-        run = _Run(
+        run = Run(
             model,
             tok,
             identity=ident,

@@ -786,6 +786,7 @@ def test_a_worker_that_cannot_be_restarted_leaves_the_host_path(
         store.close()
 
 
+@pytest.mark.usefixtures("python_ctrl_c")
 def test_ctrl_c_ends_a_restore_that_waits_on_a_stopped_worker(tiny: Any, tmp_path: Path) -> None:
     """Attack (round 4, session 2): two Ctrl-Cs could not end a restore waiting on a
     stopped worker.  A Ctrl-C (a real SIGINT) now kills the workers, the readers

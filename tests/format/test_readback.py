@@ -98,6 +98,7 @@ def test_without_a_driver_there_is_nothing_to_do() -> None:
         assert readback.host_copies(arrays_of([5], 0)) is None
 
 
+@pytest.mark.usefixtures("python_ctrl_c")
 def test_ctrl_cs_during_a_read_back_wait_for_the_lanes(lanes: Any) -> None:
     """Attack (round 4, session 2): two Ctrl-Cs during a save's read-back released the
     ring while lanes still fetched into their slots and the new arrays."""

@@ -166,9 +166,9 @@ def test_malformed_key_header_and_salt_are_4xx_and_serving_goes_on(
         assert set(answer["error"]) >= {"message", "type", "param"}
         for auth in ("Bearer nope", "Basic abc", "Bearer " + "k" * 60000, "Bearer"):
             code, answer = post(srv, "/v1/completions", body, Authorization=auth)
-            assert code in (400, 401, 431), (auth[:20], code)
+            assert code == 401, (auth[:20], code)  # no key this server knows
         got = raw(srv, head + b"Authorization: Bearer \xff\xfe\x00key\r\n\r\n{}")
-        assert got.startswith((b"HTTP/1.0 401", b"HTTP/1.0 400")), got[:80]
+        assert got.startswith(b"HTTP/1.0 401"), got[:80]
         for salt in ("", "s" * 100_000, {"a": {"b": [1]}}, 7, ["x"], True):
             code, answer = post(srv, "/v1/completions", {**body, "cache_salt": salt}, "alice")
             assert code == 400, (str(salt)[:20], code, answer)
@@ -198,7 +198,7 @@ def test_tenant_header_and_salts(model_dir: Any, tmp_path: Path) -> None:
                 srv, "/v1/completions", {"prompt": "a", "max_tokens": 1},
                 **{"X-Tenant": bad.encode("utf-8").decode("latin-1")},
             )  # fmt: skip
-            assert code in (400, 401), (bad, code, answer)
+            assert code == 400, (bad, code, answer)  # said, but not a tenant name
 
         def ask(tenant: str, **extra: Any) -> int:
             body = {"prompt": SECRET, "max_tokens": 1, "temperature": 0, **extra}

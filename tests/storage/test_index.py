@@ -214,6 +214,7 @@ def put_secret(db: Any, name: str) -> None:
     db.execute("INSERT INTO namespaces(name, secret) VALUES (?, ?)", [name, b"s" * 32])
 
 
+@pytest.mark.usefixtures("python_ctrl_c")
 @pytest.mark.parametrize(
     "case", ["write's commit", "read's commit", "write's commit, then its rollback"]
 )
