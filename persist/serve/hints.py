@@ -30,7 +30,15 @@ from ..engine.lifecycle import MAX_PRIORITY, MAX_TTL, check_hints, parse_ttl, st
 from ..errors import InvalidArgumentError
 from .request_checks import PERSIST_FIELDS, BadRequest
 
-__all__ = ["RequestHints", "SaveHints", "HintedKeys", "take_hints", "cuts", "MAX_MARKS"]
+__all__ = [
+    "RequestHints",
+    "SaveHints",
+    "HintedKeys",
+    "take_hints",
+    "cuts",
+    "split_at_marks",
+    "MAX_MARKS",
+]
 
 MAX_MARKS = 4  # cache_control marks per request, as Anthropic allows
 TTLS = {"5m": 300.0, "1h": 3600.0}  # Anthropic's cache_control ttl values
@@ -142,6 +150,26 @@ def cuts(hints: RequestHints, render: Any, prompt: Sequence[int]) -> tuple[tuple
         n = next((k for k, (a, b) in enumerate(zip(part, prompt, strict=False)) if a != b), None)
         out.append((min(len(part), len(prompt)) if n is None else n, ttl))
     return tuple(out)
+
+
+def split_at_marks(
+    segments: list[list[int]], kinds: list[str], marks: Sequence[int]
+) -> tuple[list[list[int]], list[str]]:
+    """mlx-lm's prompt segments cut again at each mark (a prompt length) strictly
+    inside one: mlx-lm stores a cache at every segment end, so a model whose cache
+    cannot be cut back (recurrent state) gets a snapshot where the client said the
+    prefix matters, not only where the system prompt ends.  The pieces keep their
+    segment's kind; their concatenation is the prompt."""
+    out: list[list[int]] = []
+    out_kinds: list[str] = []
+    start = 0
+    for seg, kind in zip(segments, kinds, strict=True):
+        inside = sorted({m - start for m in marks if start < m < start + len(seg)})
+        for a, b in zip([0, *inside], [*inside, len(seg)], strict=True):
+            out.append(seg[a:b])
+            out_kinds.append(kind)
+        start += len(seg)
+    return out, out_kinds
 
 
 Hints = tuple[float, int]

@@ -33,11 +33,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from ..errors import AccessDeniedError
 from .explaining import ExplainSlot, judge, told
 from .generation import GuardedGenerator
-from .hints import SaveHints, cuts
+from .hints import SaveHints, cuts, split_at_marks
 from .request_checks import BadRequest
 from .tenant_metrics import Counts, CountsOnce, one_lookup
 from .tenants import Scoped, Tenants
@@ -272,8 +273,21 @@ class TenantGenerator(GuardedGenerator):
         hints = None
         if getattr(request, "persist_hints", None) is not None and cache.hints_honoured:
             hints = self._save_hints(tokenizer, request, args, out[0])
+            if hints.marks and not self._cuttable():
+                segments, kinds = split_at_marks(segments, kinds, [c for c, _ in hints.marks])
+                out = (out[0], segments, kinds, *out[3:])
         _here.asking = Asking(ns, public, hints, getattr(request, "persist_explain", None))
         return out
+
+    def _cuttable(self) -> bool:
+        """Can the served model's cache be cut back to any prefix (attention only)?
+        Else a mark needs a snapshot of its own (``split_at_marks``)."""
+        key = self.model_provider.model_key
+        if getattr(self, "_cut_for", None) != key:
+            model: Any = self.model_provider.model
+            self._cut = can_trim_prompt_cache(make_prompt_cache(model))
+            self._cut_for = key
+        return bool(self._cut)
 
     def _save_hints(self, tokenizer: Any, request: Any, args: Any, prompt: list[int]) -> SaveHints:
         """The request's hints, its marks as prompt lengths: each marked message's end
