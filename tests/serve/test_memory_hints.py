@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from mlx_lm.models.cache import LRUPromptCache
 
 import persist
+from persist.serve.memory_order import HintedOrder
 from persist.serve.server import PersistentPromptCache
 from persist.serve.tenants import Scoped
 from tests.helpers import prefill, tokens_for
@@ -90,3 +93,38 @@ def test_a_tenants_hints_never_evict_another_tenants_entry(memory: Any) -> None:
     put(pc, model, a, 4)
     assert held(pc, a, a_plain) and held(pc, b, b_hinted)
     assert not held(pc, b, b_plain)  # b gives up its own unhinted entry
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["push", "remove", "pop"]),
+        st.integers(0, 5),  # which entry
+        st.sampled_from(["assistant", "user", "system"]),
+    ),
+    max_size=40,
+)
+
+
+@given(OPS)
+def test_without_hints_the_order_is_mlx_lm_s_own(ops: list[tuple[str, int, str]]) -> None:
+    """HintedOrder reads mlx-lm's ``CacheOrder`` internals (``_lrus``, ``_ordering``) and
+    re-states its ``pop`` rule; any mlx-lm change to them fails here, by name: the same
+    pushes, removes and pops give the same victims as mlx-lm's own order."""
+    ours = HintedOrder(lambda *_: None, lambda key: "ns", lambda: 0.0)
+    theirs = LRUPromptCache.CacheOrder()
+    held: set[int] = set()
+    for op, i, kind in ops:
+        tokens = [i, i + 1]
+        if op == "push" and i not in held:
+            ours.push("m", tokens, kind)
+            theirs.push("m", tokens, kind)
+            held.add(i)
+        elif op == "remove" and i in held:
+            ours.remove("m", tokens)
+            theirs.remove("m", tokens)
+            held.discard(i)
+        elif op == "pop" and held:
+            a, b = ours.pop(), theirs.pop()
+            assert (a[0], list(a[1])) == (b[0], list(b[1]))
+            held.discard(a[1][0])
+        assert len(ours) == len(theirs)

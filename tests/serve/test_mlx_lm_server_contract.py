@@ -10,6 +10,9 @@ is the kind of object persist takes it for, takes the parameters persist passes,
 sets the attributes persist reads, and is called by mlx-lm the way persist's
 replacement expects (read from mlx-lm's source with ``ast``).  A last test finds
 every name persist's serve modules touch and fails on one this file does not pin.
+mlx-lm's ``LRUPromptCache.CacheOrder`` internals (``_lrus``, ``_ordering``, its
+``pop`` rule), which ``serve/memory_order.py`` reads, are pinned by a property
+test in tests/serve/test_memory_hints.py: without hints, the same victims.
 """
 
 from __future__ import annotations
