@@ -22,6 +22,8 @@ COLUMNS = [
     "states",
     "hits",
     "served",
+    "batches",
+    "drafted",
     "restores",
     "processes",
     "pulls",

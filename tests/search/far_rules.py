@@ -139,11 +139,16 @@ class FarRules:
 
     # -- persist serve's memory tier -----------------------------------------
 
+    def identity_of(self, key: Any) -> Any:
+        """The identity of the model mlx-lm's server loaded under ``key``: the
+        session's for MODEL_KEY, with a draft's for serve_draft's keys."""
+        return self.identity if key == MODEL_KEY else self.draft_identity_of(key)
+
     def _prompt_cache(self) -> PersistentPromptCache:
         if self.pc is None:
             self.pc_store = self._open(True, self.root / "s")
             self.pc = PersistentPromptCache(
-                4, store=self.pc_store, identity=self.identity, host=self.pc_store.host
+                4, store=self.pc_store, identity=self.identity_of, host=self.pc_store.host
             )
         return self.pc
 

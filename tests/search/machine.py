@@ -5,7 +5,8 @@ to quantized layers as mlx-lm does), saves (in this Store, or in a new Store
 over the same folder), looks up random shared lengths of what it saved,
 through the index or the host tier, and restores sessions by name in a new
 Store; tests/search/far_rules.py adds restores in a fresh process, a shared
-(Redis) tier and persist serve's memory tier.  The oracle for every hit and
+(Redis) tier and persist serve's memory tier, batch_rules.py and
+draft_rules.py requests served in a batch and with a draft model.  The oracle for every hit and
 restore (tests/search/oracle.py): a fresh cache fed the hit's own tokens in the
 same chunks the session was fed (MLX on CPU is not chunk-invariant), continued
 with the same tokens, gives the same logits and holds the same state after
@@ -27,6 +28,8 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 import persist
 from persist.errors import SessionNotFoundError
+from tests.search.batch_rules import BatchRules
+from tests.search.draft_rules import DraftHistory, DraftRules
 from tests.search.far_rules import FarRules
 from tests.search.oracle import (
     Quant,
@@ -58,11 +61,13 @@ class Tally:
     processes: int = 0  # restores in a fresh process
     pulls: int = 0  # lookups and restores by a new machine from the shared tier
     served: int = 0  # persist serve memory-tier (prompt cache) hits
+    batches: int = 0  # requests served in a batch (BatchGenerator) beside others
+    drafted: int = 0  # requests served with a draft model (speculative decoding)
     conversions: int = 0  # sessions converted to quantized layers (kv_bits)
     by_length: dict[int, int] = field(default_factory=dict)
 
 
-class Search(FarRules, RuleBasedStateMachine):
+class Search(FarRules, BatchRules, DraftRules, RuleBasedStateMachine):
     """Subclassed per family by ``machine_for`` (model, identity, tally and the
     optional parts bound: kv_bits, a recipe for fresh processes, a shared tier)."""
 
@@ -88,6 +93,7 @@ class Search(FarRules, RuleBasedStateMachine):
         self.repaired = False  # a repair may cut or remove any session sharing a blob
         self.converted = False  # kv_bits quantized the session
         self.rng = random.Random(0)
+        self.draft_histories: dict[str, DraftHistory] = {}  # by draft (serve_draft)
         self.tally.sequences += 1
 
     def new_cache(self) -> list[Any]:

@@ -7,7 +7,8 @@ and printed as a sequence of steps: keep it as a plain regression test.
 Families: every cache family persist's tiny models have, two run with kv_bits
 (mlx-lm converts their KV layers to QuantizedKVCache mid-session) and llama on
 a cache list of ConcatenateKVCache.
-Each restores a session in a fresh process at most ``PROCESSES`` times.
+Each restores a session in a fresh process at most ``PROCESSES`` times, and
+serves requests in a batch and with a draft model where mlx-lm's server does.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ FAMILIES: dict[str, tuple[str, Quant | None]] = {
     "qwen3_next+kv8": ("qwen3_next_hd32", Quant(bits=8, group=32, start=40)),
     "llama+concat": ("llama", None),
 }
+# the draft model of serve_draft's "other" draft: a tiny llama of the same vocabulary
+DRAFT = "llama_hd64"
 # a cache list a user builds of one class (no model makes ConcatenateKVCache itself);
 # its own trim only lowers the offset, so mlx-lm's rollback is not searched on it
 CACHE_CLASS = {"llama+concat": ConcatenateKVCache}
@@ -60,7 +63,14 @@ def test_every_hit_and_restore_is_a_fresh_prefill(tiny: Any, family: str) -> Non
     ident = persist.ModelIdentity.of(model, tok, **(quant.identity() if quant else {}))
     recipe = {"dir": str(model_dir)}
     cls = CACHE_CLASS.get(family)
-    parts = {"cache_class": cls, "rollbacks": cls is None}
+    draft, draft_tok, _ = tiny(DRAFT)
+    parts = {
+        "cache_class": cls,
+        "rollbacks": cls is None,
+        "serving": True,  # batched and draft-model serving (persist serve)
+        "draft_model": draft,
+        "draft_identity": persist.ModelIdentity.of(draft, draft_tok),
+    }
     machine = machine_for(
         model, ident, tally, quant=quant, recipe=recipe, processes=PROCESSES, **parts
     )
