@@ -31,6 +31,7 @@ from ..storage.rows import check_name, listed_info, store_root
 from ..storage.store_folder import open_folder
 from ..storage.types import EntryInfo, Restored
 from .costs import CostModel
+from .file_tags import file_key
 from .lifecycle import StoreUpkeep, check_hints
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
@@ -93,6 +94,7 @@ class Store(StoreUpkeep):
 
             self.shared, self.cold = open_tiers(shared, cold, tier_key)
         self.tiers = [t for t in (self.shared, self.cold) if t is not None]
+        self.tier_key = tier_key  # also tags exports and checks imports (file_tags)
         self.block_tokens = int(
             db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0]
         )
@@ -392,9 +394,11 @@ class Store(StoreUpkeep):
         row = self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
         if row is None:
             raise SessionNotFoundError(session, namespace)
+        key = file_key(self.tier_key)  # the operator key tags the file (file_tags)
         export_row(
-            self.index, self.blobs, row, path=path, format=format, model=model, model_dir=model_dir
-        )
+            self.index, self.blobs, row, path=path, format=format, model=model,
+            model_dir=model_dir, key=key,
+        )  # fmt: skip
         return self._info(row)
 
     def import_file(
@@ -412,7 +416,10 @@ class Store(StoreUpkeep):
         """Store a file as a session (named after the file unless ``session``).
 
         A persist file carries its tokens and identity (``identity``, if given,
-        must match).  An mlx-lm prompt cache carries neither: pass the
+        must be of the same model; the cache settings are the file's).  Under the
+        operator key (``tier_key``, else ``$PERSIST_TIER_KEY``) it must carry the
+        key's tag (``file_tags``); without a key it is trusted as written.
+        An mlx-lm prompt cache carries neither: pass the
         ``identity`` of the model that computed it and the ``tokens`` it covers
         (checked against every layer's offset), and the ``model`` itself so
         the file's layers are checked against the model's own caches (count,
@@ -431,6 +438,7 @@ class Store(StoreUpkeep):
             model=model,
             unverified_tokens=unverified_tokens,
             chat_tokens=chat_tokens,
+            key=file_key(self.tier_key),
         )
         name = session if session is not None else Path(path).name.split(".")[0]
         return self.save(
