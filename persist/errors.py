@@ -31,6 +31,7 @@ __all__ = [
     "StoreBusyError",
     "SaveLostError",
     "UnsafeStoreError",
+    "UnauthenticatedFileError",
     "ReadOnlyStoreError",
     "SessionConflictError",
     "StorageError",
@@ -200,6 +201,19 @@ class CorruptBlobError(PersistError, ValueError):
         self.where = where
         self.detail = detail
         super().__init__(f"{where}: {detail}")
+
+
+class UnauthenticatedFileError(PersistError, PermissionError):
+    """A persist file imported under the operator key (``PERSIST_TIER_KEY``) without
+    that key's valid tag: changed after its export, exported without the key or under
+    another one (``engine.file_tags``).  Nothing is stored."""
+
+    def __init__(self, where: str, detail: str) -> None:
+        self.where = where
+        super().__init__(f"refusing {where}: {detail}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class NotResumableError(PersistError, ValueError):

@@ -22,10 +22,11 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Iterable
+import stat
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .private_files import private_mkdir, unsafe_path
+from .private_files import group_mode, private_mkdir, unsafe, unsafe_above, unsafe_path
 
 __all__ = ["files_key", "recall", "remember", "memo_dir"]
 
@@ -69,12 +70,17 @@ def files_key(dirs: Iterable[Path | None], versions: dict[str, str], structure: 
 
 
 _warned: set[Path] = set()
+READ_LIMIT = 4096  # a memo file is ~50 bytes: anything larger is not one
 
 
 def _trusted(d: Path) -> bool:
-    """Only a folder no other user can change (``private_files``) is read or written:
-    a digest planted there would make another model's caches this model's."""
+    """Only a folder no other user can change, nor rename away (every folder above it
+    checked, ``private_files``), is read or written: a digest planted there would
+    make another model's caches this model's."""
     why = unsafe_path(d)
+    above = unsafe_above(d) if why is None else None
+    if above is not None:
+        why = f"lies in {above[0]}, which {above[2]}"
     if why is not None and d not in _warned:
         _warned.add(d)
         logging.getLogger("persist").warning(
@@ -86,15 +92,43 @@ def _trusted(d: Path) -> bool:
     return why is None
 
 
+@contextlib.contextmanager
+def _opened(d: Path) -> Iterator[int | None]:
+    """The checked folder's descriptor, or None: the path is resolved first, checked,
+    then opened without following a link and judged by ``fstat`` of what was opened,
+    so a folder swapped after the check is never the one read or written."""
+    real = os.path.realpath(d)
+    if not _trusted(d):
+        yield None
+        return
+    fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        yield fd if unsafe(os.fstat(fd), group_mode()) is None else None
+    finally:
+        os.close(fd)
+
+
+def _read(dir_fd: int, name: str) -> bytes | None:
+    """The file ``name`` in the folder ``dir_fd``: a regular file of this user no one
+    else can write, never through a link, never a FIFO's wait; else None."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+    fd = os.open(name, flags, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or unsafe(st, group_mode()) is not None:
+            return None
+        return os.read(fd, READ_LIMIT + 1)
+    finally:
+        os.close(fd)
+
+
 def recall(key: str) -> str | None:
     """The remembered digest, or None (missing, unreadable, or in a folder another
     user can change: computed again)."""
-    d = memo_dir()
-    f = d / f"{key}.json"
-    if not _trusted(d) or f.is_symlink() or unsafe_path(f) is not None:
-        return None
     try:
-        data = json.loads(f.read_text())
+        with _opened(memo_dir()) as dir_fd:
+            raw = None if dir_fd is None else _read(dir_fd, f"{key}.json")
+        data = json.loads(raw) if raw is not None and len(raw) <= READ_LIMIT else None
     except (OSError, ValueError):
         return None
     digest = data.get("weights") if isinstance(data, dict) else None
@@ -108,10 +142,11 @@ def remember(key: str, digest: str) -> None:
     d = memo_dir()
     with contextlib.suppress(OSError):
         private_mkdir(d)
-        if not _trusted(d):
-            return  # never read either (recall): computed in every process
-        tmp = d / f".{key}.{secrets.token_hex(4)}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        with os.fdopen(os.open(tmp, flags, 0o600), "w") as f:
-            f.write(json.dumps({"weights": digest}))
-        os.replace(tmp, d / f"{key}.json")
+        with _opened(d) as dir_fd:
+            if dir_fd is None:
+                return  # never read either (recall): computed in every process
+            tmp = f".{key}.{secrets.token_hex(4)}.tmp"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            with os.fdopen(os.open(tmp, flags, 0o600, dir_fd=dir_fd), "w") as f:
+                f.write(json.dumps({"weights": digest}))
+            os.replace(tmp, f"{key}.json", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

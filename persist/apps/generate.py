@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..engine.layer_checks import refuse_quantized_rings
+from ..engine.cache_fit import refuse_unfit_kv_bits
 from ..engine.prefill import prefill
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
@@ -92,7 +92,7 @@ def load_model(
     wanted: dict[str, Any] = {k: v for k, v in cache_config.items() if v is not None}
     name = None if model is None or Path(os.fspath(model)).is_dir() else os.fspath(model)
     ident = ModelIdentity.of(m, tok, name=name, path=path, adapter_path=adapter, **wanted)
-    refuse_quantized_rings(ident)  # mlx-lm would fail mid-prompt
+    refuse_unfit_kv_bits(m, ident)  # rings, groups: mlx-lm would fail mid-prompt
     return m, tok, ident
 
 

@@ -87,7 +87,8 @@ def export_cmd(
     "model_dir",
     default=None,
     metavar="PATH_OR_REPO",
-    help="For an mlx-lm prompt cache: the model that computed it (folder or repo id).",
+    help="The model the file is for (folder or repo id): an mlx-lm prompt cache's, "
+    "which it records nowhere; a persist file's model is checked against it.",
 )
 @click.option("--tokens", default=None, help="For an mlx-lm file: the token ids it covers, 1,2,3.")
 @click.option(
@@ -125,9 +126,13 @@ def import_cmd(
 ) -> None:
     """Store a file as a session (an existing one needs --force).
 
-    A persist file (from export or save_file) carries its tokens and model.
-    An mlx-lm prompt cache (save_prompt_cache, mlx_lm.cache_prompt) carries
-    neither: give --model and the --prompt (or --tokens) it was computed from.
+    A persist file (from export or save_file) carries its tokens and model
+    (with --model, refused unless it names that model). Under the operator key
+    ($PERSIST_TIER_KEY, --tier-key-file) it must carry that key's tag, which an
+    export under the key writes. Without a key it is trusted as written: its
+    tokens are believed, so import only files you trust. An mlx-lm prompt cache
+    (save_prompt_cache, mlx_lm.cache_prompt) carries neither: give --model and
+    the --prompt (or --tokens) it was computed from.
 
     \b
     Example:

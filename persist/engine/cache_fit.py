@@ -1,19 +1,26 @@
 """Does an imported cache fit this model?  A file's caches against the layout of
 the model's own ``make_prompt_cache`` (layers, kinds, heads, head dims, dtypes,
 windows, recurrent state shapes), and its quantized layers against the identity:
-``transfer.read_importable`` checks both before anything is stored.
+``transfer.read_importable`` checks both before anything is stored.  And does a
+kv_bits identity fit the model at all (``refuse_unfit_kv_bits``)?
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..errors import IdentityMismatchError
+from ..errors import IdentityMismatchError, InvalidArgumentError
 from ..identity import ModelIdentity
 from ..kinds import kind_of
-from .layer_checks import refuse_early, refuse_plain_past_start, refuse_quantized
+from .layer_checks import (
+    MLX_LM_GROUP_SIZE,
+    refuse_early,
+    refuse_plain_past_start,
+    refuse_quantized,
+    refuse_quantized_rings,
+)
 
-__all__ = ["check_fits", "check_quantized"]
+__all__ = ["check_fits", "check_quantized", "refuse_unfit_kv_bits"]
 
 
 ATTENTION = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
@@ -113,3 +120,37 @@ def _layout(c: Any) -> tuple[Any, ...]:
 
 def _dtype(a: Any) -> str:
     return str(a.dtype).removeprefix("mlx.core.")
+
+
+def refuse_unfit_kv_bits(model: Any, identity: ModelIdentity) -> None:
+    """InvalidArgumentError, before any prompt token runs, for a kv_bits identity
+    mlx-lm cannot apply to ``model``'s caches: rings (``refuse_quantized_rings``), or
+    bits and a group size MLX's quantize refuses for some layer (a group the head
+    dims do not divide: mlx raised a bare ValueError once a prompt reached
+    quantized_kv_start).  Probed as mlx-lm converts (``maybe_quantize_kv_cache``:
+    each top-level layer with ``to_quantized``) on fresh caches after one token."""
+    cfg = dict(identity.cache_config)
+    bits = cfg.get("kv_bits")
+    if bits is None:
+        return
+    refuse_quantized_rings(identity)
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    group = cfg.get("kv_group_size", MLX_LM_GROUP_SIZE)
+    probe = make_prompt_cache(model, max_kv_size=cfg.get("max_kv_size"))
+    model(mx.array([[0]]), cache=probe)
+    for i, c in enumerate(probe):
+        if not hasattr(c, "to_quantized"):
+            continue
+        try:
+            c.to_quantized(group_size=group, bits=bits)
+        except ValueError as e:  # mlx: "[quantize] The last dimension ... group size 32"
+            dims = getattr(getattr(c, "keys", None), "shape", ())[-1:]
+            raise InvalidArgumentError(
+                f"kv_bits={bits} kv_group_size={group} (--kv-bits {bits} --kv-group-size "
+                f"{group}) do not fit {identity.display()}: "
+                f"layer {i}"
+                + (f" (head dim {dims[0]})" if dims else "")
+                + f" cannot be quantized so ({str(e).splitlines()[0]})"
+            ) from None

@@ -14,6 +14,7 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -21,7 +22,7 @@ from ..codecs import capacity_of, check_spec
 from ..codecs.base import dtype_name
 from ..codecs.snapshot import capture, rebuild, require_covers
 from ..errors import CorruptBlobError, StorageError
-from ..format.container import read_header, write_tensors
+from ..format.container import Header, Producer, read_header, write_tensors
 from ..format.manifest import (
     Manifest,
     check_metadata,
@@ -35,6 +36,7 @@ from ..format.sink import atomic_write
 from ..format.tensors import allocate, as_bytes, read_piece
 from ..identity import ModelIdentity
 from ..records import Record, RecordSpec, TensorSpec
+from . import file_tags
 
 __all__ = ["save_file", "load_file", "read_manifest", "Loaded"]
 
@@ -58,11 +60,14 @@ def save_file(
     *,
     metadata: Mapping[str, str] | None = None,
     identity: ModelIdentity | None = None,
+    key: bytes | None = None,
 ) -> None:
     """Save a model's cache list (and the tokens it covers) to one file.
 
     Only live data is written.  With ``tokens`` every layer's offset must
-    equal ``len(tokens)`` (``NotResumableError`` otherwise).
+    equal ``len(tokens)`` (``NotResumableError`` otherwise).  ``key`` (the
+    operator key): the file carries its tag (``file_tags``), which an import
+    under that key requires.
     """
     meta = check_metadata(metadata)
     snap = capture(list(cache), tokens)
@@ -80,10 +85,17 @@ def save_file(
             identity=ident,
             created=created,
         )
-        return file_metadata(body)
+        out = file_metadata(body)
+        if key is not None:
+            out[file_tags.TAG_FIELD] = data.tag(key, body)
+        return out
 
     created = time.time()
-    items = [(k, specs[k], (lambda a=r.tensors[n]: as_bytes(a))) for k, r, n in flat]
+    data = file_tags.DataDigest(len(flat))
+    items: list[tuple[str, TensorSpec, Producer]]
+    items = [(k, specs[k], partial(as_bytes, r.tensors[n])) for k, r, n in flat]
+    if key is not None:  # hashed for the tag only under a key (SHA-256: ~1.5 GB/s)
+        items = [(k, spec, data.wrap(produce)) for k, spec, produce in items]
     size = sum(s.nbytes for s in specs.values())
     try:
         _atomic_write(Path(path), lambda f: write_tensors(f, items, manifest_meta), size)
@@ -105,6 +117,10 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     where = str(path)
     with _open(path) as f:
         header = read_header(f, where)
+    return _checked_manifest(header, where)
+
+
+def _checked_manifest(header: Header, where: str) -> Manifest:
     manifest = unpack_manifest(header, where)
     for i, spec in enumerate(manifest.layers):
         _check_layer(spec, i, where)
@@ -122,21 +138,32 @@ def _check_layer(spec: RecordSpec, i: int, where: str) -> None:
         raise CorruptBlobError(where, f"layer {i}: {e}") from None
 
 
-def load_file(path: str | os.PathLike[str], *, identity: ModelIdentity | None = None) -> Loaded:
+def load_file(
+    path: str | os.PathLike[str],
+    *,
+    identity: ModelIdentity | None = None,
+    key: bytes | None = None,
+) -> Loaded:
     """Load a file written by ``save_file``; every checksum is verified.
 
     With ``identity`` a file saved for another model is refused
-    (``IdentityMismatchError`` naming the fields that differ).
+    (``IdentityMismatchError`` naming the fields that differ).  With ``key``
+    (the operator key) a file without that key's tag over its manifest and
+    data is refused (``UnauthenticatedFileError``), before it is parsed.
+    The header, the tag and the tensors are read from one open file.
     """
     where = str(path)
-    manifest = read_manifest(path)
-    saved = _saved_identity(manifest, where)
-    if identity is not None and saved is not None:
-        saved.require_same(identity, f"file {where}")
-    # One layer at a time, read straight into the buffers the caches keep:
-    # peak memory is the restored cache itself.
-    keys = iter(manifest.keys)
     with _open(path) as f:
+        header = read_header(f, where)
+        if key is not None:
+            file_tags.verify(f.fileno(), header, key, where)
+        manifest = _checked_manifest(header, where)
+        saved = _saved_identity(manifest, where)
+        if identity is not None and saved is not None:
+            saved.require_same(identity, f"file {where}")
+        # One layer at a time, read straight into the buffers the caches keep:
+        # peak memory is the restored cache itself.
+        keys = iter(manifest.keys)
         cache = [
             rebuild([_read_layer(f.fileno(), s, keys, manifest, where)])[0] for s in manifest.layers
         ]

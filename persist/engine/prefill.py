@@ -17,6 +17,7 @@ import mlx.core as mx
 from .. import policy
 from ..errors import InvalidArgumentError, UnsupportedCacheError
 from ..identity import ModelIdentity
+from .cache_fit import refuse_unfit_kv_bits
 from .layer_checks import MLX_LM_GROUP_SIZE
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ def prefill(
     if (marks or checkpoint_every) and (store is None or identity is None):
         raise InvalidArgumentError("checkpoints need a store and the model's identity")
     toks = [int(t) for t in tokens]
+    if identity is not None:  # a kv_bits the caches cannot take: refused before any token
+        refuse_unfit_kv_bits(model, identity)
     cache = make_prompt_cache(model) if cache is None else cache
     done = _offset(cache)
     if done > len(toks):

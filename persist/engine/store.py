@@ -31,6 +31,7 @@ from ..storage.rows import check_name, store_root
 from ..storage.store_folder import open_folder
 from ..storage.types import EntryInfo
 from .costs import CostModel
+from .file_tags import file_key
 from .lifecycle import check_hints
 from .store_reads import StoreReads
 
@@ -90,6 +91,7 @@ class Store(StoreReads):
 
             self.shared, self.cold = open_tiers(shared, cold, tier_key)
         self.tiers = [t for t in (self.shared, self.cold) if t is not None]
+        self.tier_key = tier_key  # also tags exports and checks imports (file_tags)
         self.block_tokens = int(
             db.execute("SELECT value FROM meta WHERE key = 'block_tokens'").fetchone()[0]
         )
@@ -264,9 +266,11 @@ class Store(StoreReads):
         row = self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
         if row is None:
             raise SessionNotFoundError(session, namespace)
+        key = file_key(self.tier_key)  # the operator key tags the file (file_tags)
         export_row(
-            self.index, self.blobs, row, path=path, format=format, model=model, model_dir=model_dir
-        )
+            self.index, self.blobs, row, path=path, format=format, model=model,
+            model_dir=model_dir, key=key,
+        )  # fmt: skip
         return self._info(row)
 
     def import_file(
@@ -284,7 +288,10 @@ class Store(StoreReads):
         """Store a file as a session (named after the file unless ``session``).
 
         A persist file carries its tokens and identity (``identity``, if given,
-        must match).  An mlx-lm prompt cache carries neither: pass the
+        must be of the same model; the cache settings are the file's).  Under the
+        operator key (``tier_key``, else ``$PERSIST_TIER_KEY``) it must carry the
+        key's tag (``file_tags``); without a key it is trusted as written.
+        An mlx-lm prompt cache carries neither: pass the
         ``identity`` of the model that computed it and the ``tokens`` it covers
         (checked against every layer's offset), and the ``model`` itself so
         the file's layers are checked against the model's own caches (count,
@@ -303,6 +310,7 @@ class Store(StoreReads):
             model=model,
             unverified_tokens=unverified_tokens,
             chat_tokens=chat_tokens,
+            key=file_key(self.tier_key),
         )
         name = session if session is not None else Path(path).name.split(".")[0]
         return self.save(

@@ -75,16 +75,21 @@ def read_importable(
     model: Any = None,
     unverified_tokens: bool = False,
     chat_tokens: Sequence[int] | None = None,
+    key: bytes | None = None,
 ) -> Importable:
     """A persist file as it is, or an mlx-lm prompt cache with the caller's tokens and
-    model (whose own caches it must fit, ``check_fits``, when ``model`` is given)."""
+    model (whose own caches it must fit, ``check_fits``, when ``model`` is given).
+    A persist file's model must be ``identity``'s (its cache settings are the file's
+    own), and under ``key`` (the operator key) it must carry that key's tag."""
     if not _is_mlx_lm(path):
-        loaded = load_file(path, identity=identity)
+        loaded = load_file(path, key=key)
         if loaded.identity is None or loaded.tokens is None:
             raise NotResumableError(
                 f"{path} records no model identity or no tokens; save it with "
                 "persist.save_file(path, cache, tokens, identity=...) to import it"
             )
+        if identity is not None:
+            _same_model(loaded.identity, identity, f"file {path}")
         # an export of an unverified session: its tokens are still nobody's check
         unverified = loaded.metadata.get(UNVERIFIED_KEY) == "true"
         return Importable(
@@ -279,10 +284,12 @@ def write_file(
     identity: ModelIdentity,
     metadata: dict[str, str],
     fmt: str = "persist",
+    key: bytes | None = None,
 ) -> None:
-    """``fmt`` persist (everything, verifiable) or mlx-lm (caches and metadata only)."""
+    """``fmt`` persist (everything, verifiable; tagged under ``key``) or mlx-lm
+    (caches and metadata only: mlx-lm reads no tag)."""
     if fmt == "persist":
-        save_file(path, cache, tokens, metadata=metadata, identity=identity)
+        save_file(path, cache, tokens, metadata=metadata, identity=identity, key=key)
     elif fmt == "mlx-lm":
         write_mlx_lm(path, cache, metadata)
     else:
@@ -298,8 +305,10 @@ def export_row(
     format: str,
     model: str | None = None,
     model_dir: str | os.PathLike[str] | None = None,
+    key: bytes | None = None,
 ) -> None:
-    """``Store.export``: a stored snapshot, restored, written as one file.  An mlx-lm
+    """``Store.export``: a stored snapshot, restored, written as one file (a persist
+    file tagged under the operator ``key``, ``file_tags``).  An mlx-lm
     file claims ``model`` (mlx-lm loads it when not told another): the session is
     checked against the files of ``model_dir``, or of ``model`` when it is a folder.
     Without ``model`` it claims the folder the session's model was loaded from
@@ -324,9 +333,11 @@ def export_row(
                 "it; give the folder that holds it (model_dir=, or persist export "
                 "--model, which finds a repo id in the Hugging Face cache)"
             )
-        _same_model(identity, ModelIdentity.from_path(folder), model)
+        given = ModelIdentity.from_path(folder)
+        _same_model(identity, given, f"this session (exported for {model})")
         meta = mlx_lm_metadata(meta, model)
-    write_file(path, cache, unpack_tokens(row.tokens), identity=identity, metadata=meta, fmt=format)
+    toks = unpack_tokens(row.tokens)
+    write_file(path, cache, toks, identity=identity, metadata=meta, fmt=format, key=key)
 
 
 def _recorded_model(identity: ModelIdentity) -> str:
@@ -339,14 +350,13 @@ def _recorded_model(identity: ModelIdentity) -> str:
     return identity.source
 
 
-def _same_model(saved: ModelIdentity, given: ModelIdentity, where: str) -> None:
-    """The session's model is ``where``'s (its cache settings aside: mlx-lm takes
-    those as options, and the file's caches carry them)."""
+def _same_model(saved: ModelIdentity, given: ModelIdentity, what: str) -> None:
+    """The session's model is ``given`` (its cache settings aside: mlx-lm takes those
+    as options, and the file's caches carry them); else the fields that differ are
+    named (weights, config, model_type, tokenizer, chat_template, modules, draft)."""
     fields = [f for f in saved.diff(given) if not f.startswith("cache_config")]
     if fields:
-        raise IdentityMismatchError(
-            f"this session (exported for {where})", fields, saved.display(), given.display()
-        )
+        raise IdentityMismatchError(what, fields, saved.display(), given.display())
 
 
 def mlx_lm_metadata(user: dict[str, str], model: str) -> dict[str, str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import provenance
-from ..engine.layer_checks import refuse_quantized_rings
+from ..engine.cache_fit import refuse_unfit_kv_bits
 from ..identity import ModelIdentity
 
 __all__ = ["cache_config_of", "track_identities"]
@@ -67,7 +67,7 @@ def track_identities(
             source=None if local[0] is not None else _snapshot(model_path),
             **config,
         )
-        refuse_quantized_rings(ident)  # mlx-lm would fail mid-prompt: a 500 per request
+        refuse_unfit_kv_bits(self.model, ident)  # mlx-lm would fail mid-prompt: a 500
         if self.draft_model is not None:
             ident = ident.with_draft(ModelIdentity.of(self.draft_model))
         identities[self.model_key] = ident

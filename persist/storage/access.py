@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from ..errors import ReadOnlyStoreError, UnsafeStoreError
-from ..private_files import GROUP_ENV, private_mkdir, unsafe
+from ..private_files import GROUP_ENV, private_mkdir, unsafe, unsafe_above
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -32,7 +32,9 @@ def check_owner(root: Path) -> None:
     """Refuse a store whose root, ``blobs/``, ``tmp/`` or index another user owns or
     can write (with ``PERSIST_GROUP_STORE=1``: any member of its group, not others).
     A link among them is judged by what it leads to (a link's own mode is always 0777):
-    a read follows it (writes, ``schema.connect`` and ``check`` refuse it where it stands)."""
+    a read follows it (writes, ``schema.connect`` and ``check`` refuse it where it stands).
+    Every folder above the root, and above where a link leads, must be one no other
+    user can rename entries of (``private_files.unsafe_above``)."""
     group = os.environ.get(GROUP_ENV) == "1"
     for name in CHECKED:
         p = root / name if name else root
@@ -49,6 +51,25 @@ def check_owner(root: Path) -> None:
         why = unsafe(st, group)
         if why is not None:
             raise UnsafeStoreError(shown, why, _fix(fixed, st, group))
+        if not name or stat.S_ISLNK(os.lstat(p).st_mode):
+            _check_above(p)
+
+
+def _check_above(p: Path) -> None:
+    """The folders above the root (and above where a linked part leads), as ssh checks
+    those above ``~/.ssh``: one another user could rename entries of could put a
+    store of their own where this one was checked, before it is read by path."""
+    above = unsafe_above(p)
+    if above is None:
+        return
+    folder, st, why = above
+    fix = (
+        f"chmod go-w {folder} (or chmod +t {folder}, as /tmp is), or move the store "
+        "into a folder only you (or root) can change"
+    )
+    if st.st_uid not in (0, os.geteuid()):
+        fix = "move the store into a folder that you or root own"
+    raise UnsafeStoreError(f"{folder}, a folder above it,", why, fix)
 
 
 def _fix(p: Path, st: os.stat_result, group: bool) -> str:

@@ -73,7 +73,7 @@ def test_cache_options_are_in_the_identity(tmp_path: Path, tiny: Any) -> None:
     small = tiny("llama")[2]  # heads of 16: no group size of MLX's divides them
     bad = ("generate", "--model", str(small), "--store", str(store), "--session", "b", "-p", "Hi")
     res = run(*bad, "--kv-bits", "4", "--quantized-kv-start", "0", code=1)
-    assert "--kv-group-size 64 do not fit" in res.output
+    assert "--kv-group-size 64) do not fit" in res.output
     m = tiny("llama_hd64")[2]
     q = ("--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0")
     r = gen(m, store, "q", *q, "--prompt", "Hello there, a quantized cache", "-m", "4")
