@@ -17,10 +17,12 @@ def test_explain_locates_the_divergence_and_says_why(tmp_path: Path) -> None:
     assert "after 'ver '" in out.stdout  # the shared text just before the divergence
     got = json.loads(persist_cli(home, "explain", "--prompt", said, "--json").stdout)
     assert got["reason"] == "last-token" and got["best"]["usable"] == len(said) - 1
-    other = persist_cli(home, "explain", "--prompt", said, "--kv-bits", "4", "--json")
+    # another cache setting is another identity (kv_bits would be refused up front here:
+    # the demo model's head dim 16 takes no quantization group)
+    other = persist_cli(home, "explain", "--prompt", said, "--max-kv-size", "64", "--json")
     got = json.loads(other.stdout)
     assert got["reason"] == "identity" and got["best"] is None
-    assert "cache_config.kv_bits" in got["longest"]["identity_fields"]
+    assert "cache_config.max_kv_size" in got["longest"]["identity_fields"]
 
 
 def test_explain_on_an_empty_store_is_a_miss_not_an_error(tmp_path: Path) -> None:
