@@ -7,6 +7,7 @@ kv_bits identity fit the model at all (``refuse_unfit_kv_bits``)?
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from ..errors import IdentityMismatchError, InvalidArgumentError
@@ -134,6 +135,21 @@ def refuse_unfit_kv_bits(model: Any, identity: ModelIdentity) -> None:
     if bits is None:
         return
     refuse_quantized_rings(identity)
+    fitted = _fitted.get(id(model))
+    key = tuple(sorted(cfg.items()))
+    if fitted is not None and fitted[0]() is model and key in fitted[1]:
+        return  # probed already: prefill asks on every call, a forward each time
+    _probe(model, identity, cfg, bits)
+    if fitted is None or fitted[0]() is not model:
+        fitted = _fitted[id(model)] = (weakref.ref(model), set())
+    fitted[1].add(key)
+
+
+# id(model) -> (the model, the cache configs that fit it): nn.Module is a dict, unhashable
+_fitted: dict[int, tuple[weakref.ref[Any], set[tuple[Any, ...]]]] = {}
+
+
+def _probe(model: Any, identity: ModelIdentity, cfg: dict[str, Any], bits: int) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 

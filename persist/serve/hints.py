@@ -152,6 +152,27 @@ def cuts(hints: RequestHints, render: Any, prompt: Sequence[int]) -> tuple[tuple
     return tuple(out)
 
 
+def save_hints(
+    tokenizer: Any, request: Any, template_kwargs: dict[str, Any], prompt: Sequence[int]
+) -> SaveHints:
+    """A request's hints (``request.persist_hints``), its marks as prompt lengths: each
+    marked message's end through the chat template as mlx-lm renders the prompt
+    (``cuts``); a completion, or a tokenizer without a template, marks the whole prompt."""
+    asked = request.persist_hints
+    if request.request_type != "chat" or not getattr(tokenizer, "has_chat_template", False):
+        whole = tuple((len(prompt), ttl) for _, ttl in asked.marks)
+        return SaveHints(whole, asked.ttl, asked.priority)
+
+    def render(k: int) -> list[int]:
+        head = request.messages[:k]
+        return list(tokenizer.apply_chat_template(
+            head, add_generation_prompt=False, tools=request.tools, tokenize=True,
+            **template_kwargs,
+        ))  # fmt: skip
+
+    return SaveHints(cuts(asked, render, prompt), asked.ttl, asked.priority)
+
+
 def split_at_marks(
     segments: list[list[int]], kinds: list[str], marks: Sequence[int]
 ) -> tuple[list[list[int]], list[str]]:

@@ -38,7 +38,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 from ..errors import AccessDeniedError
 from .explaining import ExplainSlot, judge, told
 from .generation import GuardedGenerator
-from .hints import SaveHints, cuts, split_at_marks
+from .hints import SaveHints, save_hints, split_at_marks
 from .request_checks import BadRequest
 from .tenant_metrics import Counts, CountsOnce, one_lookup
 from .tenants import Scoped, Tenants
@@ -272,7 +272,9 @@ class TenantGenerator(GuardedGenerator):
             public = public_cut(tokenizer, request, args, len(segments[0]), extra)
         hints = None
         if getattr(request, "persist_hints", None) is not None and cache.hints_honoured:
-            hints = self._save_hints(tokenizer, request, args, out[0])
+            kwargs = dict(getattr(self.model_provider.cli_args, "chat_template_args", None) or {})
+            kwargs.update(getattr(args, "chat_template_kwargs", None) or {})
+            hints = save_hints(tokenizer, request, kwargs, out[0])
             if hints.marks and not self._cuttable():
                 segments, kinds = split_at_marks(segments, kinds, [c for c, _ in hints.marks])
                 out = (out[0], segments, kinds, *out[3:])
@@ -288,24 +290,6 @@ class TenantGenerator(GuardedGenerator):
             self._cut = can_trim_prompt_cache(make_prompt_cache(model))
             self._cut_for = key
         return bool(self._cut)
-
-    def _save_hints(self, tokenizer: Any, request: Any, args: Any, prompt: list[int]) -> SaveHints:
-        """The request's hints, its marks as prompt lengths: each marked message's end
-        through the chat template as mlx-lm renders the prompt (``serve.hints.cuts``)."""
-        asked = request.persist_hints
-        if request.request_type != "chat" or not getattr(tokenizer, "has_chat_template", False):
-            whole = tuple((len(prompt), ttl) for _, ttl in asked.marks)
-            return SaveHints(whole, asked.ttl, asked.priority)
-        kwargs = dict(getattr(self.model_provider.cli_args, "chat_template_args", None) or {})
-        kwargs.update(getattr(args, "chat_template_kwargs", None) or {})
-
-        def render(k: int) -> list[int]:
-            head = request.messages[:k]
-            return list(tokenizer.apply_chat_template(
-                head, add_generation_prompt=False, tools=request.tools, tokenize=True, **kwargs
-            ))  # fmt: skip
-
-        return SaveHints(cuts(asked, render, prompt), asked.ttl, asked.priority)
 
     def _serve_single(self, request: Any, stream: Any) -> Any:
         _here.single = True

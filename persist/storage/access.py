@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from ..errors import ReadOnlyStoreError, UnsafeStoreError
-from ..private_files import GROUP_ENV, private_mkdir, unsafe, unsafe_above
+from ..private_files import GROUP_ENV, group_mode, private_mkdir, unsafe, unsafe_above
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -35,7 +35,7 @@ def check_owner(root: Path) -> None:
     a read follows it (writes, ``schema.connect`` and ``check`` refuse it where it stands).
     Every folder above the root, and above where a link leads, must be one no other
     user can rename entries of (``private_files.unsafe_above``)."""
-    group = os.environ.get(GROUP_ENV) == "1"
+    group = group_mode()
     for name in CHECKED:
         p = root / name if name else root
         try:  # the root may be a link (a store on another disk): judged where it leads
