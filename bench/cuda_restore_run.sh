@@ -6,6 +6,7 @@
 #   bench/cuda_restore_run.sh tests
 #   bench/cuda_restore_run.sh servehost   # the host tier serving an evicted conversation
 #   bench/cuda_restore_run.sh servetests e2e   # persist serve end to end against mlx_lm.server
+#   bench/cuda_restore_run.sh e2efull          # the same with 6 sessions x 3 turns
 #   bench/cuda_restore_run.sh serveprobe       # where a serve hit's time goes, in one process
 # Everything it writes goes to $OUT (probe report, logs, bench results).
 set -u
@@ -52,6 +53,11 @@ for phase in "$@"; do
   e2e)
     # persist serve against plain mlx_lm.server, Llama-3-8B shape, ~8k-token system prompt
     E2E_PYSPY=/tmp/site/bin/py-spy timeout 500 python3 -m bench.bench_e2e --quick --shape llama3-8b --system-words 1700 \
+      --out cuda --logs "$OUT/e2e-logs" 2>&1 | tee "$OUT/e2e.log" | tail -30
+    cp bench/results/e2e-cuda.* "$OUT/" ;;
+  e2efull)
+    # the same, 6 sessions x 3 turns: more requests per phase
+    E2E_PYSPY=/tmp/site/bin/py-spy timeout 470 python3 -m bench.bench_e2e --shape llama3-8b --system-words 1700 \
       --out cuda --logs "$OUT/e2e-logs" 2>&1 | tee "$OUT/e2e.log" | tail -30
     cp bench/results/e2e-cuda.* "$OUT/" ;;
   servetests)

@@ -32,6 +32,8 @@ ALLOWED: dict[str, set[str]] = {
     "kinds": BASE,
     # which cache objects came from an unverified session (no mlx): codecs and engine ask
     "marks": set(),
+    # background work that gives way to requests (no mlx): its loops call pause()
+    "yielding": set(),
     # folders only their owner may change (the store and the digest memo share it)
     "private_files": set(),
     "weights_memo": {"private_files"},
@@ -40,9 +42,10 @@ ALLOWED: dict[str, set[str]] = {
     "identity": BASE | {"provenance"},
     "caches": BASE,
     "format": BASE,
-    "codecs": BASE | {"format", "policy", "servable", "kinds", "caches", "marks", "cuda"},
+    "codecs": BASE
+    | {"format", "policy", "servable", "kinds", "caches", "marks", "cuda", "yielding"},
     # CUDA transport (driver, kernels, pinned staging, reader processes)
-    "cuda": BASE,
+    "cuda": BASE | {"yielding"},
     "storage": BASE | {"format", "policy", "servable", "private_files"},
     # clients of the tiers beyond one machine (Redis, S3)
     "remote": BASE,
@@ -58,6 +61,7 @@ ALLOWED: dict[str, set[str]] = {
         "remote",
         "cuda",
         "marks",
+        "yielding",
     },
     "apps": BASE
     | {
@@ -72,7 +76,7 @@ ALLOWED: dict[str, set[str]] = {
         "caches",
     },
     # persist serve: mlx-lm's server over the engine
-    "serve": BASE | {"identity", "provenance", "codecs", "storage", "engine", "apps"},
+    "serve": BASE | {"identity", "provenance", "codecs", "storage", "engine", "apps", "yielding"},
     "cli": BASE | {"identity", "storage", "engine", "apps", "serve"},
     "__main__": {"cli"},
     # re-exports by name (PEP 562); its TYPE_CHECKING block names every layer
@@ -89,6 +93,7 @@ NEVER_MLX = {
     "weights_memo",
     "private_files",
     "marks",
+    "yielding",
 }  # numpy neither
 
 

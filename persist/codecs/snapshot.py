@@ -30,6 +30,7 @@ from ..format.tokens import check_tokens
 from ..kinds import is_batched, kind_of
 from ..marks import carries_unverified
 from ..records import Record, ResumeFacts
+from ..yielding import pause
 from . import check_spec, decode_record, encode_cache, facts_of
 from .base import dtype_name
 
@@ -100,6 +101,7 @@ def capture(cache: Any, tokens: Sequence[int] | None = None) -> Snapshot:
     tensors = {key: rec.tensors[name] for key, rec, name in tensor_keys(records)}
     twins = {k: t.view(mx.uint16) if t.dtype == mx.bfloat16 else t for k, t in tensors.items()}
     if on_cuda():
+        pause()  # persist serve's write-behind: a request that prompts goes first
         # A host read moves an MLX CUDA buffer into managed memory, and then every
         # decode step of the process slows (12 ms -> 1.8 s at 128k tokens on an
         # H200): the host reads a device copy, through the driver where there is

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 import mlx.core as mx
 import numpy as np
 
+from ..yielding import pause
 from . import pinned
 from .driver import Driver
 from .kernels import addresses
@@ -42,6 +43,7 @@ def host_copies(arrays: list[mx.array]) -> list[np.ndarray] | None:
     addrs = addresses(arrays)
     ring = choice.ring
     for piece in pieces([out.nbytes for out in outs], PIECE_BYTES):
+        pause()  # persist serve's write-behind waits here while a request prompts
         a, o = [addrs[i] for i in piece], [outs[i] for i in piece]
         if ring is not None and ring.free_for_capture():
             try:

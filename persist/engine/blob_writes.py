@@ -18,6 +18,7 @@ from ..format.manifest import blob_metadata
 from ..records import Progress
 from ..storage.blobs import BlobStore
 from ..storage.index import BlockRef, Index, NewBlob
+from ..yielding import pause
 from .blocks import Parts, Piece, Plan, content_key, materialize
 
 __all__ = ["HASHERS", "WRITERS", "write_blobs"]
@@ -52,6 +53,7 @@ def write_blobs(
         )
         for i in range(blocks):
             mats = next(hashed) if p.split else []
+            pause()  # persist serve's write-behind waits here while a request prompts
             blob = _put(index, secret, b"block", mats, writes) if mats else None
             refs.append(BlockRef(i, chs[i + 1], blob))
             if progress is not None:

@@ -83,6 +83,7 @@ def serve(
     from .logs import start_line, stop_line, use_log_format
     from .model_identity import track_identities
     from .prefill_rates import measure_prefills
+    from .quiet import RequestGate
     from .tenant_metrics import count_by_tenant, tenancy_line
     from .tenant_serving import TenantGenerator, scoped_cache, tagging_batches, tenant_handler
     from .warm_start import first_forward, warmer
@@ -119,6 +120,8 @@ def serve(
         host.owner_max_bytes = tenant_max_bytes  # a tenant's share of the host tier too
     caches: list[PersistentPromptCache] = []
     TenantPromptCache = scoped_cache(PersistentPromptCache)
+    # the write-behind waits while a request prompts, 2 s at most per cache (serve.quiet)
+    metrics.gate = gate = RequestGate()
 
     def make(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
         pc = TenantPromptCache(
@@ -132,6 +135,7 @@ def serve(
             when_full=when_full,
             metrics=metrics,
             host=host,
+            gate=gate,
         )
         count_by_tenant(pc, metrics, tenancy)
         pc.hints_honoured = honour
@@ -168,7 +172,9 @@ def serve(
         real_run(host, port, model_provider, *args, **kwargs)
 
     server.LRUPromptCache = make  # type: ignore[assignment,misc]
-    server.ResponseGenerator = TenantGenerator  # type: ignore[misc]
+    server.ResponseGenerator = type(  # type: ignore[misc,assignment]
+        "TenantGenerator", (TenantGenerator,), {"gate": gate}
+    )
     # over the class measure_prefills made: both the timing and the tags
     server.BatchGenerator = tagging_batches(server.BatchGenerator)  # type: ignore[assignment,misc]
     limits = limits_for(model_dir, model_names, allowed_models, max_tokens_limit)

@@ -37,6 +37,7 @@ from mlx_lm.server import ResponseGenerator, _make_logits_processors, _make_samp
 from ..errors import InvalidStateError
 from .bounds import capped, context_length
 from .disconnect import AbandonableQueue, ClientGone, client_gone
+from .quiet import RequestGate
 from .request_checks import BadRequest
 
 __all__ = ["GenerationFailed", "GuardedGenerator", "RestartBudget", "take_error_status"]
@@ -108,6 +109,8 @@ def check_sampling(args: Any, tokenizer: Any, width: int) -> None:
 
 class GuardedGenerator(ResponseGenerator):
     """mlx-lm's ResponseGenerator whose thread survives a failing request."""
+
+    gate: RequestGate | None = None  # requests in their prompt phase (``serve.quiet``)
 
     def __init__(
         self, model_provider: Any, prompt_cache: Any, budget: RestartBudget | None = None
@@ -211,8 +214,11 @@ class GuardedGenerator(ResponseGenerator):
             self.abandoned += 1
             raise
 
-    def _responses(self, q: AbandonableQueue, progress: Any) -> Iterator[Any]:
-        """mlx-lm's response iterator, over ``_take``."""
+    def _responses(
+        self, q: AbandonableQueue, progress: Any, prompted: Callable[[], None]
+    ) -> Iterator[Any]:
+        """mlx-lm's response iterator, over ``_take``; ``prompted`` is called at the first
+        token (or the end): the request's prompt phase is over (``serve.quiet``)."""
         n = 0
         try:
             while (response := self._take(q)) is not None:
@@ -222,12 +228,15 @@ class GuardedGenerator(ResponseGenerator):
                     if progress is not None:
                         progress(*response)
                     continue
+                prompted()
                 n += 1
                 yield response
         except ClientGone:
             log.info("persist: a client closed its connection; its generation stopped after "
                      "%d tokens", n)  # fmt: skip
             raise
+        finally:
+            prompted()
 
     def _waste(self) -> None:
         self.wasted_tokens += 1
@@ -238,6 +247,7 @@ class GuardedGenerator(ResponseGenerator):
     def generate(self, request: Any, generation_args: Any, progress_callback: Any = None) -> Any:
         """mlx-lm's ``generate`` over an abandonable queue: a handler thread inside
         ``disconnect.watching`` stops its request when its client leaves."""
+        prompted = self.gate.enter() if self.gate is not None else _no_gate
         try:
             if not self.generation_available():
                 raise GenerationFailed(self._why())
@@ -246,10 +256,17 @@ class GuardedGenerator(ResponseGenerator):
             ctx = self._take(q)
             if isinstance(ctx, Exception):
                 raise ctx
-            return ctx, self._responses(q, progress_callback)
+            responses = self._responses(q, progress_callback, prompted)
+            weakref.finalize(responses, prompted)  # a handler that never reads it
+            return ctx, responses
         except Exception as e:  # mlx-lm answers 404 for all; the handler asks for this one
+            prompted()
             _status.code = status_for(e)
             raise
+
+
+def _no_gate() -> None:
+    """No gate: nobody waits for the prompt phase to end."""
 
 
 def status_for(e: Exception) -> int | None:

@@ -79,6 +79,7 @@ class ServeMetrics:
         self.caches: list[Any] = []  # PersistentPromptCache objects (their write queues)
         self.generator: Any = None  # the GuardedGenerator, once mlx-lm's server made it
         self.host: Any = None  # the host-RAM tier (engine.host_tier.HostTier), if any
+        self.gate: Any = None  # requests in their prompt phase (serve.quiet.RequestGate)
         self.store_bytes = 0
         self.store_problem: str | None = None  # the last store write's failure, until one succeeds
         self.read_store_bytes()  # what a store from an earlier run holds already

@@ -21,6 +21,7 @@ class Scraped(Protocol):
     store: Any
     host: Any
     generator: Any
+    gate: Any
 
     def queue(self) -> tuple[int, int]: ...
     def generation_alive(self) -> bool: ...
@@ -49,6 +50,13 @@ class ScrapeGauges:
         failures.add_metric([], getattr(m.generator, "failures", 0))
         yield failures
         yield from _abandoned(m.generator)
+        if m.gate is not None:
+            gave = CounterMetricFamily(
+                "persist_write_behind_gave_way_seconds",
+                "Seconds the write-behind waited for requests in their prompt phase.",
+            )
+            gave.add_metric([], m.gate.waited)
+            yield gave
         up = GaugeMetricFamily(
             "persist_tier_up", "1 unless the tier's breaker skips it after a failure.",
             labels=["tier"],

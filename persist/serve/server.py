@@ -33,6 +33,7 @@ from ..engine.layer_checks import quantized_start
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
+from ..yielding import giving_way
 from .coverage import covered_key
 from .handoff import handed_off, writer_stream
 from .hints import HintedKeys, Hints
@@ -40,6 +41,7 @@ from .keeper import EvictionKeeper
 from .kept_keys import KeptKeys
 from .memory_order import HintedOrder
 from .metrics import ServeMetrics
+from .quiet import RequestGate
 from .tenants import Scoped
 
 __all__ = ["PersistentPromptCache"]
@@ -49,6 +51,10 @@ log = logging.getLogger("persist")
 
 Resolver = Callable[[Any], "ModelIdentity | None"]
 Queued = tuple[ModelIdentity, str, list[int], list[Any], "Hints | None"]  # a save, written behind
+
+
+def _no_wait() -> None:
+    """No gate: the write-behind never waits for requests."""
 
 
 def _constant(identity: ModelIdentity) -> Resolver:
@@ -80,8 +86,11 @@ class PersistentPromptCache(LRUPromptCache):
         metrics: ServeMetrics | None = None,
         host: HostTier | None = None,
         clock: Callable[[], float] = time.time,
+        gate: RequestGate | None = None,
     ) -> None:
         super().__init__(max_size, max_bytes)
+        # the write-behind's copies and writes wait while a request prompts (serve.quiet)
+        self.gate = gate
         self._hinted = HintedKeys()  # the hints of what memory holds, for the host tier
         # mlx-lm's own eviction, honouring them within a namespace (serve.memory_order)
         self._lru = HintedOrder(self._hinted.get, lambda m: self._scope(m)[1], clock)
@@ -283,13 +292,16 @@ class PersistentPromptCache(LRUPromptCache):
                 probe = m.probe(save=True) if m is not None else None
                 ok = False
                 ttl, priority = hints if hints is not None else (None, None)
+                waits = self.gate.pauses() if self.gate is not None else _no_wait
                 try:
-                    with writer_stream():
+                    with giving_way(waits), writer_stream():
+                        waits()  # a request that came with this cache goes first
                         snap = capture(layers, tokens)
-                    del layers  # the host bytes are all the save needs from here
-                    self.store.save(
-                        snap, tokens, identity=identity, namespace=ns, ttl=ttl, priority=priority
-                    )
+                        del layers  # the host bytes are all the save needs from here
+                        self.store.save(
+                            snap, tokens, identity=identity, namespace=ns, ttl=ttl,
+                            priority=priority,
+                        )  # fmt: skip
                     ok = True
                 finally:
                     if m is not None and probe is not None:
