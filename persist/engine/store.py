@@ -53,7 +53,9 @@ class Store(StoreReads):
     partitions (``NS/salt:X``: ``storage.retention.budget_owner``) share its
     budget.  ``tier_key``: tiers.py.
     ``host_cache`` (bytes; None or 0: none) keeps a copy of every save in RAM that
-    lookups ask first (``engine.host.store_hooks``)."""
+    lookups ask first (``engine.host.store_hooks``).  ``cached_writes``: large blobs
+    are written through the page cache instead of O_DIRECT, so a restore soon after
+    (``persist serve``'s, after a restart too) reads them from memory."""
 
     def __init__(
         self,
@@ -67,6 +69,7 @@ class Store(StoreReads):
         tier_key: bytes | None = None,
         strict_backend: bool = False,
         host_cache: int | None = None,
+        cached_writes: bool = False,
     ) -> None:
         self.root = store_root(root)
         self.host = None  # saves kept in RAM (engine.host_store)
@@ -80,6 +83,9 @@ class Store(StoreReads):
         self.strict_backend = strict_backend  # refuse caches another MLX backend computed
         opened = open_folder(self.root, block_tokens)  # storage.store_folder
         self.read_only, self.blobs, db = opened.read_only, opened.blobs, opened.db
+        # large blobs through the page cache, not O_DIRECT: for a caller that restores
+        # what it saved soon (persist serve, after a restart too)
+        opened.blobs.cached_writes = cached_writes
         self._index: Index | None = Index(db, self.root if self.read_only else None)
         if max_bytes is None:  # a budget remembered for this store binds every opener
             self.budgets = retention.Budgets(remembered_budget(self._index), namespace_max_bytes)

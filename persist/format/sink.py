@@ -34,11 +34,20 @@ class Sink:
     filling fresh cache pages, and a save does not evict the caller's data.
     """
 
-    def __init__(self, path: str | os.PathLike[str], mode: int = 0o600, size_hint: int = 0) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        mode: int = 0o600,
+        size_hint: int = 0,
+        cached: bool = False,
+    ) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         self.direct = False
         # Small files go through the page cache: no 4 KiB header alignment for them.
-        direct = getattr(os, "O_DIRECT", 0) if size_hint >= DIRECT_MIN_BYTES else 0
+        # ``cached``: all of it does, for a reader that comes soon (persist serve's
+        # restores after a restart read what it wrote: warm, not from the disk).
+        big = size_hint >= DIRECT_MIN_BYTES and not cached
+        direct = getattr(os, "O_DIRECT", 0) if big else 0
         fd = -1
         if direct:
             try:
@@ -153,13 +162,15 @@ def atomic_write(
     write: Callable[[Sink], T],
     size_hint: int = 0,
     mode: int = 0o600,
+    cached: bool = False,
 ) -> tuple[int, T]:
     """The one write path of every persist file: tmp, stream, fsync, rename, fsync the folder.
 
     ``write`` streams into the sink and finishes (fsyncs) it.  Returns the
     file's size and what ``write`` returned; on any failure the tmp file goes.
+    ``cached``: through the page cache, never O_DIRECT (``Sink``).
     """
-    sink = Sink(tmp, mode, size_hint)
+    sink = Sink(tmp, mode, size_hint, cached)
     try:
         result = write(sink)
         size = sink.size

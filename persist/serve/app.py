@@ -101,7 +101,7 @@ def serve(
     identities = track_identities(server, by_model, warm_loaded)
     store = Store(
         store_root, max_bytes=max_bytes, shared=shared, cold=cold, tier_key=tier_key,
-        namespace_max_bytes=tenant_max_bytes,
+        namespace_max_bytes=tenant_max_bytes, cached_writes=True,
     )  # fmt: skip
     tidied = store.tidy()  # what killed writers left: no cron job for check --fix
     from ..engine.staged.restore import prepare

@@ -70,6 +70,9 @@ class FileBlobs:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        # written through the page cache (a server that restores what it saved),
+        # else large blobs skip it (format.sink: O_DIRECT)
+        self.cached_writes = False
         self.blobs = root / "blobs"
         self.tmp = root / "tmp"
         for d in (self.blobs, self.tmp):
@@ -111,7 +114,7 @@ class FileBlobs:
         _require_real_dir(final.parent)
         # named by the save's salt: check leaves it while that save's lease is held
         tmp = self.tmp / f"{file[-12:]}.{secrets.token_hex(8)}.tmp"
-        size, result = atomic_write(tmp, final, write, size_hint, FILE_MODE)
+        size, result = atomic_write(tmp, final, write, size_hint, FILE_MODE, self.cached_writes)
         return file, size, result
 
     @staticmethod
