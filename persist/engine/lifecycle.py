@@ -7,6 +7,7 @@ cut session in ``check --fix`` loads it through ``salvage``, only then).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,6 +65,8 @@ class StoreUpkeep:
             self.host.clear(close=True)
             self.host = None
         if self._index is not None:
+            with contextlib.suppress(Exception):  # statistics: never a failure to close
+                full.best_effort(self._index.write_statistics)
             self._index.db.conn.close()
             self._index = None
 

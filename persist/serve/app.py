@@ -84,6 +84,7 @@ def serve(
     from .model_identity import track_identities
     from .prefill_rates import measure_prefills
     from .quiet import RequestGate
+    from .stats_writer import StatsWriter
     from .tenant_metrics import count_by_tenant, tenancy_line
     from .tenant_serving import TenantGenerator, scoped_cache, tagging_batches, tenant_handler
     from .warm_start import first_forward, warmer
@@ -107,8 +108,10 @@ def serve(
     from ..engine.staged.restore import prepare
 
     prepare()  # CUDA: lanes up and kernels built before the first request (issue 39)
-    measure_prefills(server, store, lambda model: by_model.get(id(model)))
     metrics = ServeMetrics(store, namespace)
+    # counters and prefill rates written off the generation thread (serve.stats_writer)
+    stats = StatsWriter(store, on_error=lambda e: metrics.store_failed(e, counter=True))
+    measure_prefills(server, stats, lambda model: by_model.get(id(model)))
     metrics.misses = miss_counter(metrics.registry)
     honour = not tenancy.multi or tenant_max_bytes is not None  # serve.hints: budgets
     budget = host_budget(host_cache)
@@ -136,6 +139,7 @@ def serve(
             metrics=metrics,
             host=host,
             gate=gate,
+            stats=stats,
         )
         count_by_tenant(pc, metrics, tenancy)
         pc.hints_honoured = honour
@@ -203,6 +207,7 @@ def serve(
     finally:
         for pc in caches:
             pc.close()
+        stats.close()
         log.info(stop_line(metrics.summary(), store))
         store.close()
 

@@ -252,9 +252,9 @@ class ServeMetrics:
         return self.registry.get_sample_value(name, labels) or 0.0
 
     def queue(self) -> tuple[int, int]:
-        """(caches waiting to be written, room for them)."""
+        """(caches waiting to be written or being written, room for them)."""
         return (
-            sum(pc._queue.qsize() for pc in self.caches),
+            sum(pc._queue.unfinished_tasks for pc in self.caches),
             sum(pc._queue.maxsize for pc in self.caches),
         )
 

@@ -13,26 +13,34 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine.store import Store
+from .stats_writer import StatsWriter
 
 __all__ = ["measure_prefills"]
 
 log = logging.getLogger("persist")
 
 
-def measure_prefills(server: Any, store: Store, identity_of: Callable[[Any], Any]) -> None:
+def measure_prefills(
+    server: Any, store: Store | StatsWriter, identity_of: Callable[[Any], Any]
+) -> None:
     """Patch mlx-lm's server so its prefills feed the store's cost model.
 
     One request at a time (``stream_generate``): mlx-lm's own prompt time of
     the first response.  Batched (``BatchGenerator``): the prompt time its
     counters add during each ``next()``, at the batch's context positions.
-    ``identity_of`` maps a loaded model object to its identity.
+    ``identity_of`` maps a loaded model object to its identity; a ``StatsWriter``
+    writes the rates from its own thread (``persist serve``), a Store here and now.
     """
     real_stream, real_batch = server.stream_generate, server.BatchGenerator
 
     def record(model: Any, start: int, end: int, seconds: float) -> None:
         try:  # a measurement never disturbs serving (an mlx-lm that changed, a busy store)
             ident = identity_of(model)
-            if ident is not None and end > start and seconds > 0:
+            if ident is None or not (end > start and seconds > 0):
+                return
+            if isinstance(store, StatsWriter):  # written behind, off this thread
+                store.prefilled(ident, start, end, seconds)
+            else:
                 store.record_prefill(ident, start, end, seconds)
         except Exception as e:
             log.debug("persist: prefill not measured: %s", e)

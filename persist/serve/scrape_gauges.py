@@ -38,7 +38,11 @@ class ScrapeGauges:
     def collect(self) -> Iterator[Any]:
         m = self.m
         depth, room = m.queue()
-        yield _gauge("persist_write_queue_depth", "Caches waiting to be written behind.", depth)
+        yield _gauge(
+            "persist_write_queue_depth",
+            "Caches waiting to be written behind, or in writing.",
+            depth,
+        )
         yield _gauge("persist_write_queue_capacity", "Room in the write-behind queue.", room)
         yield _gauge(
             "persist_generation_alive", "1 while the generation thread serves requests.",

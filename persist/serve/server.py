@@ -42,6 +42,7 @@ from .kept_keys import KeptKeys
 from .memory_order import HintedOrder
 from .metrics import ServeMetrics
 from .quiet import RequestGate
+from .stats_writer import StatsWriter
 from .tenants import Scoped
 
 __all__ = ["PersistentPromptCache"]
@@ -87,6 +88,7 @@ class PersistentPromptCache(LRUPromptCache):
         host: HostTier | None = None,
         clock: Callable[[], float] = time.time,
         gate: RequestGate | None = None,
+        stats: StatsWriter | None = None,
     ) -> None:
         super().__init__(max_size, max_bytes)
         # the write-behind's copies and writes wait while a request prompts (serve.quiet)
@@ -105,6 +107,9 @@ class PersistentPromptCache(LRUPromptCache):
         if metrics is not None:
             metrics.caches.append(self)
         self.store = store
+        # counters reach the store from a thread of their own (serve.stats_writer)
+        self._own_stats = stats is None
+        self.stats = stats or StatsWriter(store, on_error=self._count_failed)
         self.identity_for: Resolver = (
             _constant(identity) if isinstance(identity, ModelIdentity) else identity
         )
@@ -321,6 +326,7 @@ class PersistentPromptCache(LRUPromptCache):
         self._queue.join()
         if self._keeper is not None:
             self._keeper.settle()
+        self.stats.flush()
 
     def close(self) -> None:
         self.flush()
@@ -328,6 +334,8 @@ class PersistentPromptCache(LRUPromptCache):
         self._writer.join()
         if self._keeper is not None:
             self._keeper.close()
+        if self._own_stats:
+            self.stats.close()
 
     @contextlib.contextmanager
     def _on_thread(self, step: str) -> Iterator[None]:
@@ -352,8 +360,11 @@ class PersistentPromptCache(LRUPromptCache):
         if deltas:
             self._tenant_count(ns, deltas)
         try:  # best effort: a full disk or a busy index never fails a request (counted)
-            if deltas:
+            if deltas:  # in memory where the stats writer writes them (serve.stats_writer)
                 self.store.count(ns, **{f"serve_{k}": v for k, v in deltas.items()})
         except Exception as e:
-            if self.metrics is not None:
-                self.metrics.store_failed(e, counter=True)
+            self._count_failed(e)
+
+    def _count_failed(self, e: Exception) -> None:
+        if self.metrics is not None:
+            self.metrics.store_failed(e, counter=True)

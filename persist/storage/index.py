@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptBlobError, ReadOnlyStoreError
+from .index_statistics import HeldStatistics, IndexStatistics
 from .rows import (
     SNAPSHOT_COLS,
     BlockRef,
@@ -43,13 +44,14 @@ BLOCKS_THEN_SNAPSHOTS = "snapshot_blocks b INDEXED BY snapshot_blocks_chain CROS
 MAX_VARIABLES = 500  # keys per IN (...) list: far below SQLite's limit
 
 
-class Index:
+class Index(IndexStatistics):
     """The index of one store; safe to share between threads."""
 
     def __init__(self, db: sqlite_utils.Database, read_only: Path | None = None) -> None:
         self.db = db
         self.lock = threading.RLock()
         self.read_only = read_only  # the root of a store opened read-only: no write runs
+        self.held: HeldStatistics | None = None  # counts and last uses not yet written
 
     @contextlib.contextmanager
     def write(self) -> Iterator[sqlite_utils.Database]:
@@ -292,10 +294,6 @@ class Index:
             entries, sessions, nbytes = db.execute(sql, args).fetchone()
         return int(entries), int(sessions), int(nbytes)
 
-    def touch(self, snapshot_id: int) -> None:
-        with self.write() as db:
-            db.execute("UPDATE snapshots SET used = ? WHERE id = ?", [time.time(), snapshot_id])
-
     def seen(self, namespace: str, name: str) -> float | None:
         """The latest version (save time) of a named session this store saw on a tier."""
         with self.read() as db:
@@ -323,23 +321,6 @@ class Index:
                 "excluded.created), base = MAX(COALESCE(base, excluded.base), excluded.base)",
                 [namespace, name, created, created],
             )
-
-    def count(self, namespace: str, **deltas: int) -> None:
-        with self.write() as db:
-            for name, d in deltas.items():
-                db.execute(
-                    "INSERT INTO counters(namespace, name, value) VALUES (?, ?, ?) "
-                    "ON CONFLICT(namespace, name) DO UPDATE SET value = value + excluded.value",
-                    [namespace, name, d],
-                )
-
-    def counters(self, namespace: str | None = None) -> dict[str, int]:
-        sql, args = "SELECT name, SUM(value) FROM counters", []
-        if namespace is not None:
-            sql += " WHERE namespace = ?"
-            args.append(namespace)
-        with self.read() as db:
-            return {r[0]: int(r[1]) for r in db.execute(sql + " GROUP BY name", args)}
 
     def unique_bytes(
         self, db: sqlite_utils.Database | None = None, namespace: str | None = None

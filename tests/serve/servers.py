@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -89,6 +90,14 @@ def hits(m: Samples, source: str) -> float:
     """The prompt cache's hits from ``source`` (memory, host, local, shared, cold)."""
     key = ("persist_cache_lookups_total", (("result", "hit"), ("source", source)))
     return m.get(key, 0.0)
+
+
+def written(srv: Server, wait: float = 60.0) -> None:
+    """Wait until the write-behind has written every cache it was given (bounded)."""
+    deadline = time.monotonic() + wait
+    while metrics(srv).get(("persist_write_queue_depth", ()), 0.0) > 0:
+        assert time.monotonic() < deadline, "the write-behind did not finish in time"
+        time.sleep(0.05)
 
 
 def raw(srv: Server, data: bytes, wait: float = 60.0) -> bytes:

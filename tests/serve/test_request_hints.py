@@ -16,7 +16,7 @@ import pytest
 import persist
 from bench.servers import Server
 from tests.helpers import prefill
-from tests.serve.servers import hits, metrics, persist_serve
+from tests.serve.servers import hits, metrics, persist_serve, written
 
 AGENT = "You are the order agent. Tools: lookup(order), refund(order). " * 12
 MARK = {"type": "ephemeral", "ttl": "1h"}
@@ -109,11 +109,15 @@ def test_a_bad_hint_is_a_400_in_openai_s_shape(model_dir: Any, tmp_path: Path) -
 
 def burst(srv: Server, hinted: bool) -> tuple[int, int]:
     """The agent's first turn, five one-off prompts, the agent's next turn: (its
-    cached tokens, the agent prompt's tokens up to its question)."""
+    cached tokens, the agent prompt's tokens up to its question).  Each cache is
+    written before the next request: the write-behind gives way to back-to-back
+    requests (serve.quiet), which would reorder the store's evictions."""
     code, first = ask(srv, agent_turn("Where is order 7?", hinted))
     assert code == 200
+    written(srv)
     for i in range(5):
         assert ask(srv, one_off(i))[0] == 200
+        written(srv)
     code, second = ask(srv, agent_turn("Refund order 9, please.", hinted))
     assert code == 200
     return cached(second), int(first["usage"]["prompt_tokens"])
