@@ -7,10 +7,11 @@ A setup child saves a Llama-3-8B-shaped cache (bench/shapes) into a store; then
 each case is a fresh child process, as ``persist generate`` or ``persist serve``
 after a restart is: three restores of it (each followed by one decode step),
 three saves of fresh caches of the same shape, each timed alone, with MLX's peak
-device memory above what was allocated before it.  Cases: no kernel cache
-(MLX_PTX_CACHE_DIR empty), MLX's kernel cache filled by an earlier process, and
-``engine.staged.restore.prepare`` (what ``persist serve`` runs before it answers)
-before the first restore, and that in rounds (PERSIST_STAGING=rounds).  JSON on
+device memory above what was allocated before it.  Cases: restores straight
+from the slots (the default) and through a staging buffer (PERSIST_STAGING=whole),
+each with no kernel cache (MLX_PTX_CACHE_DIR empty) and after
+``engine.staged.restore.prepare`` (what ``persist serve`` runs before it
+answers); saves with no kernel cache and with MLX's filled by an earlier process.  JSON on
 stdout and in OUT/first-call.json.
 """
 
@@ -172,16 +173,19 @@ def main() -> None:
     env = {**os.environ, "MLX_PTX_CACHE_DIR": str(ptx), "FIRST_CALL_TOKENS": str(a.tokens)}
     result: dict[str, Any] = {"tokens": a.tokens}
     result["setup"] = _run(["setup", str(base / "r"), str(a.tokens)], env)
-    # the setup child filled the kernel cache; an empty one measures a first process
-    for name, prewarm, fresh in (
-        ("restore_no_kernel_cache", "0", True),
-        ("restore_kernel_cache", "0", False),
-        ("restore_prepared", "1", False),
+    # the setup child filled the kernel cache; an empty one measures a first process.
+    # direct: slots copied straight to the tensors (the default); whole: the staging
+    # buffer and the scatter kernel (PERSIST_STAGING=whole)
+    for name, prewarm, fresh, staging in (
+        ("restore_direct_no_kernel_cache", "0", True, "direct"),
+        ("restore_direct_prepared", "1", False, "direct"),
+        ("restore_whole_no_kernel_cache", "0", True, "whole"),
+        ("restore_whole_prepared", "1", False, "whole"),
     ):
-        e = {**env, "MLX_PTX_CACHE_DIR": str(base / f"ptx-{name}")} if fresh else env
+        e = {**env, "PERSIST_STAGING": staging}
+        if fresh:
+            e["MLX_PTX_CACHE_DIR"] = str(base / f"ptx-{name}")
         result[name] = _run(["restore", str(base / "r"), prewarm], e)
-    rounds = {**env, "PERSIST_STAGING": "rounds"}  # as where the device is short of room
-    result["restore_prepared_rounds"] = _run(["restore", str(base / "r"), "1"], rounds)
     result["save_no_kernel_cache"] = _run(
         ["save", str(base / "w1"), str(a.tokens)], {**env, "MLX_PTX_CACHE_DIR": str(base / "p2")}
     )

@@ -13,7 +13,7 @@ set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/persist-out}
 mkdir -p "$OUT"
-TESTS="tests/engine/test_staging.py tests/engine/test_roundtrip_models.py tests/engine/test_host_tier_cuda.py
+TESTS="tests/engine/test_staging.py tests/engine/test_no_kernel_path.py tests/engine/test_roundtrip_models.py tests/engine/test_host_tier_cuda.py
   tests/engine/test_partial_reads.py tests/engine/test_backend.py tests/engine/test_costs.py
   tests/codecs/test_trim_exact.py tests/engine/test_store.py"
 for phase in "$@"; do
@@ -42,6 +42,15 @@ for phase in "$@"; do
     timeout 200 python3 -m bench.bench_throughput --reps 2 --restore-only \
       --cases llama3-8b:32768 2>&1 | tee "$OUT/restore32k.log"
     cp bench/results/throughput-cuda-llama3-8b32768-restore.* "$OUT/" ;;
+  directcheck)
+    # the direct restore's tests (bit for bit against the host path), then first calls
+    timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_no_kernel_path.py \
+      tests/engine/test_staging.py -k "direct or staged or kernel or address or zeroed or strided" \
+      2>&1 | tee "$OUT/cuda-direct-tests.log" | tail -5
+    timeout 240 python3 -m bench.cuda_first_call --out "$OUT" 2>&1 | tail -5 ;;
+  directtests)
+    timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_staging.py \
+      tests/engine/test_no_kernel_path.py tests/engine/test_host_tier_cuda.py 2>&1 | tee "$OUT/cuda-direct-tests.log" | tail -5 ;;
   stagingtests)
     timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_staging.py 2>&1 | tee "$OUT/cuda-staging-tests.log" ;;
   tests)

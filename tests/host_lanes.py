@@ -34,6 +34,13 @@ class HostLane:
         ctypes.memmove(dst, self.slots[slot].ctypes.data, n)
         self.copies += 1
 
+    def place(self, slot: int, copies: list[tuple[int, int, int, int, int, int]]) -> None:
+        base = self.slots[slot].ctypes.data
+        for src, dst, width, height, spitch, dpitch in copies:
+            for r in range(height):
+                ctypes.memmove(dst + r * dpitch, base + src + r * spitch, width)
+        self.copies += 1
+
     def drain(self) -> None:
         pass
 
@@ -66,8 +73,10 @@ def host_scatter(staged: mx.array, placed: list[Placed]) -> None:
             ctypes.memmove(c.dst + r * c.dpitch, base + c.src + r * c.spitch, c.width)
 
 
-def host_ring(lanes: int, size: int) -> Ring:
-    return Ring([HostLane(size) for _ in range(lanes)], host_buffers, host_scatter)
+def host_ring(lanes: int, size: int, direct: bool = False) -> Ring:
+    """Lanes of host slots; ``direct``: each slot's pieces go straight to their tensors."""
+    made: list[Any] = [HostLane(size) for _ in range(lanes)]
+    return Ring(made, host_buffers, host_scatter, direct=direct)
 
 
 def staged(ring: Ring) -> Any:

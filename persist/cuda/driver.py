@@ -17,6 +17,23 @@ __all__ = ["Driver"]
 _PORTABLE, _DEVICEMAP = 0x01, 0x02  # CU_MEMHOSTALLOC_*
 _NON_BLOCKING = 0x01  # CU_STREAM_NON_BLOCKING: no implicit sync with the legacy stream
 _NO_TIMING = 0x02  # CU_EVENT_DISABLE_TIMING: the cheapest event
+_HOST, _DEVICE = 1, 2  # CU_MEMORYTYPE_*
+
+
+class _Memcpy2D(ctypes.Structure):
+    """``CUDA_MEMCPY2D``: a strided copy of ``Height`` rows of ``WidthInBytes``."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
+    ]  # fmt: skip
 
 
 class Driver:
@@ -46,6 +63,8 @@ class Driver:
             ctypes.c_size_t,
             ctypes.c_void_p,
         ]
+        self._2d = self.lib.cuMemcpy2DAsync_v2
+        self._2d.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
 
     def _call(self, name: str, *args: Any) -> None:
         rc = getattr(self.lib, name)(*args)
@@ -124,3 +143,19 @@ class Driver:
         rc = self._dtoh_async(dst, src, n, stream)
         if rc:
             raise OSError(f"cuMemcpyDtoHAsync returned CUDA error {rc}")
+
+    def copy_rows_in(
+        self, src: int, dst: int, width: int, height: int, spitch: int, dpitch: int, stream: int
+    ) -> None:
+        """Queue ``height`` rows of ``width`` bytes from page-locked host memory at
+        ``src`` (rows ``spitch`` apart) to device memory at ``dst`` (rows ``dpitch``
+        apart) on ``stream``: one driver call for a strided piece (the copy engine)."""
+        if height == 1:
+            return self.copy_in(src, dst, width, stream)
+        c = _Memcpy2D()
+        c.srcMemoryType, c.srcHost, c.srcPitch = _HOST, src, spitch
+        c.dstMemoryType, c.dstDevice, c.dstPitch = _DEVICE, dst, dpitch
+        c.WidthInBytes, c.Height = width, height
+        rc = self._2d(ctypes.byref(c), stream)
+        if rc:
+            raise OSError(f"cuMemcpy2DAsync returned CUDA error {rc}")

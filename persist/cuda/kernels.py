@@ -302,16 +302,23 @@ def unpack(
     return outs
 
 
-def warm() -> None:
-    """Build every kernel of this module now, on bytes of no consequence.
+def warm(staged: bool = True) -> None:
+    """Build the kernels a process will call now, on bytes of no consequence: the
+    host tier's always, the staged restore's (zeroing, scatter, addresses) where
+    restores stage (``staged``; a direct ring calls none of them).
 
     MLX compiles a custom kernel at its first call (seconds on an H200: a fresh
     process's first restore took 4.6 s against 0.09 s later, issue 39), so
     ``persist serve`` calls this before it answers.  The host tier's page table
     is a device buffer here: the kernels only follow pointers."""
-    (scratch, at), (dest, to) = device_buffers([64, 64])
-    scatter(scratch, [Placed(src=0, a=0, b=16, dst=to, row=16, pitch=16, keep=16)])
-    addresses([dest])
+    if staged:
+        (scratch, at), (dest, to) = device_buffers([64, 64])
+        scatter(scratch, [Placed(src=0, a=0, b=16, dst=to, row=16, pitch=16, keep=16)])
+        addresses([dest])
+    else:
+        from .dlpack import zeroed
+
+        ((_, at),) = zeroed([64])
     pack([(mx.zeros((16,), dtype=mx.uint8), 0)], [at], 64)
     unpack([(0, 16, (16,), mx.uint8)], [at], 64)
     copy_in(at, 16)

@@ -36,6 +36,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from . import dlpack
 from .driver import Driver
 from .kernels import Placed, device_buffers, scatter
 from .readers import Readers
@@ -52,6 +53,7 @@ __all__ = [
     "LANES",
     "Placed",
     "Lane",
+    "Rows",
 ]
 
 CUDA_PINNED = "cuda-pinned"
@@ -66,6 +68,8 @@ class Lane(Protocol):
     A reader reads into one slot while the other's copy runs: ``take`` gives
     the next slot once its earlier copy is done, ``put`` queues the copy of a
     slot's first ``n`` bytes to a device address and returns at once,
+    ``place`` queues a slot's pieces each to its tensor's rows (``Rows``: offset
+    in the slot, device address, width, height, source and destination pitch),
     ``drain`` waits for every copy of the lane.  The other way (a save's read
     back, ``cuda/readback``): ``current`` readies the thread for the lane's
     copies (``enter`` without the reader), ``fetch`` queues a copy of ``n``
@@ -83,6 +87,8 @@ class Lane(Protocol):
 
     def put(self, slot: int, dst: int, n: int) -> None: ...
 
+    def place(self, slot: int, copies: list[Rows]) -> None: ...
+
     def drain(self) -> None: ...
 
     def fetch(self, slot: int, src: int, n: int) -> None: ...
@@ -96,6 +102,7 @@ class Lane(Protocol):
 Buffers = Callable[[list[int]], list[tuple[mx.array, int]]]
 # a staging buffer, the pieces in it to put in place (done on return)
 Scatter = Callable[[mx.array, list[Placed]], None]
+Rows = tuple[int, int, int, int, int, int]  # src offset, dst, width, height, spitch, dpitch
 
 
 class Ring:
@@ -104,9 +111,17 @@ class Ring:
     one into the others (``scatter``)."""
 
     def __init__(
-        self, lanes: list[Lane], buffers: Buffers, scatter: Scatter, readers: Readers | None = None
+        self,
+        lanes: list[Lane],
+        buffers: Buffers,
+        scatter: Scatter,
+        readers: Readers | None = None,
+        direct: bool = False,
     ) -> None:
         self.lanes, self.buffers, self.scatter = lanes, buffers, scatter
+        # each slot's pieces copied straight to their tensors (``Lane.place``), no
+        # staging buffer on the device and no scatter (engine/staged/restore)
+        self.direct = direct
         self.readers = readers  # the lanes' reader processes, if they have them
         self.lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -283,6 +298,12 @@ class _CudaLane:
         self.driver.copy_in(self.hosts[slot], dst, n, self.stream)
         self._busy(slot)
 
+    def place(self, slot: int, copies: list[Rows]) -> None:
+        host, copy = self.hosts[slot], self.driver.copy_rows_in
+        for src, dst, width, height, spitch, dpitch in copies:
+            copy(host + src, dst, width, height, spitch, dpitch, self.stream)
+        self._busy(slot)
+
     def drain(self) -> None:
         self.driver.make_current()
         self.driver.wait_stream(self.stream)
@@ -313,13 +334,31 @@ def _pinned_slots(driver: Driver, size: int) -> list[np.ndarray]:
     ]
 
 
-def _cuda_ring(driver: Driver, lanes: int, size: int, processes: bool = False) -> Ring:
+DIRECT_BY_DEFAULT = False  # until the H200's tests and timings have run it (issue 39)
+
+
+def direct() -> bool:
+    """Do restores copy slots straight to their tensors, and saves find their
+    arrays through DLPack (no staging buffer, no kernel of persist's)?  Where
+    ``PERSIST_STAGING=direct`` asks (or by default, ``DIRECT_BY_DEFAULT``);
+    ``whole`` and ``rounds`` stage through a device buffer and the scatter kernel."""
+    asked = os.environ.get("PERSIST_STAGING", "")
+    return asked == "direct" or (DIRECT_BY_DEFAULT and asked not in ("whole", "rounds"))
+
+
+def _cuda_ring(
+    driver: Driver, lanes: int, size: int, processes: bool = False, straight: bool | None = None
+) -> Ring:
     """``lanes`` lanes of two ``size``-byte pinned slots; with ``processes``, filled by
-    reader processes over shared memory that the driver page-locks (``readers``)."""
+    reader processes over shared memory that the driver page-locks (``readers``).
+    Direct rings (``straight``, by default ``direct()``) make their buffers with
+    ``mx.zeros`` (no kernel to build)."""
     mx.eval(mx.zeros(1))  # MLX's CUDA context exists before the driver allocates in it
+    straight = direct() if straight is None else straight
+    buffers = dlpack.zeroed if straight else device_buffers
     if not processes:
         made: list[Lane] = [_CudaLane(driver, _pinned_slots(driver, size)) for _ in range(lanes)]
-        return Ring(made, device_buffers, scatter)
+        return Ring(made, buffers, scatter, direct=straight)
     readers = Readers(lanes, size)
     try:
         driver.host_register(readers.base, readers.nbytes)
@@ -327,4 +366,4 @@ def _cuda_ring(driver: Driver, lanes: int, size: int, processes: bool = False) -
         readers.close()
         raise
     fed: list[Lane] = [_CudaLane(driver, readers.slots[i], readers, i) for i in range(lanes)]
-    return Ring(fed, device_buffers, scatter, readers)
+    return Ring(fed, buffers, scatter, readers, direct=straight)

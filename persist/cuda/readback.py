@@ -23,6 +23,7 @@ import numpy as np
 
 from ..yielding import pause
 from . import pinned
+from .dlpack import address
 from .driver import Driver
 from .kernels import addresses
 
@@ -40,7 +41,7 @@ def host_copies(arrays: list[mx.array]) -> list[np.ndarray] | None:
     if choice.driver is None:
         return None
     outs = [np.empty(a.nbytes, dtype=np.uint8) for a in arrays]
-    addrs = addresses(arrays)
+    addrs = device_addresses(arrays)
     ring = choice.ring
     for piece in pieces([out.nbytes for out in outs], PIECE_BYTES):
         pause()  # persist serve's write-behind waits here while a request prompts
@@ -53,6 +54,19 @@ def host_copies(arrays: list[mx.array]) -> list[np.ndarray] | None:
         else:
             _direct(choice.driver, a, o)
     return outs
+
+
+def device_addresses(arrays: list[mx.array]) -> list[int]:
+    """Each array's device address: through DLPack where the ring is direct (no
+    kernel to build: a fresh process's first save paid 1.4 s for the kernel's,
+    issue 39), else, and for an array DLPack calls strided, the address kernel's
+    (its input is a contiguous copy)."""
+    if not pinned.direct():
+        return addresses(arrays)
+    try:
+        return [address(a) for a in arrays]
+    except ValueError:
+        return addresses(arrays)
 
 
 def pieces(sizes: list[int], most: int) -> list[list[int]]:

@@ -93,9 +93,14 @@ def rings() -> Iterator[dict[str, Ring]]:
         assert chosen.ring is not None and chosen.ring.readers is not None
         out["default"] = chosen.ring
         out["threads"] = pinned._cuda_ring(pinned.Driver(), pinned.LANES, 64 << 10)
+        # both ways to the tensors: straight from the slots, and through staging
+        out["direct"] = pinned._cuda_ring(pinned.Driver(), 3, 1024, straight=True)
+        out["staged"] = pinned._cuda_ring(pinned.Driver(), 3, 1024, straight=False)
     else:
         out["default"] = proc_ring(pinned.LANES, 64 << 10)
         out["threads"] = host_ring(pinned.LANES, 64 << 10)
+        out["direct"] = host_ring(3, 1024, direct=True)
+        out["staged"] = host_ring(3, 1024)
     out["pieces"] = out["threads"]  # read in pieces of one tensor (see ring_for)
     yield out
     for ring in out.values():
@@ -128,7 +133,7 @@ def all_free(ring: Ring) -> bool:
     return False
 
 
-RINGS = ["default", "threads", "small", "small processes", "pieces"]
+RINGS = ["default", "threads", "small", "small processes", "pieces", "direct", "staged"]
 
 
 @pytest.mark.parametrize("ring_name", RINGS)
@@ -193,6 +198,8 @@ def test_a_staged_partial_hit_is_a_full_restore_trimmed(
         ("small processes", "middle"),  # the next slot's request already sent: drained
         ("default", "middle"),
         ("default", -5),
+        ("direct", "middle"),
+        ("direct", -5),
     ],
 )
 def test_a_damaged_tensor_is_refused_and_the_ring_recovers(

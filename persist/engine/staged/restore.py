@@ -14,11 +14,14 @@ kernel (``Ring.scatter``) moves every tensor's bytes to their places: a
 token block's rows land strided in the capacity-sized buffer, as the host
 path's scatter read places them (``placement``).
 
-Why not copy each tensor straight to its place: a copy per tensor is a
-driver call per 512 KiB, and on an H200 the threads' Python around those
-calls (the GIL handed back and forth) cost more than the reading.  Host
-memory above the cache: the lanes' slots; device memory: the staging buffer
-until the scatter is done.
+A ring made ``direct`` (``PERSIST_STAGING=direct``, ``cuda/pinned``) skips the
+staging buffer and the scatter: each slot's pieces are copied by the copy
+engine straight to their rows (``Lane.place``: one strided driver copy per
+piece, ``placement``), so the device holds the cache and nothing more, and no
+kernel of persist's is compiled on the way (issue 39).  The staged way makes
+a driver call per slot and one kernel launch in all: fewer calls where the
+pieces are small.  Host memory above the cache: the lanes' slots; device
+memory: the staging buffer, where there is one, until the scatter is done.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import math
 import os
 import threading
 from concurrent.futures import Future, wait
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ...cuda.pinned import Lane, Placed, Ring, data_path, settle
 from ...errors import CorruptBlobError
@@ -35,6 +38,9 @@ from ...records import DTYPE_SIZES, Progress
 from . import slot_reads
 from .lane_work import Job, Work, task_slots
 from .slot_reads import Slot, Want
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 __all__ = [
     "Want", "Job", "Dest", "Copy", "Geometry", "stage", "busy", "geometry", "placement", "prepare",
@@ -134,6 +140,15 @@ class _Staging:
     and the copies out of each."""
 
     def __init__(self, ring: Ring, jobs: int, keys: int, total: int) -> None:
+        self.direct = ring.direct
+        self.lock = threading.Lock()
+        self.memo: dict[tuple[object, ...], Geometry | str] = {}  # _placed's
+        self.chunk = self.used = 0
+        if ring.direct:  # slots go straight to their tensors: no staging at all
+            self.bufs: list[tuple[mx.array, int]] = []
+            self.sizes: list[int] = []
+            self.placed: list[list[Placed]] = []
+            return
         slot = ring.slot_bytes
         # regions start 16-aligned (the scatter's wide path); a slot never straddles
         need = total + 16 * (total // slot + jobs * max(1, keys) + 1)
@@ -144,13 +159,13 @@ class _Staging:
             sizes = [CHUNK] * (n - 1) + [need - (n - 1) * (CHUNK - slot) + slot]
         self.bufs = ring.buffers(sizes)
         self.sizes = sizes
-        self.placed: list[list[Placed]] = [[] for _ in sizes]
-        self.lock = threading.Lock()
-        self.chunk = self.used = 0
-        self.memo: dict[tuple[object, ...], Geometry | str] = {}  # _placed's
+        self.placed = [[] for _ in sizes]
 
     def region(self, n: int) -> tuple[int, int]:
-        """(chunk, offset) of ``n`` free bytes."""
+        """(chunk, offset) of ``n`` free bytes; (0, 0) where slots go straight to
+        their tensors (a piece's ``src`` is then its offset in the slot)."""
+        if self.direct:
+            return 0, 0
         with self.lock:
             off = -(-self.used // 16) * 16
             if off + n > self.sizes[self.chunk]:
@@ -229,7 +244,7 @@ def stage(
     is raised once they have stopped and their copies are done (nothing reads a
     slot or writes a buffer after it).
     """
-    whole = sizes is None or not in_rounds(total)
+    whole = sizes is None or ring.direct or not in_rounds(total)
     groups = [list(range(len(jobs)))] if whole or sizes is None else rounds(sizes, total)
     with ring.for_restore():
         _here.busy = True
@@ -311,8 +326,11 @@ def _lane(lane: Lane, work: Work, staged: _Staging, abort: threading.Event) -> N
         slots = task_slots(lane, work, staged.region, abort)
 
         def land(s: Slot) -> None:
-            lane.put(s.slot, staged.bufs[s.chunk][1] + s.off, s.n)
-            staged.add(s.chunk, s.placed)
+            if staged.direct:
+                lane.place(s.slot, [c for p in s.placed for c in placement(p)])
+            else:
+                lane.put(s.slot, staged.bufs[s.chunk][1] + s.off, s.n)
+                staged.add(s.chunk, s.placed)
             if s.done is not None:
                 work.landed(s.done)
 
@@ -353,9 +371,10 @@ def prepare() -> bool:
     """Set up now what a process's first restore or save would: the data path (pinned
     lanes, reader processes) and, on CUDA, every kernel built (``kernels.warm``).
     ``persist serve`` calls this before it answers; True where the path is CUDA's."""
-    if data_path().driver is None:
+    chosen = data_path()
+    if chosen.driver is None:
         return False
     from ...cuda import kernels
 
-    kernels.warm()
+    kernels.warm(staged=chosen.ring is None or not chosen.ring.direct)
     return True
