@@ -26,9 +26,10 @@ from ...storage.index import Index
 from ..costs import LOCAL, CostModel
 from ..layer_checks import quantized_start
 from .fleet_block import require_same_block
+from .fleet_sync import sync
 from .lineage import open_tombstone
 from .pull import EvictedError, pull
-from .push import namespace_secret, push, sync
+from .push import namespace_secret, push
 from .records import BadValue, Expect, Keys, best_record, check_key, open_record, tier_key_from_env
 
 __all__ = ["Shared", "push", "pull", "sync", "EvictedError", "open_tiers"]
@@ -114,10 +115,12 @@ class Shared:
         as_name: str | None = None,
     ) -> str:
         """Push one committed snapshot: ``pushed``, ``present`` (the tier had all of it),
-        ``conflict`` (a session that does not continue the tier's one of its name, pushed
-        beside it as ``NAME~N``: ``conflicts``), ``skipped`` (not this tier's, or gone
-        meanwhile) or ``failed``; ``verify``: read every value the tier holds of it
-        (``sync``), not once per process."""
+        ``conflict`` (a session that does not continue the tier's one of its name, written
+        beside it as ``NAME~N``), ``skipped`` (not this tier's, or gone meanwhile) or
+        ``failed``; ``verify``: read every value the tier holds of it (``sync``), not
+        once per process.  A session kept beside the tier's is added to ``conflicts``
+        also when that fork was there already (``present``: nothing written), so sync
+        lists it each time and never counts it pushed again."""
         secret = self.secret(index, namespace, create=True)
         if secret is None:
             self._count(index, namespace, "errors")
@@ -157,7 +160,7 @@ class Shared:
                 "beside it",
                 name, self.name, name, kept,
             )  # fmt: skip
-            return "conflict"
+            return "conflict" if done == "pushed" else done
         return done or "failed"
 
     def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool:
