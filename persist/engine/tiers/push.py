@@ -29,7 +29,7 @@ from ...remote.redis_tier import TierUnavailable
 from ...storage.blobs import BlobStore
 from ...storage.chains import boundary_heads
 from ...storage.index import Index
-from .lineage import kept_name
+from .lineage import RepairDeclined, kept_name, stale_held
 from .records import ROW_FIELDS, BadValue, Expect, Keys, chains_under, open_record, seal_record
 
 
@@ -126,6 +126,7 @@ def push(
     verify: bool = False,
     conflicts: list[tuple[str, str]] | None = None,
     as_name: str | None = None,
+    repair: tuple[bytes | None, bytes] | None = None,
 ) -> tuple[str, bytes | None]:
     """Write a committed snapshot's missing blobs and its record to the tier: ``pushed``,
     ``present`` (nothing was missing or wrong), ``skipped`` (gone meanwhile, or a
@@ -138,7 +139,10 @@ def push(
     that does not continue the tier's session of its name is pushed as ``NAME~N``
     beside it (``lineage.kept_name``), and (name, kept name) is added to ``conflicts``.
     ``as_name``: the ``NAME~N`` another tier's conflict gave this session
-    (``push_everywhere``), taken here too."""
+    (``push_everywhere``), taken here too.  ``repair``: (the stale value a named pull
+    read in this tier's session pointer, the cold tier's pointer): the pointer is set
+    to exactly the cold tier's, over that stale value only, where the tier's version
+    is older (``lineage.stale_held``); RepairDeclined otherwise (``named_pull``)."""
     with index.read() as db:
         rows = Index.rows_where(db, "id = ?", [sid])
         refs = Index.blocks_in(db, sid)
@@ -210,9 +214,12 @@ def push(
                 base=base,
                 secret=secret,
                 verify=verify,
+                repair=repair,
             )
             break
         except SessionMoved as e:
+            if repair is not None:  # its compare-and-set lost to a newer push: not again
+                raise RepairDeclined(str(e)) from None
             last = e
     else:
         raise TierUnavailable(f"{last}: {MAX_RACES} pushes in a row lost the race; not pushed")
@@ -237,25 +244,34 @@ def _write_record(
     base: float | None,
     secret: bytes,
     verify: bool,
+    repair: tuple[bytes | None, bytes] | None = None,
 ) -> tuple[str | None, bytes | None, bool]:
     """The record and its pointers, under the name the snapshot takes (``kept_name``:
     ``name`` or ``NAME~N``), its session pointer written only over what was read there
     (SessionMoved otherwise); (that name, the tier's secret after, whether the record
-    and every pointer were there and right already)."""
+    and every pointer were there and right already).  ``repair``: ``push``'s."""
     if name is not None:  # a race lost before: sealed under its own name again
         fields["name"] = body["row"]["name"] = name
     rkey, record = seal_record(keys, namespace, body)
     session, kept, same = None, name, True
     if name is not None:
-        toks = unpack_tokens(fields["tokens"])
-        kept, held = kept_name(
-            tier, keys, namespace, name, secret=secret, tokens=toks, rkey=rkey, base=base
-        )
-        if kept != name:
-            fields["name"] = body["row"]["name"] = kept
-            rkey, record = seal_record(keys, namespace, body)
-        ptr = keys.pointer(namespace, "sess", kept.encode(), rkey)
-        session, same = (kept.encode(), ptr, held.token), held.rkey == rkey
+        if repair is not None:  # the cold tier's record, exactly, over the stale value
+            if keys.pointer(namespace, "sess", name.encode(), rkey) != repair[1]:
+                raise RepairDeclined(f"session {name!r} seals otherwise here (another secret)")
+            version = float(fields["created"])
+            held = stale_held(
+                tier, keys, namespace, name, secret=secret, stale=repair[0], version=version
+            )
+        else:
+            toks = unpack_tokens(fields["tokens"])
+            kept, held = kept_name(
+                tier, keys, namespace, name, secret=secret, tokens=toks, rkey=rkey, base=base
+            )
+            if kept != name:
+                fields["name"] = body["row"]["name"] = kept
+                rkey, record = seal_record(keys, namespace, body)
+        ptr = keys.pointer(namespace, "sess", (kept or name).encode(), rkey)
+        session, same = ((kept or name).encode(), ptr, held.token), held.rkey == rkey
     on_tier = tier.records(namespace, [rkey])[0] if verify else None
     good_record = on_tier == record if verify else tier.has_record(namespace, rkey)
     ptrs = _pointers(keys, namespace, fields, chs, rkey)
