@@ -30,7 +30,7 @@ from ..storage.rows import check_name, listed_info
 from ..storage.types import EntryInfo
 from .layer_checks import check_layers, check_quantized, check_windows
 from .saving import Target, write_and_commit
-from .tiers.push import push_everywhere
+from .tiers.fleet_sync import push_everywhere
 from .unverified import inherit_mark
 
 if TYPE_CHECKING:

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,14 @@ class S3Server:
             self.proc.kill()
             self.proc.wait(timeout=10)
             self.proc = None
+
+
+@contextmanager
+def s3_down(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Stores opened inside reach S3 at a port nothing listens on (an outage)."""
+    with monkeypatch.context() as m:
+        m.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+        yield
 
 
 @pytest.fixture

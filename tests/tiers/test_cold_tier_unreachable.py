@@ -12,8 +12,6 @@ machine at a port nothing listens on.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ import pytest
 import persist
 from tests.golden.cases import IDENTITY, kv_cache
 from tests.helpers import persist_cli
-from tests.tiers.conftest import free_port
+from tests.tiers.conftest import free_port, s3_down
 
 KEY = bytes(range(32))
 FLEET = list(range(100, 148))
@@ -31,14 +29,6 @@ LATER = [*FLEET, 7, 8]
 
 def both(tmp: Path, name: str, redis: Any, s3: Any) -> persist.Store:
     return persist.Store(tmp / name, tier_key=KEY, shared=redis.url, cold=s3.url)
-
-
-@contextmanager
-def s3_down(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Stores opened inside reach S3 at a port nothing listens on (an outage)."""
-    with monkeypatch.context() as m:
-        m.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
-        yield
 
 
 def deleted_then_flushed(tmp: Path, redis: Any, s3: Any) -> None:

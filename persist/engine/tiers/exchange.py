@@ -26,9 +26,10 @@ from ...storage.index import Index
 from ..costs import LOCAL, CostModel
 from ..layer_checks import quantized_start
 from .fleet_block import require_same_block
-from .lineage import open_tombstone
+from .fleet_sync import sync
+from .named_pull import named_record, repair
 from .pull import EvictedError, pull
-from .push import namespace_secret, push, sync
+from .push import namespace_secret, push
 from .records import BadValue, Expect, Keys, best_record, check_key, open_record, tier_key_from_env
 
 __all__ = ["Shared", "push", "pull", "sync", "EvictedError", "open_tiers"]
@@ -53,6 +54,7 @@ class Shared:
         self._none_until: dict[str, float] = {}
         self.unreachable = 0  # operations the tier was down for (sync tells a miss from these)
         self.conflicts: list[tuple[str, str]] = []  # (session, NAME~N it was pushed as)
+        self.behind_said = False  # a pull served without the cold tier was said (named_pull)
 
     def _count(self, index: Index, namespace: str, what: str) -> None:
         index.count(namespace, **{f"{self.name}_{what}": 1})
@@ -114,10 +116,12 @@ class Shared:
         as_name: str | None = None,
     ) -> str:
         """Push one committed snapshot: ``pushed``, ``present`` (the tier had all of it),
-        ``conflict`` (a session that does not continue the tier's one of its name, pushed
-        beside it as ``NAME~N``: ``conflicts``), ``skipped`` (not this tier's, or gone
-        meanwhile) or ``failed``; ``verify``: read every value the tier holds of it
-        (``sync``), not once per process."""
+        ``conflict`` (a session that does not continue the tier's one of its name, written
+        beside it as ``NAME~N``), ``skipped`` (not this tier's, or gone meanwhile) or
+        ``failed``; ``verify``: read every value the tier holds of it (``sync``), not
+        once per process.  A session kept beside the tier's is added to ``conflicts``
+        also when that fork was there already (``present``: nothing written), so sync
+        lists it each time and never counts it pushed again."""
         secret = self.secret(index, namespace, create=True)
         if secret is None:
             self._count(index, namespace, "errors")
@@ -157,38 +161,39 @@ class Shared:
                 "beside it",
                 name, self.name, name, kept,
             )  # fmt: skip
-            return "conflict"
+            return "conflict" if done == "pushed" else done
         return done or "failed"
 
     def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool:
         """A named session the local store lacks, from the tier (CorruptBlobError if a
-        blob is damaged); False where the tier is down or has no good record of it."""
+        blob is damaged); False where the tier is down or has no good record of it.
+        With a cold tier behind this one, its pointer is asked first and the session
+        read there where this tier's is not the same, this one's then repaired
+        (``named_pull``)."""
         secret = self.secret(index, namespace)
-        found = self._run(lambda: self._named(index, namespace, name, secret))
+        found = self._run(lambda: named_record(self, index, namespace, name, secret))
         if found is None:
             self._count(index, namespace, "misses")
             return False
-        body, secret = found
-        before = dict(self.tier.counters)
+        tier, counted = found.tier, found.name  # the cold tier's bytes, its counters
+        before = dict(tier.counters)
         try:
-            if secret is not None and index.secret(namespace) is None:
-                index.set_secret(namespace, secret)  # recovered from the record itself
+            if found.secret is not None and index.secret(namespace) is None:
+                index.set_secret(namespace, found.secret)  # recovered from the record itself
             pulled = self._run(
                 lambda: pull(
                     index,
                     blobs,
-                    self.tier,
+                    tier,
                     keys=self.keys,
                     namespace=namespace,
-                    body=body,
+                    body=found.body,
                     named=True,
                 )
             )
             if pulled:
-                self._count(index, namespace, "hits")
-                index.saw(namespace, name, float(body["row"]["created"]))
-                return True
-            return False
+                index.count(namespace, **{f"{counted}_hits": 1})
+                index.saw(namespace, name, float(found.body["row"]["created"]))
         except EvictedError:  # the LRU took part of it: the session is not there
             self._count(index, namespace, "incomplete")
             return False
@@ -196,41 +201,13 @@ class Shared:
             self._bad(index, namespace, e)
             return False
         finally:
-            self._bytes(index, namespace, before)
-
-    def _named(
-        self, index: Index, namespace: str, name: str, secret: bytes | None
-    ) -> tuple[dict[str, Any], bytes | None] | None:
-        """The checked record of session ``name`` and the secret its chains are under;
-        None for a version older than one this store saw (a replay: counted ``stale``)
-        and for a tombstone (deleted from the fleet: its version is seen here)."""
-        ptr = self.tier.pointers(namespace, [("sess", name.encode())])[0]
-        if ptr is None:
-            return None
-        try:
-            gone = open_tombstone(self.keys, namespace, name, ptr)
-            if gone is not None:
-                if gone < (index.seen(namespace, name) or 0.0):
-                    raise BadValue("stale", "a tombstone older than a version this store saw")
-                index.saw(namespace, name, gone)
-                return None
-            rkey = self.keys.open_pointer(namespace, "sess", name.encode(), ptr)
-            value = self.tier.records(namespace, [rkey])[0]
-            if value is None:
-                return None
-            if secret is None:  # the tier holds no secret (keyless): the record's own
-                bare = open_record(self.keys, value, Expect(namespace, rkey, name=name))
-                secret = bare.get("secret")
-                if secret is None:
-                    raise BadValue("mismatched", "a record without the secret of its chains")
-            body = open_record(self.keys, value, Expect(namespace, rkey, name=name, secret=secret))
-            seen = index.seen(namespace, name)
-            if seen is not None and float(body["row"]["created"]) < seen:
-                raise BadValue("stale", "a version older than one this store saw (a replay)")
-            return body, secret
-        except BadValue as e:
-            self._bad(index, namespace, e)
-            return None
+            for what in ("bytes_pushed", "bytes_pulled"):
+                n = tier.counters.get(what, 0) - before.get(what, 0)
+                if n:
+                    index.count(namespace, **{f"{counted}_{what}": n})
+        if pulled and found.stale is not None:
+            repair(self, index, blobs, namespace, name, found)
+        return bool(pulled)
 
     def pull_prefix(
         self,

@@ -39,7 +39,7 @@ from .records import BadValue, Expect, Keys, open_record
 
 __all__ = [
     "SessionUnreachableError", "MAX_FORKS", "Held", "kept_name", "shown_url", "tier_tokens",
-    "tombstone", "open_tombstone",
+    "tombstone", "open_tombstone", "RepairDeclined", "stale_held",
 ]  # fmt: skip
 
 MAX_FORKS = 1000  # NAME~2 .. NAME~1000: past it a push fails rather than scan on
@@ -56,6 +56,12 @@ class SessionUnreachableError(PersistError, ConnectionError):
             "that may hold it could not be asked; try again when it answers, or pass --new "
             "to start a new conversation (kept beside the fleet's, never over it)"
         )
+
+
+class RepairDeclined(PersistError):
+    """A stale session pointer left as it is: the tier no longer holds the value the
+    repair read (a newer push got there first), or a version no older than the one
+    the repair would write (``stale_held``)."""
 
 
 def shown_url(url: str) -> str:
@@ -131,6 +137,29 @@ def kept_name(
         if continues(tokens, held, rkey):
             return other, held
     raise BadValue("mismatched", f"more than {MAX_FORKS} histories of session {name!r}")
+
+
+def stale_held(
+    tier: Any,
+    keys: Keys,
+    namespace: str,
+    name: str,
+    *,
+    secret: bytes | None,
+    stale: bytes | None,
+    version: float,
+) -> Held:
+    """The tier's session ``name`` if a repair may write over it: it still holds exactly
+    ``stale`` (the value a named pull read there and found behind the cold tier's),
+    and no version as new as ``version`` (the cold tier's, which the repair writes);
+    else RepairDeclined.  The write that follows is a compare-and-set over the same
+    value, so a push landing after this read declines the repair there too."""
+    held = tier_tokens(tier, keys, namespace, name, secret)
+    if held.token != stale:
+        raise RepairDeclined(f"session {name!r} moved on the tier since it was read")
+    if held.version is not None and held.version >= version:
+        raise RepairDeclined(f"the tier's session {name!r} is no older than the cold tier's")
+    return held
 
 
 def tombstone(keys: Keys, namespace: str, name: str, version: float) -> bytes:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -30,7 +29,7 @@ from ...remote.redis_tier import TierUnavailable
 from ...storage.blobs import BlobStore
 from ...storage.chains import boundary_heads
 from ...storage.index import Index
-from .lineage import kept_name
+from .lineage import RepairDeclined, kept_name, stale_held
 from .records import ROW_FIELDS, BadValue, Expect, Keys, chains_under, open_record, seal_record
 
 
@@ -59,7 +58,7 @@ class Shared(Protocol):
 
 Tier = Any  # a RedisTier or S3Tier (their common methods)
 
-__all__ = ["namespace_secret", "push", "push_everywhere", "sync"]
+__all__ = ["namespace_secret", "push"]
 
 log = logging.getLogger("persist")
 MAX_RACES = 8  # pushes of one snapshot that may lose the race for its name before it fails
@@ -127,6 +126,7 @@ def push(
     verify: bool = False,
     conflicts: list[tuple[str, str]] | None = None,
     as_name: str | None = None,
+    repair: tuple[bytes | None, bytes] | None = None,
 ) -> tuple[str, bytes | None]:
     """Write a committed snapshot's missing blobs and its record to the tier: ``pushed``,
     ``present`` (nothing was missing or wrong), ``skipped`` (gone meanwhile, or a
@@ -139,7 +139,10 @@ def push(
     that does not continue the tier's session of its name is pushed as ``NAME~N``
     beside it (``lineage.kept_name``), and (name, kept name) is added to ``conflicts``.
     ``as_name``: the ``NAME~N`` another tier's conflict gave this session
-    (``push_everywhere``), taken here too."""
+    (``push_everywhere``), taken here too.  ``repair``: (the stale value a named pull
+    read in this tier's session pointer, the cold tier's pointer): the pointer is set
+    to exactly the cold tier's, over that stale value only, where the tier's version
+    is older (``lineage.stale_held``); RepairDeclined otherwise (``named_pull``)."""
     with index.read() as db:
         rows = Index.rows_where(db, "id = ?", [sid])
         refs = Index.blocks_in(db, sid)
@@ -211,9 +214,12 @@ def push(
                 base=base,
                 secret=secret,
                 verify=verify,
+                repair=repair,
             )
             break
         except SessionMoved as e:
+            if repair is not None:  # its compare-and-set lost to a newer push: not again
+                raise RepairDeclined(str(e)) from None
             last = e
     else:
         raise TierUnavailable(f"{last}: {MAX_RACES} pushes in a row lost the race; not pushed")
@@ -238,30 +244,42 @@ def _write_record(
     base: float | None,
     secret: bytes,
     verify: bool,
+    repair: tuple[bytes | None, bytes] | None = None,
 ) -> tuple[str | None, bytes | None, bool]:
     """The record and its pointers, under the name the snapshot takes (``kept_name``:
     ``name`` or ``NAME~N``), its session pointer written only over what was read there
     (SessionMoved otherwise); (that name, the tier's secret after, whether the record
-    and every pointer were there and right already)."""
+    and every pointer were there and right already).  ``repair``: ``push``'s."""
     if name is not None:  # a race lost before: sealed under its own name again
         fields["name"] = body["row"]["name"] = name
     rkey, record = seal_record(keys, namespace, body)
     session, kept, same = None, name, True
     if name is not None:
-        toks = unpack_tokens(fields["tokens"])
-        kept, held = kept_name(
-            tier, keys, namespace, name, secret=secret, tokens=toks, rkey=rkey, base=base
-        )
-        if kept != name:
-            fields["name"] = body["row"]["name"] = kept
-            rkey, record = seal_record(keys, namespace, body)
-        ptr = keys.pointer(namespace, "sess", kept.encode(), rkey)
-        session, same = (kept.encode(), ptr, held.token), held.rkey == rkey
+        if repair is not None:  # the cold tier's record, exactly, over the stale value
+            if keys.pointer(namespace, "sess", name.encode(), rkey) != repair[1]:
+                raise RepairDeclined(f"session {name!r} seals otherwise here (another secret)")
+            version = float(fields["created"])
+            held = stale_held(
+                tier, keys, namespace, name, secret=secret, stale=repair[0], version=version
+            )
+        else:
+            toks = unpack_tokens(fields["tokens"])
+            kept, held = kept_name(
+                tier, keys, namespace, name, secret=secret, tokens=toks, rkey=rkey, base=base
+            )
+            if kept != name:
+                fields["name"] = body["row"]["name"] = kept
+                rkey, record = seal_record(keys, namespace, body)
+        ptr = keys.pointer(namespace, "sess", (kept or name).encode(), rkey)
+        session, same = ((kept or name).encode(), ptr, held.token), held.rkey == rkey
     on_tier = tier.records(namespace, [rkey])[0] if verify else None
     good_record = on_tier == record if verify else tier.has_record(namespace, rkey)
     ptrs = _pointers(keys, namespace, fields, chs, rkey)
     trimmable = bool(fields["trimmable"])
-    bad = _wrong_pointers(tier, keys, namespace, ptrs, trimmable) if verify else set()
+    bad: set[tuple[str, bytes]] = set()
+    if verify:  # a pointer another record serving its prefix holds is left as it is
+        bad, others = _check_pointers(tier, keys, namespace, ptrs, trimmable, secret)
+        ptrs = [p for p in ptrs if (p[0], p[1]) not in others]
     after = tier.put_record(
         namespace,
         rkey,
@@ -276,31 +294,58 @@ def _write_record(
     return kept, after, good_record and not bad and same  # same: the pointer named it
 
 
-def _wrong_pointers(
+def _check_pointers(
     tier: Tier,
     keys: Keys,
     namespace: str,
     ptrs: list[tuple[str, bytes, bytes]],
     trimmable: bool,
-) -> set[tuple[str, bytes]]:
-    """(kind, key) of the pointers a sync must write again: absent, not a pointer, not
-    authentic, or naming another record where this one's belongs.  An untrimmable
-    snapshot's chain pointers that name another authentic record stay: the first,
-    shortest snapshot to reach a chain keeps it."""
+    secret: bytes,
+) -> tuple[set[tuple[str, bytes]], set[tuple[str, bytes]]]:
+    """(kind, key) of the pointers a sync must write again (absent, not a pointer, not
+    authentic, or naming a record that does not serve their prefix), and of those it
+    leaves to another record.  A chain or head key is the prefix it serves, so a
+    pointer naming another valid record whose chains hold that key is right: two
+    histories that share a head (``chat`` and its fork ``chat~2``) would otherwise
+    take it from each other on every sync, forever.  An untrimmable snapshot's
+    pointers that name another authentic record stay too: the first, shortest
+    snapshot to reach a chain keeps it (it serves only prompts holding all of it)."""
     kept = [(kind, key, value) for kind, key, value in ptrs if kind in tier.pointer_kinds]
     held = tier.pointers(namespace, [(kind, key) for kind, key, _ in kept])
-    out = set()
+    wrong, others = set(), set()
+    named: dict[tuple[str, bytes], str] = {}  # a trimmable one's: checked against its record
     for (kind, key, value), got in zip(kept, held, strict=True):
         if got is not None and bytes(got) == value:
             continue
         try:
-            if got is not None and kind != "sess" and not trimmable:
-                keys.open_pointer(namespace, kind, key, got)
-                continue  # another snapshot's own pointer
+            if got is not None and kind != "sess":
+                rkey = keys.open_pointer(namespace, kind, key, got)
+                if not trimmable:
+                    others.add((kind, key))  # another snapshot's own pointer
+                else:
+                    named[(kind, key)] = rkey
+                continue
         except BadValue:
             pass
-        out.add((kind, key))
-    return out
+        wrong.add((kind, key))
+    rkeys = sorted(set(named.values()))
+    bodies = dict(zip(rkeys, tier.records(namespace, rkeys) if rkeys else [], strict=True))
+    for via, rkey in named.items():
+        if _serves(keys, bodies[rkey], Expect(namespace, rkey, secret=secret, via=via)):
+            others.add(via)
+        else:
+            wrong.add(via)
+    return wrong, others
+
+
+def _serves(keys: Keys, value: bytes | None, want: Expect) -> bool:
+    """Is ``value`` a valid trimmable record whose chains hold ``want.via``'s key?"""
+    if value is None:
+        return False  # evicted: the pointer leads nowhere
+    try:
+        return bool(open_record(keys, value, want)["row"]["trimmable"])
+    except BadValue:
+        return False
 
 
 def _pointers(
@@ -312,103 +357,3 @@ def _pointers(
     heads = boundary_heads([row["root"], *chs], unpack_tokens(row["tokens"]), block)
     items = [("blk", c) for c in chs] + [("head", h) for h in heads]
     return [(kind, key, keys.pointer(namespace, kind, key, rkey)) for kind, key in items]
-
-
-def push_everywhere(
-    tiers: Sequence[Shared],
-    index: Index,
-    blobs: BlobStore,
-    namespace: str,
-    sid: int,
-    verify: bool = False,
-) -> list[tuple[Shared, str]]:
-    """Push one snapshot to every tier, the durable cold tier first, under one name:
-    a session that one tier's history (or its tombstone: ``rm --fleet``) makes a
-    fork, ``NAME~N``, is pushed as that fork to every later tier too.  A shared tier
-    that lost everything (a Redis flush) would otherwise take it under the name the
-    fleet deleted, and bring the deleted session back to every machine.  So a session
-    whose cold push failed is ``held`` back from the later tiers (counted
-    ``<tier>_held``): the name is the cold tier's to give, and a later sync or save
-    pushes it once the cold tier answers.  A snapshot without a name goes on."""
-    done: list[tuple[Shared, str]] = []
-    fork: str | None = None
-    unasked = False  # the cold tier could not be asked which name a session takes
-    for tier in sorted(tiers, key=lambda t: t.name != "cold"):
-        if unasked:
-            index.count(namespace, **{f"{tier.name}_held": 1})
-            (log.info if verify else log.warning)(  # sync reports it; a save says it here
-                "persist: a session's push to the %s tier is held back until the cold "
-                "tier answers (it decides the name); persist sync retries it",
-                tier.name,
-            )
-            done.append((tier, "held"))
-            continue
-        forks = len(tier.conflicts)
-        how = tier.push(index, blobs, namespace, sid, verify=verify, as_name=fork)
-        if how == "conflict" and fork is None and len(tier.conflicts) > forks:
-            fork = tier.conflicts[-1][1]
-        unasked = tier.name == "cold" and how == "failed" and _named(index, sid)
-        done.append((tier, how))
-    return done
-
-
-def _named(index: Index, sid: int) -> bool:
-    """Is snapshot ``sid`` a named session (one that takes a name on a tier)?"""
-    with index.read() as db:
-        rows = Index.rows_where(db, "id = ?", [sid])
-    return bool(rows) and rows[0].role == "session"
-
-
-def sync(
-    index: Index,
-    blobs: BlobStore,
-    shared: Sequence[Shared],
-    namespace: str | None,
-    names: list[str],
-) -> dict[str, Any]:
-    """Push every local snapshot (of ``namespace``) to the tiers (each push reads what a
-    tier holds of it and writes what it lacks or holds wrong), then pull the named
-    sessions this store lacks.  The report says what happened: per tier, snapshots
-    pushed (a repaired one too), already there and right, failed, held back (a
-    session waiting for the cold tier: ``push_everywhere``)."""
-    rows = index.snapshots(namespace, named_only=False)
-    per: dict[str, dict[str, int]] = {
-        t.name: {"pushed": 0, "present": 0, "failed": 0, "held": 0} for t in shared
-    }
-    forked = {t.name: len(t.conflicts) for t in shared}
-    failed: set[int] = set()
-    for row in rows:
-        for tier, how in push_everywhere(shared, index, blobs, row.namespace, row.id, True):
-            how = "pushed" if how == "conflict" else how  # beside the tier's: in conflicts
-            if how in per[tier.name]:
-                per[tier.name][how] += 1
-            if how in ("failed", "held"):  # held: waits for the cold tier, retried
-                failed.add(row.id)
-    pulled, unreached = [], []
-    for name in names:
-        ns = namespace or "default"
-        down = False
-        for tier in shared:
-            if index.by_name(ns, name) is None:
-                before = tier.unreachable
-                tier.pull_session(index, blobs, ns, name)
-                down = down or tier.unreachable > before
-        if index.by_name(ns, name) is not None:
-            pulled.append(name)
-        elif down:  # a tier that could not be asked: a failure, not "not in any tier"
-            unreached.append(name)
-    total = {k: sum(p[k] for p in per.values()) for k in ("pushed", "present", "failed", "held")}
-    conflicts = [
-        {"tier": t.name, "session": a, "kept_as": b} for t in shared
-        for a, b in t.conflicts[forked[t.name]:]
-    ]  # fmt: skip
-    return {
-        **total,
-        "conflicts": conflicts,
-        "snapshots": len(rows),
-        "snapshots_failed": len(failed),
-        "tiers": per,
-        "pulled": pulled,
-        "unreached": sorted(set(unreached)),
-        "missing": sorted(set(names) - set(pulled) - set(unreached)),
-    }

@@ -1,0 +1,122 @@
+"""A snapshot pushed to every tier under one name (the durable cold tier first), and
+``persist sync``: every local snapshot pushed where a tier lacks it or holds it wrong,
+then the named sessions this store lacks pulled.
+
+The cold tier decides which name a session takes (its history, or its tombstone
+after ``rm --fleet``, may make it a fork ``NAME~N``), and every later tier takes
+that name too; a session whose cold push failed is held back from the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ...storage.blobs import BlobStore
+from ...storage.index import Index
+from .push import Shared
+
+__all__ = ["push_everywhere", "sync"]
+
+log = logging.getLogger("persist")
+
+
+def push_everywhere(
+    tiers: Sequence[Shared],
+    index: Index,
+    blobs: BlobStore,
+    namespace: str,
+    sid: int,
+    verify: bool = False,
+) -> list[tuple[Shared, str]]:
+    """Push one snapshot to every tier, the durable cold tier first, under one name:
+    a session that one tier's history (or its tombstone: ``rm --fleet``) makes a
+    fork, ``NAME~N``, is pushed as that fork to every later tier too.  A shared tier
+    that lost everything (a Redis flush) would otherwise take it under the name the
+    fleet deleted, and bring the deleted session back to every machine.  So a session
+    whose cold push failed is ``held`` back from the later tiers (counted
+    ``<tier>_held``): the name is the cold tier's to give, and a later sync or save
+    pushes it once the cold tier answers.  A snapshot without a name goes on."""
+    done: list[tuple[Shared, str]] = []
+    fork: str | None = None
+    unasked = False  # the cold tier could not be asked which name a session takes
+    for tier in sorted(tiers, key=lambda t: t.name != "cold"):
+        if unasked:
+            index.count(namespace, **{f"{tier.name}_held": 1})
+            (log.info if verify else log.warning)(  # sync reports it; a save says it here
+                "persist: a session's push to the %s tier is held back until the cold "
+                "tier answers (it decides the name); persist sync retries it",
+                tier.name,
+            )
+            done.append((tier, "held"))
+            continue
+        forks = len(tier.conflicts)
+        how = tier.push(index, blobs, namespace, sid, verify=verify, as_name=fork)
+        if fork is None and len(tier.conflicts) > forks:  # pushed, or there already
+            fork = tier.conflicts[-1][1]
+        unasked = tier.name == "cold" and how == "failed" and _named(index, sid)
+        done.append((tier, how))
+    return done
+
+
+def _named(index: Index, sid: int) -> bool:
+    """Is snapshot ``sid`` a named session (one that takes a name on a tier)?"""
+    with index.read() as db:
+        rows = Index.rows_where(db, "id = ?", [sid])
+    return bool(rows) and rows[0].role == "session"
+
+
+def sync(
+    index: Index,
+    blobs: BlobStore,
+    shared: Sequence[Shared],
+    namespace: str | None,
+    names: list[str],
+) -> dict[str, Any]:
+    """Push every local snapshot (of ``namespace``) to the tiers (each push reads what a
+    tier holds of it and writes what it lacks or holds wrong), then pull the named
+    sessions this store lacks.  The report says what happened: per tier, snapshots
+    pushed (a repaired one too), already there and right, failed, held back (a
+    session waiting for the cold tier: ``push_everywhere``)."""
+    rows = index.snapshots(namespace, named_only=False)
+    per: dict[str, dict[str, int]] = {
+        t.name: {"pushed": 0, "present": 0, "failed": 0, "held": 0} for t in shared
+    }
+    forked = {t.name: len(t.conflicts) for t in shared}
+    failed: set[int] = set()
+    for row in rows:
+        for tier, how in push_everywhere(shared, index, blobs, row.namespace, row.id, True):
+            how = "pushed" if how == "conflict" else how  # written beside the tier's
+            if how in per[tier.name]:
+                per[tier.name][how] += 1
+            if how in ("failed", "held"):  # held: waits for the cold tier, retried
+                failed.add(row.id)
+    pulled, unreached = [], []
+    for name in names:
+        ns = namespace or "default"
+        down = False
+        for tier in shared:
+            if index.by_name(ns, name) is None:
+                before = tier.unreachable
+                tier.pull_session(index, blobs, ns, name)
+                down = down or tier.unreachable > before
+        if index.by_name(ns, name) is not None:
+            pulled.append(name)
+        elif down:  # a tier that could not be asked: a failure, not "not in any tier"
+            unreached.append(name)
+    total = {k: sum(p[k] for p in per.values()) for k in ("pushed", "present", "failed", "held")}
+    conflicts = [
+        {"tier": t.name, "session": a, "kept_as": b} for t in shared
+        for a, b in t.conflicts[forked[t.name]:]
+    ]  # fmt: skip
+    return {
+        **total,
+        "conflicts": conflicts,
+        "snapshots": len(rows),
+        "snapshots_failed": len(failed),
+        "tiers": per,
+        "pulled": pulled,
+        "unreached": sorted(set(unreached)),
+        "missing": sorted(set(names) - set(pulled) - set(unreached)),
+    }

@@ -1,0 +1,191 @@
+"""A named session read where it is the fleet's latest: the cold tier's pointer first.
+
+A push moves the cold tier's session pointer first, then the shared tier's
+(``fleet_sync.push_everywhere``).  A pusher killed between the two, or a Redis
+that lost a write (a failover, a restore from an older RDB), leaves Redis naming
+an older version of the session than S3, and a machine that resumed Redis's
+continued an old history: a fork (issue 38).  So a shared tier that knows its
+cold tier (``Shared.backup``) asks the cold tier's pointer first and reads the
+record and blobs from Redis only where Redis's pointer is byte-equal to it (a
+pointer names a record by the hash of its content: equal pointers, one record).
+Otherwise the session is read from the cold tier, and Redis's pointer is repaired
+once the pull is committed: the snapshot pushed again and its pointer set to the
+cold tier's exactly, by a compare-and-set over the stale value the pull read and
+only where Redis's version is older (``push.push`` with ``repair``,
+``lineage.stale_held``; counted ``<tier>_repaired``, ``<tier>_repair_declined``).
+A cold tier without a pointer of the name (machines without one pushed it) leaves
+Redis's.  A cold tier that cannot be asked leaves Redis's too, said once per
+outage: that version may be behind the cold tier (counted ``<tier>_cold_unasked``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+from ...remote.redis_tier import TierUnavailable
+from ...storage.blobs import BlobStore
+from ...storage.index import Index
+from .lineage import RepairDeclined, open_tombstone, shown_url, stale_held
+from .push import push
+from .records import BadValue, Expect, open_record
+
+__all__ = ["Found", "named_record", "repair"]
+
+log = logging.getLogger("persist")
+COLD = "cold"  # the cold tier's counters' prefix (``exchange.open_tiers`` names it so)
+
+
+class Found(NamedTuple):
+    """A named session's checked record and where it was read."""
+
+    body: dict[str, Any]
+    secret: bytes | None  # the secret its chains are under
+    tier: Any  # where its blobs are read: the shared tier, or its cold tier
+    name: str  # whose counters (``shared``, ``cold``)
+    stale: tuple[bytes | None, bytes] | None  # (Redis's value, the cold tier's): repair
+
+
+class _Source(NamedTuple):
+    tier: Any
+    name: str
+    pointer: bytes | None
+    stale: tuple[bytes | None, bytes] | None
+
+
+def named_record(
+    shared: Any, index: Index, namespace: str, name: str, secret: bytes | None
+) -> Found | None:
+    """The checked record of session ``name`` (``shared``: a ``tiers.Shared``) and the
+    tier it is read from; None for none, a bad value (counted), a version older than
+    one this store saw (a replay: ``stale``) and a tombstone (deleted from the fleet:
+    its version is seen here, and a stale Redis pointer is replaced by it)."""
+    src = _source(shared, index, namespace, name)
+    if src.pointer is None:
+        return None
+    if src.tier is not shared.tier:  # the cold tier's secret: its record's own, or derived
+        secret = shared.keys.namespace_secret(namespace)
+    try:
+        gone = open_tombstone(shared.keys, namespace, name, src.pointer)
+        if gone is not None:
+            if gone < (index.seen(namespace, name) or 0.0):
+                raise BadValue("stale", "a tombstone older than a version this store saw")
+            index.saw(namespace, name, gone)
+            if src.stale is not None:
+                _repair_tombstone(shared, index, namespace, name, src.stale, gone)
+            return None
+        keys = shared.keys
+        rkey = keys.open_pointer(namespace, "sess", name.encode(), src.pointer)
+        value = src.tier.records(namespace, [rkey])[0]
+        if value is None:
+            return None
+        if secret is None:  # the tier holds no secret (keyless): the record's own
+            bare = open_record(keys, value, Expect(namespace, rkey, name=name))
+            secret = bare.get("secret")
+            if secret is None:
+                raise BadValue("mismatched", "a record without the secret of its chains")
+        body = open_record(keys, value, Expect(namespace, rkey, name=name, secret=secret))
+        seen = index.seen(namespace, name)
+        if seen is not None and float(body["row"]["created"]) < seen:
+            raise BadValue("stale", "a version older than one this store saw (a replay)")
+        return Found(body, secret, src.tier, src.name, src.stale)
+    except BadValue as e:
+        index.count(namespace, **{f"{src.name}_{e.why}": 1})
+        log.info("persist: %s tier value refused: %s", src.name, e.detail)
+        return None
+
+
+def _source(shared: Any, index: Index, namespace: str, name: str) -> _Source:
+    """Whose pointer of ``name`` a pull follows: the cold tier's, asked first, unless
+    Redis's is the same (its bytes are closer) or the cold tier holds none; Redis's
+    alone where there is no cold tier or it cannot be asked (said once per outage).
+    TierUnavailable where Redis cannot be asked."""
+    item = [("sess", name.encode())]
+    if shared.backup is None:
+        return _Source(shared.tier, shared.name, shared.tier.pointers(namespace, item)[0], None)
+    try:
+        cold: bytes | None = shared.backup.pointers(namespace, item)[0]
+    except TierUnavailable as e:
+        mine = shared.tier.pointers(namespace, item)[0]
+        if mine is not None:
+            _unasked(shared, index, namespace, name, e)
+        return _Source(shared.tier, shared.name, mine, None)
+    shared.behind_said = False  # the cold tier answers: a later outage is said again
+    mine = shared.tier.pointers(namespace, item)[0]
+    if cold is None or mine == cold:
+        return _Source(shared.tier, shared.name, mine, None)
+    if mine is not None and mine.startswith(b"~") and cold.startswith(b"~"):
+        # both deleted (each tier's tombstone carries its own version): nothing to repair
+        return _Source(shared.tier, shared.name, mine, None)
+    return _Source(shared.backup, COLD, cold, (mine, cold))
+
+
+def _unasked(shared: Any, index: Index, namespace: str, name: str, e: Exception) -> None:
+    index.count(namespace, **{f"{shared.name}_cold_unasked": 1})
+    if shared.behind_said:
+        return
+    shared.behind_said = True
+    log.warning(
+        "persist: session %r is read from the %s tier (%s) while the cold tier (%s) cannot "
+        "be asked (%s): it may be behind the cold tier, whose version of a session is the "
+        "fleet's latest; said once until the cold tier answers",
+        name, shared.name, shown_url(shared.tier.url), shown_url(shared.backup.url), e,
+    )  # fmt: skip
+
+
+def repair(
+    shared: Any, index: Index, blobs: BlobStore, namespace: str, name: str, found: Found
+) -> None:
+    """After a pull from the cold tier: Redis's stale pointer of ``name`` set to the cold
+    tier's, the snapshot (just committed here) pushed there first, the pointer written
+    only over the stale value the pull read (``push`` with ``repair``).  A declined
+    repair is counted and leaves Redis as it is: a newer push got there, or the
+    record seals otherwise there (another namespace secret)."""
+    row = index.by_name(namespace, name)
+    secret = shared.secret(index, namespace)
+    if row is None or secret is None or found.stale is None:
+        return
+    before = shared.tier.counters.get("bytes_pushed", 0)
+    try:
+        push(
+            index, blobs, shared.tier, keys=shared.keys, namespace=namespace, sid=row.id,
+            secret=secret, repair=found.stale,
+        )  # fmt: skip
+    except RepairDeclined as e:
+        index.count(namespace, **{f"{shared.name}_repair_declined": 1})
+        log.info("persist: %s tier's session %r not repaired: %s", shared.name, name, e)
+        return
+    except TierUnavailable as e:  # the next pull from the cold tier tries again
+        log.info("persist: %s tier's session %r not repaired: %s", shared.name, name, e)
+        return
+    finally:
+        moved = shared.tier.counters.get("bytes_pushed", 0) - before
+        if moved:
+            index.count(namespace, **{f"{shared.name}_bytes_pushed": moved})
+    index.count(namespace, **{f"{shared.name}_repaired": 1})
+    log.info("persist: %s tier's session %r repaired to the cold tier's", shared.name, name)
+
+
+def _repair_tombstone(
+    shared: Any,
+    index: Index,
+    namespace: str,
+    name: str,
+    stale: tuple[bytes | None, bytes],
+    version: float,
+) -> None:
+    """The cold tier's tombstone of ``name`` put over Redis's stale pointer (a fleet
+    delete that reached one tier only, a Redis that lost it), by compare-and-set."""
+    try:
+        secret = shared.secret(index, namespace)
+        held = stale_held(
+            shared.tier, shared.keys, namespace, name, secret=secret, stale=stale[0],
+            version=version,
+        )  # fmt: skip
+        done = shared.tier.swap_session(namespace, name.encode(), stale[1], held.token)
+    except RepairDeclined:
+        done = False
+    except TierUnavailable:
+        return
+    what = "repaired" if done else "repair_declined"
+    index.count(namespace, **{f"{shared.name}_{what}": 1})
