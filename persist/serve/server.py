@@ -168,7 +168,7 @@ class PersistentPromptCache(LRUPromptCache):
             return cache, rest
         probe = m.probe() if m is not None else None
         if self._keeper is not None:  # the host tier as if evictions were kept in place
-            self._keeper.settle()
+            self._keeper.settle(tokens, have)  # only those that could serve this prompt
         try:
             # after memory, one order for every tier: host RAM, the fleet, the index
             # (engine.lookup_order); a host copy is made only if it is the longest
