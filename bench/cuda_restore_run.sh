@@ -44,10 +44,10 @@ for phase in "$@"; do
     cp bench/results/throughput-cuda-llama3-8b32768-restore.* "$OUT/" ;;
   directcheck)
     # the direct restore's tests (bit for bit against the host path), then first calls
-    timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_no_kernel_path.py \
+    timeout 140 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_no_kernel_path.py \
       tests/engine/test_staging.py -k "direct or staged or kernel or address or zeroed or strided" \
       2>&1 | tee "$OUT/cuda-direct-tests.log" | tail -5
-    timeout 240 python3 -m bench.cuda_first_call --out "$OUT" 2>&1 | tail -5 ;;
+    timeout 170 python3 -m bench.cuda_first_call --out "$OUT" 2>&1 | tail -5 ;;
   directtests)
     timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_staging.py \
       tests/engine/test_no_kernel_path.py tests/engine/test_host_tier_cuda.py 2>&1 | tee "$OUT/cuda-direct-tests.log" | tail -5 ;;
