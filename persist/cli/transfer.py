@@ -245,6 +245,9 @@ def sync_cmd(
             click.echo(f"not in any tier: {plain(', '.join(r['missing']))}")
         if r["unreached"]:
             click.echo(f"a tier was down, not pulled: {plain(', '.join(r['unreached']))}")
+        if r["deleted_on_fleet"]:  # a local copy of a deleted session: not pushed back
+            names = plain(", ".join(r["deleted_on_fleet"]))
+            click.echo(f"deleted on the fleet, not pushed back (persist rm drops it): {names}")
         for c in r["conflicts"]:
             click.echo(
                 f"conflict: session {plain(c['session'])!r} here does not continue the "

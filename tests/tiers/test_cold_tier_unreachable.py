@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import persist
+from persist.remote.redis_tier import TierUnavailable
 from tests.golden.cases import IDENTITY, kv_cache
 from tests.helpers import persist_cli
 from tests.tiers.conftest import free_port, s3_down
@@ -73,16 +74,22 @@ def test_a_sync_with_the_cold_tier_unreachable_reports_the_session_held_back(
     assert (got["tiers"]["shared"]["held"], got["snapshots_failed"]) == (1, 1), got
 
 
-def test_a_session_held_back_goes_out_under_one_name_once_the_cold_tier_answers(
+def test_a_session_held_back_is_decided_by_the_cold_tier_once_it_answers(
     redis_server: Any, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """b holds only a copy of the version the fleet deleted (nothing saved on top):
+    once the cold tier answers, its tombstone decides for both tiers, and the copy is
+    not pushed back, not even as ``chat~2`` (attack 38, finding 3)."""
     deleted_then_flushed(tmp_path, redis_server, s3_server)
     with s3_down(monkeypatch), both(tmp_path, "b", redis_server, s3_server) as b:
         b.sync()
     with both(tmp_path, "b", redis_server, s3_server) as b:
-        b.sync()
+        got = b.sync()
+    assert (got["deleted_on_fleet"], got["conflicts"], got["pushed"]) == (["chat"], [], 0), got
     with persist.Store(tmp_path / "c", tier_key=KEY, shared=redis_server.url) as c:
-        assert c.restore("chat~2", identity=IDENTITY).tokens == FLEET
+        for name in ("chat", "chat~2"):
+            with pytest.raises(persist.SessionNotFoundError):
+                c.restore(name, identity=IDENTITY)
 
 
 def test_persist_sync_exits_1_naming_a_session_held_back(
@@ -94,3 +101,19 @@ def test_persist_sync_exits_1_naming_a_session_held_back(
            "PERSIST_TIER_KEY": KEY.hex(), "AWS_ENDPOINT_URL": dead}  # fmt: skip
     out = persist_cli(tmp_path, "sync", "--store", str(tmp_path / "b"), check=False, env=env)
     assert (out.returncode, "held back 1" in out.stdout) == (1, True), (out.stdout, out.stderr)
+
+
+def test_a_fleet_delete_with_the_cold_tier_down_writes_no_tombstone_anywhere(
+    redis_server: Any, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rm --fleet`` asks the cold tier first, as a push does: with it down, the Redis
+    pointer is left as it was, not a tombstone the cold tier lacks (attack 38, finding 7)."""
+    with both(tmp_path, "a", redis_server, s3_server) as a:
+        a.save([kv_cache(48, 1)], FLEET, identity=IDENTITY, session="chat")
+    before = {k: redis_server.client().get(k) for k in redis_server.client().scan_iter()}
+    with s3_down(monkeypatch), both(tmp_path, "a", redis_server, s3_server) as a:
+        with pytest.raises(TierUnavailable, match="not deleted"):
+            a.delete("chat", fleet=True)
+        assert a.has_session("chat")
+    after = {k: redis_server.client().get(k) for k in redis_server.client().scan_iter()}
+    assert after == before  # nothing half done

@@ -127,7 +127,9 @@ def test_a_fleet_delete_holds_when_the_shared_tier_loses_everything(
     was flushed; a machine still holding the deleted session synced it back into
     Redis under its own name (reporting a conflict only against S3's tombstone), a
     fresh machine restored it from Redis, and its next turn replaced S3's tombstone.
-    One name for every tier: the cold tier, durable, decides first."""
+    One name for every tier: the cold tier, durable, decides first.  b holds only a
+    copy of the deleted version (nothing saved on top): it is not pushed back at all,
+    not even as ``chat~2`` (attack 38, finding 3)."""
     with both(tmp_path, "a", redis_server, s3_server) as a:
         saved_twice(a)
     with both(tmp_path, "b", redis_server, s3_server) as b:
@@ -136,14 +138,14 @@ def test_a_fleet_delete_holds_when_the_shared_tier_loses_everything(
         a.delete("chat", fleet=True)
     redis_server.client().flushall()
     with both(tmp_path, "b", redis_server, s3_server) as b:
-        got = b.sync()["conflicts"]
-        assert {(c["session"], c["kept_as"]) for c in got} == {("chat", "chat~2")}
+        got = b.sync()
+        assert (got["conflicts"], got["deleted_on_fleet"]) == ([], ["chat"]), got
     for only in ({"shared": redis_server.url}, {"cold": s3_server.url}, {}):
         tiers = only or {"shared": redis_server.url, "cold": s3_server.url}
         with persist.Store(tmp_path / f"c{len(tiers)}{sorted(tiers)}", tier_key=KEY, **tiers) as c:
-            with pytest.raises(persist.SessionNotFoundError):
-                c.restore("chat", identity=IDENTITY)
-            assert c.restore("chat~2", identity=IDENTITY).tokens == FLEET
+            for name in ("chat", "chat~2"):
+                with pytest.raises(persist.SessionNotFoundError):
+                    c.restore(name, identity=IDENTITY)
 
 
 def test_a_fleet_delete_with_the_tier_down_deletes_nothing(

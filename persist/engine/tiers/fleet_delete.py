@@ -36,7 +36,9 @@ def delete_everywhere(tiers: Sequence[Any], index: Index, namespace: str, name: 
     the names of those tiers.  TierUnavailable (naming the tier, saying nothing was
     deleted on the ones after it nor here) when one cannot be asked."""
     held = []
-    for shared in tiers:
+    # the durable cold tier first, as a push: it decides the name, and with it down the
+    # shared tier keeps its pointer (a Redis tombstone the cold tier lacks is half done)
+    for shared in sorted(tiers, key=lambda t: t.name != "cold"):
         try:
             if _tombstone(shared, index, namespace, name):
                 held.append(shared.name)

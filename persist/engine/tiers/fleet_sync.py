@@ -41,7 +41,11 @@ def push_everywhere(
     done: list[tuple[Shared, str]] = []
     fork: str | None = None
     unasked = False  # the cold tier could not be asked which name a session takes
+    past: str | None = None  # the cold tier's "behind"/"deleted": the fleet's own past
     for tier in sorted(tiers, key=lambda t: t.name != "cold"):
+        if past is not None:  # a later tier (a flushed Redis) must not take it either
+            done.append((tier, past))
+            continue
         if unasked:
             index.count(namespace, **{f"{tier.name}_held": 1})
             (log.info if verify else log.warning)(  # sync reports it; a save says it here
@@ -56,6 +60,8 @@ def push_everywhere(
         if fork is None and len(tier.conflicts) > forks:  # pushed, or there already
             fork = tier.conflicts[-1][1]
         unasked = tier.name == "cold" and how == "failed" and _named(index, sid)
+        if tier.name == "cold" and how in ("behind", "deleted"):
+            past = how
         done.append((tier, how))
     return done
 
@@ -85,9 +91,13 @@ def sync(
     }
     forked = {t.name: len(t.conflicts) for t in shared}
     failed: set[int] = set()
+    deleted: set[str] = set()  # local copies of sessions the fleet deleted: not pushed
     for row in rows:
         for tier, how in push_everywhere(shared, index, blobs, row.namespace, row.id, True):
+            if how == "deleted" and row.name is not None:
+                deleted.add(row.name)
             how = "pushed" if how == "conflict" else how  # written beside the tier's
+            how = "present" if how == "behind" else how  # an older turn the tier holds
             if how in per[tier.name]:
                 per[tier.name][how] += 1
             if how in ("failed", "held"):  # held: waits for the cold tier, retried
@@ -119,4 +129,5 @@ def sync(
         "pulled": pulled,
         "unreached": sorted(set(unreached)),
         "missing": sorted(set(names) - set(pulled) - set(unreached)),
+        "deleted_on_fleet": sorted(deleted),
     }

@@ -39,7 +39,7 @@ from .records import BadValue, Expect, Keys, open_record
 
 __all__ = [
     "SessionUnreachableError", "MAX_FORKS", "Held", "kept_name", "shown_url", "tier_tokens",
-    "tombstone", "open_tombstone", "RepairDeclined", "stale_held",
+    "tombstone", "open_tombstone", "RepairDeclined", "stale_held", "behind",
 ]  # fmt: skip
 
 MAX_FORKS = 1000  # NAME~2 .. NAME~1000: past it a push fails rather than scan on
@@ -112,6 +112,36 @@ def continues(tokens: list[int], held: Held, rkey: str, base: float | None = Non
     if base is not None and held.version <= base:
         return True
     return held.tokens is not None and tokens[: len(held.tokens)] == held.tokens
+
+
+def behind(
+    tier: Any,
+    keys: Keys,
+    namespace: str,
+    name: str,
+    *,
+    secret: bytes | None,
+    row: Any,
+    base: float | None,
+) -> str | None:
+    """``behind`` or ``deleted`` where a local session ``row`` is a copy of a version
+    the fleet had and moved past, not a history to push; None to push it as usual.
+    Only a version this store pushed or pulled (at or below ``base``, so nothing was
+    saved here on top of it) qualifies: the tier's session a newer version whose
+    tokens extend it (``behind``: a machine that merely did not pull the later turns),
+    or a tombstone no older than it (``deleted``: ``rm --fleet`` removed it; pushing
+    it back as ``NAME~2`` would bring the deleted conversation back to the fleet)."""
+    created = float(row.created)
+    if base is None or created > base:  # saved here and not yet on the tier: a history
+        return None
+    held = tier_tokens(tier, keys, namespace, name, secret)
+    if held.version is None or held.version < created:
+        return None
+    if held.rkey is None:  # a tombstone (a value that does not open has no version)
+        return "deleted"
+    toks = unpack_tokens(row.tokens)
+    extends = held.tokens is not None and held.tokens[: len(toks)] == toks
+    return "behind" if held.version > created and extends else None
 
 
 def kept_name(

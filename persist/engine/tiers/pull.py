@@ -42,8 +42,33 @@ def pull(
     ``named``, else an anonymous prefix); CorruptBlobError if a blob fails its checks.
     Blobs this store holds are not fetched; the others a few at a time (the tier's
     threads hold a few blobs in memory, never the whole session)."""
+    for _ in range(_ATTEMPTS):
+        sid = _attempt(index, blobs, tier, keys=keys, namespace=namespace, body=body, named=named)
+        if sid is not None:
+            return sid
+    # a store whose rm/gc keeps killing the blobs the pull reuses: a miss, never a row
+    # that names dead blob files
+    raise BadValue("conflict", f"the local store dropped reused blobs {_ATTEMPTS} times")
+
+
+_ATTEMPTS = 3  # each retry fetches the blobs that died; a third loss is not a race
+
+
+def _attempt(
+    index: Index,
+    blobs: BlobStore,
+    tier: Tier,
+    *,
+    keys: Keys,
+    namespace: str,
+    body: dict[str, Any],
+    named: bool,
+) -> int | None:
+    """One pull: the snapshot id, or None if a reused local blob died before the commit
+    (a concurrent rm/gc collected it); nothing of this attempt is then kept."""
     facts = body["blobs"]
     files = {k: held[0] for k in facts if (held := index.live_blob(k)) is not None}
+    reused = sorted(set(files.values()))
     names = {keys.blob_name(k): k for k in facts if k not in files}  # on the tier
     lease = blobs.lease()  # held until the pending row is gone (check leaves the pull alone)
     salt = lease.salt
@@ -68,23 +93,31 @@ def pull(
             if file is None:
                 raise EvictedError(f"shared blob {names[name]}", "the tier no longer holds it")
             files[names[name]] = file
-        return _commit(
+        sid = _commit(
             index,
             blobs,
             namespace,
             body=body,
             files=files,
+            reused=reused,
             written=written,
             salt=salt,
             named=named,
         )
+        if sid is None:
+            _undo(index, blobs, written, salt)
     except BaseException:
-        for b in written:
-            blobs.delete(b.file)
-        index.end_pending(salt)
+        _undo(index, blobs, written, salt)
         raise
     finally:
         lease.release()
+    return sid
+
+
+def _undo(index: Index, blobs: BlobStore, written: list[NewBlob], salt: str) -> None:
+    for b in written:
+        blobs.delete(b.file)
+    index.end_pending(salt)
 
 
 def _local(
@@ -122,10 +155,11 @@ def _commit(
     *,
     body: dict[str, Any],
     files: dict[str, str],
+    reused: list[str],
     written: list[NewBlob],
     salt: str,
     named: bool,
-) -> int:
+) -> int | None:
     r = {k: body["row"][k] for k in ROW_FIELDS}
     # the tier's chains are under the tier's secret; this store's under its own
     secret = index.secret(namespace)
@@ -150,6 +184,11 @@ def _commit(
     }
     try:
         with index.write() as db:
+            # the local blobs reused were chosen before the fetch; a concurrent rm/gc may
+            # have collected them since (retention.collect unlinks dead blobs): as a save
+            # does, commit only if they are still alive, else the caller fetches them
+            if not writes.blobs_alive(db, reused):
+                return None
             writes.add_blobs(db, namespace, written)
             writes.finish_pending(db, salt, [b.file for b in written], blobs.exists)
             sid = writes.insert(db, row, refs)

@@ -29,7 +29,7 @@ from ...remote.redis_tier import TierUnavailable
 from ...storage.blobs import BlobStore
 from ...storage.chains import boundary_heads
 from ...storage.index import Index
-from .lineage import RepairDeclined, kept_name, stale_held
+from .lineage import RepairDeclined, behind, kept_name, stale_held
 from .records import ROW_FIELDS, BadValue, Expect, Keys, chains_under, open_record, seal_record
 
 
@@ -155,6 +155,10 @@ def push(
     base = index.base(namespace, name) if name is not None else None  # before this push
     if name is None and getattr(tier, "named_only", False):
         return "skipped", None
+    if name is not None and as_name is None and repair is None:
+        old = behind(tier, keys, namespace, name, secret=secret, row=row, base=base)
+        if old is not None:  # a copy of the fleet's own past: nothing to push
+            return old, None
     files = [row.tail, *(r.blob for r in refs if r.blob)]
     facts = index.blob_facts(files)
     if len(facts) != len(set(files)):
