@@ -164,10 +164,20 @@ def read_tier_key(path: Path) -> bytes:
     from ..engine.tiers.records import parse_key
 
     try:
-        text = path.read_text(encoding="ascii")
+        with path.open("rb") as f:
+            data = f.read(KEY_FILE_BYTES + 1)  # bounded: /dev/zero is a file too
+        if len(data) > KEY_FILE_BYTES:
+            raise InvalidArgumentError(
+                f"the tier key file {path} is too long (a key is hex text, at most "
+                f"{KEY_FILE_BYTES} bytes in the file)"
+            )
+        text = data.decode("ascii")
     except (OSError, UnicodeDecodeError) as e:
         raise InvalidArgumentError(f"cannot read the tier key file {path}: {e}") from None
     return parse_key(text, f"the tier key file {path}")
+
+
+KEY_FILE_BYTES = 4096
 
 
 def json_option(f: F) -> F:

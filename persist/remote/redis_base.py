@@ -148,10 +148,18 @@ def _from_url(redis: Any, url: str, timeouts: dict[str, Any]) -> Any:
 
 
 def _check_url(url: str) -> None:
-    """ValueError for what redis-py takes but cannot mean: port 0 (every connection
+    """ValueError for what redis-py takes but cannot mean: options in the query
+    (unknown ones raised TypeError, ``decode_responses`` changed every value's type,
+    ``socket_timeout`` lifted persist's stall bound), port 0 (every connection
     failed later), a database path that is not one number (``/x`` was database 0,
     ``/1/2`` database 12: it drops what it cannot read, and every slash)."""
     parts = urlparse(url)
+    if parts.query or parts.params:  # redis-py makes each a client option, ours overridden
+        names = sorted({q.partition("=")[0] for q in (parts.query or parts.params).split("&")})
+        raise ValueError(
+            f"options in the URL are not taken ({', '.join(n[:40] for n in names[:5])}): persist "
+            "sets the client's timeouts and types itself; TLS is rediss://"
+        )
     if parts.port == 0:  # .port raises ValueError itself past 65535 or for no number
         raise ValueError("port 0 is not a port (1 to 65535)")
     db = unquote(parts.path).removeprefix("/")

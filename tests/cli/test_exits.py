@@ -112,6 +112,9 @@ BAD_URLS = [
     "redis://localhost:0/",  # taken, and then every connection failed
     "redis://localhost/x",  # taken as database 0
     "redis://localhost:6379/1/2",  # taken as database 12
+    "redis://localhost:6379/0?foo=bar",  # TypeError inside redis-py
+    "redis://localhost:6379/0?decode_responses=yes",  # every value a str
+    "redis://localhost:6379/0?socket_timeout=600",  # past persist's stall bound
 ]
 
 
@@ -171,3 +174,15 @@ def test_an_s3_failure_is_one_line(tmp_path: Path) -> None:
     assert failed, out.stderr
     assert "Debug source" not in out.stderr and "RetryErrorImpl" not in out.stderr
     assert len(out.stderr.splitlines()) <= 4, out.stderr
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "big"])
+def test_a_tier_key_file_is_read_with_a_bound(tmp_path: Path, source: str) -> None:
+    path = source
+    if source == "big":
+        big = tmp_path / "big.key"
+        big.write_bytes(b"ab" * (4 << 20))  # hex, 8 MiB
+        path = str(big)
+    out = persist_cli(tmp_path, "sync", "--tier-key-file", path, check=False)
+    assert out.returncode == 1, out.stderr
+    assert "is too long" in out.stderr and "Traceback" not in out.stderr
