@@ -12,9 +12,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
+    AccessDeniedError,
     AlreadyExistsError,
     BlockSizeMismatchError,
     CorruptBlobError,
+    HostCacheFullError,
     IdentityMismatchError,
     IdentityUnavailableError,
     InvalidArgumentError,
@@ -29,9 +31,11 @@ from .errors import (
     SaveLostError,
     SessionConflictError,
     SessionNotFoundError,
+    SessionUnreachableError,
     StorageError,
     StoreBusyError,
     StoreFullError,
+    StoreNotFoundError,
     UnauthenticatedFileError,
     UnknownKindError,
     UnsafeStoreError,
@@ -156,4 +160,8 @@ __all__ = [
     "StorageError",
     "AlreadyExistsError",
     "ModelNotFoundError",
+    "AccessDeniedError",
+    "HostCacheFullError",
+    "SessionUnreachableError",
+    "StoreNotFoundError",
 ]

@@ -34,6 +34,7 @@ __all__ = [
     "UnauthenticatedFileError",
     "ReadOnlyStoreError",
     "SessionConflictError",
+    "SessionUnreachableError",
     "StorageError",
     "StoreNotFoundError",
     "ModelNotFoundError",
@@ -283,3 +284,16 @@ class ModelNotFoundError(PersistError, FileNotFoundError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class SessionUnreachableError(PersistError, ConnectionError):
+    """A named session this store does not hold, while a tier that may hold it could not
+    be asked: continuing it would fork the fleet's history."""
+
+    def __init__(self, session: str, namespace: str, tiers: list[str]) -> None:
+        self.session, self.namespace, self.tiers = session, namespace, tiers
+        super().__init__(
+            f"session {session!r} is not in this store, and the {' and '.join(tiers)} "
+            "that may hold it could not be asked; try again when it answers, or pass --new "
+            "to start a new conversation (kept beside the fleet's, never over it)"
+        )

@@ -195,7 +195,8 @@ class StoreUpkeep:
         """Push what the tiers lack (every snapshot), pull the named sessions ``pull``."""
         from .tiers.exchange import sync
 
-        return sync(self.index, self.blobs, self.tiers, namespace, list(pull))
+        names = [check_name(n, "session") for n in pull]  # as every other command's
+        return sync(self.index, self.blobs, self.tiers, namespace, names)
 
 
 MAX_PRIORITY = 1000  # |priority|: an order, not a quantity; bounded so it is plain data

@@ -186,3 +186,20 @@ def test_a_tier_key_file_is_read_with_a_bound(tmp_path: Path, source: str) -> No
     out = persist_cli(tmp_path, "sync", "--tier-key-file", path, check=False)
     assert out.returncode == 1, out.stderr
     assert "is too long" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("name", ["", "x" * 100_000], ids=["empty", "100k"])
+def test_a_pulled_name_is_checked_as_every_command_checks_it(tmp_path: Path, name: str) -> None:
+    out = persist_cli(  # the name is refused before any tier is asked
+        tmp_path, "sync", "--shared", "redis://127.0.0.1:1/0", "--pull", name, check=False
+    )
+    assert out.returncode == 1, out.stderr
+    assert "session must be 1 to 1024 characters" in out.stderr
+
+
+def test_the_errors_the_docs_name_are_persist_s() -> None:
+    import persist
+
+    for name in ("SessionUnreachableError", "AccessDeniedError", "HostCacheFullError",
+                 "StoreNotFoundError"):  # fmt: skip
+        assert issubclass(getattr(persist, name), persist.PersistError)

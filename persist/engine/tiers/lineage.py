@@ -33,7 +33,7 @@ import math
 import struct
 from typing import Any, NamedTuple
 
-from ...errors import PersistError
+from ...errors import PersistError, SessionUnreachableError
 from ...format.tokens import unpack_tokens
 from .records import BadValue, Expect, Keys, open_record
 
@@ -43,19 +43,6 @@ __all__ = [
 ]  # fmt: skip
 
 MAX_FORKS = 1000  # NAME~2 .. NAME~1000: past it a push fails rather than scan on
-
-
-class SessionUnreachableError(PersistError, ConnectionError):
-    """A named session this store does not hold, while a tier that may hold it could not
-    be asked: continuing it would fork the fleet's history."""
-
-    def __init__(self, session: str, namespace: str, tiers: list[str]) -> None:
-        self.session, self.namespace, self.tiers = session, namespace, tiers
-        super().__init__(
-            f"session {session!r} is not in this store, and the {' and '.join(tiers)} "
-            "that may hold it could not be asked; try again when it answers, or pass --new "
-            "to start a new conversation (kept beside the fleet's, never over it)"
-        )
 
 
 class RepairDeclined(PersistError):
