@@ -64,7 +64,9 @@ def nearest(
         )
     have = max(kept, longer_than)  # what a pull or a read must beat (a declined copy too)
     if kept < len(toks) - 1:  # nothing beats a hit of every token but the last
-        for tier in tiers:  # the fleet's deepest snapshot, if it beats what is here
+        # the fleet's deepest snapshot, if it beats what is here (a read-only store
+        # pulls nothing: a pull writes)
+        for tier in tiers if not store.read_only else ():
             tier.pull_prefix(
                 i,
                 store.blobs,

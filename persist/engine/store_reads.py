@@ -13,7 +13,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, ReadOnlyStoreError
 from ..format.tokens import check_tokens, unpack_tokens
 from ..identity import ModelIdentity
 from ..records import Progress
@@ -74,6 +74,8 @@ class StoreReads(StoreUpkeep):
         """A session this store lacks, from the tiers (the shared one first, then the
         durable one); SessionUnreachableError when it is still not here and a tier that
         may hold it could not be asked (a "not found" then would fork its history)."""
+        if self.read_only and self.tiers:  # a pull writes (a lease, rows, blobs)
+            raise ReadOnlyStoreError(self.root)
         down = []
         for tier in self.tiers:
             if not self.has_session(session, namespace=namespace):
