@@ -10,7 +10,6 @@ real read-only bind mount (skipped where mounting is not permitted).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import stat
@@ -36,6 +35,7 @@ from tests.helpers import (
     pythonpath,
     tokens_for,
 )
+from tests.mounts import read_only_mount
 
 OTHER = 12345  # a uid no one on the test machine has
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid needs root")
@@ -178,19 +178,6 @@ def test_the_demo_model_under_umask_000_is_private(tmp_path: Path) -> None:
         if m != (0o700 if Path(p).is_dir() else 0o600)
     }
     assert not wrong
-
-
-@contextlib.contextmanager
-def read_only_mount(path: Path) -> Iterator[None]:
-    """``path`` bind-mounted read-only over itself; skip where mounting is refused."""
-    if subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True).returncode:
-        pytest.skip("mount --bind is not permitted here (a read-only store needs a mount)")
-    try:
-        remount = ["mount", "-o", "remount,bind,ro", str(path)]
-        subprocess.run(remount, check=True, capture_output=True)
-        yield
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)  # lazy: mapped blobs may linger
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 
 import persist
 from tests.helpers import prefill, tokens_for
-from tests.reliability.test_store_access import read_only_mount
+from tests.mounts import read_only_mount
 
 
 def test_a_read_only_store_never_pulls(tiny: Any, redis_server: Any, tmp_path: Path) -> None:
