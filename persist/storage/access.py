@@ -23,7 +23,15 @@ from ..private_files import GROUP_ENV, group_mode, private_mkdir, unsafe, unsafe
 if TYPE_CHECKING:
     import sqlite_utils
 
-__all__ = ["GROUP_ENV", "check_owner", "private_mkdir", "read_only", "connect_read_only"]
+__all__ = [
+    "GROUP_ENV",
+    "check_owner",
+    "check_part",
+    "unsafe_part",
+    "private_mkdir",
+    "read_only",
+    "connect_read_only",
+]
 
 CHECKED = ("", "blobs", "tmp", "index.sqlite", "index.sqlite-wal", "index.sqlite-shm")
 
@@ -53,6 +61,20 @@ def check_owner(root: Path) -> None:
             raise UnsafeStoreError(shown, why, _fix(fixed, st, group))
         if not name or stat.S_ISLNK(os.lstat(p).st_mode):
             _check_above(p)
+
+
+def unsafe_part(st: os.stat_result) -> str | None:
+    """Why another user could change a part inside ``blobs/`` (a ``blobs/ab/``
+    folder, a blob file), by the rule ``check_owner`` applies to the store's root."""
+    return unsafe(st, group_mode())
+
+
+def check_part(path: Path, st: os.stat_result) -> None:
+    """Refuse a ``blobs/ab/`` folder or blob file another user owns or can write
+    (attack 38, finding 9: they could delete or replace it, and so lose sessions)."""
+    why = unsafe_part(st)
+    if why is not None:
+        raise UnsafeStoreError(str(path), why, _fix(path, st, group_mode()))
 
 
 def _check_above(p: Path) -> None:

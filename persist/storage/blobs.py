@@ -31,6 +31,7 @@ from ..errors import CorruptBlobError
 from ..format.opening import open_regular
 from ..format.sink import Sink, atomic_write, fsync_dir
 from . import leases
+from .access import check_part
 
 __all__ = ["BlobStore", "FileBlobs", "FILE_RE"]
 
@@ -112,6 +113,7 @@ class FileBlobs:
         except FileExistsError:
             pass
         _require_real_dir(final.parent)
+        check_part(final.parent, os.lstat(final.parent))  # another user's: refused
         # named by the save's salt: check leaves it while that save's lease is held
         tmp = self.tmp / f"{file[-12:]}.{secrets.token_hex(8)}.tmp"
         size, result = atomic_write(tmp, final, write, size_hint, FILE_MODE, self.cached_writes)
@@ -125,7 +127,14 @@ class FileBlobs:
     def open(self, file: str) -> BinaryIO:
         path = self.path(file)
         _require_real_dir(path.parent, missing_ok=True)
-        return open_regular(path)  # no link, no FIFO: a FIFO here hung every reader
+        f = open_regular(path)  # no link, no FIFO: a FIFO here hung every reader
+        try:  # a folder or file another user can change: refused, as the store root is
+            check_part(path.parent, os.lstat(path.parent))
+            check_part(path, os.fstat(f.fileno()))
+        except BaseException:
+            f.close()
+            raise
+        return f
 
     def prefetch(self, file: str) -> None:
         """Ask the kernel to start reading ``file`` now (a restore reads it next).
@@ -190,6 +199,15 @@ class FileBlobs:
                     or not e.is_file(follow_symlinks=False)
                 ):
                     yield Path(e.path)
+
+    def parts(self) -> Iterator[tuple[Path, os.stat_result]]:
+        """Every ``blobs/ab/`` folder and every entry in one, not followed through a link."""
+        for e in _entries(self.blobs):
+            if e.is_dir(follow_symlinks=False):
+                yield Path(e.path), e.stat(follow_symlinks=False)
+                for f in _entries(Path(e.path)):
+                    if not f.is_symlink():  # a link: reported by check as one
+                        yield Path(f.path), f.stat(follow_symlinks=False)
 
     def tmp_files(self) -> Iterator[Path]:
         """Every entry of tmp/ (none if tmp/ is a link: it is not ours to list)."""

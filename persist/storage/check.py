@@ -20,6 +20,7 @@ from ..errors import CorruptBlobError
 from ..format.opening import file_kind
 from ..records import Progress
 from . import full, leases, writes
+from .access import unsafe_part
 from .blobs import FILE_RE, FileBlobs
 from .check_damage import Cutter, damaged, quarantine, repair, verify_blob
 from .index import Index
@@ -51,6 +52,7 @@ def check_store(
     problems += _folders(blobs, fix)
     problems += _reserve(blobs, fix)
     problems += _links(blobs)
+    problems += _unsafe_parts(blobs)
     problems += _tmp(blobs, fix)
     # Files first, then blob rows and pending saves in one read transaction:
     # a file listed here is either committed in that view (it has a row) or
@@ -173,6 +175,20 @@ def _links(blobs: FileBlobs) -> list[Problem]:
         Problem("symlink", str(p), "a symbolic link inside the store; persist leaves it", False)
         for p in blobs.links()
     ]
+
+
+def _unsafe_parts(blobs: FileBlobs) -> list[Problem]:
+    """``blobs/ab/`` folders and blob files another user owns or can write: a restore
+    refuses them; reported, never fixed or deleted here (whose they are is the owner's
+    call, and deleting another user's file would lose what it holds)."""
+    out: list[Problem] = []
+    if blobs.blobs.is_symlink():
+        return out
+    for path, st in blobs.parts():
+        why = unsafe_part(st)
+        if why is not None:
+            out.append(Problem("unsafe", str(path), f"{why}; a restore refuses it", False))
+    return out
 
 
 def _tmp(blobs: FileBlobs, fix: bool) -> list[Problem]:
