@@ -115,6 +115,8 @@ def start(kind: str, model: Path, tmp: Path, cache_size: int) -> tuple[Server, f
         args = ["mlx_lm.server", "--model", str(model)]
     else:
         args = ["persist", "serve", "--model", str(model), "--store", str(tmp / "store")]
+        # a variant's options, e.g. E2E_PERSIST_ARGS="--host-cache 0" (bench/cuda_restore_run.sh)
+        args += os.environ.get("E2E_PERSIST_ARGS", "").split()
     srv = Server([*args, "--prompt-cache-size", str(cache_size)], tmp / f"{kind}.log")
     return srv, time.perf_counter() - t0
 

@@ -208,6 +208,10 @@ def main() -> None:
         "2-core VM also ran a test suite: compare the servers, not the seconds):",
         "",
         *(included("e2e-cpu") if (RESULTS / "e2e-cpu.md").exists() else []),
+        "The same on an NVIDIA GPU (`bench/cuda_restore_run.sh e2efull`: Llama-3-8B",
+        "shape, bf16, an ~7k-token system prompt):",
+        "",
+        *(included("e2e-cuda") if (RESULTS / "e2e-cuda.md").exists() else []),
     ]
     print("\n".join(lines))
 

@@ -334,7 +334,9 @@ def _pinned_slots(driver: Driver, size: int) -> list[np.ndarray]:
     ]
 
 
-DIRECT_BY_DEFAULT = False  # until the H200's tests and timings have run it (issue 39)
+# the GPU ran its tests bit for bit and it peaks at 1.00x the cache, staging at 1.99x
+# (bench/results/cuda-first-call-r8.md); a warm restore costs 1.4x staging's
+DIRECT_BY_DEFAULT = True
 
 
 def direct() -> bool:

@@ -1,0 +1,78 @@
+"""Does persist serve's background work (the write-behind's saves, the host tier's
+copies of evicted caches) slow the next request?  Misses only, on MLX's CUDA
+backend (issue 39): each server gets unseen prompts back to back ("busy": persist's
+writer and keeper still work on the previous request's caches) and after persist
+has gone idle ("idle": its write queue empty, then a pause), in one run.
+
+    python -m bench.cuda_serve_contention [--shape llama3-8b] [--n 4] [--out DIR]
+
+Plain ``mlx_lm.server`` gets the same prompts at the same moments, so the ratio
+of persist's TTFT to plain's in each mode tells what the overlap costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from bench.bench_e2e import SHAPES, scrape, start, streamed, unseen
+from persist.apps.demo import make_model
+
+
+def queue_depth(port: int) -> float:
+    m = re.search(r"^persist_write_queue_depth (\S+)$", scrape(port), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def idle(port: int, settle: float, bound: float = 60.0) -> None:
+    """Wait for persist's write queue to empty (bounded), then ``settle`` seconds."""
+    t0 = time.monotonic()
+    while queue_depth(port) > 0 and time.monotonic() - t0 < bound:
+        time.sleep(0.1)
+    time.sleep(settle)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--chars", type=int, default=12000)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args()
+    res: dict[str, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        model = make_model(tmp / "model", "llama", overrides=SHAPES[args.shape])
+        servers = {k: start(k, model, tmp, 2)[0] for k in ("plain", "persist")}
+        try:
+            for srv in servers.values():  # kernels compiled: not timed
+                streamed(srv.port, [{"role": "user", "content": "warm up"}], 2)
+            for mode in ("busy", "idle", "busy", "idle"):
+                for i in range(args.n):
+                    if mode == "idle":
+                        idle(servers["persist"].port, 2.0)
+                    order = ["plain", "persist"] if i % 2 else ["persist", "plain"]
+                    prompt = unseen(f"{mode} {i} {time.time()}", args.chars)
+                    for k in order:
+                        r = streamed(servers[k].port, prompt, 1)
+                        res.setdefault(mode, {}).setdefault(k, []).append(r["ttft"])
+            metrics = scrape(servers["persist"].port)
+        finally:
+            for srv in servers.values():
+                srv.stop()
+    report = {m: {k: sorted(v) for k, v in by.items()} for m, by in res.items()}
+    for m, by in report.items():
+        p, q = by["persist"], by["plain"]
+        print(f"{m}: persist median {p[len(p) // 2]:.3f} plain median {q[len(q) // 2]:.3f} "
+              f"ratio {p[len(p) // 2] / q[len(q) // 2]:.2f}")  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serve-contention.json").write_text(json.dumps(report, indent=1))
+    (args.out / "serve-contention-metrics.txt").write_text(metrics)
+
+
+if __name__ == "__main__":
+    main()
