@@ -104,9 +104,11 @@ def capture(cache: Any, tokens: Sequence[int] | None = None) -> Snapshot:
         pause()  # persist serve's write-behind: a request that prompts goes first
         # A host read moves an MLX CUDA buffer into managed memory, and then every
         # decode step of the process slows (12 ms -> 1.8 s at 128k tokens on an
-        # H200): the host reads a device copy, through the driver where there is
-        # one (cuda/readback), so no buffer ever turns managed.
-        twins = {k: device_copy(t) for k, t in twins.items()}
+        # H200): the host reads through the driver (cuda/readback), row by row where
+        # the arrays lie on the direct path, else from a device copy, so no buffer
+        # ever turns managed.
+        if readback.copies_first():
+            twins = {k: device_copy(t) for k, t in twins.items()}
     mx.eval([*tensors.values(), *twins.values()])
     copied = readback.host_copies(list(twins.values())) if on_cuda() else None
     if copied is not None:

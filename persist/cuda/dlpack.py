@@ -15,7 +15,7 @@ import math
 
 import mlx.core as mx
 
-__all__ = ["address", "addresses", "zeroed"]
+__all__ = ["address", "addresses", "rows", "zeroed"]
 
 
 class _DLTensor(ctypes.Structure):
@@ -57,6 +57,38 @@ def address(a: mx.array) -> int:
         if any(s != w and n != 1 for s, w, n in zip(got, reversed(want), shape, strict=True)):
             raise ValueError(f"an array of shape {shape} with strides {got} is not contiguous")
     return int(t.data or 0) + int(t.byte_offset)
+
+
+def rows(a: mx.array) -> tuple[int, int, int, int]:
+    """An evaluated array as rows of bytes: (address of the first, bytes a row, rows,
+    bytes from one row's start to the next).  A KV cache's live slice of a larger
+    buffer (``keys[..., :offset, :]``) is one row per head, ``offset * D`` elements
+    long, a whole buffer's row apart.  ValueError where the outer dimensions do
+    not step by one pitch (no such layout is copied this way)."""
+    cap = a.__dlpack__()
+    t = _DLTensor.from_address(_get(cap, b"dltensor"))
+    start = int(t.data or 0) + int(t.byte_offset)
+    size = a.dtype.size
+    dims = [(int(t.shape[i]), int(t.strides[i]) if t.strides else 0) for i in range(t.ndim)]
+    if not t.strides:  # row-major by definition
+        return start, a.nbytes, 1, a.nbytes
+    dims = [(n, s) for n, s in dims if n != 1]  # a dimension of size 1 may carry any stride
+    width, k = 1, len(dims)  # elements a row; the row's dimensions are dims[k:]
+    while k and dims[k - 1][1] == width:
+        width *= dims[k - 1][0]
+        k -= 1
+    height, pitch = 1, 0
+    if k:
+        pitch = dims[k - 1][1]
+        step = pitch
+        for n, s in reversed(dims[:k]):
+            if s != step:
+                raise ValueError(f"an array with strides {[s for _, s in dims]} is not rows")
+            step *= n
+            height *= n
+    if height > 1 and pitch < width:
+        raise ValueError(f"rows of {width} elements {pitch} apart overlap")
+    return start, width * size, height, max(pitch, width) * size
 
 
 def addresses(arrays: list[mx.array]) -> list[int]:

@@ -244,8 +244,10 @@ def cuda_holder(
     budget: int, *, page_bytes: int = PAGE_BYTES, chunk_bytes: int = CHUNK_BYTES
 ) -> PagedHolder:
     """Pinned, device-mapped pages and the pack/unpack kernels, in MLX's CUDA context."""
+    from . import pinned
     from .driver import Driver
     from .kernels import pack, unpack
+    from .page_copies import EngineCopies
 
     driver = Driver()
 
@@ -257,12 +259,19 @@ def cuda_holder(
         driver.make_current()  # a Store's close may run on any thread
         driver.host_free(host)
 
-    def pack_pages(items: list[tuple[mx.array, int]], pages: Sequence[Page], b: int) -> None:
+    def pack_pages_by_kernel(
+        items: list[tuple[mx.array, int]], pages: Sequence[Page], b: int
+    ) -> None:
         pack(items, [p.device for p in pages], b)
 
-    def unpack_pages(parts: list[Part], pages: Sequence[Page], b: int) -> list[mx.array]:
+    def unpack_pages_by_kernel(parts: list[Part], pages: Sequence[Page], b: int) -> list[mx.array]:
         specs = [(p.offset, p.nbytes, p.shape, p.dtype) for p in parts]
         return unpack(specs, [p.device for p in pages], b)
+
+    pack_pages, unpack_pages = pack_pages_by_kernel, unpack_pages_by_kernel
+    if pinned.direct():  # the copy engine, no kernel (cuda.page_copies)
+        engine = EngineCopies(driver, pack_pages_by_kernel, unpack_pages_by_kernel)
+        pack_pages, unpack_pages = engine.pack, engine.unpack
 
     pool = PagePool(budget, alloc, free, page_bytes=page_bytes, chunk_bytes=chunk_bytes)
     return PagedHolder(pool, pack_pages, unpack_pages, "pinned host memory")
@@ -279,6 +288,8 @@ def proven(holder: Holder, budget: int) -> str | None:
     rng = np.random.default_rng(0)
     arrays = [mx.array(rng.integers(0, 256, n, dtype=np.uint8)) for n in sizes]
     arrays.append(mx.array(rng.standard_normal((3, 1000), dtype=np.float32)).astype(mx.bfloat16))
+    # a KV cache's live slice of a larger buffer: rows a buffer's row apart
+    arrays.append(mx.array(rng.standard_normal((1, 3, 40, 8), dtype=np.float32))[..., :29, :])
     mx.eval(arrays)
     try:
         held = holder.hold(arrays)

@@ -23,29 +23,31 @@ import numpy as np
 
 from ..yielding import pause
 from . import pinned
-from .dlpack import address
+from .dlpack import address, rows
 from .driver import Driver
 from .kernels import addresses
 
-__all__ = ["host_copies", "pieces"]
+__all__ = ["copies_first", "host_copies", "layouts", "pieces"]
 
 PIECE_BYTES = 64 << 20  # a capture's run on the lanes: about 3 ms of copy at 25 GB/s
 
 Chunk = tuple[int, np.ndarray, int, int]  # device address, host array, offset, bytes
+Layout = tuple[int, int, int, int]  # first row's address, bytes a row, rows, pitch (dlpack.rows)
 
 
 def host_copies(arrays: list[mx.array]) -> list[np.ndarray] | None:
-    """Each evaluated, row-contiguous device array's bytes in new host memory
-    (uint8, flat); None where this process has no driver (``pinned.data_path``)."""
+    """Each evaluated device array's bytes, in row order, in new host memory (uint8,
+    flat); None where this process has no driver (``pinned.data_path``)."""
     choice = pinned.data_path()
     if choice.driver is None:
         return None
     outs = [np.empty(a.nbytes, dtype=np.uint8) for a in arrays]
-    addrs = device_addresses(arrays)
+    keep: list[mx.array] = []  # copies made for layouts the driver cannot read as rows
+    found = layouts(arrays, keep)
     ring = choice.ring
     for piece in pieces([out.nbytes for out in outs], PIECE_BYTES):
         pause()  # persist serve's write-behind waits here while a request prompts
-        a, o = [addrs[i] for i in piece], [outs[i] for i in piece]
+        a, o = [found[i] for i in piece], [outs[i] for i in piece]
         if ring is not None and ring.free_for_capture():
             try:
                 _through_lanes(ring, a, o)
@@ -56,17 +58,34 @@ def host_copies(arrays: list[mx.array]) -> list[np.ndarray] | None:
     return outs
 
 
-def device_addresses(arrays: list[mx.array]) -> list[int]:
-    """Each array's device address: through DLPack where the ring is direct (no
-    kernel to build: a fresh process's first save paid 1.4 s for the kernel's,
-    issue 39), else, and for an array DLPack calls strided, the address kernel's
-    (its input is a contiguous copy)."""
+def copies_first() -> bool:
+    """Must a save copy its arrays on the device before they are read back?  Not on
+    the direct path with a driver: it reads a KV cache's strided slice row by row
+    where it lies (no kernel, no second copy of the cache on the device, issue 39)."""
+    return not (pinned.direct() and pinned.data_path().driver is not None)
+
+
+def layouts(arrays: list[mx.array], keep: list[mx.array]) -> list[Layout]:
+    """Each array as rows of bytes (``dlpack.rows``): through DLPack where the ring is
+    direct (no kernel to build: a fresh process's first save paid 1.4 s for the
+    kernel's, issue 39), a layout that is not rows read from a contiguous copy
+    (kept alive in ``keep``); else the address kernel's (its input is a copy)."""
     if not pinned.direct():
-        return addresses(arrays)
-    try:
-        return [address(a) for a in arrays]
-    except ValueError:
-        return addresses(arrays)
+        found = addresses(arrays)
+        return [(addr, a.nbytes, 1, a.nbytes) for addr, a in zip(found, arrays, strict=True)]
+    out: list[Layout] = []
+    for a in arrays:
+        if not a.nbytes:
+            out.append((0, 0, 0, 0))
+            continue
+        try:
+            out.append(rows(a))
+        except ValueError:
+            c = mx.contiguous(a)
+            mx.eval(c)
+            keep.append(c)
+            out.append((address(c), c.nbytes, 1, c.nbytes))
+    return out
 
 
 def pieces(sizes: list[int], most: int) -> list[list[int]]:
@@ -84,20 +103,25 @@ def pieces(sizes: list[int], most: int) -> list[list[int]]:
     return runs
 
 
-def _direct(driver: Driver, addrs: list[int], outs: list[np.ndarray]) -> None:
+def _direct(driver: Driver, found: list[Layout], outs: list[np.ndarray]) -> None:
     driver.make_current()
-    for addr, out in zip(addrs, outs, strict=True):
-        if out.nbytes:
-            driver.copy_out(addr, out.ctypes.data, out.nbytes)
+    for (start, width, height, pitch), out in zip(found, outs, strict=True):
+        for r in range(height if width else 0):
+            driver.copy_out(start + r * pitch, out.ctypes.data + r * width, width)
 
 
-def _through_lanes(ring: pinned.Ring, addrs: list[int], outs: list[np.ndarray]) -> None:
-    slot = ring.slot_bytes
-    chunks: list[Chunk] = [
-        (addr + o, out, o, min(slot, out.nbytes - o))
-        for addr, out in zip(addrs, outs, strict=True)
-        for o in range(0, out.nbytes, slot)
+def _chunks(found: list[Layout], outs: list[np.ndarray], slot: int) -> list[Chunk]:
+    """Every row of every array, cut at slot boundaries: (address, out, offset, bytes)."""
+    return [
+        (start + r * pitch + o, out, r * width + o, min(slot, width - o))
+        for (start, width, height, pitch), out in zip(found, outs, strict=True)
+        for r in range(height if width else 0)
+        for o in range(0, width, slot)
     ]
+
+
+def _through_lanes(ring: pinned.Ring, found: list[Layout], outs: list[np.ndarray]) -> None:
+    chunks = _chunks(found, outs, ring.slot_bytes)
     lanes = ring.lanes
     pool = ring.pool()
     futures: list[Future[None]] = []

@@ -82,6 +82,26 @@ def test_every_byte_comes_back_through_the_lanes(lanes: Any, sizes: list[int], s
     assert sum(lane.fetched for lane in ring.lanes) - sum(before) == chunks
 
 
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_kv_slice_is_read_row_by_row_where_it_lies(lanes: Any, busy: bool) -> None:
+    """The direct path reads a strided slice without a device copy (issue 39): one
+    row of bytes per head, a buffer's row apart, rows cut at slot boundaries."""
+    ring, driver = lanes
+    rng = np.random.default_rng(4)
+    whole = mx.array(rng.standard_normal((1, 3, 300, 8)).astype(np.float32)).astype(mx.bfloat16)
+    arrays = [whole[..., :170, :], whole[..., :1, :], mx.array(np.arange(50, dtype=np.uint8))]
+    arrays.append(mx.array(np.arange(24, dtype=np.float32)).reshape(4, 6).T)  # not rows: a copy
+    mx.eval(arrays)
+    assert pinned.direct() and not readback.copies_first()
+    if busy:
+        with ring.lock:
+            got = readback.host_copies(arrays)
+        assert driver.direct == 3 + 3 + 1 + 1  # a call a row (a head each, then two arrays)
+    else:
+        got = readback.host_copies(arrays)
+    assert got is not None and [g.tobytes() for g in got] == [raw(a) for a in arrays]
+
+
 def test_with_the_lanes_busy_one_direct_copy_per_array(lanes: Any) -> None:
     """A restore holds the lanes (or this thread is inside one): no wait for them."""
     ring, driver = lanes
