@@ -8,6 +8,7 @@
 #   bench/cuda_restore_run.sh servetests e2e   # persist serve end to end against mlx_lm.server
 #   bench/cuda_restore_run.sh e2efull          # the same with 6 sessions x 3 turns
 #   bench/cuda_restore_run.sh serveprobe       # where a serve hit's time goes, in one process
+#   bench/cuda_restore_run.sh pagetests contention e2efull   # round 5: the copy engine's host tier
 # Everything it writes goes to $OUT (probe report, logs, bench results).
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -48,6 +49,14 @@ for phase in "$@"; do
       tests/engine/test_staging.py -k "direct or staged or kernel or address or zeroed or strided" \
       2>&1 | tee "$OUT/cuda-direct-tests.log" | tail -5
     timeout 170 python3 -m bench.cuda_first_call --out "$OUT" 2>&1 | tail -5 ;;
+  pagetests)
+    # the copy engine's host tier and row-by-row save reads (bit for bit), round trips
+    timeout 170 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_host_tier_cuda.py \
+      tests/format/test_readback.py tests/engine/test_page_copies.py tests/engine/test_no_kernel_path.py \
+      tests/engine/test_roundtrip_models.py 2>&1 | tee "$OUT/cuda-page-tests.log" | tail -5 ;;
+  contention)
+    # a miss right after another request against one after persist went idle
+    timeout 170 python3 -m bench.cuda_serve_contention --n 3 --out "$OUT" 2>&1 | tail -4 ;;
   directtests)
     timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_staging.py \
       tests/engine/test_no_kernel_path.py tests/engine/test_host_tier_cuda.py 2>&1 | tee "$OUT/cuda-direct-tests.log" | tail -5 ;;
