@@ -312,14 +312,17 @@ class Index(IndexStatistics):
             ).fetchone()
         return float(row[0]) if row and row[0] is not None else None
 
-    def saw(self, namespace: str, name: str, created: float) -> None:
-        """A version of ``name`` this store pushed or pulled: the replay floor and the base."""
+    def saw(self, namespace: str, name: str, created: float, base: bool = True) -> None:
+        """A version of ``name`` this store pushed or pulled: the replay floor and the base.
+        ``base`` False: the floor only (a tombstone read past a copy this store holds of
+        the deleted history: what it saves on that copy does not continue the tombstone)."""
         with self.write() as db:
             db.execute(
                 "INSERT INTO tier_seen(namespace, name, created, base) VALUES (?, ?, ?, ?) "
                 "ON CONFLICT(namespace, name) DO UPDATE SET created = MAX(created, "
-                "excluded.created), base = MAX(COALESCE(base, excluded.base), excluded.base)",
-                [namespace, name, created, created],
+                "excluded.created), base = MAX(COALESCE(base, excluded.base), "
+                "COALESCE(excluded.base, base))",  # a NULL in MAX() is NULL: keep the base
+                [namespace, name, created, created if base else None],
             )
 
     def unique_bytes(

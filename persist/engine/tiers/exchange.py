@@ -114,6 +114,8 @@ class Shared:
         sid: int,
         verify: bool = False,
         as_name: str | None = None,
+        base: tuple[float | None] | None = None,
+        beside: bool = False,
     ) -> str:
         """Push one committed snapshot: ``pushed``, ``present`` (the tier had all of it),
         ``conflict`` (a session that does not continue the tier's one of its name, written
@@ -141,6 +143,8 @@ class Shared:
                     verify=verify,
                     conflicts=self.conflicts,
                     as_name=as_name,
+                    base=base,
+                    beside=beside,
                 )
             )
             done, after = got if got is not None else (None, None)

@@ -10,7 +10,9 @@ what was read there (a compare-and-set, as a push's).  This store records the
 tombstone's version as seen: the next history it saves under the name takes
 it, and an older version replayed on the tier is refused, here and by every
 store that reads the tombstone; a machine still continuing the deleted history
-pushes it beside (``NAME~N``), a conflict it reports.  A tier that cannot be
+pushes it beside (``NAME~N``), a conflict it reports.  A tombstone already in
+place (another machine deleted the name first) is recorded as seen exactly as one
+written here, so this store's next history under the name takes it.  A tier that cannot be
 asked fails the delete before anything here is deleted (try again: a tier
 that already holds the tombstone is left as it is).
 """
@@ -62,6 +64,8 @@ def _tombstone(shared: Any, index: Index, namespace: str, name: str) -> bool:
     for _ in range(TRIES):
         held = tier_tokens(shared.tier, shared.keys, namespace, name, secret)
         if held.rkey is None:
+            if held.version is not None:  # another machine's tombstone: seen, as one written
+                index.saw(namespace, name, held.version)  # here (attack 38b, finding 13)
             return False
         with index.read() as db:
             version = writes.version_after(db, namespace, name, time.time())

@@ -15,6 +15,7 @@ from typing import Any
 
 from ...storage.blobs import BlobStore
 from ...storage.index import Index
+from .fleet_plan import plan
 from .push import Shared
 
 __all__ = ["push_everywhere", "sync"]
@@ -37,12 +38,21 @@ def push_everywhere(
     fleet deleted, and bring the deleted session back to every machine.  So a session
     whose cold push failed is ``held`` back from the later tiers (counted
     ``<tier>_held``): the name is the cold tier's to give, and a later sync or save
-    pushes it once the cold tier answers.  A snapshot without a name goes on."""
+    pushes it once the cold tier answers.  Every tier's session of the name is read
+    first (``fleet_plan``): the fleet's past on any tier is pushed to none, and a
+    later tier's session the snapshot does not continue sends it beside on all.
+    A snapshot without a name goes on."""
+    ordered = sorted(tiers, key=lambda t: t.name != "cold")
+    row = _row(index, sid)
+    named = row is not None and row.role == "session" and row.name is not None
+    p = plan(ordered, index, namespace, row) if named and len(ordered) > 1 else None
+    if p is not None and p.verdict is not None:  # the fleet's own past, on some tier
+        return [(tier, p.verdict) for tier in ordered]
     done: list[tuple[Shared, str]] = []
     fork: str | None = None
     unasked = False  # the cold tier could not be asked which name a session takes
     past: str | None = None  # the cold tier's "behind"/"deleted": the fleet's own past
-    for tier in sorted(tiers, key=lambda t: t.name != "cold"):
+    for i, tier in enumerate(ordered):
         if past is not None:  # a later tier (a flushed Redis) must not take it either
             done.append((tier, past))
             continue
@@ -56,21 +66,25 @@ def push_everywhere(
             done.append((tier, "held"))
             continue
         forks = len(tier.conflicts)
-        how = tier.push(index, blobs, namespace, sid, verify=verify, as_name=fork)
+        how = tier.push(
+            index, blobs, namespace, sid, verify=verify, as_name=fork,
+            base=p.base if p is not None and fork is None else None,
+            beside=p is not None and p.beside and i == 0,
+        )  # fmt: skip
         if fork is None and len(tier.conflicts) > forks:  # pushed, or there already
             fork = tier.conflicts[-1][1]
-        unasked = tier.name == "cold" and how == "failed" and _named(index, sid)
+        unasked = tier.name == "cold" and how == "failed" and named
         if tier.name == "cold" and how in ("behind", "deleted"):
             past = how
         done.append((tier, how))
     return done
 
 
-def _named(index: Index, sid: int) -> bool:
-    """Is snapshot ``sid`` a named session (one that takes a name on a tier)?"""
+def _row(index: Index, sid: int) -> Any:
+    """Snapshot ``sid``'s index row; None where it is gone."""
     with index.read() as db:
         rows = Index.rows_where(db, "id = ?", [sid])
-    return bool(rows) and rows[0].role == "session"
+    return rows[0] if rows else None
 
 
 def sync(

@@ -39,7 +39,7 @@ from .records import BadValue, Expect, Keys, open_record
 
 __all__ = [
     "SessionUnreachableError", "MAX_FORKS", "Held", "kept_name", "shown_url", "tier_tokens",
-    "tombstone", "open_tombstone", "RepairDeclined", "stale_held", "behind",
+    "tombstone", "open_tombstone", "RepairDeclined", "stale_held", "behind", "past", "continues",
 ]  # fmt: skip
 
 MAX_FORKS = 1000  # NAME~2 .. NAME~1000: past it a push fails rather than scan on
@@ -65,6 +65,7 @@ class Held(NamedTuple):
     rkey: str | None  # the record it names; None: none, a tombstone, or one that does not open
     tokens: list[int] | None  # that record's tokens; None: no history there
     version: float | None  # its version (save time), or the tombstone's; None: neither
+    value: bytes | None = None  # the pointer's bytes as read (a repair compares them)
 
 
 def tier_tokens(tier: Any, keys: Keys, namespace: str, name: str, secret: bytes | None) -> Held:
@@ -72,13 +73,13 @@ def tier_tokens(tier: Any, keys: Keys, namespace: str, name: str, secret: bytes 
     version (``persist rm --fleet``), or nothing (also a value that does not open: a
     hostile or damaged one is no history to keep); with the pointer's token."""
     value, token = tier.session_pointer(namespace, name.encode())
-    nothing = Held(token, None, None, None)
+    nothing = Held(token, None, None, None, value)
     if value is None:
         return nothing
     try:
         gone = open_tombstone(keys, namespace, name, value)
         if gone is not None:
-            return Held(token, None, None, gone)
+            return Held(token, None, None, gone, value)
         rkey = keys.open_pointer(namespace, "sess", name.encode(), value)
         record = tier.records(namespace, [rkey])[0]
         if record is None:
@@ -86,7 +87,8 @@ def tier_tokens(tier: Any, keys: Keys, namespace: str, name: str, secret: bytes 
         body = open_record(keys, record, Expect(namespace, rkey, name=name, secret=secret))
     except BadValue:
         return nothing
-    return Held(token, rkey, unpack_tokens(body["row"]["tokens"]), float(body["row"]["created"]))
+    toks, created = unpack_tokens(body["row"]["tokens"]), float(body["row"]["created"])
+    return Held(token, rkey, toks, created, value)
 
 
 def continues(tokens: list[int], held: Held, rkey: str, base: float | None = None) -> bool:
@@ -110,25 +112,37 @@ def behind(
     secret: bytes | None,
     row: Any,
     base: float | None,
+    seen: float | None = None,
 ) -> str | None:
     """``behind`` or ``deleted`` where a local session ``row`` is a copy of a version
-    the fleet had and moved past, not a history to push; None to push it as usual.
-    Only a version this store pushed or pulled (at or below ``base``, so nothing was
-    saved here on top of it) qualifies: the tier's session a newer version whose
-    tokens extend it (``behind``: a machine that merely did not pull the later turns),
-    or a tombstone no older than it (``deleted``: ``rm --fleet`` removed it; pushing
-    it back as ``NAME~2`` would bring the deleted conversation back to the fleet)."""
+    the fleet had and moved past, not a history to push; None to push it as usual
+    (``past`` decides, from the tier's session of the name)."""
+    if base is None or float(row.created) > base:  # saved here: a history
+        return None
+    return past(tier_tokens(tier, keys, namespace, name, secret), row, base, seen)
+
+
+def past(held: Held, row: Any, base: float | None, seen: float | None) -> str | None:
+    """Whether ``row`` is the fleet's past where a tier holds ``held``.  Only a version
+    this store pushed or pulled and saved nothing on (at or below ``base``) qualifies:
+    ``behind`` where the tier's session is a newer version whose tokens extend it (a
+    machine that merely did not pull the later turns); ``deleted`` where it is a
+    tombstone no older than it (``rm --fleet``), a newer history that does not extend
+    it (a new conversation after a tombstone: the fleet replaced it knowingly), or
+    where this store saw a version newer than the copy (``seen``: a tombstone it read)
+    and the tier holds nothing as new (a tier that came back empty or rolled back
+    cannot prove the delete undone).  Pushing any of these back, even as ``NAME~2``,
+    would bring a conversation the fleet moved past back to it."""
     created = float(row.created)
-    if base is None or created > base:  # saved here and not yet on the tier: a history
+    if base is None or created > base:
         return None
-    held = tier_tokens(tier, keys, namespace, name, secret)
-    if held.version is None or held.version < created:
-        return None
-    if held.rkey is None:  # a tombstone (a value that does not open has no version)
-        return "deleted"
-    toks = unpack_tokens(row.tokens)
-    extends = held.tokens is not None and held.tokens[: len(toks)] == toks
-    return "behind" if held.version > created and extends else None
+    if held.version is not None and held.version > created and held.rkey is not None:
+        toks = unpack_tokens(row.tokens)
+        extends = held.tokens is not None and held.tokens[: len(toks)] == toks
+        return "behind" if extends else "deleted"
+    if held.version is not None and held.rkey is None and held.version >= created:
+        return "deleted"  # a tombstone (a value that does not open has no version)
+    return "deleted" if seen is not None and seen > created else None
 
 
 def kept_name(
@@ -141,12 +155,15 @@ def kept_name(
     tokens: list[int],
     rkey: str,
     base: float | None = None,
+    beside: bool = False,
 ) -> tuple[str, Held]:
     """The name this snapshot is pushed under, and what the tier holds there: ``name`` if
     it continues the tier's session of that name (``base``: ``Index.base``, read before
-    this push), else the first ``name~N`` (N >= 2) it continues or that is free."""
+    this push) and not ``beside`` (another tier's newer session of the name it does not
+    continue: ``fleet_sync``), else the first ``name~N`` (N >= 2) it continues or that
+    is free."""
     held = tier_tokens(tier, keys, namespace, name, secret)
-    if continues(tokens, held, rkey, base):
+    if not beside and continues(tokens, held, rkey, base):
         return name, held
     for n in range(2, MAX_FORKS + 1):
         other = f"{name}~{n}"
@@ -172,7 +189,7 @@ def stale_held(
     else RepairDeclined.  The write that follows is a compare-and-set over the same
     value, so a push landing after this read declines the repair there too."""
     held = tier_tokens(tier, keys, namespace, name, secret)
-    if held.token != stale:
+    if held.value != stale:  # the bytes (a cold tier's token is its ETag)
         raise RepairDeclined(f"session {name!r} moved on the tier since it was read")
     if held.version is not None and held.version >= version:
         raise RepairDeclined(f"the tier's session {name!r} is no older than the cold tier's")

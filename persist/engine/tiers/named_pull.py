@@ -13,8 +13,14 @@ once the pull is committed: the snapshot pushed again and its pointer set to the
 cold tier's exactly, by a compare-and-set over the stale value the pull read and
 only where Redis's version is older (``push.push`` with ``repair``,
 ``lineage.stale_held``; counted ``<tier>_repaired``, ``<tier>_repair_declined``).
-A cold tier without a pointer of the name (machines without one pushed it) leaves
-Redis's.  A cold tier that cannot be asked leaves Redis's too, said once per
+Where the two pointers differ the newer version by lineage wins, whichever tier
+holds it (a record's save time, a tombstone's version): a cold tier restored from
+backup or rolled back, or one a machine with only ``--shared`` never wrote, names
+an older version than Redis, and resuming it let the next push replace Redis's
+newer turn or tombstone (attack 38b, finding 1); the cold tier is then repaired
+from Redis the same way.  A cold tier without a pointer of the name (machines
+without one pushed it) leaves Redis's, but gets Redis's tombstone: an empty tier
+cannot prove a delete undone.  A cold tier that cannot be asked leaves Redis's too, said once per
 outage: that version may be behind the cold tier (counted ``<tier>_cold_unasked``).
 """
 
@@ -26,7 +32,7 @@ from typing import Any, NamedTuple
 from ...remote.redis_tier import TierUnavailable
 from ...storage.blobs import BlobStore
 from ...storage.index import Index
-from .lineage import RepairDeclined, open_tombstone, shown_url, stale_held
+from .lineage import RepairDeclined, open_tombstone, shown_url, stale_held, tier_tokens
 from .push import push
 from .records import BadValue, Expect, open_record
 
@@ -36,6 +42,15 @@ log = logging.getLogger("persist")
 COLD = "cold"  # the cold tier's counters' prefix (``exchange.open_tiers`` names it so)
 
 
+class Lagging(NamedTuple):
+    """The tier whose pointer of a name is behind the other's: repaired after the pull."""
+
+    tier: Any  # the shared tier or its cold tier
+    name: str  # whose counters (``shared``, ``cold``)
+    value: bytes | None  # what was read there (the compare-and-set's expected value)
+    want: bytes  # the newer tier's pointer, exactly
+
+
 class Found(NamedTuple):
     """A named session's checked record and where it was read."""
 
@@ -43,14 +58,14 @@ class Found(NamedTuple):
     secret: bytes | None  # the secret its chains are under
     tier: Any  # where its blobs are read: the shared tier, or its cold tier
     name: str  # whose counters (``shared``, ``cold``)
-    stale: tuple[bytes | None, bytes] | None  # (Redis's value, the cold tier's): repair
+    stale: Lagging | None  # the other tier, behind this one: repaired
 
 
 class _Source(NamedTuple):
     tier: Any
     name: str
     pointer: bytes | None
-    stale: tuple[bytes | None, bytes] | None
+    stale: Lagging | None
 
 
 def named_record(
@@ -60,7 +75,7 @@ def named_record(
     tier it is read from; None for none, a bad value (counted), a version older than
     one this store saw (a replay: ``stale``) and a tombstone (deleted from the fleet:
     its version is seen here, and a stale Redis pointer is replaced by it)."""
-    src = _source(shared, index, namespace, name)
+    src = _source(shared, index, namespace, name, secret)
     if src.pointer is None:
         return None
     if src.tier is not shared.tier:  # the cold tier's secret: its record's own, or derived
@@ -95,11 +110,14 @@ def named_record(
         return None
 
 
-def _source(shared: Any, index: Index, namespace: str, name: str) -> _Source:
-    """Whose pointer of ``name`` a pull follows: the cold tier's, asked first, unless
-    Redis's is the same (its bytes are closer) or the cold tier holds none; Redis's
-    alone where there is no cold tier or it cannot be asked (said once per outage).
-    TierUnavailable where Redis cannot be asked."""
+def _source(shared: Any, index: Index, namespace: str, name: str, secret: bytes | None) -> _Source:
+    """Whose pointer of ``name`` a pull follows: the cold tier's is asked first; Redis's
+    where it is the same (its bytes are closer), where the cold tier holds none (a
+    tombstone there is also put on the cold tier), or where it names a newer version
+    (or tombstone) than the cold tier's, which is then repaired; else the cold
+    tier's, and Redis's repaired.  Redis's alone where there is no cold tier or it
+    cannot be asked (said once per outage).  TierUnavailable where Redis cannot be
+    asked."""
     item = [("sess", name.encode())]
     if shared.backup is None:
         return _Source(shared.tier, shared.name, shared.tier.pointers(namespace, item)[0], None)
@@ -112,12 +130,22 @@ def _source(shared: Any, index: Index, namespace: str, name: str) -> _Source:
         return _Source(shared.tier, shared.name, mine, None)
     shared.behind_said = False  # the cold tier answers: a later outage is said again
     mine = shared.tier.pointers(namespace, item)[0]
-    if cold is None or mine == cold:
+    if mine == cold or (cold is None and not (mine or b"").startswith(b"~")):
         return _Source(shared.tier, shared.name, mine, None)
-    if mine is not None and mine.startswith(b"~") and cold.startswith(b"~"):
-        # both deleted (each tier's tombstone carries its own version): nothing to repair
-        return _Source(shared.tier, shared.name, mine, None)
-    return _Source(shared.backup, COLD, cold, (mine, cold))
+    # the tiers disagree: the newer version by lineage wins, whichever tier holds it
+    # (a cold tier rolled back, or one a machine with only --shared never wrote, is
+    # not the fleet's latest: attack 38b, finding 1), and the other tier is repaired
+    theirs = tier_tokens(
+        shared.backup, shared.keys, namespace, name, shared.keys.namespace_secret(namespace)
+    )
+    ours = tier_tokens(shared.tier, shared.keys, namespace, name, secret)
+    if ours.value is not None and (ours.version or 0.0) > (theirs.version or 0.0):
+        lag = Lagging(shared.backup, COLD, theirs.value, ours.value)
+        return _Source(shared.tier, shared.name, ours.value, lag)
+    if theirs.value is None:  # gone from the cold tier meanwhile: Redis's, as it is
+        return _Source(shared.tier, shared.name, ours.value, None)
+    lag = Lagging(shared.tier, shared.name, ours.value, theirs.value)
+    return _Source(shared.backup, COLD, theirs.value, lag)
 
 
 def _unasked(shared: Any, index: Index, namespace: str, name: str, e: Exception) -> None:
@@ -136,56 +164,56 @@ def _unasked(shared: Any, index: Index, namespace: str, name: str, e: Exception)
 def repair(
     shared: Any, index: Index, blobs: BlobStore, namespace: str, name: str, found: Found
 ) -> None:
-    """After a pull from the cold tier: Redis's stale pointer of ``name`` set to the cold
-    tier's, the snapshot (just committed here) pushed there first, the pointer written
-    only over the stale value the pull read (``push`` with ``repair``).  A declined
-    repair is counted and leaves Redis as it is: a newer push got there, or the
-    record seals otherwise there (another namespace secret)."""
-    row = index.by_name(namespace, name)
+    """After a pull from the newer tier: the lagging tier's pointer of ``name`` set to
+    the newer one's, the snapshot (just committed here) pushed there first, the
+    pointer written only over the stale value the pull read (``push`` with
+    ``repair``).  A declined repair is counted and leaves that tier as it is: a newer
+    push got there, or the record seals otherwise there (another namespace secret)."""
+    row, lag = index.by_name(namespace, name), found.stale
     secret = shared.secret(index, namespace)
-    if row is None or secret is None or found.stale is None:
+    if row is None or secret is None or lag is None:
         return
-    before = shared.tier.counters.get("bytes_pushed", 0)
+    before = lag.tier.counters.get("bytes_pushed", 0)
     try:
         push(
-            index, blobs, shared.tier, keys=shared.keys, namespace=namespace, sid=row.id,
-            secret=secret, repair=found.stale,
+            index, blobs, lag.tier, keys=shared.keys, namespace=namespace, sid=row.id,
+            secret=secret, repair=(lag.value, lag.want),
         )  # fmt: skip
     except RepairDeclined as e:
-        index.count(namespace, **{f"{shared.name}_repair_declined": 1})
-        log.info("persist: %s tier's session %r not repaired: %s", shared.name, name, e)
+        index.count(namespace, **{f"{lag.name}_repair_declined": 1})
+        log.info("persist: %s tier's session %r not repaired: %s", lag.name, name, e)
         return
-    except TierUnavailable as e:  # the next pull from the cold tier tries again
-        log.info("persist: %s tier's session %r not repaired: %s", shared.name, name, e)
+    except TierUnavailable as e:  # the next pull tries again
+        log.info("persist: %s tier's session %r not repaired: %s", lag.name, name, e)
         return
     finally:
-        moved = shared.tier.counters.get("bytes_pushed", 0) - before
+        moved = lag.tier.counters.get("bytes_pushed", 0) - before
         if moved:
-            index.count(namespace, **{f"{shared.name}_bytes_pushed": moved})
-    index.count(namespace, **{f"{shared.name}_repaired": 1})
-    log.info("persist: %s tier's session %r repaired to the cold tier's", shared.name, name)
+            index.count(namespace, **{f"{lag.name}_bytes_pushed": moved})
+    index.count(namespace, **{f"{lag.name}_repaired": 1})
+    log.info("persist: %s tier's session %r repaired to the newer tier's", lag.name, name)
 
 
 def _repair_tombstone(
-    shared: Any,
-    index: Index,
-    namespace: str,
-    name: str,
-    stale: tuple[bytes | None, bytes],
-    version: float,
+    shared: Any, index: Index, namespace: str, name: str, lag: Lagging, version: float
 ) -> None:
-    """The cold tier's tombstone of ``name`` put over Redis's stale pointer (a fleet
-    delete that reached one tier only, a Redis that lost it), by compare-and-set."""
+    """The newer tier's tombstone of ``name`` put over the lagging tier's pointer (a
+    fleet delete that reached one tier only, a tier that lost it or came back empty
+    or rolled back), by compare-and-set."""
     try:
-        secret = shared.secret(index, namespace)
+        secret = (
+            shared.secret(index, namespace)
+            if lag.tier is shared.tier
+            else shared.keys.namespace_secret(namespace)
+        )
         held = stale_held(
-            shared.tier, shared.keys, namespace, name, secret=secret, stale=stale[0],
+            lag.tier, shared.keys, namespace, name, secret=secret, stale=lag.value,
             version=version,
         )  # fmt: skip
-        done = shared.tier.swap_session(namespace, name.encode(), stale[1], held.token)
+        done = lag.tier.swap_session(namespace, name.encode(), lag.want, held.token)
     except RepairDeclined:
         done = False
     except TierUnavailable:
         return
     what = "repaired" if done else "repair_declined"
-    index.count(namespace, **{f"{shared.name}_{what}": 1})
+    index.count(namespace, **{f"{lag.name}_{what}": 1})

@@ -51,6 +51,8 @@ class Shared(Protocol):
         sid: int,
         verify: bool = False,
         as_name: str | None = None,
+        base: tuple[float | None] | None = None,
+        beside: bool = False,
     ) -> str: ...
 
     def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool: ...
@@ -127,6 +129,8 @@ def push(
     conflicts: list[tuple[str, str]] | None = None,
     as_name: str | None = None,
     repair: tuple[bytes | None, bytes] | None = None,
+    base: tuple[float | None] | None = None,
+    beside: bool = False,
 ) -> tuple[str, bytes | None]:
     """Write a committed snapshot's missing blobs and its record to the tier: ``pushed``,
     ``present`` (nothing was missing or wrong), ``skipped`` (gone meanwhile, or a
@@ -142,7 +146,11 @@ def push(
     (``push_everywhere``), taken here too.  ``repair``: (the stale value a named pull
     read in this tier's session pointer, the cold tier's pointer): the pointer is set
     to exactly the cold tier's, over that stale value only, where the tier's version
-    is older (``lineage.stale_held``); RepairDeclined otherwise (``named_pull``)."""
+    is older (``lineage.stale_held``); RepairDeclined otherwise (``named_pull``).
+    ``base``: (``Index.base`` of the name, read before the first tier's push:
+    ``push_everywhere``), so a name the cold tier's push just took is no licence to
+    replace a later tier's newer session; None: read here.  ``beside``: another tier
+    holds a newer session of the name this one does not continue: not the name."""
     with index.read() as db:
         rows = Index.rows_where(db, "id = ?", [sid])
         refs = Index.blocks_in(db, sid)
@@ -152,11 +160,13 @@ def push(
     name = row.name if row.role == "session" else None
     if name is not None and as_name is not None:
         name = as_name
-    base = index.base(namespace, name) if name is not None else None  # before this push
+    if base is None:
+        base = (index.base(namespace, name) if name is not None else None,)  # before this push
     if name is None and getattr(tier, "named_only", False):
         return "skipped", None
     if name is not None and as_name is None and repair is None:
-        old = behind(tier, keys, namespace, name, secret=secret, row=row, base=base)
+        seen = index.seen(namespace, name)
+        old = behind(tier, keys, namespace, name, secret=secret, row=row, base=base[0], seen=seen)
         if old is not None:  # a copy of the fleet's own past: nothing to push
             return old, None
     files = [row.tail, *(r.blob for r in refs if r.blob)]
@@ -215,10 +225,11 @@ def push(
                 body=body,
                 chs=chs,
                 name=name,
-                base=base,
+                base=base[0],
                 secret=secret,
                 verify=verify,
                 repair=repair,
+                beside=beside,
             )
             break
         except SessionMoved as e:
@@ -249,6 +260,7 @@ def _write_record(
     secret: bytes,
     verify: bool,
     repair: tuple[bytes | None, bytes] | None = None,
+    beside: bool = False,
 ) -> tuple[str | None, bytes | None, bool]:
     """The record and its pointers, under the name the snapshot takes (``kept_name``:
     ``name`` or ``NAME~N``), its session pointer written only over what was read there
@@ -269,8 +281,9 @@ def _write_record(
         else:
             toks = unpack_tokens(fields["tokens"])
             kept, held = kept_name(
-                tier, keys, namespace, name, secret=secret, tokens=toks, rkey=rkey, base=base
-            )
+                tier, keys, namespace, name, secret=secret, tokens=toks, rkey=rkey, base=base,
+                beside=beside,
+            )  # fmt: skip
             if kept != name:
                 fields["name"] = body["row"]["name"] = kept
                 rkey, record = seal_record(keys, namespace, body)

@@ -1,0 +1,101 @@
+"""What every tier holds of a session's name, read before the session is pushed to any:
+one tier's answer is every tier's.
+
+The cold tier decides a session's name and every later tier takes it
+(``fleet_sync.push_everywhere``).  Deciding on the cold tier's pointer alone went
+wrong wherever the tiers disagree (attack 38b): a cold tier rolled back to an
+older version, or one that a machine with only ``--shared`` never wrote, let a
+push replace Redis's newer turn or tombstone without a conflict (the cold push
+raised ``Index.base``, and Redis's check then read that); a cold tier that came
+back empty after ``rm --fleet`` took the deleted session back under its name;
+and a copy pulled before a fleet delete went back beside the next conversation
+as ``NAME~2``.  So a named session's push first reads each tier's session of the
+name (one pointer and one record per tier) and decides once:
+
+- the copy is the fleet's past on any tier (``lineage.past``: behind a newer
+  version, under a tombstone, replaced by a newer history, or older than a
+  version this store saw while a tier holds nothing as new): pushed to none.  A
+  tombstone found is recorded as seen (the replay floor, not the base: a turn
+  saved on this copy does not continue the tombstone), and put by compare-and-set
+  on a tier that answered with nothing or an older version: a tier that comes back
+  empty cannot prove a delete undone, so the other tier's tombstone holds;
+- a later tier holds a session of the name this snapshot does not continue (a
+  newer turn or tombstone the cold tier lacks): the snapshot goes beside it on
+  every tier, ``NAME~N``, a conflict reported;
+- every tier's push judges the name against ``Index.base`` as it was before the
+  first one.
+A tier that cannot be asked says nothing here; its push fails or is held back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from ...format.tokens import unpack_tokens
+from ...remote.redis_tier import TierUnavailable
+from ...storage.index import Index
+from .lineage import Held, continues, past, tier_tokens
+
+__all__ = ["Plan", "plan"]
+
+log = logging.getLogger("persist")
+
+
+class Plan(NamedTuple):
+    base: tuple[float | None]  # Index.base of the name before any tier's push
+    verdict: str | None  # "behind" / "deleted": the fleet's past, pushed to no tier
+    beside: bool  # a later tier's session of the name it does not continue: NAME~N
+
+
+def plan(tiers: Sequence[Any], index: Index, namespace: str, row: Any) -> Plan:
+    """The decision for named session ``row`` over ``tiers`` (the cold tier first)."""
+    name = str(row.name)
+    base, seen = index.base(namespace, name), index.seen(namespace, name)
+    helds = [(tier, _held(tier, index, namespace, name)) for tier in tiers]
+    answered = [(t, h) for t, h in helds if h is not None]
+    verdicts = {past(h, row, base, seen) for _, h in answered}
+    verdict = "deleted" if "deleted" in verdicts else "behind" if "behind" in verdicts else None
+    if verdict == "deleted":
+        _carry_tombstone(answered, index, namespace, name, float(row.created))
+    toks = unpack_tokens(row.tokens)
+    later = [h for t, h in answered if t is not tiers[0]]  # the first decides the name
+    beside = verdict is None and any(not continues(toks, h, "", base) for h in later)
+    return Plan((base,), verdict, beside)
+
+
+def _held(tier: Any, index: Index, namespace: str, name: str) -> Held | None:
+    """The tier's session ``name``; None where the tier cannot be asked."""
+    secret = tier.secret(index, namespace)  # a tier that is down: what it was, or None
+    try:
+        return tier_tokens(tier.tier, tier.keys, namespace, name, secret)
+    except TierUnavailable:
+        return None
+
+
+def _carry_tombstone(
+    answered: list[tuple[Any, Held]], index: Index, namespace: str, name: str, copy: float
+) -> None:
+    """The newest tombstone among the tiers' answers seen here, and put on each tier that
+    answered with nothing, an older tombstone, or a version no newer than this store's
+    copy of the deleted history (``copy``: a tier rolled back to it); a compare-and-set
+    over what it read.  A newer history there, or a value that does not open, stays."""
+    stones = [h for _, h in answered if h.rkey is None and h.version is not None]
+    if not stones:
+        return
+    newest = max(stones, key=lambda h: h.version or 0.0)
+    if newest.version is None or newest.value is None:
+        return
+    index.saw(namespace, name, newest.version, base=False)
+    for tier, h in answered:
+        lagging = h.value is None or (h.version is not None and h.version < newest.version)
+        if not lagging or (h.rkey is not None and (h.version or 0.0) > copy):
+            continue
+        try:
+            done = tier.tier.swap_session(namespace, name.encode(), newest.value, h.token)
+        except TierUnavailable:
+            continue
+        index.count(namespace, **{f"{tier.name}_{'repaired' if done else 'repair_declined'}": 1})
+        if done:
+            log.info("persist: %s tier's session %r set to the fleet's tombstone", tier.name, name)
