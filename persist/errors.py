@@ -224,10 +224,11 @@ class NotResumableError(PersistError, ValueError):
 class SessionNotFoundError(PersistError, KeyError):
     """No session of that name in that namespace."""
 
-    def __init__(self, session: str, namespace: str) -> None:
+    def __init__(self, session: str, namespace: str, hint: str = "") -> None:
         self.session = session
         self.namespace = namespace
-        super().__init__(f"no session {session!r} in namespace {namespace!r}")
+        why = f" ({hint})" if hint else ""
+        super().__init__(f"no session {session!r} in namespace {namespace!r}{why}")
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0])
