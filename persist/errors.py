@@ -250,6 +250,16 @@ class AlreadyExistsError(PersistError, FileExistsError):
     """A file or session that a command would replace without being told to (``--force``)."""
 
 
+class ExportTargetError(PersistError, ValueError):
+    """A path an export will not write: inside the store's folder (its index, its blobs),
+    or something there that is not a regular file (a FIFO, a device, a folder, a
+    socket, a symbolic link).  --force replaces a regular file only."""
+
+    def __init__(self, path: object, why: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {why}; export writes a regular file, nothing was written")
+
+
 class StoreFullError(PersistError, OSError):
     """A snapshot that cannot fit in the store's byte budget."""
 
