@@ -274,10 +274,10 @@ def unpushed_count(db: sqlite_utils.Database, protect: frozenset[int] = frozense
 
 def over_budget(total: int, budget: int, unpushed: int) -> str:
     """StoreFullError's message for a budget the victims ran out before."""
-    said = f"the store holds {total} bytes over its budget of {budget} bytes"
+    said = f"the save would leave the store at {total} bytes, over its budget of {budget} bytes"
     if unpushed:
         said += (
-            f" and keeps {unpushed} named session{'s' if unpushed != 1 else ''} not yet on a "
+            f"; it keeps {unpushed} named session{'s' if unpushed != 1 else ''} not yet on a "
             "tier (a push held back or failed: their only copy) until persist sync "
             "pushes them"
         )

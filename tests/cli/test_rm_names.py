@@ -60,6 +60,8 @@ def test_other_commands_take_names_as_given(tmp_path: Path) -> None:
     with persist.Store(root) as s:
         pinned = {str(e.session): e.pinned for e in s.sessions()}
     assert pinned == {"notes[1]": True, "notes1": False}
+    out = persist_cli(tmp_path, "ls", "--prefix", "notes[", "--store", str(root), "--json")
+    assert [e["session"] for e in json.loads(out.stdout)] == ["notes[1]"]
     out = persist_cli(tmp_path, "show", "notes[1]", "--store", str(root), "--json")
     assert json.loads(out.stdout)["session"] == "notes[1]"
     persist_cli(tmp_path, "export", "notes[1]", str(tmp_path / "n.persist"), "--store", str(root))
