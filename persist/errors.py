@@ -224,10 +224,11 @@ class NotResumableError(PersistError, ValueError):
 class SessionNotFoundError(PersistError, KeyError):
     """No session of that name in that namespace."""
 
-    def __init__(self, session: str, namespace: str) -> None:
+    def __init__(self, session: str, namespace: str, hint: str = "") -> None:
         self.session = session
         self.namespace = namespace
-        super().__init__(f"no session {session!r} in namespace {namespace!r}")
+        why = f" ({hint})" if hint else ""
+        super().__init__(f"no session {session!r} in namespace {namespace!r}{why}")
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0])
@@ -247,6 +248,16 @@ class IdentityUnavailableError(PersistError, ValueError):
 
 class AlreadyExistsError(PersistError, FileExistsError):
     """A file or session that a command would replace without being told to (``--force``)."""
+
+
+class ExportTargetError(PersistError, ValueError):
+    """A path an export will not write: inside the store's folder (its index, its blobs),
+    or something there that is not a regular file (a FIFO, a device, a folder, a
+    socket, a symbolic link).  --force replaces a regular file only."""
+
+    def __init__(self, path: object, why: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {why}; export writes a regular file, nothing was written")
 
 
 class StoreFullError(PersistError, OSError):

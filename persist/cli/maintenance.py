@@ -94,6 +94,11 @@ def gc_cmd(max_bytes: str | None, dry_run: bool, store_dir: Path | None, as_json
                 f"{'holds' if len(pinned) == 1 else 'hold'} {human_bytes(held)} "
                 "(persist unpin NAME lets gc evict one)"
             )
+        if r.unpushed_kept:  # their only copy: a tier could not take them yet
+            click.echo(
+                f"kept {plural(r.unpushed_kept, 'named session')} not yet on a tier "
+                "(a push held back or failed): persist sync pushes them, then gc may evict"
+            )
 
     emit(as_json, data, render)
 

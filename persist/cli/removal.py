@@ -5,6 +5,11 @@ tombstone written on one tier is not taken back.  So each name is deleted on its
 own (a name whose tier could not be asked is deleted nowhere: ``Store.delete``),
 a name that fails does not stop the others, and the command says what happened
 to each and exits 1 naming the ones not deleted.
+
+A session name is any text, ``[``, ``*`` and ``?`` included, so a name is always
+that session (``persist rm 'notes[1]'`` never deletes ``notes1``): a pattern is
+taken only behind ``--glob``, expands over this store's sessions only (never into
+names only a tier holds), and the command lists what each pattern matched.
 """
 
 from __future__ import annotations
@@ -27,6 +32,14 @@ from .app import cli, complete_sessions, emit, json_option, open_store, plain, p
 
 @cli.command("rm")
 @click.argument("names", nargs=-1, shell_complete=complete_sessions)
+@click.option(
+    "--glob",
+    "patterns",
+    multiple=True,
+    metavar="PATTERN",
+    help="Also the sessions of this store whose names match PATTERN (fnmatch: * ? [..]); "
+    "NAMES are always taken as they are.",
+)
 @click.option("--all", "every", is_flag=True, help="Every session of the namespace.")
 @click.option(
     "--fleet",
@@ -39,14 +52,17 @@ from .app import cli, complete_sessions, emit, json_option, open_store, plain, p
 @json_option
 def rm_cmd(
     names: tuple[str, ...],
+    patterns: tuple[str, ...],
     every: bool,
     fleet: bool,
     namespace: str,
     store_dir: Path | None,
     as_json: bool,
 ) -> None:
-    """Delete sessions and their checkpoints: NAMES, glob patterns ('work-*'), or --all.
+    """Delete sessions and their checkpoints: NAMES, --glob patterns, or --all.
 
+    A name is taken as it is ('notes[1]' is that session, never 'notes1'); a
+    pattern only behind --glob ('work-*'), matched against this store's sessions.
     Every name and pattern must match before anything is deleted.  A delete is
     local: the tiers keep their session of the name, and a new one saved here under
     it is pushed beside theirs (NAME~2), a conflict; --fleet deletes theirs too.
@@ -57,21 +73,30 @@ def rm_cmd(
     \b
     Example:
       persist rm work
-      persist rm 'draft-*' old
+      persist rm --glob 'draft-*' old
       persist rm --all --namespace trials
       persist rm --fleet chat
     """
-    if not names and not every:
-        raise click.UsageError("give session names, patterns, or --all")
+    if not names and not patterns and not every:
+        raise click.UsageError("give session names, --glob patterns, or --all")
     with open_store(store_dir) as store:
         if fleet and not store.tiers:
             raise InvalidArgumentError("rm --fleet needs --shared or --cold (or $PERSIST_*)")
         if store.read_only:  # the store's, not a name's: said once
             raise ReadOnlyStoreError(store.root)
-        doomed = _matching(store.entries(namespace), names, every, namespace, fleet)
+        known = _known(store.entries(namespace))
+        matched = _globbed(known, patterns, namespace)
+        doomed = _matching(known, names, every, namespace, fleet)
+        doomed += [n for hits in matched.values() for n in hits if n not in doomed]
         deleted, on_tiers, failed = _each(store, doomed, namespace, fleet)
-    out = {"deleted": deleted, "fleet": on_tiers, "namespace": namespace, "not_deleted": failed}
-    emit(as_json, out, lambda _: _render_rm(deleted, on_tiers, failed))
+    out = {
+        "deleted": deleted,
+        "fleet": on_tiers,
+        "namespace": namespace,
+        "not_deleted": failed,
+        "matched": matched,
+    }
+    emit(as_json, out, lambda _: _render_rm(deleted, on_tiers, failed, matched))
     if failed:
         if not as_json:
             left = plain(", ".join(f["session"] for f in failed))
@@ -103,7 +128,14 @@ def _each(
     return deleted, on_tiers, failed
 
 
-def _render_rm(deleted: list[str], on_tiers: list[str], failed: list[dict[str, str]]) -> None:
+def _render_rm(
+    deleted: list[str],
+    on_tiers: list[str],
+    failed: list[dict[str, str]],
+    matched: dict[str, list[str]],
+) -> None:
+    for pattern, hits in matched.items():  # what each pattern stood for, before it went
+        click.echo(f"--glob {plain(repr(pattern))} matched: {plain(', '.join(hits))}")
     for f in failed:  # each name not deleted, with why (stdout lists what was)
         click.echo(f"persist: session {plain(repr(f['session']))} not deleted: "
                    f"{plain(f['error'])}", err=True)  # fmt: skip
@@ -115,30 +147,45 @@ def _render_rm(deleted: list[str], on_tiers: list[str], failed: list[dict[str, s
     click.echo(f"deleted {said}{also}")
 
 
+def _known(entries: list[EntryInfo]) -> list[str]:
+    """This store's session names: a session, or the owner of checkpoints an
+    interrupted prime left without one."""
+    owners = (e.session or e.owner for e in entries)
+    return list(dict.fromkeys(n for n in owners if n))
+
+
+def _globbed(known: list[str], patterns: tuple[str, ...], namespace: str) -> dict[str, list[str]]:
+    """Each ``--glob`` pattern's matches among this store's sessions (never a tier's
+    names: a pattern is not sent to the fleet); SessionNotFoundError for one with none."""
+    import fnmatch
+
+    out: dict[str, list[str]] = {}
+    for pattern in patterns:
+        hits = [n for n in known if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise SessionNotFoundError(pattern, namespace, "no session matches --glob")
+        out[pattern] = hits
+    return out
+
+
 def _matching(
-    entries: list[EntryInfo],
+    known: list[str],
     names: tuple[str, ...],
     every: bool,
     namespace: str,
     exact_ok: bool = False,
 ) -> list[str]:
     """The session names to delete, each once, in the order given; SessionNotFoundError
-    for a name or pattern that matches none (nothing is deleted then).  ``exact_ok``
-    (--fleet): a name, not a pattern, is taken as given: the tiers may hold it."""
-    import fnmatch
-
-    # a session, or the owner of checkpoints an interrupted prime left without one
-    owners = (e.session or e.owner for e in entries)
-    known: list[str] = list(dict.fromkeys(n for n in owners if n))
+    for a name this store lacks (nothing is deleted then).  A name is the name, glob
+    characters and all.  ``exact_ok`` (--fleet): a name is taken as given (the tiers
+    may hold it)."""
     if every:
         return known
     out: list[str] = []
-    for pattern in names:
-        if any(c in pattern for c in "*?["):
-            hits = [n for n in known if fnmatch.fnmatchcase(n, pattern)]
-        else:
-            hits = [pattern] if pattern in known or exact_ok else []
-        if not hits:
-            raise SessionNotFoundError(pattern, namespace)
-        out += [n for n in hits if n not in out]
+    for name in names:
+        if name not in known and not exact_ok:
+            hint = "to match a pattern, use --glob" if any(c in name for c in "*?[") else ""
+            raise SessionNotFoundError(name, namespace, hint)
+        if name not in out:
+            out.append(name)
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any, BinaryIO
 from ..codecs import capacity_of, check_spec
 from ..codecs.base import dtype_name
 from ..codecs.snapshot import capture, rebuild, require_covers
-from ..errors import CorruptBlobError, StorageError
+from ..errors import CorruptBlobError, ExportTargetError, StorageError
 from ..format.container import Header, Producer, read_header, write_tensors
 from ..format.manifest import (
     Manifest,
@@ -110,6 +111,35 @@ def _atomic_write(path: Path, write: Any, size_hint: int) -> None:
     directory = path.parent if str(path.parent) else Path(".")
     tmp = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
     atomic_write(tmp, path, write, size_hint, FILE_MODE)
+
+
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a folder",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFLNK: "a symbolic link",
+}
+
+
+def check_export_target(store_root: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """ExportTargetError where an export to ``path`` would replace something by its
+    rename: a file of the store (its index, a blob: every session, or one, lost), or
+    whatever is there that is not a regular file (a FIFO, a device node: as root,
+    ``/dev/null`` itself; a link, judged as refused rather than by where it leads).
+    A regular file (an earlier export) is what --force may replace."""
+    target = Path(os.path.abspath(path))
+    root = Path(os.path.realpath(store_root))
+    where = Path(os.path.realpath(target.parent)) / target.name  # the folder's links followed
+    if where == root or root in where.parents:
+        raise ExportTargetError(path, f"inside the store at {root}")
+    try:
+        mode = os.lstat(target).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise ExportTargetError(path, f"{_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}")
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:

@@ -77,6 +77,13 @@ class StoreUpkeep:
             raise InvalidStateError(f"the store at {self.root} is closed")
         return self._index
 
+    def keeps_unpushed(self) -> bool:
+        """Does budget eviction keep named sessions no tier holds yet (their only copy)?
+        With tiers configured, or in a store that ever pushed to or pulled from one (a
+        fleet machine's ``persist gc`` run without the tier settings): until a push
+        or ``persist sync`` puts them on a tier (``retention.UNPUSHED``)."""
+        return bool(self.tiers) or self.index.has_tier_history()
+
     def has_session(self, session: str, *, namespace: str = "default") -> bool:
         return (
             self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
@@ -147,11 +154,15 @@ class StoreUpkeep:
         """Evict least recently used unpinned snapshots down to ``max_bytes``.
 
         Without a budget (here or on the store) it only deletes unreferenced
-        blob files.  ``dry_run`` reports what would go and changes nothing.
+        blob files.  ``dry_run`` reports what would go and changes nothing.  With
+        tiers (``keeps_unpushed``), a named session whose latest version no tier holds
+        yet (a push held back or failed: its only copy) is kept, counted in
+        ``unpushed_kept``.
         """
         budget = self.budgets.max_bytes if max_bytes is None else max_bytes
+        keep = self.keeps_unpushed()  # named sessions no tier holds yet: their only copy
         report = full.with_room(
-            self.root, lambda: retention.gc(self.index, self.blobs, budget, dry_run)
+            self.root, lambda: retention.gc(self.index, self.blobs, budget, dry_run, keep)
         )
         if report.evicted and not dry_run:  # a large delete: its log goes back to nothing
             full.best_effort(housekeeping.truncate_wal, self.index)

@@ -77,7 +77,7 @@ def restore_named(
             break
         except CorruptBlobError:
             # damage, unless a newer save replaced the row meanwhile
-            if row.id == last_id or index.get(row.id) is not None:
+            if row.id == last_id or not _gone(index, row):
                 raise
             last_id = row.id
     else:
@@ -88,6 +88,15 @@ def restore_named(
     best_effort(index.touch, row.id)
     best_effort(index.count, namespace, restores=1, restored_tokens=row.n_tokens)
     return cache, row
+
+
+def _gone(index: Index, row: SnapshotRow) -> bool:
+    """Has ``row`` left the index since it was read (a concurrent gc, check --fix, rm or
+    save removed it)?  Then what its read found missing or not matching is that
+    delete, not damage.  Read again in a transaction of its own: the row as it is
+    now, compared by checksum, since a new row may take a freed id."""
+    now = index.get(row.id)
+    return now is None or now.row_xxh3 != row.row_xxh3
 
 
 def _timed(costs: CostModel | None, identity: ModelIdentity, tier: str, nbytes: int) -> Any:
@@ -173,9 +182,12 @@ def lookup_prefix(
             with _timed(costs, identity, tier, nbytes):
                 cache = load_snapshot(index, blobs, row, keep=prefix)
         except CorruptBlobError as e:
+            skip.add(row.id)
+            if _gone(index, row):  # evicted or replaced by another process meanwhile
+                log.debug("persist: a lookup's snapshot %d went while it was read", row.id)
+                continue
             log.warning("persist: skipping a damaged snapshot in lookup: %s", e)
             best_effort(index.count, namespace, corrupt_skipped=1)
-            skip.add(row.id)
             continue
         best_effort(index.touch, row.id)
         best_effort(index.count, namespace, hits=1, restored_tokens=prefix)

@@ -52,6 +52,7 @@ def save(
     row = write_and_commit(
         store.index, store.blobs, snap, target,
         block_tokens=store.block_tokens, budgets=store.budgets, progress=progress,
+        keep_unpushed=store.keeps_unpushed(),  # a session's only copy until a tier holds it
     )  # fmt: skip
     return published(store, cache, row, target)
 

@@ -75,6 +75,7 @@ def write_and_commit(
     block_tokens: int,
     budgets: retention.Budgets,
     progress: Progress | None = None,
+    keep_unpushed: bool = False,
 ) -> SnapshotRow:
     """Write blocks and tail of a checked snapshot, commit it; return its row as
     committed (steps 3 and 4 of ``engine.save_pipeline``).
@@ -83,7 +84,9 @@ def write_and_commit(
     every block is hashed in full and one whose content key is a live blob is
     taken as it is (``blob_writes._put``).  Nothing short of the bytes is trusted: MLX writes
     in place (``c.keys[..., 5, :] = x``) keep the Python object and its buffer,
-    so no identity or fingerprint can prove a block unchanged (docs/FORMAT.md)."""
+    so no identity or fingerprint can prove a block unchanged (docs/FORMAT.md).
+    ``keep_unpushed`` (a store with tiers): budget eviction keeps named sessions no
+    tier holds yet (``retention.UNPUSHED``)."""
     identity, namespace = target.identity, target.namespace
     toks = snap.tokens or []
     p = plan(snap, block_tokens, dtype_name)
@@ -124,6 +127,7 @@ def write_and_commit(
                 target=target,
                 salt=salt,
                 budgets=budgets,
+                keep_unpushed=keep_unpushed,
             )
         except BaseException as e:
             # Decide by the index, not by the exception: a Ctrl-C that lands
@@ -184,6 +188,7 @@ def _commit(
     target: Target,
     salt: str,
     budgets: retention.Budgets,
+    keep_unpushed: bool,
 ) -> SnapshotRow | None:
     t, namespace, toks = target, target.namespace, snap.tokens or []
     # a quantized snapshot serves no prefix of quantized_kv_start tokens or fewer
@@ -263,7 +268,7 @@ def _commit(
         writes.add_heads(db, sid, chs, toks, p.block)
         # read back in this transaction: another process may evict it right after
         (committed,) = Index.rows_where(db, "id = ?", [sid])
-        _evict(db, index, budgets, namespace, frozenset({sid}))
+        _evict(db, index, budgets, namespace, frozenset({sid}), keep_unpushed)
     return committed
 
 
@@ -348,14 +353,21 @@ def _replace_covered(
 
 
 def _evict(
-    db: Any, index: Index, budgets: retention.Budgets, namespace: str, protect: frozenset[int]
+    db: Any,
+    index: Index,
+    budgets: retention.Budgets,
+    namespace: str,
+    protect: frozenset[int],
+    keep_unpushed: bool,
 ) -> None:
     """Evict down to the budgets; with namespace budgets, only in this namespace.
 
-    If pinned or protected entries leave no room, StoreFullError undoes the
-    whole transaction.
+    If pinned or protected entries (or, with ``keep_unpushed``, named sessions no
+    tier holds yet: their only copy) leave no room, StoreFullError undoes the whole
+    transaction, naming those sessions.
     """
     limits, scope = budgets.limits(namespace), budgets.scope(namespace)
-    _, over = retention.evict_lru(db, index, limits, scope, protect)
+    _, over = retention.evict_lru(db, index, limits, scope, protect, keep_unpushed)
     if over is not None:
-        raise StoreFullError(*over)
+        kept = retention.unpushed_count(db, protect) if keep_unpushed else 0
+        raise StoreFullError(*over, retention.over_budget(*over, kept))

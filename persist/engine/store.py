@@ -266,12 +266,16 @@ class Store(StoreReads):
         given it, default the identity's name, and ``tokenizer_config``).  The
         file claims ``model``, so its files must hold the session's model:
         ``model`` itself when it is a folder, else ``model_dir`` (the folder a
-        repo id resolves to); neither is ModelNotFoundError, nothing written."""
+        repo id resolves to); neither is ModelNotFoundError, nothing written.
+        ``path`` inside the store, or one holding anything but a regular file (a
+        FIFO, a device, a folder, a link), is ExportTargetError: nothing written."""
+        from .files import check_export_target
         from .transfer import export_row
 
         row = self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
         if row is None:
             raise SessionNotFoundError(session, namespace)
+        check_export_target(self.root, path)  # a regular file outside the store only
         key = file_key(self.tier_key)  # the operator key tags the file (file_tags)
         export_row(
             self.index, self.blobs, row, path=path, format=format, model=model,

@@ -312,6 +312,11 @@ class Index(IndexStatistics):
             ).fetchone()
         return float(row[0]) if row and row[0] is not None else None
 
+    def has_tier_history(self) -> bool:
+        """Has this store ever pushed to or pulled from a tier (a fleet machine's)?"""
+        with self.read() as db:
+            return db.execute("SELECT 1 FROM tier_seen LIMIT 1").fetchone() is not None
+
     def saw(self, namespace: str, name: str, created: float, base: bool = True) -> None:
         """A version of ``name`` this store pushed or pulled: the replay floor and the base.
         ``base`` False: the floor only (a tombstone read past a copy this store holds of

@@ -6,6 +6,7 @@ what the same transaction removes.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ __all__ = [
     "owned_namespaces",
     "anonymous_prefixes_of",
     "lru_victim",
+    "UNPUSHED",
+    "unpushed_count",
+    "over_budget",
     "hinted_rows",
     "evict_lru",
     "collect",
@@ -38,7 +42,23 @@ __all__ = [
 ]
 
 
+log = logging.getLogger("persist")
+
 PARTITION = "/salt:"  # NS/salt:X is a partition of NS (persist serve: a cache_salt)
+
+# A named session whose latest version no tier holds: with tiers configured, budget
+# eviction keeps it (its only copy: a push held back or failed during an outage).
+# ``tier_seen`` records each version this store pushed or pulled (or a tombstone it
+# saw): the row is on a tier once a version of its name no older than it is there,
+# or this very version went under a fork name (``NAME~N``, same save time).  A new
+# save is always newer than every version seen (``writes.version_after``).
+UNPUSHED = (
+    "(snapshots.name IS NOT NULL AND snapshots.role = 'session' AND NOT EXISTS ("
+    "SELECT 1 FROM tier_seen t WHERE t.namespace = snapshots.namespace AND ("
+    "(t.name = snapshots.name AND t.created >= snapshots.created) OR "
+    "(t.name >= snapshots.name || '~0' AND t.name < snapshots.name || '~:' "
+    "AND t.created = snapshots.created))))"
+)
 
 
 def budget_owner(namespace: str) -> str:
@@ -157,19 +177,24 @@ def lru_victim(
     owner: str | None,
     protect: frozenset[int],
     now: float | None = None,
+    keep_unpushed: bool = False,
 ) -> int | None:
     """The next unpinned snapshot to evict (of ``owner``'s namespaces, ``budget_owner``;
-    None: of any), not in ``protect``: the lowest ``policy.eviction_key`` of each
-    namespace's own, one index seek each (a tenant's salts are few seeks, never a
-    scan of its entries)."""
+    None: of any), not in ``protect`` (nor, with ``keep_unpushed``, ``UNPUSHED``): the
+    lowest ``policy.eviction_key`` of each namespace's own, one index seek each (a
+    tenant's salts are few seeks, never a scan of its entries)."""
     now = time.time() if now is None else now
     spaces: list[str | None] = [None] if owner is None else [*owned_namespaces(db, owner)]
-    found = [k for ns in spaces for k in _first_keys(db, ns, protect, now)]
+    found = [k for ns in spaces for k in _first_keys(db, ns, protect, now, keep_unpushed)]
     return min(found)[3] if found else None
 
 
 def _first_keys(
-    db: sqlite_utils.Database, namespace: str | None, protect: frozenset[int], now: float
+    db: sqlite_utils.Database,
+    namespace: str | None,
+    protect: frozenset[int],
+    now: float,
+    keep_unpushed: bool = False,
 ) -> list[tuple[Any, ...]]:
     """The eviction keys of ``namespace``'s first victims (None: the store's).
 
@@ -183,6 +208,8 @@ def _first_keys(
     if protect:
         where += f" AND id NOT IN ({','.join('?' * len(protect))})"
         args += sorted(protect)
+    if keep_unpushed:  # skipped in the LRU order: only the unpushed at its head cost
+        where += f" AND NOT {UNPUSHED}"
     # (pinned, used): the oldest unpinned entry is one seek, however many are pinned
     index = "snapshots_ns_lru" if namespace is not None else "snapshots_lru"
     plain = db.execute(
@@ -216,6 +243,7 @@ def evict_lru(
     limits: Sequence[tuple[int, str | None]],
     scope: str | None,
     protect: frozenset[int] = frozenset(),
+    keep_unpushed: bool = False,
 ) -> tuple[list[SnapshotRow], tuple[int, int] | None]:
     """Remove least recently used unpinned snapshots until every (budget, owner) holds.
 
@@ -230,7 +258,7 @@ def evict_lru(
     removed: list[SnapshotRow] = []
     for budget, ns in limits:
         while (total := _held(db, index, ns)) > budget:
-            victim = lru_victim(db, scope, protect)
+            victim = lru_victim(db, scope, protect, keep_unpushed=keep_unpushed)
             if victim is None:
                 return removed, (total, budget)
             removed += Index.rows_where(db, "id = ?", [victim])
@@ -238,28 +266,60 @@ def evict_lru(
     return removed, None
 
 
+def unpushed_count(db: sqlite_utils.Database, protect: frozenset[int] = frozenset()) -> int:
+    """Named sessions no tier holds yet (``UNPUSHED``), less ``protect`` (a save's own)."""
+    sql = f"SELECT id FROM snapshots WHERE pinned = 0 AND {UNPUSHED}"
+    return sum(1 for (sid,) in db.execute(sql) if sid not in protect)
+
+
+def over_budget(total: int, budget: int, unpushed: int) -> str:
+    """StoreFullError's message for a budget the victims ran out before."""
+    said = f"the save would leave the store at {total} bytes, over its budget of {budget} bytes"
+    if unpushed:
+        said += (
+            f"; it keeps {unpushed} named session{'s' if unpushed != 1 else ''} not yet on a "
+            "tier (a push held back or failed: their only copy) until persist sync "
+            "pushes them"
+        )
+    return said + "; nothing was saved"
+
+
 def _held(db: sqlite_utils.Database, index: Index, owner: str | None) -> int:
     return index.unique_bytes(db) if owner is None else owned_bytes(db, owner)
 
 
-def gc(index: Index, blobs: BlobStore, budget: int | None, dry_run: bool) -> GcReport:
+def gc(
+    index: Index, blobs: BlobStore, budget: int | None, dry_run: bool, keep_unpushed: bool = False
+) -> GcReport:
     """``Store.gc``: evict LRU snapshots down to ``budget`` (the rule a save applies),
     then delete unreferenced blob files; a dry run reports and changes nothing.
+    ``keep_unpushed``: named sessions no tier holds yet stay, counted in the report
+    when they keep the store over ``budget``.
 
     Freed is what was deleted: the blob files' bytes (a dry run: the bytes its
     evictions leave unreferenced, in the one transaction).  The store's bytes before
     less its bytes after went negative when another writer saved in between."""
-    victims = []
+    victims, kept = [], 0
     try:
         with index.write() as db:
             before = index.unique_bytes(db)
             if budget is not None:
-                rows, _ = evict_lru(db, index, [(budget, None)], None)
+                rows, over = evict_lru(
+                    db, index, [(budget, None)], None, keep_unpushed=keep_unpushed
+                )
                 victims = [entry_info(r) for r in rows]
+                kept = unpushed_count(db) if over is not None and keep_unpushed else 0
             if dry_run:
                 after = index.unique_bytes(db)
-                raise Rollback(GcReport(victims, 0, before - after, after, True))
+                raise Rollback(
+                    GcReport(victims, 0, before - after, after, True, unpushed_kept=kept)
+                )
     except Rollback as r:
         return r.report
+    if kept:
+        log.warning(
+            "persist: gc kept %d named session(s) not yet on a tier (their only copy) over "
+            "the budget of %d bytes; persist sync pushes them", kept, budget,
+        )  # fmt: skip
     deleted, freed = collect_measured(index, blobs)
-    return GcReport(victims, deleted, freed, index.unique_bytes(), False)
+    return GcReport(victims, deleted, freed, index.unique_bytes(), False, unpushed_kept=kept)

@@ -72,6 +72,7 @@ class GcReport:
     unique_bytes: int  # after (or, for a dry run, as it would be after)
     dry_run: bool
     quarantine_cleared: int = 0  # files check --fix set aside, older than QUARANTINE_DAYS
+    unpushed_kept: int = 0  # named sessions no tier holds yet, kept over the budget
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

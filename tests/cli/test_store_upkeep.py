@@ -84,9 +84,12 @@ def test_stats_counts_every_file_and_gc_compacts_the_index(tmp_path: Path) -> No
 def test_rm_takes_names_patterns_and_all(tmp_path: Path) -> None:
     root = tmp_path / "s"
     store_with(root, "draft-1", "draft-2", "keep", "other", "x")
-    out = run("rm", "draft-*", "x", "--store", str(root))
-    assert out.strip() == "deleted 3 sessions: draft-1, draft-2, x"
-    out = run("rm", "keep", "nothing-*", "--store", str(root), code=1)  # all or nothing
+    out = run("rm", "--glob", "draft-*", "x", "--store", str(root))
+    assert out.strip().splitlines() == [
+        "--glob 'draft-*' matched: draft-1, draft-2",
+        "deleted 3 sessions: x, draft-1, draft-2",
+    ]
+    out = run("rm", "keep", "--glob", "nothing-*", "--store", str(root), code=1)  # all or nothing
     assert "no session 'nothing-*'" in out
     with persist.Store(root) as s:
         assert sorted(e.session for e in s.sessions()) == ["keep", "other"]

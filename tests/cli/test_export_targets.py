@@ -1,0 +1,92 @@
+"""Attack 38b, finding 16: ``persist export NAME PATH --force`` replaced whatever was at
+PATH by a rename: the store's own ``index.sqlite`` (every session lost), one of its
+blobs, a FIFO, a device node (as root, ``/dev/null`` itself).  --force replaces a
+regular file only; a path inside the store, or one that is not a regular file, is
+``ExportTargetError`` and nothing is written.  FIFOs and device nodes are made in
+tmp_path (never the machine's /dev); a device node needs root, else skipped.
+Real stores, real ``persist`` processes."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import persist
+from tests.golden.cases import IDENTITY, kv_cache
+from tests.helpers import persist_cli
+
+
+def store_with_chat(root: Path) -> None:
+    with persist.Store(root) as s:
+        s.save([kv_cache(48, 1)], list(range(48)), identity=IDENTITY, session="chat")
+
+
+def export(tmp: Path, root: Path, target: Path, *more: str) -> subprocess.CompletedProcess[str]:
+    args = ["export", "chat", str(target), "--force", "--store", str(root), *more]
+    return persist_cli(tmp, *args, check=False)
+
+
+def refused(out: subprocess.CompletedProcess[str], why: str) -> None:
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "ExportTargetError" in out.stdout and why in out.stdout, out.stdout
+
+
+def restores(root: Path) -> int:
+    with persist.Store(root) as s:
+        return len(s.restore("chat", identity=IDENTITY).tokens)
+
+
+def test_export_refuses_the_stores_own_files(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    store_with_chat(root)
+    blob = next(p for p in (root / "blobs").rglob("*") if p.is_file())
+    before = blob.read_bytes()
+    for target in (root / "index.sqlite", blob, root / "new.persist"):
+        refused(export(tmp_path, root, target, "--json"), "inside the store")
+    assert blob.read_bytes() == before and not (root / "new.persist").exists()
+    assert restores(root) == 48
+    link = tmp_path / "link"  # a link is refused (this one leads into the store)
+    link.symlink_to(root / "index.sqlite")
+    refused(export(tmp_path, root, link, "--json"), "symbolic link")
+    assert link.is_symlink() and restores(root) == 48
+
+
+def test_export_force_replaces_a_regular_file_only(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    store_with_chat(root)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    refused(export(tmp_path, root, fifo, "--json"), "a FIFO")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    out = export(tmp_path, root, folder, "--json")
+    assert out.returncode in (1, 2) and folder.is_dir(), out  # click's own check, or ours
+    old = tmp_path / "old.persist"
+    old.write_bytes(b"an older export")
+    assert export(tmp_path, root, old).returncode == 0
+    with persist.Store(tmp_path / "t") as t:
+        assert t.import_file(old, session="back").tokens == 48
+
+
+def test_export_refuses_a_device_node(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("making a device node (mknod) needs root")
+    root = tmp_path / "s"
+    store_with_chat(root)
+    node = tmp_path / "fullnode"  # a copy of /dev/full's numbers, in the temp folder
+    os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(1, 7))
+    refused(export(tmp_path, root, node, "--json"), "a character device")
+    assert stat.S_ISCHR(os.lstat(node).st_mode)
+
+
+def test_the_library_refuses_too(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    store_with_chat(root)
+    with persist.Store(root) as s, pytest.raises(persist.ExportTargetError, match="store"):
+        s.export("chat", root / "index.sqlite")
+    assert restores(root) == 48
