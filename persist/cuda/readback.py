@@ -43,7 +43,7 @@ def host_copies(arrays: list[mx.array]) -> list[np.ndarray] | None:
         return None
     outs = [np.empty(a.nbytes, dtype=np.uint8) for a in arrays]
     keep: list[mx.array] = []  # copies made for layouts the driver cannot read as rows
-    found = layouts(arrays, keep)
+    found = layouts(arrays, keep, choice.driver)
     ring = choice.ring
     for piece in pieces([out.nbytes for out in outs], PIECE_BYTES):
         pause()  # persist serve's write-behind waits here while a request prompts
@@ -60,32 +60,75 @@ def host_copies(arrays: list[mx.array]) -> list[np.ndarray] | None:
 
 def copies_first() -> bool:
     """Must a save copy its arrays on the device before they are read back?  Not on
-    the direct path with a driver: it reads a KV cache's strided slice row by row
-    where it lies (no kernel, no second copy of the cache on the device, issue 39)."""
-    return not (pinned.direct() and pinned.data_path().driver is not None)
+    the direct path with a driver whose row reads were proven: it reads a KV
+    cache's strided slice row by row where it lies (no kernel, no second copy of
+    the cache on the device, issue 39)."""
+    driver = pinned.data_path().driver if pinned.direct() else None
+    return driver is None or not rows_proven(driver)
 
 
-def layouts(arrays: list[mx.array], keep: list[mx.array]) -> list[Layout]:
+def layouts(arrays: list[mx.array], keep: list[mx.array], driver: Driver) -> list[Layout]:
     """Each array as rows of bytes (``dlpack.rows``): through DLPack where the ring is
     direct (no kernel to build: a fresh process's first save paid 1.4 s for the
-    kernel's, issue 39), a layout that is not rows read from a contiguous copy
-    (kept alive in ``keep``); else the address kernel's (its input is a copy)."""
+    kernel's, issue 39), a layout that is not rows (or rows not proven on this
+    driver) read from a contiguous copy (kept alive in ``keep``); else the
+    address kernel's (its input is a copy)."""
     if not pinned.direct():
         found = addresses(arrays)
         return [(addr, a.nbytes, 1, a.nbytes) for addr, a in zip(found, arrays, strict=True)]
+    by_rows = rows_proven(driver)
     out: list[Layout] = []
     for a in arrays:
         if not a.nbytes:
             out.append((0, 0, 0, 0))
             continue
-        try:
-            out.append(rows(a))
-        except ValueError:
-            c = mx.contiguous(a)
-            mx.eval(c)
-            keep.append(c)
-            out.append((address(c), c.nbytes, 1, c.nbytes))
+        if by_rows:
+            try:
+                out.append(rows(a))
+                continue
+            except ValueError:
+                pass
+        c = mx.contiguous(a)
+        mx.eval(c)
+        keep.append(c)
+        out.append((address(c), c.nbytes, 1, c.nbytes))
     return out
+
+
+_proven: dict[int, bool] = {}
+
+
+def rows_proven(driver: Driver) -> bool:
+    """Do row reads through this driver give what a contiguous copy gives?  Checked
+    once per driver on a small strided slice before any save relies on it: a DLPack
+    export another MLX build lays out differently must cost a device copy, never a
+    wrong cache."""
+    if id(driver) not in _proven:
+        _proven[id(driver)] = _rows_match(driver)
+    return _proven[id(driver)]
+
+
+def _rows_match(driver: Driver) -> bool:
+    whole = mx.arange(1 * 3 * 40 * 8, dtype=mx.uint32).reshape(1, 3, 40, 8)
+    part = whole[..., 5:34, :]  # rows a buffer's row apart, not at its start
+    flat = mx.contiguous(part)
+    mx.eval(part, flat)
+    try:
+        start, width, height, pitch = rows(part)
+        at = address(flat)
+    except ValueError:
+        return False
+    if width * height != part.nbytes:
+        return False
+    got, want = np.empty(part.nbytes, np.uint8), np.empty(part.nbytes, np.uint8)
+    driver.make_current()
+    for r in range(height):
+        driver.copy_out(start + r * pitch, got.ctypes.data + r * width, width)
+    driver.copy_out(at, want.ctypes.data, want.nbytes)
+    expect = np.arange(whole.size, dtype=np.uint32).reshape(1, 3, 40, 8)[..., 5:34, :]
+    return bool(
+        np.array_equal(got, want) and np.array_equal(got.view(np.uint32).ravel(), expect.ravel())
+    )
 
 
 def pieces(sizes: list[int], most: int) -> list[list[int]]:

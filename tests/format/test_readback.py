@@ -51,6 +51,8 @@ def lanes(monkeypatch: pytest.MonkeyPatch) -> Any:
     ring = Ring([HostLane(SLOT) for _ in range(3)], host_buffers, host_scatter)
     driver = CopyDriver()
     with pinned.use(Choice(CUDA_PINNED, "test lanes", ring, driver)):  # type: ignore[arg-type]
+        assert readback.rows_proven(driver)  # type: ignore[arg-type]
+        driver.direct = 0  # the proof's own copies: not the test's
         yield ring, driver
 
 
@@ -111,6 +113,27 @@ def test_with_the_lanes_busy_one_direct_copy_per_array(lanes: Any) -> None:
     assert got is not None and [g.tobytes() for g in got] == [raw(a) for a in arrays]
     assert driver.direct == sum(1 for a in arrays if a.nbytes)
     assert sum(lane.fetched for lane in ring.lanes) == 0
+
+
+class WrongRows(CopyDriver):
+    """A driver whose row reads land elsewhere (a DLPack layout misread)."""
+
+    def copy_out(self, src: int, dst: int, n: int) -> None:
+        super().copy_out(src + 4 if n < 1000 else src, dst, n)  # a row, not a whole
+
+
+def test_rows_that_do_not_read_back_right_are_never_used() -> None:
+    wrong = WrongRows()
+    assert not readback.rows_proven(wrong)  # type: ignore[arg-type]
+    ring = Ring([HostLane(SLOT)], host_buffers, host_scatter)
+    with pinned.use(Choice(CUDA_PINNED, "test lanes", ring, wrong)):  # type: ignore[arg-type]
+        assert readback.copies_first()  # a save copies on the device first, as before
+        whole = mx.array(np.arange(3 * 100 * 4, dtype=np.float32).reshape(1, 3, 100, 4))
+        arrays = [whole[..., :80, :]]  # rows of 320 bytes: read as a whole copy instead
+        mx.eval(arrays)
+        with ring.lock:  # every read through the (wrong-for-rows) driver
+            got = readback.host_copies(arrays)
+        assert got is not None and got[0].tobytes() == raw(arrays[0])
 
 
 def test_without_a_driver_there_is_nothing_to_do() -> None:
