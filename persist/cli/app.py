@@ -162,17 +162,13 @@ def tier_urls() -> dict[str, Any]:
 
 def read_tier_key(path: Path) -> bytes:
     from ..engine.tiers.records import parse_key
+    from ..serve.option_files import read_option_file
 
+    # a regular file, bounded: /dev/zero or a FIFO is refused, never read whole or waited on
+    data = read_option_file(path, KEY_FILE_BYTES, "tier key")
     try:
-        with path.open("rb") as f:
-            data = f.read(KEY_FILE_BYTES + 1)  # bounded: /dev/zero is a file too
-        if len(data) > KEY_FILE_BYTES:
-            raise InvalidArgumentError(
-                f"the tier key file {path} is too long (a key is hex text, at most "
-                f"{KEY_FILE_BYTES} bytes in the file)"
-            )
         text = data.decode("ascii")
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
         raise InvalidArgumentError(f"cannot read the tier key file {path}: {e}") from None
     return parse_key(text, f"the tier key file {path}")
 
