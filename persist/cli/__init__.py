@@ -13,4 +13,7 @@ __all__ = ["cli", "main", "COMMANDS"]
 
 
 def main() -> None:
+    from .interrupts import PROGRAM
+
+    PROGRAM["on"] = True  # this process is persist's: how it exits is persist's to say
     cli(prog_name="persist")

@@ -162,17 +162,13 @@ def tier_urls() -> dict[str, Any]:
 
 def read_tier_key(path: Path) -> bytes:
     from ..engine.tiers.records import parse_key
+    from ..serve.option_files import read_option_file
 
+    # a regular file, bounded: /dev/zero or a FIFO is refused, never read whole or waited on
+    data = read_option_file(path, KEY_FILE_BYTES, "tier key")
     try:
-        with path.open("rb") as f:
-            data = f.read(KEY_FILE_BYTES + 1)  # bounded: /dev/zero is a file too
-        if len(data) > KEY_FILE_BYTES:
-            raise InvalidArgumentError(
-                f"the tier key file {path} is too long (a key is hex text, at most "
-                f"{KEY_FILE_BYTES} bytes in the file)"
-            )
         text = data.decode("ascii")
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
         raise InvalidArgumentError(f"cannot read the tier key file {path}: {e}") from None
     return parse_key(text, f"the tier key file {path}")
 
@@ -307,9 +303,18 @@ class PersistGroup(click.Group):
             raise
 
     def invoke(self, ctx: click.Context) -> Any:
+        from .interrupts import finishing, forget_committed, interrupted_line
+
         as_json = "--json" in ctx.args  # the command's own flag, not parsed yet
+        forget_committed()
         try:
-            return super().invoke(ctx)
+            out = super().invoke(ctx)
+            finishing(0)  # done: a Ctrl-C from here on says so and exits 130
+            return out
+        except (SystemExit, click.exceptions.Exit) as e:  # the command's own exit status
+            code = e.exit_code if isinstance(e, click.exceptions.Exit) else e.code
+            finishing(code if isinstance(code, int) else 1)
+            raise
         except PersistError as e:
             end_line()  # an answer cut short keeps its line
             extra = _mismatch_hint(e) if isinstance(e, IdentityMismatchError) else ""
@@ -319,13 +324,13 @@ class PersistGroup(click.Group):
             sys.exit(0)
         except KeyboardInterrupt:
             end_line()  # never glued to the answer's line or a bar
-            _fail(as_json, "interrupted", "KeyboardInterrupt", 130)
+            _fail(as_json, interrupted_line(), "KeyboardInterrupt", 130)
         except click.ClickException as e:
             if not as_json:
                 _escape_click(e)  # click quotes some values raw ("extra argument (x)")
                 raise
             _fail(as_json, e.format_message(), type(e).__name__, e.exit_code)
-        except (click.exceptions.Exit, click.Abort):
+        except click.Abort:
             raise
         except Exception as e:
             import traceback
@@ -344,6 +349,9 @@ def _fail(as_json: bool, message: str, kind: str, code: int, text: str | None = 
     else:
         line = text or f"persist: {'error: ' if code == 1 else ''}{plain(message)}"
         click.echo(line, err=True)
+    from .interrupts import finishing
+
+    finishing(code)  # said: a Ctrl-C while exiting keeps this status
     sys.exit(code)
 
 

@@ -10,6 +10,7 @@ import click
 
 from ..errors import AlreadyExistsError, InvalidArgumentError
 from .app import cli, complete_sessions, emit, json_option, open_store, plain, store_option
+from .interrupts import committed
 from .prompts import utf8_argument
 from .sessions import _exists, _namespace
 
@@ -154,6 +155,7 @@ def import_cmd(
             unverified_tokens=unverified_tokens,
             chat_tokens=templated,
         )
+        committed(f"session {e.session!r} was imported ({e.tokens} tokens)")
     emit(
         as_json,
         e.to_dict(),

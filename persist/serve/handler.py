@@ -38,6 +38,7 @@ from .generation import CLIENT_CLOSED, GenerationFailed, take_error_status
 from .hints import RequestHints, take_hints
 from .metrics import CONTENT_TYPE
 from .request_checks import BadRequest, check_request, normalize, parse_json, public_mark
+from .stalls import Progress
 
 if TYPE_CHECKING:
     from .http_edge import DrainingServer
@@ -73,9 +74,14 @@ class PersistHandler(APIHandler):
         self.connection.settimeout(self.server.read_timeout)
         self._token = self.server.deadlines.watch(self.connection, self.server.read_timeout)
         self._code = 0
+        # what this connection's client took: a drain cuts off a response nobody reads
+        self._progress = Progress(self.wfile)
+        self.wfile = self._progress  # type: ignore[assignment]
+        self.server.stalls.add(self.connection, self._progress)
 
     def finish(self) -> None:
         self.server.deadlines.done(self._token)
+        self.server.stalls.remove(self._progress)
         super().finish()
 
     def send_response(self, code: int, message: str | None = None) -> None:

@@ -5,7 +5,8 @@ simultaneous clients gets connection resets, and it stops on Ctrl-C by
 tearing down the generation thread under requests still being answered.
 This server (mlx-lm's handler, unchanged) listens with a configurable
 backlog and stops in order on SIGTERM or SIGINT: stop accepting, let every
-accepted request finish (up to a deadline), stop generation, return, so the
+accepted request finish (up to a deadline; a response whose client reads
+nothing for ``stalls.DRAIN_STALL`` seconds is cut off), stop generation, return, so the
 caller flushes the write-behind queue and exits 0.  A second signal exits at
 once (what a killed writer leaves, ``persist check --fix`` removes).  If the
 generation thread stops for good (``GuardedGenerator``), the same orderly
@@ -32,6 +33,7 @@ from http.server import ThreadingHTTPServer
 from typing import Any
 
 from ..errors import InvalidStateError
+from .stalls import Stalls
 
 __all__ = ["Deadlines", "DrainingServer", "serve_until_signal"]
 
@@ -144,6 +146,7 @@ class DrainingServer(ThreadingHTTPServer):
         self.max_request_bytes = max_request_bytes
         expired = None if metrics is None else (lambda: metrics.request("incomplete", 408))
         self.deadlines = Deadlines(on_expire=expired)
+        self.stalls = Stalls()  # responses being written: a drain cuts those nobody reads
         super().__init__(address, handler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -263,8 +266,11 @@ def serve_until_signal(
         stopping.set()
         httpd.socket.close()  # new connections are refused from here on
         t0 = time.monotonic()
+        drained = threading.Event()
+        httpd.stalls.watch(drained)  # the drain waits only for requests someone reads
         if not httpd.drain(drain_timeout):
             log.warning("persist: %d requests unfinished at the deadline", httpd.in_flight)
+        drained.set()
         response_generator.stop_and_join()
         httpd.deadlines.close()
         log.info("persist: requests drained in %.2f s", time.monotonic() - t0)

@@ -32,6 +32,7 @@ from typing import Any
 
 from ..errors import AccessDeniedError, InvalidArgumentError
 from ..storage.retention import PARTITION
+from .option_files import read_option_file
 
 __all__ = [
     "AccessDeniedError",  # defined in persist.errors; imported from here before round 5
@@ -47,6 +48,8 @@ TENANT = re.compile(r"[A-Za-z0-9._@:+=-]{1,128}")  # a tenant name: a plain key,
 MIN_KEY, MAX_KEY = 16, 512  # an API key's characters
 MAX_SALT = 256  # cache_salt characters (vLLM takes any string; a bound keeps bodies sane)
 MAX_KEYS = 100_000
+KEY_FILE_BYTES = MAX_KEYS * 1024  # 1 KiB a line: a key, a tenant, room for comments
+PUBLIC_FILE_BYTES = 16 << 20  # 16 MiB: the text of a context of millions of tokens
 HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}")  # an HTTP header name (RFC 9110 token)
 
 
@@ -195,7 +198,7 @@ def load_keys(path: str | Path) -> dict[bytes, str]:
     or JSON ``{"KEY": "TENANT", ...}``.  Keys are kept as their sha256 only.  A key
     listed twice, or one beginning with ``#``, is an error naming its line or entry
     (never the key): either would leave a tenant's key silently not what was meant."""
-    text = _read(path, "API key")
+    text = _read(path, "API key", KEY_FILE_BYTES)
     pairs = _json_pairs(text, path) if text.lstrip().startswith("{") else _line_pairs(text, path)
     keys: dict[bytes, str] = {}
     first: dict[bytes, str] = {}  # digest -> where it was listed first
@@ -266,7 +269,7 @@ def _check_pair(key: Any, tenant: Any, path: str | Path, where: str) -> None:
 def load_public(path: str | Path) -> frozenset[PublicPrefix]:
     """Public prefixes: a JSON list of ``{"messages": [system messages], "tools": [...]}``
     (one object is a list of one), or any other file: one system prompt, its whole text."""
-    text = _read(path, "public prefix")
+    text = _read(path, "public prefix", PUBLIC_FILE_BYTES)
     if not text.lstrip().startswith(("[", "{")):
         return frozenset({PublicPrefix.of([{"role": "system", "content": text}], None)})
     try:
@@ -292,8 +295,9 @@ def load_public(path: str | Path) -> frozenset[PublicPrefix]:
     return frozenset(out)
 
 
-def _read(path: str | Path, what: str) -> str:
+def _read(path: str | Path, what: str, limit: int) -> str:
+    data = read_option_file(path, limit, what)  # a regular file, bounded: never /dev/zero
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise InvalidArgumentError(f"cannot read the {what} file {path}: {e}") from None
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(f"the {what} file {path} is not UTF-8 text: {e}") from None
