@@ -32,6 +32,7 @@ from .errors import (
     SessionConflictError,
     SessionNotFoundError,
     SessionUnreachableError,
+    SessionUnreadableError,
     StorageError,
     StoreBusyError,
     StoreFullError,
@@ -163,5 +164,6 @@ __all__ = [
     "AccessDeniedError",
     "HostCacheFullError",
     "SessionUnreachableError",
+    "SessionUnreadableError",
     "StoreNotFoundError",
 ]
