@@ -89,16 +89,17 @@ class StoreReads(StoreUpkeep):
             raise ReadOnlyStoreError(self.root)
         if not self.tiers or self.has_session(session, namespace=namespace):
             return False
-        down, unread = [], []
+        down, unread, pulled = [], [], False
         for tier in self.tiers:
             if not self.has_session(session, namespace=namespace):
                 before = tier.unreachable
-                tier.pull_session(self.index, self.blobs, namespace, session)
+                pulled |= tier.pull_session(self.index, self.blobs, namespace, session)
                 if tier.unreachable > before:
                     down.append(tier)
                 elif tier.unread is not None:
                     unread.append(tier.unread)
-        if self.has_session(session, namespace=namespace):
+        # pulled, even if a gc elsewhere evicted it since (the caller reads it or pulls again)
+        if pulled or self.has_session(session, namespace=namespace):
             return True
         if down:
             from .tiers.lineage import shown_url
