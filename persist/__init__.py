@@ -33,6 +33,7 @@ from .errors import (
     SessionConflictError,
     SessionNotFoundError,
     SessionUnreachableError,
+    SessionUnreadableError,
     StorageError,
     StoreBusyError,
     StoreFullError,
@@ -165,5 +166,6 @@ __all__ = [
     "AccessDeniedError",
     "HostCacheFullError",
     "SessionUnreachableError",
+    "SessionUnreadableError",
     "StoreNotFoundError",
 ]

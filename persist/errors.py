@@ -35,6 +35,7 @@ __all__ = [
     "ReadOnlyStoreError",
     "SessionConflictError",
     "SessionUnreachableError",
+    "SessionUnreadableError",
     "StorageError",
     "StoreNotFoundError",
     "ModelNotFoundError",
@@ -307,4 +308,21 @@ class SessionUnreachableError(PersistError, ConnectionError):
             f"session {session!r} is not in this store, and the {' and '.join(tiers)} "
             "that may hold it could not be asked; try again when it answers, or pass --new "
             "to start a new conversation (kept beside the fleet's, never over it)"
+        )
+
+
+class SessionUnreadableError(SessionUnreachableError):
+    """A named session this store does not hold, while a tier names it but its values
+    there cannot be read: another operator key (or none) tagged them, or the tier
+    dropped part of them (a Redis LRU eviction, an expired record).  Continuing it
+    would fork the fleet's history, as with a tier that cannot be asked."""
+
+    def __init__(self, session: str, namespace: str, reasons: list[str]) -> None:
+        self.session, self.namespace, self.tiers = session, namespace, reasons
+        ConnectionError.__init__(
+            self,
+            f"session {session!r} is on the fleet, but this machine cannot read it: "
+            f"{'; '.join(reasons)}; continuing it would fork the fleet's history: fix "
+            "that (a key: the fleet's in $PERSIST_TIER_KEY or --tier-key-file), or pass "
+            "--new to start a new conversation under the name on purpose",
         )

@@ -33,7 +33,7 @@ from ..storage.types import EntryInfo
 from .costs import CostModel
 from .file_tags import file_key
 from .lifecycle import check_hints
-from .store_reads import StoreReads
+from .store_reads import PULL_READS, StoreReads
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
     from ..codecs.snapshot import Snapshot
@@ -266,13 +266,21 @@ class Store(StoreReads):
         given it, default the identity's name, and ``tokenizer_config``).  The
         file claims ``model``, so its files must hold the session's model:
         ``model`` itself when it is a folder, else ``model_dir`` (the folder a
-        repo id resolves to); neither is ModelNotFoundError, nothing written.
-        ``path`` inside the store, or one holding anything but a regular file (a
-        FIFO, a device, a folder, a link), is ExportTargetError: nothing written."""
+        repo id resolves to); neither is ModelNotFoundError, nothing written.  A
+        session only the fleet holds is pulled first, as ``restore`` pulls it (a
+        read-only store never pulls).  ``path`` inside the store, or one holding
+        anything but a regular file (a FIFO, a device, a folder, a link), is
+        ExportTargetError: nothing written."""
         from .files import check_export_target
         from .transfer import export_row
 
-        row = self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
+        check_name(namespace, "namespace")
+        check_name(session, "session")
+        row = self.index.by_name(namespace, session)
+        for _ in range(PULL_READS):  # as restore: a session only the fleet holds is pulled
+            if row is not None or self.read_only or not self._pull_named(session, namespace):
+                break
+            row = self.index.by_name(namespace, session)  # None: evicted since, pull again
         if row is None:
             raise SessionNotFoundError(session, namespace)
         check_export_target(self.root, path)  # a regular file outside the store only

@@ -13,7 +13,13 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidArgumentError, ReadOnlyStoreError
+from ..errors import (
+    InvalidArgumentError,
+    ReadOnlyStoreError,
+    SessionNotFoundError,
+    SessionUnreachableError,
+    SessionUnreadableError,
+)
 from ..format.tokens import check_tokens, unpack_tokens
 from ..identity import ModelIdentity
 from ..records import Progress
@@ -31,6 +37,7 @@ if TYPE_CHECKING:  # loaded by the first restore or warm start, not by ``ls``
 __all__ = ["StoreReads"]
 
 log = logging.getLogger("persist")
+PULL_READS = 3  # a pulled session evicted before its read is pulled again, twice at most
 
 
 class StoreReads(StoreUpkeep):
@@ -53,41 +60,55 @@ class StoreReads(StoreUpkeep):
 
         check_name(namespace, "namespace")
         check_name(session, "session")
-        self._pull_named(session, namespace)
         i, strict = self.index, self.strict_backend
-        cache, row = restore_named(
-            i,
-            self.blobs,
-            namespace,
-            session,
-            identity=identity,
-            progress=progress,
-            strict_backend=strict,
-            costs=self.costs,
-        )
+        for attempt in range(PULL_READS):
+            pulled = self._pull_named(session, namespace)
+            try:
+                cache, row = restore_named(
+                    i, self.blobs, namespace, session, identity=identity, progress=progress,
+                    strict_backend=strict, costs=self.costs,
+                )  # fmt: skip
+                break
+            except SessionNotFoundError:
+                # what the pull just committed was evicted before it was read (a gc in
+                # another process): the fleet holds it, so pull it again (attack 38b, 15)
+                if not pulled or attempt == PULL_READS - 1:
+                    raise
         notice = pop_notice(i, namespace, session)
         if notice is not None:  # said once, here and to whoever logs
             log.warning("persist: %s", notice)
         return Restored(cache, unpack_tokens(row.tokens), self._info(row), notice)
 
-    def _pull_named(self, session: str, namespace: str) -> None:
+    def _pull_named(self, session: str, namespace: str) -> bool:
         """A session this store lacks, from the tiers (the shared one first, then the
-        durable one); SessionUnreachableError when it is still not here and a tier that
-        may hold it could not be asked (a "not found" then would fork its history)."""
+        durable one): whether one was pulled.  When it is still not here, a tier that
+        may hold it and could not be asked is SessionUnreachableError, and one that names
+        it but whose values this machine cannot read (another operator key, an evicted
+        part) SessionUnreadableError: a "not found" then would fork its history."""
         if self.read_only and self.tiers:  # a pull writes (a lease, rows, blobs)
             raise ReadOnlyStoreError(self.root)
-        down = []
+        if not self.tiers or self.has_session(session, namespace=namespace):
+            return False
+        down, unread, pulled = [], [], False
         for tier in self.tiers:
             if not self.has_session(session, namespace=namespace):
                 before = tier.unreachable
-                tier.pull_session(self.index, self.blobs, namespace, session)
+                pulled |= tier.pull_session(self.index, self.blobs, namespace, session)
                 if tier.unreachable > before:
                     down.append(tier)
-        if down and not self.has_session(session, namespace=namespace):
-            from .tiers.lineage import SessionUnreachableError, shown_url
+                elif tier.unread is not None:
+                    unread.append(tier.unread)
+        # pulled, even if a gc elsewhere evicted it since (the caller reads it or pulls again)
+        if pulled or self.has_session(session, namespace=namespace):
+            return True
+        if down:
+            from .tiers.lineage import shown_url
 
             tiers = [f"{t.name} tier ({shown_url(t.tier.url)})" for t in down]
             raise SessionUnreachableError(session, namespace, tiers)
+        if unread:
+            raise SessionUnreadableError(session, namespace, unread)
+        return False
 
     def lookup(
         self,

@@ -115,7 +115,7 @@ def test_a_rotated_key_pushes_its_own_blobs(tiny: Any, redis_server: Any, tmp_pa
     with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY) as a:
         a.save(prefill(model, t)[0], t, identity=ident, session="s")
     with persist.Store(tmp_path / "b", shared=redis_server.url, tier_key=KEY2) as b:
-        with pytest.raises(persist.SessionNotFoundError):
+        with pytest.raises(persist.SessionUnreadableError, match="key id"):
             b.restore("s", identity=ident)  # the old key's record: unauthenticated
         assert b.stats().counters["shared_unauthenticated"] == 1
     with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY2) as a:

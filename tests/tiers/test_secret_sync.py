@@ -65,8 +65,8 @@ def test_allkeys_lru_under_pressure_never_splits_the_fleet(
             for name, toks in sessions.items():
                 try:
                     out = m.restore(name, identity=ident)
-                except persist.SessionNotFoundError:
-                    continue
+                except (persist.SessionNotFoundError, persist.SessionUnreadableError):
+                    continue  # evicted, or named there with a part evicted
                 assert out.tokens == toks  # never another session
                 got.add(name)
         return got

@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Any
 
-from ...errors import CorruptBlobError
+from ...errors import CorruptBlobError, StoreFullError
 from ...remote.redis_tier import RedisTier, TierUnavailable
 from ...remote.s3_tier import S3Tier
 from ...storage.blobs import BlobStore
@@ -27,7 +27,8 @@ from ..costs import LOCAL, CostModel
 from ..layer_checks import quantized_start
 from .fleet_block import require_same_block
 from .fleet_sync import sync
-from .named_pull import named_record, repair
+from .lineage import shown_url
+from .named_pull import UNREADABLE, Unreadable, named_record, repair
 from .pull import EvictedError, pull
 from .push import namespace_secret, push
 from .records import BadValue, Expect, Keys, best_record, check_key, open_record, tier_key_from_env
@@ -55,6 +56,7 @@ class Shared:
         self.unreachable = 0  # operations the tier was down for (sync tells a miss from these)
         self.conflicts: list[tuple[str, str]] = []  # (session, NAME~N it was pushed as)
         self.behind_said = False  # a pull served without the cold tier was said (named_pull)
+        self.unread: str | None = None  # why the last pull_session could not read its session
 
     def _count(self, index: Index, namespace: str, what: str) -> None:
         index.count(namespace, **{f"{self.name}_{what}": 1})
@@ -174,8 +176,14 @@ class Shared:
         With a cold tier behind this one, its pointer is asked first and the session
         read there where this tier's is not the same, this one's then repaired
         (``named_pull``)."""
+        self.unread = None
         secret = self.secret(index, namespace)
-        found = self._run(lambda: named_record(self, index, namespace, name, secret))
+        try:
+            found = self._run(lambda: named_record(self, index, namespace, name, secret))
+        except Unreadable as e:  # named there, not readable here: never "no session"
+            self._count(index, namespace, "misses")
+            self.unread = self._why(e.name, e.tier, e.detail, e.keyed)
+            return False
         if found is None:
             self._count(index, namespace, "misses")
             return False
@@ -198,11 +206,14 @@ class Shared:
             if pulled:
                 index.count(namespace, **{f"{counted}_hits": 1})
                 index.saw(namespace, name, float(found.body["row"]["created"]))
-        except EvictedError:  # the LRU took part of it: the session is not there
+        except EvictedError as e:  # the LRU took part of it: named there, not readable
             self._count(index, namespace, "incomplete")
+            self.unread = self._why(counted, tier, f"part of it is gone ({e})", False)
             return False
         except BadValue as e:
             self._bad(index, namespace, e)
+            if e.why in UNREADABLE:
+                self.unread = self._why(counted, tier, e.detail, True)
             return False
         finally:
             for what in ("bytes_pushed", "bytes_pulled"):
@@ -212,6 +223,16 @@ class Shared:
         if pulled and found.stale is not None:
             repair(self, index, blobs, namespace, name, found)
         return bool(pulled)
+
+    def _why(self, name: str, tier: Any, detail: str, keyed: bool) -> str:
+        """What SessionUnreadableError says of this tier: which one, and the key."""
+        text = f"the {name} tier ({shown_url(tier.url)}) names it, but {detail}"
+        if not keyed:
+            return text + " (an evicted or expired value)"
+        if self.keys.key is None:
+            return text + " (this machine has no operator key, $PERSIST_TIER_KEY)"
+        kid = self.keys.blob_name("")[1:]  # the key id blob names on the tiers carry
+        return text + f" (this machine's operator key, key id {kid}, is not the fleet's)"
 
     def pull_prefix(
         self,
@@ -277,6 +298,9 @@ class Shared:
         except CorruptBlobError as e:  # never a wrong cache: the local answer stands
             self._count(index, namespace, "corrupt_skipped")
             log.warning("persist: skipping a damaged shared snapshot: %s", e)
+        except StoreFullError as e:  # the disk has no room for it: the local answer stands
+            self._count(index, namespace, "full_skipped")
+            log.warning("persist: shared snapshot not pulled: %s", e)
         self._bytes(index, namespace, before)
 
     def _deepest(

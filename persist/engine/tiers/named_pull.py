@@ -22,6 +22,12 @@ from Redis the same way.  A cold tier without a pointer of the name (machines
 without one pushed it) leaves Redis's, but gets Redis's tombstone: an empty tier
 cannot prove a delete undone.  A cold tier that cannot be asked leaves Redis's too, said once per
 outage: that version may be behind the cold tier (counted ``<tier>_cold_unasked``).
+
+A pointer of the name whose record cannot be read here (not this machine's operator
+key's, or its record gone: an LRU, a TTL) is ``Unreadable``, not a miss: a caller
+that took it for "no session" would start a new conversation over the fleet's
+(attack 38b, findings 5 and 8).  A tombstone, a replay (``stale``) and a value that
+does not open at all (``malformed``) stay misses.
 """
 
 from __future__ import annotations
@@ -36,10 +42,20 @@ from .lineage import RepairDeclined, open_tombstone, shown_url, stale_held, tier
 from .push import push
 from .records import BadValue, Expect, open_record
 
-__all__ = ["Found", "named_record", "repair"]
+__all__ = ["Found", "Unreadable", "UNREADABLE", "named_record", "repair"]
 
 log = logging.getLogger("persist")
 COLD = "cold"  # the cold tier's counters' prefix (``exchange.open_tiers`` names it so)
+UNREADABLE = ("unauthenticated",)  # a value another operator key (or none) tagged
+
+
+class Unreadable(Exception):
+    """The tier names the session, but what it names cannot be read by this machine:
+    ``name`` and ``tier`` say which tier, ``keyed`` whether the operator key is why."""
+
+    def __init__(self, name: str, tier: Any, detail: str, keyed: bool) -> None:
+        super().__init__(detail)
+        self.name, self.tier, self.detail, self.keyed = name, tier, detail, keyed
 
 
 class Lagging(NamedTuple):
@@ -92,13 +108,16 @@ def named_record(
         keys = shared.keys
         rkey = keys.open_pointer(namespace, "sess", name.encode(), src.pointer)
         value = src.tier.records(namespace, [rkey])[0]
-        if value is None:
-            return None
+        if value is None:  # the pointer outlived its record (an LRU, a TTL)
+            index.count(namespace, **{f"{src.name}_incomplete": 1})
+            raise Unreadable(src.name, src.tier, "its record is gone (evicted, expired)", False)
         if secret is None:  # the tier holds no secret (keyless): the record's own
             bare = open_record(keys, value, Expect(namespace, rkey, name=name))
             secret = bare.get("secret")
-            if secret is None:
-                raise BadValue("mismatched", "a record without the secret of its chains")
+            if secret is None:  # a keyed fleet's record, read without its key
+                index.count(namespace, **{f"{src.name}_mismatched": 1})
+                why = "a record without the secret of its chains"
+                raise Unreadable(src.name, src.tier, why, True)
         body = open_record(keys, value, Expect(namespace, rkey, name=name, secret=secret))
         seen = index.seen(namespace, name)
         if seen is not None and float(body["row"]["created"]) < seen:
@@ -107,6 +126,8 @@ def named_record(
     except BadValue as e:
         index.count(namespace, **{f"{src.name}_{e.why}": 1})
         log.info("persist: %s tier value refused: %s", src.name, e.detail)
+        if e.why in UNREADABLE:
+            raise Unreadable(src.name, src.tier, e.detail, True) from None
         return None
 
 

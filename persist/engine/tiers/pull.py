@@ -7,12 +7,13 @@ from __future__ import annotations
 import io
 import sqlite3
 import time
+from pathlib import Path
 from typing import Any
 
 from ...errors import CorruptBlobError
 from ...format.tokens import unpack_tokens
 from ...remote.redis_tier import namespace_tag
-from ...storage import writes
+from ...storage import full, writes
 from ...storage.blobs import BlobStore
 from ...storage.check import verify_blob
 from ...storage.index import Index
@@ -43,7 +44,14 @@ def pull(
     Blobs this store holds are not fetched; the others a few at a time (the tier's
     threads hold a few blobs in memory, never the whole session)."""
     for _ in range(_ATTEMPTS):
-        sid = _attempt(index, blobs, tier, keys=keys, namespace=namespace, body=body, named=named)
+        try:
+            sid = _attempt(
+                index, blobs, tier, keys=keys, namespace=namespace, body=body, named=named
+            )
+        except OSError as e:  # a blob or lease write found the disk full: typed, as a save's
+            if e.errno in full.DISK_FULL:  # (nothing of the attempt is kept: ``_attempt``)
+                raise full.disk_full_error(getattr(blobs, "root", Path("the store")), e) from e
+            raise
         if sid is not None:
             return sid
     # a store whose rm/gc keeps killing the blobs the pull reuses: a miss, never a row
