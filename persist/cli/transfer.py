@@ -213,10 +213,20 @@ def _ids(text: str | None) -> list[int] | None:
 @cli.command("sync")
 @click.option("--pull", "names", multiple=True, help="A named session to fetch (repeatable).")
 @click.option("--namespace", default=None, help="Only this namespace (default: all).")
+@click.option(
+    "--rekey",
+    is_flag=True,
+    help="This machine's tier key is the fleet's (a rotation): replace session pointers "
+    "tagged under another key or none, instead of reporting them as conflicts.",
+)
 @store_option
 @json_option
 def sync_cmd(
-    names: tuple[str, ...], namespace: str | None, store_dir: Path | None, as_json: bool
+    names: tuple[str, ...],
+    namespace: str | None,
+    rekey: bool,
+    store_dir: Path | None,
+    as_json: bool,
 ) -> None:
     """Push what the tiers (--shared, --cold) lack; fetch named sessions this store lacks.
 
@@ -224,7 +234,9 @@ def sync_cmd(
     push failed (a tier down, refused, or holding another namespace secret), was held
     back (a session is pushed to --shared only after --cold, which decides its name,
     answered) or met a conflict (a session here that does not continue the tier's
-    session of its name: pushed beside it as NAME~N, the tier's kept).
+    session of its name: pushed beside it as NAME~N, the tier's kept; or a value under
+    its name that this machine's tier key cannot authenticate: not pushed, unless
+    --rekey says this machine's key is the fleet's, as in a key rotation).
 
     \b
     Example:
@@ -233,7 +245,7 @@ def sync_cmd(
     with open_store(store_dir, create=True) as store:  # a pull may fill a new store
         if not store.tiers:
             raise InvalidArgumentError("persist sync needs --shared or --cold (or $PERSIST_*)")
-        r = store.sync(namespace=namespace, pull=list(names))
+        r = store.sync(namespace=namespace, pull=list(names), rekey=rekey)
 
     def render(_: Any) -> None:
         for tier, n in r["tiers"].items():
@@ -251,6 +263,11 @@ def sync_cmd(
             names = plain(", ".join(r["deleted_on_fleet"]))
             click.echo(f"deleted on the fleet, not pushed back (persist rm drops it): {names}")
         for c in r["conflicts"]:
+            if c["kept_as"] is None:  # a value there this machine cannot authenticate
+                click.echo(
+                    f"conflict: session {plain(c['session'])!r} not pushed: {plain(c['why'])}"
+                )
+                continue
             click.echo(
                 f"conflict: session {plain(c['session'])!r} here does not continue the "
                 f"{c['tier']} tier's; pushed as {plain(c['kept_as'])!r}, the tier's kept"

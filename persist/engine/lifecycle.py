@@ -202,12 +202,22 @@ class StoreUpkeep:
             return []  # nothing to remove with, and no writer of its own left anything
         return full.with_room(self.root, lambda: tidy(self.index, self.blobs))
 
-    def sync(self, *, namespace: str | None = None, pull: Sequence[str] = ()) -> dict[str, Any]:
-        """Push what the tiers lack (every snapshot), pull the named sessions ``pull``."""
+    def sync(
+        self, *, namespace: str | None = None, pull: Sequence[str] = (), rekey: bool = False
+    ) -> dict[str, Any]:
+        """Push what the tiers lack (every snapshot), pull the named sessions ``pull``.
+        ``rekey``: this store's operator key is the fleet's (a rotation): a session
+        pointer under another key, or none, is replaced, not a conflict."""
         from .tiers.exchange import sync
 
         names = [check_name(n, "session") for n in pull]  # as every other command's
-        return sync(self.index, self.blobs, self.tiers, namespace, names)
+        for tier in self.tiers:
+            tier.rekey = rekey
+        try:
+            return sync(self.index, self.blobs, self.tiers, namespace, names)
+        finally:
+            for tier in self.tiers:
+                tier.rekey = False
 
 
 MAX_PRIORITY = 1000  # |priority|: an order, not a quantity; bounded so it is plain data

@@ -109,7 +109,9 @@ def test_a_cluster_reads_pointers_bounded(tiny: Any, redis_cluster: Any, tmp_pat
 
 def test_a_rotated_key_pushes_its_own_blobs(tiny: Any, redis_server: Any, tmp_path: Path) -> None:
     """Blobs on a tier are named with the key's id: those of the old key (or of no key)
-    never stand in for the new key's, so a sync after a rotation shares again."""
+    never stand in for the new key's, so a sync after a rotation shares again.  The
+    old key's session pointer is replaced only with ``rekey`` (attack 38b, finding 5:
+    a machine cannot tell an old key's value from the fleet's under a key it lacks)."""
     model, ident = _ident(tiny)
     t = tokens_for(300, seed=9)
     with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY) as a:
@@ -119,7 +121,8 @@ def test_a_rotated_key_pushes_its_own_blobs(tiny: Any, redis_server: Any, tmp_pa
             b.restore("s", identity=ident)  # the old key's record: unauthenticated
         assert b.stats().counters["shared_unauthenticated"] == 1
     with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY2) as a:
-        assert a.sync()["pushed"] == 1
+        assert [c["session"] for c in a.sync()["conflicts"]] == ["s"]  # not without rekey
+        assert a.sync(rekey=True)["pushed"] == 1
     with persist.Store(tmp_path / "c", shared=redis_server.url, tier_key=KEY2) as c:
         assert c.restore("s", identity=ident).tokens == t
 

@@ -282,8 +282,9 @@ def test_adding_an_operator_key_to_an_existing_fleet_keeps_it_sharing(
     """The README's rollout of an operator key to a fleet that ran without one: machine
     a's store keeps its old random chain secret and rechains at the tier's edge, so
     what it saves with the key is shared; its keyless records are misses for keyed
-    machines (``shared_unauthenticated``: they are trusted by nobody) until ``sync``
-    publishes them again under the key."""
+    machines (``shared_unauthenticated``: they are trusted by nobody) until ``sync
+    --rekey`` publishes them again under the key (without ``rekey`` a keyless session
+    pointer is a conflict, never replaced: attack 38b, finding 5)."""
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
     before, after = tokens_for(300, seed=5), tokens_for(300, seed=6)
@@ -295,7 +296,9 @@ def test_adding_an_operator_key_to_an_existing_fleet_keeps_it_sharing(
         assert c.stats().counters["shared_unauthenticated"] == 1
     with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY) as a:
         a.save(prefill(model, after)[0], after, identity=ident, session="after")
-        assert a.sync()["failed"] == 0
+        assert [c["session"] for c in a.sync()["conflicts"]] == ["before"]
+        done = a.sync(rekey=True)
+        assert done["failed"] == 0 and not done["conflicts"], done
     with persist.Store(tmp_path / "b", shared=redis_server.url, tier_key=KEY) as b:
         assert b.restore("after", identity=ident).tokens == after  # saved by a with the key
         assert b.restore("before", identity=ident).tokens == before  # published by sync

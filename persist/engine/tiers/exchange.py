@@ -27,7 +27,7 @@ from ..costs import LOCAL, CostModel
 from ..layer_checks import quantized_start
 from .fleet_block import require_same_block
 from .fleet_sync import sync
-from .lineage import shown_url
+from .lineage import Foreign, shown_url
 from .named_pull import UNREADABLE, Unreadable, named_record, repair
 from .pull import EvictedError, pull
 from .push import namespace_secret, push
@@ -55,6 +55,8 @@ class Shared:
         self._none_until: dict[str, float] = {}
         self.unreachable = 0  # operations the tier was down for (sync tells a miss from these)
         self.conflicts: list[tuple[str, str]] = []  # (session, NAME~N it was pushed as)
+        self.refused: list[tuple[str, str]] = []  # (session, why): another key's value there
+        self.rekey = False  # sync(rekey=True): this key is the fleet's, others' are replaced
         self.behind_said = False  # a pull served without the cold tier was said (named_pull)
         self.unread: str | None = None  # why the last pull_session could not read its session
 
@@ -133,22 +135,16 @@ class Shared:
         before = dict(self.tier.counters)
         for _ in range(2):
             forks = len(self.conflicts)
-            got = self._run(
-                lambda s=secret: push(
-                    index,
-                    blobs,
-                    self.tier,
-                    keys=self.keys,
-                    namespace=namespace,
-                    sid=sid,
-                    secret=s,
-                    verify=verify,
-                    conflicts=self.conflicts,
-                    as_name=as_name,
-                    base=base,
-                    beside=beside,
+            try:
+                got = self._run(
+                    lambda s=secret: self._push(
+                        index, blobs, namespace, sid, s, verify, as_name, base, beside
+                    )
                 )
-            )
+            except Foreign as e:  # maybe the fleet's session, under a key this one is not
+                self._bytes(index, namespace, before)
+                self.refuse(index, namespace, e.name, e.detail)
+                return "refused"
             done, after = got if got is not None else (None, None)
             if after is None or after == secret:
                 break
@@ -156,6 +152,34 @@ class Shared:
             # its own first): the fleet's from now on, and this record again under it
             self._hold(namespace, after)
             secret = after
+        return self._pushed(index, namespace, done, forks, before)
+
+    def _push(
+        self, index: Index, blobs: BlobStore, namespace: str, sid: int, secret: bytes,
+        verify: bool, as_name: str | None, base: tuple[float | None] | None, beside: bool,
+    ) -> tuple[str, bytes | None]:  # fmt: skip
+        return push(
+            index, blobs, self.tier, keys=self.keys, namespace=namespace, sid=sid,
+            secret=secret, verify=verify, conflicts=self.conflicts, as_name=as_name,
+            base=base, beside=beside, rekey=self.rekey,
+        )  # fmt: skip
+
+    def refuse(self, index: Index, namespace: str, name: str, detail: str) -> None:
+        """A session not pushed: the tier's value under its name is not authenticated
+        under this machine's key (``lineage.Foreign``); counted, said, listed by sync."""
+        self._count(index, namespace, "conflicts")
+        why = self._why(self.name, self.tier, f"{detail}; not replaced", True)
+        self.refused.append((name, why))
+        log.warning(
+            "persist: session %r saved here only, not pushed: %s (persist sync --rekey "
+            "replaces it, where this machine's key is the fleet's)",
+            name, why,
+        )  # fmt: skip
+
+    def _pushed(
+        self, index: Index, namespace: str, done: str | None, forks: int, before: dict[str, int]
+    ) -> str:
+        """``push``'s answer, counted."""
         if done in ("pushed", None):
             self._count(index, namespace, "pushes" if done else "errors")
         self._bytes(index, namespace, before)

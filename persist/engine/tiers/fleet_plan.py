@@ -23,7 +23,11 @@ name (one pointer and one record per tier) and decides once:
   newer turn or tombstone the cold tier lacks): the snapshot goes beside it on
   every tier, ``NAME~N``, a conflict reported;
 - every tier's push judges the name against ``Index.base`` as it was before the
-  first one.
+  first one;
+- a tier holds a value under the name that this machine cannot authenticate
+  (another operator key's, none, forged: ``Held.foreign``): pushed to none, a
+  conflict on each such tier (``Shared.refuse``), unless the tier is told this
+  machine's key is the fleet's (``rekey``: a rotation).
 A tier that cannot be asked says nothing here; its push fails or is held back.
 """
 
@@ -45,7 +49,7 @@ log = logging.getLogger("persist")
 
 class Plan(NamedTuple):
     base: tuple[float | None]  # Index.base of the name before any tier's push
-    verdict: str | None  # "behind" / "deleted": the fleet's past, pushed to no tier
+    verdict: str | None  # "behind" / "deleted" (the fleet's past) / "refused": to no tier
     beside: bool  # a later tier's session of the name it does not continue: NAME~N
 
 
@@ -55,6 +59,11 @@ def plan(tiers: Sequence[Any], index: Index, namespace: str, row: Any) -> Plan:
     base, seen = index.base(namespace, name), index.seen(namespace, name)
     helds = [(tier, _held(tier, index, namespace, name)) for tier in tiers]
     answered = [(t, h) for t, h in helds if h is not None]
+    foreign = [(t, h.foreign) for t, h in answered if h.foreign is not None and not t.rekey]
+    for tier, why in foreign:  # maybe the fleet's session, under a key this one is not
+        tier.refuse(index, namespace, name, why)
+    if foreign:
+        return Plan((base,), "refused", False)
     verdicts = {past(h, row, base, seen) for _, h in answered}
     verdict = "deleted" if "deleted" in verdicts else "behind" if "behind" in verdicts else None
     if verdict == "deleted":

@@ -41,7 +41,8 @@ def push_everywhere(
     pushes it once the cold tier answers.  Every tier's session of the name is read
     first (``fleet_plan``): the fleet's past on any tier is pushed to none, and a
     later tier's session the snapshot does not continue sends it beside on all.
-    A snapshot without a name goes on."""
+    A snapshot without a name goes on; one whose name holds a value this machine
+    cannot authenticate on any tier is ``refused`` on all (``fleet_plan``)."""
     ordered = sorted(tiers, key=lambda t: t.name != "cold")
     row = _row(index, sid)
     named = row is not None and row.role == "session" and row.name is not None
@@ -74,7 +75,7 @@ def push_everywhere(
         if fork is None and len(tier.conflicts) > forks:  # pushed, or there already
             fork = tier.conflicts[-1][1]
         unasked = tier.name == "cold" and how == "failed" and named
-        if tier.name == "cold" and how in ("behind", "deleted"):
+        if tier.name == "cold" and how in ("behind", "deleted", "refused"):
             past = how
         done.append((tier, how))
     return done
@@ -98,12 +99,15 @@ def sync(
     tier holds of it and writes what it lacks or holds wrong), then pull the named
     sessions this store lacks.  The report says what happened: per tier, snapshots
     pushed (a repaired one too), already there and right, failed, held back (a
-    session waiting for the cold tier: ``push_everywhere``)."""
+    session waiting for the cold tier: ``push_everywhere``); conflicts, among them
+    sessions not pushed because a tier holds a value under the name this machine
+    cannot authenticate (``kept_as`` None, ``why``)."""
     rows = index.snapshots(namespace, named_only=False)
     per: dict[str, dict[str, int]] = {
         t.name: {"pushed": 0, "present": 0, "failed": 0, "held": 0} for t in shared
     }
     forked = {t.name: len(t.conflicts) for t in shared}
+    refused = {t.name: len(t.refused) for t in shared}
     failed: set[int] = set()
     deleted: set[str] = set()  # local copies of sessions the fleet deleted: not pushed
     for row in rows:
@@ -130,9 +134,13 @@ def sync(
         elif down:  # a tier that could not be asked: a failure, not "not in any tier"
             unreached.append(name)
     total = {k: sum(p[k] for p in per.values()) for k in ("pushed", "present", "failed", "held")}
-    conflicts = [
+    conflicts: list[dict[str, Any]] = [
         {"tier": t.name, "session": a, "kept_as": b} for t in shared
         for a, b in t.conflicts[forked[t.name]:]
+    ]  # fmt: skip
+    conflicts += [  # not pushed: the tier's value there is not authenticated here
+        {"tier": t.name, "session": a, "kept_as": None, "why": why} for t in shared
+        for a, why in t.refused[refused[t.name]:]
     ]  # fmt: skip
     return {
         **total,

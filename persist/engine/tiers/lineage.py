@@ -24,6 +24,13 @@ delete (``persist rm --fleet``, ``fleet_delete``) puts a *tombstone* in the
 pointer's place, a version newer than every one it replaces: a store that saw
 it (its writer, a reader that found it) takes the name with its next history,
 a store whose history of the name is older is kept beside it.
+
+A value under the name that this machine cannot authenticate (tagged under another
+operator key, under none, or forged: ``Held.foreign``) is no "nothing there": it may
+be the fleet's history under the fleet's key, and this machine the one with the wrong
+key (attack 38b, finding 5).  A push refuses it (``Foreign``), never writes over it
+nor beside it (a ``NAME~N`` under a key the fleet cannot read serves no one), unless
+told this machine's key is the fleet's (``rekey``: a rotation, ``persist sync --rekey``).
 """
 
 from __future__ import annotations
@@ -40,9 +47,19 @@ from .records import BadValue, Expect, Keys, open_record
 __all__ = [
     "SessionUnreachableError", "MAX_FORKS", "Held", "kept_name", "shown_url", "tier_tokens",
     "tombstone", "open_tombstone", "RepairDeclined", "stale_held", "behind", "past", "continues",
+    "Foreign",
 ]  # fmt: skip
 
 MAX_FORKS = 1000  # NAME~2 .. NAME~1000: past it a push fails rather than scan on
+
+
+class Foreign(PersistError):
+    """A push that found, under ``name``, a tier value this machine cannot authenticate
+    (``detail``): not written over (``tier_tokens``, ``Held.foreign``)."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        super().__init__(f"session {name!r}: {detail}")
+        self.name, self.detail = name, detail
 
 
 class RepairDeclined(PersistError):
@@ -66,12 +83,16 @@ class Held(NamedTuple):
     tokens: list[int] | None  # that record's tokens; None: no history there
     version: float | None  # its version (save time), or the tombstone's; None: neither
     value: bytes | None = None  # the pointer's bytes as read (a repair compares them)
+    foreign: str | None = None  # why a value there cannot be authenticated here: not replaced
 
 
 def tier_tokens(tier: Any, keys: Keys, namespace: str, name: str, secret: bytes | None) -> Held:
     """The tier's session ``name``: its record's key, tokens and version, a tombstone's
     version (``persist rm --fleet``), or nothing (also a value that does not open: a
-    hostile or damaged one is no history to keep); with the pointer's token."""
+    damaged one is no history to keep); with the pointer's token.  A pointer, tombstone
+    or record that is well formed but not authenticated under this machine's key (or,
+    without a key, tagged under one) is ``foreign``: the fleet's, maybe, under a key
+    this machine lacks."""
     value, token = tier.session_pointer(namespace, name.encode())
     nothing = Held(token, None, None, None, value)
     if value is None:
@@ -79,16 +100,27 @@ def tier_tokens(tier: Any, keys: Keys, namespace: str, name: str, secret: bytes 
     try:
         gone = open_tombstone(keys, namespace, name, value)
         if gone is not None:
+            _untagged(keys, value)
             return Held(token, None, None, gone, value)
         rkey = keys.open_pointer(namespace, "sess", name.encode(), value)
+        _untagged(keys, value)
         record = tier.records(namespace, [rkey])[0]
         if record is None:
             return nothing
         body = open_record(keys, record, Expect(namespace, rkey, name=name, secret=secret))
-    except BadValue:
+    except BadValue as e:
+        if e.why == "unauthenticated":
+            return nothing._replace(foreign=e.detail)
         return nothing
     toks, created = unpack_tokens(body["row"]["tokens"]), float(body["row"]["created"])
     return Held(token, rkey, toks, created, value)
+
+
+def _untagged(keys: Keys, value: bytes) -> None:
+    """Without a key, a pointer or tombstone carrying a tag (``.`` and hex after the
+    record key or version) is a keyed writer's: BadValue, ``unauthenticated``."""
+    if keys.key is None and b"." in value:
+        raise BadValue("unauthenticated", "a value tagged with an operator key")
 
 
 def continues(tokens: list[int], held: Held, rkey: str, base: float | None = None) -> bool:
@@ -156,19 +188,23 @@ def kept_name(
     rkey: str,
     base: float | None = None,
     beside: bool = False,
+    rekey: bool = False,
 ) -> tuple[str, Held]:
     """The name this snapshot is pushed under, and what the tier holds there: ``name`` if
     it continues the tier's session of that name (``base``: ``Index.base``, read before
     this push) and not ``beside`` (another tier's newer session of the name it does not
     continue: ``fleet_sync``), else the first ``name~N`` (N >= 2) it continues or that
-    is free."""
+    is free.  A value under ``name`` this machine cannot authenticate is ``Foreign``
+    (one under a ``name~N`` is passed over), unless ``rekey``: then it is free."""
     held = tier_tokens(tier, keys, namespace, name, secret)
+    if held.foreign is not None and not rekey:
+        raise Foreign(name, held.foreign)
     if not beside and continues(tokens, held, rkey, base):
         return name, held
     for n in range(2, MAX_FORKS + 1):
         other = f"{name}~{n}"
         held = tier_tokens(tier, keys, namespace, other, secret)
-        if continues(tokens, held, rkey):
+        if (held.foreign is None or rekey) and continues(tokens, held, rkey):
             return other, held
     raise BadValue("mismatched", f"more than {MAX_FORKS} histories of session {name!r}")
 

@@ -29,7 +29,7 @@ from ...remote.redis_tier import TierUnavailable
 from ...storage.blobs import BlobStore
 from ...storage.chains import boundary_heads
 from ...storage.index import Index
-from .lineage import RepairDeclined, behind, kept_name, stale_held
+from .lineage import Foreign, RepairDeclined, kept_name, past, stale_held, tier_tokens
 from .records import ROW_FIELDS, BadValue, Expect, Keys, chains_under, open_record, seal_record
 
 
@@ -42,6 +42,10 @@ class Shared(Protocol):
     backup: Any
     unreachable: int  # operations the tier was down for
     conflicts: list[tuple[str, str]]  # (session, the name its other history was pushed as)
+    refused: list[tuple[str, str]]  # (session, why): a value there not authenticated here
+    rekey: bool  # this machine's key is the fleet's: values under another key are replaced
+
+    def refuse(self, index: Index, namespace: str, name: str, detail: str) -> None: ...
 
     def push(
         self,
@@ -131,6 +135,7 @@ def push(
     repair: tuple[bytes | None, bytes] | None = None,
     base: tuple[float | None] | None = None,
     beside: bool = False,
+    rekey: bool = False,
 ) -> tuple[str, bytes | None]:
     """Write a committed snapshot's missing blobs and its record to the tier: ``pushed``,
     ``present`` (nothing was missing or wrong), ``skipped`` (gone meanwhile, or a
@@ -150,7 +155,10 @@ def push(
     ``base``: (``Index.base`` of the name, read before the first tier's push:
     ``push_everywhere``), so a name the cold tier's push just took is no licence to
     replace a later tier's newer session; None: read here.  ``beside``: another tier
-    holds a newer session of the name this one does not continue: not the name."""
+    holds a newer session of the name this one does not continue: not the name.
+    A session whose name holds a value this machine cannot authenticate (another
+    operator key's, none, forged) is ``Foreign``, before anything is written, unless
+    ``rekey`` (this machine's key is the fleet's: a rotation)."""
     with index.read() as db:
         rows = Index.rows_where(db, "id = ?", [sid])
         refs = Index.blocks_in(db, sid)
@@ -164,9 +172,11 @@ def push(
         base = (index.base(namespace, name) if name is not None else None,)  # before this push
     if name is None and getattr(tier, "named_only", False):
         return "skipped", None
-    if name is not None and as_name is None and repair is None:
-        seen = index.seen(namespace, name)
-        old = behind(tier, keys, namespace, name, secret=secret, row=row, base=base[0], seen=seen)
+    if name is not None and repair is None:
+        held = tier_tokens(tier, keys, namespace, name, secret)
+        if held.foreign is not None and not rekey:  # maybe the fleet's, under its key
+            raise Foreign(name, held.foreign)
+        old = None if as_name is not None else past(held, row, base[0], index.seen(namespace, name))
         if old is not None:  # a copy of the fleet's own past: nothing to push
             return old, None
     files = [row.tail, *(r.blob for r in refs if r.blob)]
@@ -230,6 +240,7 @@ def push(
                 verify=verify,
                 repair=repair,
                 beside=beside,
+                rekey=rekey,
             )
             break
         except SessionMoved as e:
@@ -261,6 +272,7 @@ def _write_record(
     verify: bool,
     repair: tuple[bytes | None, bytes] | None = None,
     beside: bool = False,
+    rekey: bool = False,
 ) -> tuple[str | None, bytes | None, bool]:
     """The record and its pointers, under the name the snapshot takes (``kept_name``:
     ``name`` or ``NAME~N``), its session pointer written only over what was read there
@@ -282,7 +294,7 @@ def _write_record(
             toks = unpack_tokens(fields["tokens"])
             kept, held = kept_name(
                 tier, keys, namespace, name, secret=secret, tokens=toks, rkey=rkey, base=base,
-                beside=beside,
+                beside=beside, rekey=rekey,
             )  # fmt: skip
             if kept != name:
                 fields["name"] = body["row"]["name"] = kept
