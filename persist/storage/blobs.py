@@ -201,13 +201,14 @@ class FileBlobs:
                     yield Path(e.path)
 
     def parts(self) -> Iterator[tuple[Path, os.stat_result]]:
-        """Every ``blobs/ab/`` folder and every entry in one, not followed through a link."""
+        """Every ``blobs/ab/`` folder and every entry in one, not followed through a link;
+        one a concurrent gc or rm removed meanwhile is left out (it is no one's now)."""
         for e in _entries(self.blobs):
             if e.is_dir(follow_symlinks=False):
-                yield Path(e.path), e.stat(follow_symlinks=False)
+                yield from _stat(e)
                 for f in _entries(Path(e.path)):
                     if not f.is_symlink():  # a link: reported by check as one
-                        yield Path(f.path), f.stat(follow_symlinks=False)
+                        yield from _stat(f)
 
     def tmp_files(self) -> Iterator[Path]:
         """Every entry of tmp/ (none if tmp/ is a link: it is not ours to list)."""
@@ -238,6 +239,13 @@ def _entries(d: Path) -> list[os.DirEntry[str]]:
             return sorted(it, key=lambda e: e.name)
     except (FileNotFoundError, NotADirectoryError):
         return []  # a folder replaced by a file: check reports it (not-a-folder)
+
+
+def _stat(e: os.DirEntry[str]) -> Iterator[tuple[Path, os.stat_result]]:
+    try:
+        yield Path(e.path), e.stat(follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return
 
 
 def _is_link(p: Path) -> bool:

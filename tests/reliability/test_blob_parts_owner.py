@@ -86,3 +86,25 @@ def test_a_private_store_passes(tmp_path: Path) -> None:
     with persist.Store(root) as store:
         assert store.restore("chat", identity=IDENTITY).tokens == list(range(8))
     assert "store is consistent" in persist_cli(tmp_path, "check", "--store", str(root)).stdout
+
+
+def test_check_beside_a_gc_that_removes_a_blob_it_listed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The full suite's race test: check's owner pass listed a blob file that a
+    concurrent gc then removed, and check raised FileNotFoundError."""
+    from persist.storage import blobs as blob_files
+
+    root = tmp_path / "store"
+    _, blob = saved(root)
+    listed = blob_files._entries
+
+    def then_removed(d: Path) -> list[os.DirEntry[str]]:
+        out = listed(d)
+        if d == blob.parent and blob.exists():
+            blob.unlink()  # removed after it was listed, before it is looked at
+        return out
+
+    monkeypatch.setattr(blob_files, "_entries", then_removed)
+    with persist.Store(root) as store:
+        assert [p for p in store.blobs.parts() if p[0] == blob] == []
