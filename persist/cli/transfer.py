@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,8 @@ def export_cmd(
       python -m mlx_lm generate --model ./my-model --prompt-cache-file work-mlx.safetensors \\
           --prompt "and then?"
     """
-    if file.exists() and not force:
+    # lexists: False for a path that cannot be (the export's own check says why, typed)
+    if os.path.lexists(file) and not force:
         raise AlreadyExistsError(f"{file} exists; pass --force to replace it")
     if model_dir is not None and fmt != "mlx-lm":
         raise click.UsageError("--model is for --format mlx-lm (a persist file names its model)")

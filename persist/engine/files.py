@@ -138,6 +138,8 @@ def check_export_target(store_root: str | os.PathLike[str], path: str | os.PathL
         mode = os.lstat(target).st_mode
     except FileNotFoundError:
         return
+    except OSError as e:  # under a file, a loop of links, a name too long (attack 38c)
+        raise ExportTargetError(path, f"cannot be written there: {e.strerror}") from None
     if not stat.S_ISREG(mode):
         raise ExportTargetError(path, f"{_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}")
 

@@ -73,6 +73,22 @@ def test_export_force_replaces_a_regular_file_only(tmp_path: Path) -> None:
         assert t.import_file(old, session="back").tokens == 48
 
 
+def test_export_to_a_path_that_cannot_exist_is_typed(tmp_path: Path) -> None:
+    """Attack 38c: under a regular file, through a loop of links, a name over 255
+    bytes: exit 3 and a traceback, with or without --force."""
+    root = tmp_path / "s"
+    store_with_chat(root)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "loopA").symlink_to(tmp_path / "loopB")
+    (tmp_path / "loopB").symlink_to(tmp_path / "loopA")
+    for target in (tmp_path / "file" / "sub", tmp_path / "loopA" / "x", tmp_path / ("n" * 300)):
+        for force in ((), ("--force",)):
+            args = ["export", "chat", str(target), "--store", str(root), "--json", *force]
+            out = persist_cli(tmp_path, *args, check=False)
+            refused(out, "cannot be written there")
+    assert restores(root) == 48
+
+
 def test_export_refuses_a_device_node(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("making a device node (mknod) needs root")
