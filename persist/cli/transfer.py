@@ -261,6 +261,8 @@ def sync_cmd(
             click.echo(f"not in any tier: {plain(', '.join(r['missing']))}")
         if r["unreached"]:
             click.echo(f"a tier was down, not pulled: {plain(', '.join(r['unreached']))}")
+        for name, why in r["unreadable"].items():  # named there, not readable here
+            click.echo(f"not pulled, a tier holds it but it cannot be read: {plain(why)}")
         if r["deleted_on_fleet"]:  # a local copy of a deleted session: not pushed back
             names = plain(", ".join(r["deleted_on_fleet"]))
             click.echo(f"deleted on the fleet, not pushed back (persist rm drops it): {names}")
@@ -280,7 +282,9 @@ def sync_cmd(
         click.echo(f"persist: {r['snapshots_failed']} snapshots did not reach a tier", err=True)
     if r["unreached"]:  # nor is a pull from a tier that could not be asked
         click.echo(f"persist: {len(r['unreached'])} sessions not pulled: a tier was down", err=True)
+    if r["unreadable"]:  # nor is a session the fleet holds and this machine cannot read
+        click.echo(f"persist: {len(r['unreadable'])} sessions not pulled: unreadable", err=True)
     if r["conflicts"]:  # nor is a history kept under another name
         click.echo(f"persist: {len(r['conflicts'])} sessions conflicted with a tier's", err=True)
-    if r["failed"] or r["held"] or r["unreached"] or r["conflicts"]:
+    if r["failed"] or r["held"] or r["unreached"] or r["unreadable"] or r["conflicts"]:
         sys.exit(1)

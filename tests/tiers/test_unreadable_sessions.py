@@ -98,3 +98,19 @@ def test_generate_on_a_redis_only_fleet_with_an_evicted_blob_starts_nothing(
     assert "~2" not in out.stderr + out.stdout
     new = persist_cli(tmp_path, *first, *b, "--new", check=False, env=env)
     assert new.returncode == 0, (new.stdout, new.stderr)  # --new is the way past it
+
+
+@pytest.mark.parametrize("key", [K2.hex(), None], ids=["wrong-key", "keyless"])
+def test_sync_pull_of_an_unreadable_session_exits_1_and_says_why(
+    redis_server: Any, s3_server: Any, tmp_path: Path, key: Any
+) -> None:
+    """Attack 38c, finding 3: ``sync --pull chat`` said "not in any tier: chat", exit 0,
+    where restore, export and generate say SessionUnreadableError."""
+    saved_on_a(tmp_path, redis_server, s3_server)
+    tiers = ["--shared", redis_server.url, "--cold", s3_server.url]
+    env = {"PERSIST_TIER_KEY": key} if key else {"PERSIST_TIER_KEY": ""}
+    args = ["sync", "--pull", "chat", "--store", str(tmp_path / "b"), *tiers]
+    out = persist_cli(tmp_path, *args, check=False, env=env)
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "not in any tier" not in out.stdout, out.stdout
+    assert "cannot be read" in out.stdout and "unreadable" in out.stderr, (out.stdout, out.stderr)

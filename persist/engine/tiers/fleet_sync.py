@@ -121,18 +121,22 @@ def sync(
             if how in ("failed", "held"):  # held: waits for the cold tier, retried
                 failed.add(row.id)
     pulled, unreached = [], []
+    unreadable: dict[str, str] = {}  # a tier names it, this machine cannot read it: why
     for name in names:
         ns = namespace or "default"
-        down = False
+        down, why = False, None
         for tier in shared:
             if index.by_name(ns, name) is None:
                 before = tier.unreachable
                 tier.pull_session(index, blobs, ns, name)
                 down = down or tier.unreachable > before
+                why = why or tier.unread
         if index.by_name(ns, name) is not None:
             pulled.append(name)
         elif down:  # a tier that could not be asked: a failure, not "not in any tier"
             unreached.append(name)
+        elif why is not None:  # as restore's SessionUnreadableError (attack 38c, finding 3)
+            unreadable[name] = why
     total = {k: sum(p[k] for p in per.values()) for k in ("pushed", "present", "failed", "held")}
     conflicts: list[dict[str, Any]] = [
         {"tier": t.name, "session": a, "kept_as": b} for t in shared
@@ -150,6 +154,7 @@ def sync(
         "tiers": per,
         "pulled": pulled,
         "unreached": sorted(set(unreached)),
-        "missing": sorted(set(names) - set(pulled) - set(unreached)),
+        "unreadable": unreadable,
+        "missing": sorted(set(names) - set(pulled) - set(unreached) - set(unreadable)),
         "deleted_on_fleet": sorted(deleted),
     }
