@@ -261,7 +261,7 @@ def sync_cmd(
             click.echo(f"not in any tier: {plain(', '.join(r['missing']))}")
         if r["unreached"]:
             click.echo(f"a tier was down, not pulled: {plain(', '.join(r['unreached']))}")
-        for name, why in r["unreadable"].items():  # named there, not readable here
+        for why in r["unreadable"].values():  # named there, not readable here
             click.echo(f"not pulled, a tier holds it but it cannot be read: {plain(why)}")
         if r["deleted_on_fleet"]:  # a local copy of a deleted session: not pushed back
             names = plain(", ".join(r["deleted_on_fleet"]))

@@ -44,6 +44,7 @@ class Shared(Protocol):
     conflicts: list[tuple[str, str]]  # (session, the name its other history was pushed as)
     refused: list[tuple[str, str]]  # (session, why): a value there not authenticated here
     rekey: bool  # this machine's key is the fleet's: values under another key are replaced
+    unread: str | None  # why the last pull_session could not read its session
 
     def refuse(self, index: Index, namespace: str, name: str, detail: str) -> None: ...
 
