@@ -28,6 +28,7 @@ from ..errors import (
 )
 from ..storage.types import EntryInfo
 from .app import cli, complete_sessions, emit, json_option, open_store, plain, plural, store_option
+from .interrupts import committed
 
 
 @cli.command("rm")
@@ -125,7 +126,17 @@ def _each(
         deleted.append(name)
         if held:
             on_tiers.append(name)
+        committed(_so_far(deleted, on_tiers))  # a Ctrl-C from here says what went
     return deleted, on_tiers, failed
+
+
+def _so_far(deleted: list[str], on_tiers: list[str], most: int = 20) -> str:
+    """What a Ctrl-C between two deletes reports (attack 38c, finding 6: it said only
+    "interrupted", and the re-run the docs advise then listed those as missing)."""
+    shown = ", ".join(plain(repr(n)) for n in deleted[:most])
+    more = f" and {len(deleted) - most} more" if len(deleted) > most else ""
+    tiers = f", {len(on_tiers)} from the tiers too" if on_tiers else ""
+    return f"{plural(len(deleted), 'session')} deleted ({shown}{more}{tiers})"
 
 
 def _render_rm(
