@@ -113,3 +113,28 @@ def sample(n: int, dtype: Any, seed: int) -> mx.array:
     if dtype == mx.bool_:
         raw &= 1
     return mx.array(raw).view(dtype)
+
+
+def odd_arrays(dtype: Any, page: int) -> list[mx.array]:
+    """Arrays a page layout gets wrong first: odd sizes, one, two pages and a bit, an
+    empty one, a KV cache's live slice (rows a buffer's row apart), rows of a
+    matrix, an offset (unaligned when ``dtype`` is a byte); evaluated."""
+    n = page // dtype.size
+    sizes = [1, 15, 16, 17, 4097 // dtype.size + 1, n + 3, 2 * n + 5, 0]
+    arrays = [sample(k, dtype, seed) for seed, k in enumerate(sizes)]
+    arrays.append(sample(2 * 3 * 40 * 8, dtype, 7).reshape(2, 3, 40, 8)[..., :29, :])
+    arrays.append(sample(600, dtype, 9).reshape(20, 30)[:, 3:17])
+    arrays.append(sample(4099, dtype, 10)[1:])
+    mx.eval(arrays)
+    return arrays
+
+
+def given_back_exactly(holder: PagedHolder, arrays: list[mx.array]) -> Any:
+    """Hold ``arrays``, give them back, assert every one bit for bit; the Held."""
+    want = [raw_bytes(a).copy() for a in arrays]
+    held = holder.hold(arrays)
+    got = holder.give(held)
+    for a, b, w in zip(arrays, got, want, strict=True):
+        assert b.dtype == a.dtype and b.shape == a.shape
+        assert np.array_equal(raw_bytes(b), w)
+    return held

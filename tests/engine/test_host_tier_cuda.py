@@ -27,7 +27,14 @@ from persist.cuda.kernels import addresses, device_buffers
 from persist.cuda.pinned_pool import cuda_holder
 from persist.engine.host.tier import HostTier
 from tests.helpers import NEXT, ON_CUDA, assert_same_state, live_state, prefill, tokens_for
-from tests.host_pages import DTYPES, holds_no_array, pages_in_use, raw_bytes, sample
+from tests.host_pages import (
+    DTYPES,
+    given_back_exactly,
+    holds_no_array,
+    odd_arrays,
+    pages_in_use,
+    sample,
+)
 from tests.serve.servers import OTHER, TURN1, TURN2, cached, hits, metrics, scrape, text
 
 pytestmark = pytest.mark.skipif(
@@ -71,18 +78,7 @@ def buffers(cache: list[Any]) -> list[mx.array]:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pack_unpack_bit_exact_for_odd_sizes(dtype: Any, page: int) -> None:
     holder = cuda_holder(64 << 20, page_bytes=page, chunk_bytes=16 * page)
-    n = page // dtype.size
-    sizes = [1, 15, 16, 17, 4097 // dtype.size + 1, n + 3, 2 * n + 5, 0]
-    arrays = [sample(k, dtype, seed) for seed, k in enumerate(sizes)]
-    arrays.append(sample(600, dtype, 9).reshape(20, 30)[:, 3:17])  # strided: made contiguous
-    arrays.append(sample(4099, dtype, 10)[1:])  # an offset: unaligned when dtype is a byte
-    mx.eval(arrays)
-    want = [raw_bytes(a).copy() for a in arrays]
-    held = holder.hold(arrays)
-    got = holder.give(held)
-    for a, b, w in zip(arrays, got, want, strict=True):
-        assert b.dtype == a.dtype and b.shape == a.shape
-        assert np.array_equal(raw_bytes(b), w)
+    held = given_back_exactly(holder, odd_arrays(dtype, page))
     holder.release(held)
     holder.trim()
     assert holder.pinned_bytes() == 0

@@ -20,7 +20,16 @@ from hypothesis import strategies as st
 from persist.cuda.dlpack import rows
 from persist.cuda.page_copies import EngineCopies, row_segments
 from persist.cuda.pinned_pool import PagedHolder, PagePool, proven
-from tests.host_pages import DTYPES, HostChunks, pack, raw_bytes, sample, unpack
+from tests.host_pages import (
+    DTYPES,
+    HostChunks,
+    given_back_exactly,
+    odd_arrays,
+    pack,
+    raw_bytes,
+    sample,
+    unpack,
+)
 
 
 class MemmoveDriver:
@@ -69,19 +78,10 @@ def engine_holder(page: int = 4096) -> tuple[PagedHolder, MemmoveDriver, Kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_odd_sizes_slices_and_offsets_come_back_bit_for_bit(dtype: Any) -> None:
     holder, driver, kernels = engine_holder()
-    n = 4096 // dtype.size
-    arrays = [sample(k, dtype, seed) for seed, k in enumerate([1, 15, 17, n + 3, 2 * n + 5])]
-    arrays.append(sample(2 * 3 * 40 * 8, dtype, 7).reshape(2, 3, 40, 8)[..., :29, :])  # a KV slice
-    arrays.append(sample(600, dtype, 9).reshape(20, 30)[:, 3:17])  # rows of a matrix
-    arrays.append(sample(4099, dtype, 10)[1:])  # an offset
-    mx.eval(arrays)
-    want = [raw_bytes(a).copy() for a in arrays]
-    held = holder.hold(arrays)
-    got = holder.give(held)
-    for a, b, w in zip(arrays, got, want, strict=True):
-        assert b.dtype == a.dtype and b.shape == a.shape
-        assert np.array_equal(raw_bytes(b), w)
-    assert kernels.packed == [] and driver.outs >= len(arrays) and driver.ins >= len(arrays)
+    arrays = odd_arrays(dtype, 4096)
+    given_back_exactly(holder, arrays)
+    copied = sum(1 for a in arrays if a.nbytes)  # an empty array moves nothing
+    assert kernels.packed == [] and driver.outs >= copied and driver.ins >= copied
 
 
 def test_a_layout_that_is_not_rows_goes_through_the_kernels() -> None:
