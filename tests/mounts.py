@@ -1,5 +1,5 @@
-"""Read-only bind mounts for the tests of read-only stores (skipped where mounting
-is not permitted)."""
+"""Mounts for the tests: read-only bind mounts (read-only stores) and small tmpfs
+disks (a full disk); skipped where mounting is not permitted."""
 
 from __future__ import annotations
 
@@ -22,3 +22,21 @@ def read_only_mount(path: Path) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["umount", "-l", str(path)], check=True)  # lazy: mapped blobs may linger
+
+
+@contextlib.contextmanager
+def small_disk(mnt: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``3m``) mounted at ``mnt`` (made), private; skip where
+    mounting is refused."""
+    mnt.mkdir()
+    got = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
+    if got.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

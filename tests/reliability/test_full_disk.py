@@ -14,7 +14,6 @@ import contextlib
 import errno
 import json
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from persist.storage import full
 from persist.storage.schema import JOURNAL_LIMIT
 from tests.golden.cases import IDENTITY, kvs
 from tests.helpers import persist_cli
+from tests.mounts import small_disk
 
 DISK = "4m"
 N = 2000  # tokens per session: 128 KiB of keys and values
@@ -34,19 +34,8 @@ N = 2000  # tokens per session: 128 KiB of keys and values
 
 @pytest.fixture
 def disk(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    got = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={DISK},mode=0700", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if got.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
-    try:
+    with small_disk(tmp_path / "disk", DISK) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def cache_of(seed: int) -> tuple[list[mc.KVCache], tuple[mx.array, mx.array]]:

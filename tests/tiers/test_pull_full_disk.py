@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import pytest
 import persist
 from tests.golden.cases import IDENTITY, kv_cache
 from tests.helpers import persist_cli
+from tests.mounts import small_disk
 
 KEY = bytes(range(32))
 FLEET = list(range(1000, 4072))
@@ -24,19 +24,8 @@ FLEET = list(range(1000, 4072))
 
 @pytest.fixture
 def disk(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    got = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if got.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
-    try:
+    with small_disk(tmp_path / "disk", "3m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def leave(mnt: Path, room: int) -> None:
