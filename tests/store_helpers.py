@@ -81,3 +81,18 @@ def steps(store: persist.Store, run: Callable[[], Any]) -> int:
     finally:
         store.index.db.conn.set_progress_handler(None, 1)
     return n[0]
+
+
+def saved_sessions(root: Path, *names: str, **tiers: Any) -> None:
+    """A store at ``root`` (with ``tiers``) holding a 16-token session for each name."""
+    from tests.golden.cases import IDENTITY, kv_cache
+
+    with persist.Store(root, **tiers) as s:
+        for i, n in enumerate(names):
+            s.save([kv_cache(16, i)], list(range(i, i + 16)), identity=IDENTITY, session=n)
+
+
+def sessions_left(root: Path) -> list[str]:
+    """The named sessions the store at ``root`` holds, sorted."""
+    with persist.Store(root) as s:
+        return sorted(str(e.session) for e in s.sessions())

@@ -9,53 +9,41 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import persist
-from tests.golden.cases import IDENTITY, kv_cache
 from tests.helpers import persist_cli
+from tests.store_helpers import saved_sessions, sessions_left
 
 ODD = ["notes[1]", "notes1", "todo[x]", "draft*", "draft-final", "q?", "qa"]
 
 
-def saved(root: Path, *names: str, **tiers: Any) -> None:
-    with persist.Store(root, **tiers) as s:
-        for i, n in enumerate(names):
-            s.save([kv_cache(16, i)], list(range(i, i + 16)), identity=IDENTITY, session=n)
-
-
-def left(root: Path) -> list[str]:
-    with persist.Store(root) as s:
-        return sorted(str(e.session) for e in s.sessions())
-
-
 def test_rm_takes_a_name_with_glob_characters_as_that_name(tmp_path: Path) -> None:
     root = tmp_path / "s"
-    saved(root, *ODD)
+    saved_sessions(root, *ODD)
     for name in ("notes[1]", "todo[x]", "draft*", "q?"):
         out = persist_cli(tmp_path, "rm", name, "--store", str(root), check=False)
         assert (out.returncode, out.stdout.strip()) == (0, f"deleted session {name!r}"), out
-    assert left(root) == ["draft-final", "notes1", "qa"]
+    assert sessions_left(root) == ["draft-final", "notes1", "qa"]
 
 
 def test_a_pattern_only_behind_glob_and_rm_names_what_it_matched(tmp_path: Path) -> None:
     root = tmp_path / "s"
-    saved(root, "draft-1", "draft-2", "keep")
+    saved_sessions(root, "draft-1", "draft-2", "keep")
     out = persist_cli(tmp_path, "rm", "draft-*", "--store", str(root), check=False)
     assert out.returncode == 1 and "no session 'draft-*'" in out.stderr, out
     assert "--glob" in out.stderr  # says how to ask for a pattern
-    assert left(root) == ["draft-1", "draft-2", "keep"]
+    assert sessions_left(root) == ["draft-1", "draft-2", "keep"]
     out = persist_cli(tmp_path, "rm", "--glob", "draft-*", "--store", str(root), "--json")
     got = json.loads(out.stdout)
     assert got["deleted"] == ["draft-1", "draft-2"] and got["matched"] == {
         "draft-*": ["draft-1", "draft-2"]
     }
-    assert left(root) == ["keep"]
+    assert sessions_left(root) == ["keep"]
 
 
 def test_other_commands_take_names_as_given(tmp_path: Path) -> None:
     root = tmp_path / "s"
-    saved(root, "notes[1]", "notes1")
+    saved_sessions(root, "notes[1]", "notes1")
     persist_cli(tmp_path, "pin", "notes[1]", "--store", str(root))
     with persist.Store(root) as s:
         pinned = {str(e.session): e.pinned for e in s.sessions()}
@@ -67,4 +55,4 @@ def test_other_commands_take_names_as_given(tmp_path: Path) -> None:
     persist_cli(tmp_path, "export", "notes[1]", str(tmp_path / "n.persist"), "--store", str(root))
     with persist.Store(tmp_path / "t") as t:
         got = t.import_file(tmp_path / "n.persist", session="x")
-    assert got.tokens == 16 and left(root) == ["notes1", "notes[1]"]
+    assert got.tokens == 16 and sessions_left(root) == ["notes1", "notes[1]"]

@@ -10,25 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import persist
-from tests.golden.cases import IDENTITY, kv_cache
+from tests.golden.cases import IDENTITY
 from tests.helpers import persist_cli
-
-
-def saved(root: Path, *names: str, **tiers: Any) -> None:
-    with persist.Store(root, **tiers) as s:
-        for i, n in enumerate(names):
-            s.save([kv_cache(16, i)], list(range(i, i + 16)), identity=IDENTITY, session=n)
-
-
-def left(root: Path) -> list[str]:
-    with persist.Store(root) as s:
-        return sorted(str(e.session) for e in s.sessions())
+from tests.store_helpers import saved_sessions, sessions_left
 
 
 def test_rm_fleet_deletes_the_name_given_on_the_tiers(redis_server: Any, tmp_path: Path) -> None:
     key = bytes(range(32))
-    saved(tmp_path / "a", "notes[1]", "notes1", tier_key=key, shared=redis_server.url)
-    saved(tmp_path / "b")  # a store holding no session
+    saved_sessions(tmp_path / "a", "notes[1]", "notes1", tier_key=key, shared=redis_server.url)
+    saved_sessions(tmp_path / "b")  # a store holding no session
     env = {"PERSIST_SHARED": redis_server.url, "PERSIST_TIER_KEY": key.hex()}
     for machine in ("b", "a"):  # b holds nothing: the name goes to the tiers as given
         out = persist_cli(
@@ -39,4 +29,4 @@ def test_rm_fleet_deletes_the_name_given_on_the_tiers(redis_server: Any, tmp_pat
         assert got.get("deleted") == ["notes[1]"] and got["fleet"] in ([], ["notes[1]"]), out
     with persist.Store(tmp_path / "c", tier_key=key, shared=redis_server.url) as c:
         assert len(c.restore("notes1", identity=IDENTITY).tokens) == 16
-    assert left(tmp_path / "a") == ["notes1"]
+    assert sessions_left(tmp_path / "a") == ["notes1"]
