@@ -1,21 +1,18 @@
-"""Device addresses and zeroed device buffers with no kernel of persist's own.
+"""An MLX array's address and layout read from its DLPack export.
 
-A custom kernel is compiled at its first call in every process (1.2 to 1.4 s
-each on an H200, issue 39), so a CLI process's first restore or save paid
-seconds for a few pointers.  MLX exports an evaluated array through DLPack
-without moving it (on MLX 0.32 its CUDA buffers stay in device memory: checked
-by ``bench/cuda_nocompile_probe``), and ``mx.zeros`` is filled by MLX's own
-prebuilt kernels, so both come at the cost of a driver query.
+Only where the export moves nothing: MLX's CPU backend (and the tests, whose
+stand-in drivers copy host memory).  On CUDA, MLX 0.32 exports a device buffer
+by copying it into managed memory for good (``Buffer::raw_ptr``), so
+``cuda/addressing`` reads addresses there with a kernel instead.
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 
 import mlx.core as mx
 
-__all__ = ["address", "addresses", "rows", "zeroed"]
+__all__ = ["as_rows", "first_byte", "rows"]
 
 
 class _DLTensor(ctypes.Structure):
@@ -39,40 +36,33 @@ _get = ctypes.pythonapi.PyCapsule_GetPointer
 _get.restype, _get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
 
 
-def address(a: mx.array) -> int:
-    """The address of an evaluated, row-contiguous array's first byte.
-
-    ValueError for an array whose elements are not row-contiguous (a strided
-    view): its bytes are not ``nbytes`` from that address on."""
-    cap = a.__dlpack__()
+def first_byte(a: mx.array) -> int:
+    """The address of an evaluated array's first element (a view's, with its offset)."""
+    cap = a.__dlpack__()  # held while its tensor is read
     t = _DLTensor.from_address(_get(cap, b"dltensor"))
-    if t.strides:
-        shape = [t.shape[i] for i in range(t.ndim)]
-        want, step = [], 1
-        for n in reversed(shape):
-            want.append(step)
-            step *= n
-        got = [t.strides[i] for i in range(t.ndim)]
-        # a dimension of size 1 may carry any stride
-        if any(s != w and n != 1 for s, w, n in zip(got, reversed(want), shape, strict=True)):
-            raise ValueError(f"an array of shape {shape} with strides {got} is not contiguous")
     return int(t.data or 0) + int(t.byte_offset)
 
 
 def rows(a: mx.array) -> tuple[int, int, int, int]:
-    """An evaluated array as rows of bytes: (address of the first, bytes a row, rows,
-    bytes from one row's start to the next).  A KV cache's live slice of a larger
-    buffer (``keys[..., :offset, :]``) is one row per head, ``offset * D`` elements
-    long, a whole buffer's row apart.  ValueError where the outer dimensions do
-    not step by one pitch (no such layout is copied this way)."""
+    """An evaluated array as rows of bytes (``as_rows``), from its DLPack export."""
     cap = a.__dlpack__()
     t = _DLTensor.from_address(_get(cap, b"dltensor"))
     start = int(t.data or 0) + int(t.byte_offset)
-    size = a.dtype.size
-    dims = [(int(t.shape[i]), int(t.strides[i]) if t.strides else 0) for i in range(t.ndim)]
     if not t.strides:  # row-major by definition
         return start, a.nbytes, 1, a.nbytes
-    dims = [(n, s) for n, s in dims if n != 1]  # a dimension of size 1 may carry any stride
+    dims = [(int(t.shape[i]), int(t.strides[i])) for i in range(t.ndim)]
+    return as_rows(start, a.dtype.size, a.nbytes, [(n, s) for n, s in dims if n != 1])
+
+
+def as_rows(
+    start: int, size: int, nbytes: int, dims: list[tuple[int, int]]
+) -> tuple[int, int, int, int]:
+    """An array as rows of bytes: (address of the first, bytes a row, rows, bytes from
+    one row's start to the next), from its first byte, element ``size`` and the
+    (length, stride in elements) of each dimension longer than one.  A KV cache's
+    live slice of a larger buffer (``keys[..., :offset, :]``) is one row per head,
+    ``offset * D`` elements long, a whole buffer's row apart.  ValueError where the
+    outer dimensions do not step by one pitch (no such layout is copied this way)."""
     width, k = 1, len(dims)  # elements a row; the row's dimensions are dims[k:]
     while k and dims[k - 1][1] == width:
         width *= dims[k - 1][0]
@@ -89,19 +79,3 @@ def rows(a: mx.array) -> tuple[int, int, int, int]:
     if height > 1 and pitch < width:
         raise ValueError(f"rows of {width} elements {pitch} apart overlap")
     return start, width * size, height, max(pitch, width) * size
-
-
-def addresses(arrays: list[mx.array]) -> list[int]:
-    """Each evaluated, row-contiguous array's address (``address``)."""
-    return [address(a) for a in arrays]
-
-
-def zeroed(sizes: list[int]) -> list[tuple[mx.array, int]]:
-    """A zeroed device buffer of each size (rounded up to 16 bytes) and its address;
-    returned once the fills are done (nothing MLX queued on them is pending)."""
-    outs = [mx.zeros((max(1, math.ceil(n / 16)), 16), dtype=mx.uint8) for n in sizes]
-    if not outs:
-        return []
-    mx.eval(outs)
-    mx.synchronize()  # the zero fills are done before any copy lands
-    return [(o, address(o)) for o in outs]

@@ -316,7 +316,7 @@ def warm(staged: bool = True) -> None:
         scatter(scratch, [Placed(src=0, a=0, b=16, dst=to, row=16, pitch=16, keep=16)])
         addresses([dest])
     else:
-        from .dlpack import zeroed
+        from .addressing import zeroed
 
         ((_, at),) = zeroed([64])
     pack([(mx.zeros((16,), dtype=mx.uint8), 0)], [at], 64)

@@ -7,7 +7,7 @@ slice was first copied whole into new device memory to be a kernel input.
 Here each row of an array goes to (or comes from) the pinned pages with the
 driver's asynchronous copies on a stream of the tier's own, which run on the
 copy engine: no device core, no device memory beyond the fetched arrays.
-A layout these copies do not handle (``dlpack.rows`` refuses it, or it would
+A layout these copies do not handle (``addressing.rows`` refuses it, or it would
 take too many calls) goes through the kernels, as before.
 """
 
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from .dlpack import address, rows
+from .addressing import address, rows
 
 if TYPE_CHECKING:
     from .driver import Driver

@@ -36,7 +36,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from . import dlpack
+from . import addressing
 from .driver import Driver
 from .kernels import Placed, device_buffers, scatter
 from .readers import Readers
@@ -335,17 +335,20 @@ def _pinned_slots(driver: Driver, size: int) -> list[np.ndarray]:
 
 
 # the GPU ran its tests bit for bit and it peaks at 1.00x the cache, staging at 1.99x
-# (bench/results/cuda-first-call-r8.md); a warm restore costs 1.4x staging's
+# (bench/results/cuda-first-call-r8.md); its addresses come from a PTX kernel, not
+# DLPack, which moved every array it touched to managed memory (round 5)
 DIRECT_BY_DEFAULT = True
 
 
 def direct() -> bool:
-    """Do restores copy slots straight to their tensors, and saves find their
-    arrays through DLPack (no staging buffer, no kernel of persist's)?  Where
-    ``PERSIST_STAGING=direct`` asks (or by default, ``DIRECT_BY_DEFAULT``);
+    """Do restores copy slots straight to their tensors, and saves read their arrays
+    where they lie (no staging buffer, no kernel of persist's to compile: addresses
+    from ``addressing``)?  Where ``PERSIST_STAGING=direct`` asks (or by default,
+    ``DIRECT_BY_DEFAULT``) and addresses can be read here (``addressing.usable``);
     ``whole`` and ``rounds`` stage through a device buffer and the scatter kernel."""
     asked = os.environ.get("PERSIST_STAGING", "")
-    return asked == "direct" or (DIRECT_BY_DEFAULT and asked not in ("whole", "rounds"))
+    wanted = asked == "direct" or (DIRECT_BY_DEFAULT and asked not in ("whole", "rounds"))
+    return wanted and addressing.usable()
 
 
 def _cuda_ring(
@@ -357,7 +360,7 @@ def _cuda_ring(
     ``mx.zeros`` (no kernel to build)."""
     mx.eval(mx.zeros(1))  # MLX's CUDA context exists before the driver allocates in it
     straight = direct() if straight is None else straight
-    buffers = dlpack.zeroed if straight else device_buffers
+    buffers = addressing.zeroed if straight else device_buffers
     if not processes:
         made: list[Lane] = [_CudaLane(driver, _pinned_slots(driver, size)) for _ in range(lanes)]
         return Ring(made, buffers, scatter, direct=straight)

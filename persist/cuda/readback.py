@@ -16,6 +16,7 @@ slowly.
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import Future
 
 import mlx.core as mx
@@ -23,7 +24,7 @@ import numpy as np
 
 from ..yielding import pause
 from . import pinned
-from .dlpack import address, rows
+from .addressing import address, rows
 from .driver import Driver
 from .kernels import addresses
 
@@ -32,7 +33,7 @@ __all__ = ["copies_first", "host_copies", "layouts", "pieces"]
 PIECE_BYTES = 64 << 20  # a capture's run on the lanes: about 3 ms of copy at 25 GB/s
 
 Chunk = tuple[int, np.ndarray, int, int]  # device address, host array, offset, bytes
-Layout = tuple[int, int, int, int]  # first row's address, bytes a row, rows, pitch (dlpack.rows)
+Layout = tuple[int, int, int, int]  # first row, bytes a row, rows, pitch (addressing.rows)
 
 
 def host_copies(arrays: list[mx.array]) -> list[np.ndarray] | None:
@@ -68,7 +69,7 @@ def copies_first() -> bool:
 
 
 def layouts(arrays: list[mx.array], keep: list[mx.array], driver: Driver) -> list[Layout]:
-    """Each array as rows of bytes (``dlpack.rows``): through DLPack where the ring is
+    """Each array as rows of bytes (``addressing.rows``): read where they lie when the ring is
     direct (no kernel to build: a fresh process's first save paid 1.4 s for the
     kernel's, issue 39), a layout that is not rows (or rows not proven on this
     driver) read from a contiguous copy (kept alive in ``keep``); else the
@@ -95,17 +96,18 @@ def layouts(arrays: list[mx.array], keep: list[mx.array], driver: Driver) -> lis
     return out
 
 
-_proven: dict[int, bool] = {}
+# per driver object, not id(): a freed driver's id may be a new one's
+_proven: weakref.WeakKeyDictionary[Driver, bool] = weakref.WeakKeyDictionary()
 
 
 def rows_proven(driver: Driver) -> bool:
     """Do row reads through this driver give what a contiguous copy gives?  Checked
-    once per driver on a small strided slice before any save relies on it: a DLPack
-    export another MLX build lays out differently must cost a device copy, never a
-    wrong cache."""
-    if id(driver) not in _proven:
-        _proven[id(driver)] = _rows_match(driver)
-    return _proven[id(driver)]
+    once per driver on a small strided slice before any save relies on it: layouts
+    another MLX build reports differently must cost a device copy, never a wrong
+    cache."""
+    if driver not in _proven:
+        _proven[driver] = _rows_match(driver)
+    return _proven[driver]
 
 
 def _rows_match(driver: Driver) -> bool:

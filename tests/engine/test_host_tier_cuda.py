@@ -9,7 +9,6 @@ tests/format/test_pinned_pool.py).  On an NVIDIA GPU:
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 from pathlib import Path
@@ -22,10 +21,10 @@ import pytest
 import persist
 from bench.servers import Server
 from persist.cuda import pinned
-from persist.cuda.driver import Driver
-from persist.cuda.kernels import addresses, device_buffers
+from persist.cuda.kernels import device_buffers
 from persist.cuda.pinned_pool import cuda_holder
 from persist.engine.host.tier import HostTier
+from tests.cuda_memory import buffers, managed
 from tests.helpers import NEXT, ON_CUDA, assert_same_state, live_state, prefill, tokens_for
 from tests.host_pages import (
     DTYPES,
@@ -44,34 +43,6 @@ pytestmark = pytest.mark.skipif(
 
 GIB = 1 << 30
 PINNED = "pinned host memory"
-_IS_MANAGED = 8  # CU_POINTER_ATTRIBUTE_IS_MANAGED
-
-
-def address(a: mx.array) -> int:
-    """The device address of a row-contiguous array's data, as a kernel sees it."""
-    return addresses([a])[0]
-
-
-def managed(a: mx.array) -> bool:
-    driver = Driver()
-    flag = ctypes.c_uint(0)
-    rc = driver.lib.cuPointerGetAttribute(
-        ctypes.byref(flag), ctypes.c_int(_IS_MANAGED), ctypes.c_uint64(address(a))
-    )
-    assert rc == 0, f"cuPointerGetAttribute returned CUDA error {rc}"
-    return bool(flag.value)
-
-
-def buffers(cache: list[Any]) -> list[mx.array]:
-    """Each layer's own buffers (a KV cache's whole keys and values, not the live slice:
-    a strided kernel input would be a copy)."""
-    out = []
-    for c in cache:
-        if isinstance(getattr(c, "keys", None), mx.array):
-            out += [c.keys, c.values]
-        else:
-            out += [a for a in c.state if isinstance(a, mx.array) and a.size]
-    return out
 
 
 @pytest.mark.parametrize("page", [4096, 2 << 20])

@@ -1,7 +1,9 @@
-"""A restore and a save with no kernel of persist's own (issue 39): addresses through
-DLPack, buffers from ``mx.zeros``, slots copied straight to their tensors.  The
-addresses are checked against the host's view of the same bytes on the CPU; on
-CUDA a direct restore and a save's read-back must not build a single kernel."""
+"""A restore and a save with no kernel of persist's to compile (issue 39): addresses
+from ``cuda/addressing`` (a PTX kernel on CUDA, DLPack on the CPU), buffers from
+``mx.zeros``, slots copied straight to their tensors.  The addresses are checked
+against the host's view of the same bytes on the CPU; on CUDA a direct restore and
+a save's read-back must not compile a single kernel nor move an array to managed
+memory."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 
 import persist
-from persist.cuda import dlpack, kernels, pinned
+from persist.cuda import addressing, kernels, pinned
 from tests.helpers import ON_CUDA, assert_same_state, live_state, prefill, tokens_for
 from tests.host_lanes import address as host_address
 from tests.host_lanes import host_ring, staged
@@ -27,9 +29,9 @@ def test_an_address_is_where_the_array_s_bytes_are(dtype: Any) -> None:
     mx.eval(a, row, flat)
     for x in (a, row, flat):
         if ON_CUDA:
-            assert dlpack.address(x) != 0
+            assert addressing.address(x) != 0
         else:
-            assert dlpack.address(x) == host_address(x)
+            assert addressing.address(x) == host_address(x)
 
 
 def test_a_strided_view_has_no_address() -> None:
@@ -38,11 +40,11 @@ def test_a_strided_view_has_no_address() -> None:
     for view in (a[:, 1:3], a.transpose(0, 2, 1), a[..., ::2]):
         mx.eval(view)
         with pytest.raises(ValueError, match="not contiguous"):
-            dlpack.address(view)
+            addressing.address(view)
 
 
 def test_zeroed_buffers_are_zero_and_16_byte_rounded() -> None:
-    got = dlpack.zeroed([1, 16, 17, 1000])
+    got = addressing.zeroed([1, 16, 17, 1000])
     assert [b.nbytes for b, _ in got] == [16, 16, 32, 1008]
     for b, addr in got:
         assert not np.array(b).any() and addr != 0
@@ -68,6 +70,8 @@ def test_a_direct_ring_restores_what_was_saved_on_the_host(tiny: Any, tmp_path: 
 def test_a_direct_restore_and_a_save_build_no_kernel(
     tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from tests.cuda_memory import buffers, managed
+
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
     prompt = tokens_for(120, seed=6)
@@ -82,6 +86,10 @@ def test_a_direct_restore_and_a_save_build_no_kernel(
     with persist.Store(tmp_path / "s") as store, staged(ring):
         store.save(cache, prompt, identity=ident, session="s")
         back = store.restore("s", identity=ident).cache
+    # in device memory, both: a DLPack export would have moved them to managed memory
+    # for good (before live_state's host reads, which do)
+    assert not any(managed(a) for a in buffers(cache))
+    assert not any(managed(a) for a in buffers(back))
     assert_same_state(live_state(back), live_state(cache))
 
 
