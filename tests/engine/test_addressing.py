@@ -48,6 +48,7 @@ def views(draw: Any) -> mx.array:
     return v
 
 
+@pytest.mark.skipif(ON_CUDA, reason="DLPack moves CUDA arrays to managed memory for good")
 @settings(max_examples=200, deadline=None)
 @given(views())
 def test_rows_from_addresses_alone_are_dlpack_s_rows(v: mx.array) -> None:
@@ -66,6 +67,7 @@ def test_the_kernel_s_addresses_are_right_and_move_nothing() -> None:
     from tests.cuda_memory import compiled_address, managed
 
     assert addressing.kernel_proven()
+    mx.clear_cache()  # no buffer an earlier host read left managed is handed out again
     a = mx.zeros((4, 8, 64), dtype=mx.bfloat16) + 1  # a kernel's output: device memory
     view = a[:, 2:5, :]
     mx.eval(a, view)
