@@ -15,6 +15,7 @@ promises of planted values.  Where no tier vouches, the push is still refused
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,29 @@ def test_persist_sync_repairs_a_planted_pointer(
         done = a.sync()
         assert not done["conflicts"], done
         assert a.stats().counters.get("shared_foreign_replaced") == 1
+    assert _tagged(redis_server)
+    with persist.Store(tmp_path / "c", shared=redis_server.url, tier_key=K1) as c:
+        assert c.restore("chat", identity=IDENTITY).tokens == V2
+
+
+def test_a_forged_tombstone_on_one_tier_does_not_send_the_turn_beside(
+    redis_server: Any, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One SET of an untagged tombstone with a far-future version: the cold tier still
+    vouches for the key, so the forgery decides nothing and is replaced; the turn keeps
+    its name (no ``chat~2``) and every machine resumes it."""
+    monkeypatch.delenv("PERSIST_TIER_KEY", raising=False)
+    tiers = {"shared": redis_server.url, "cold": s3_server.url, "tier_key": K1}
+    with persist.Store(tmp_path / "a", **tiers) as a:
+        a.save([kv_cache(48, 1)], V1, identity=IDENTITY, session="chat")
+    r = redis_server.client()
+    [k] = list(r.scan_iter("*sess:*"))
+    r.set(k, b"~" + struct.pack(">d", 4e9).hex().encode())  # no key needed
+    with persist.Store(tmp_path / "a", **tiers) as a:
+        a.save([kv_cache(60, 1)], V2, identity=IDENTITY, session="chat")
+        counters = a.stats().counters
+        assert not counters.get("shared_conflicts") and not counters.get("cold_conflicts"), counters
+        assert not a.sync()["conflicts"]
     assert _tagged(redis_server)
     with persist.Store(tmp_path / "c", shared=redis_server.url, tier_key=K1) as c:
         assert c.restore("chat", identity=IDENTITY).tokens == V2

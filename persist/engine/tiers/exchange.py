@@ -129,11 +129,9 @@ class Shared:
         ``failed``; ``verify``: read every value the tier holds of it (``sync``), not
         once per process.  A session kept beside the tier's is added to ``conflicts``
         also when that fork was there already (``present``: nothing written), so sync
-        lists it each time and never counts it pushed again.  ``refused``: the name holds
-        a value not authenticated here, found before anything is written (the secret
-        too), unless ``replace_foreign`` (another tier vouched for this key) or rekey."""
-        foreign_ok = self.rekey or replace_foreign
-        if not foreign_ok and refused_first(self, index, namespace, sid, as_name):
+        lists it each time and never counts it pushed again.  ``refused`` (a foreign value
+        there) before anything is written, unless rekey or ``replace_foreign``."""
+        if refused_first(self, index, namespace, sid, as_name, replace_foreign):
             return "refused"
         secret = self.secret(index, namespace, create=True)
         if secret is None:
@@ -148,7 +146,8 @@ class Shared:
                     lambda s=secret: push(
                         index, blobs, self.tier, keys=self.keys, namespace=namespace, sid=sid,
                         secret=s, verify=verify, conflicts=self.conflicts, as_name=as_name,
-                        base=base, beside=beside, rekey=foreign_ok, replaced=replaced,
+                        base=base, beside=beside, rekey=self.rekey, replace=replace_foreign,
+                        replaced=replaced,
                     )
                 )  # fmt: skip
             except Foreign as e:  # maybe the fleet's session, under a key this one is not

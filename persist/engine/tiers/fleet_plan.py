@@ -31,11 +31,13 @@ name (one pointer and one record per tier) and decides once:
   *vouches* for it: it authenticates, under this key, a session of the name (a
   record or tombstone) that this store's history continues (``Index.base``) or
   that the snapshot's tokens extend.  Then the key is evidently the fleet's for
-  that name, and the foreign value one a keyless writer planted (attack 38c,
-  finding 4: a tag stripped off Redis's pointer stopped the push to every tier);
-  it is replaced (``replace``: counted ``<tier>_foreign_replaced``).  A machine
-  with the wrong key finds nothing it authenticates, and is refused as before;
-- either way, a foreign value's lineage (read without its tag:
+  that name, and the foreign value one planted by a writer without it (attack
+  38c, finding 4: a tag stripped off Redis's pointer stopped the push to every
+  tier): it decides nothing (a forged tombstone or history would otherwise send
+  the fleet's turn beside) and is replaced (``replace``: counted
+  ``<tier>_foreign_replaced``).  A machine with the wrong key finds nothing it
+  authenticates, and is refused as before;
+- under ``rekey`` a foreign value's lineage (read without its tag:
   ``tier_tokens(peek=True)``) is judged as any other's (attack 38c, finding 1: a
   rotation replaced the old key's newer turns and tombstones): it may make the
   push the fleet's past or a fork beside, never anything more (its tombstone is
@@ -78,6 +80,8 @@ def plan(tiers: Sequence[Any], index: Index, namespace: str, row: Any) -> Plan:
         for tier, why in foreign:  # maybe the fleet's session, under a key this one is not
             tier.refuse(index, namespace, name, why)
         return Plan((base,), "refused", False)
+    # vouched for: a foreign value is a plant, judged by nothing (rekey: the old key's)
+    answered = [(t, h) for t, h in answered if h.foreign is None or t.rekey]
     verdicts = {past(h, row, base, seen) for _, h in answered}
     verdict = "deleted" if "deleted" in verdicts else "behind" if "behind" in verdicts else None
     if verdict == "deleted":
@@ -99,11 +103,11 @@ def _vouched(answered: list[tuple[Any, Held]], toks: list[int], base: float | No
 
 
 def _held(tier: Any, index: Index, namespace: str, name: str) -> Held | None:
-    """The tier's session ``name`` (a foreign value's lineage read too); None where the
-    tier cannot be asked."""
+    """The tier's session ``name`` (under rekey, a foreign value's lineage too); None
+    where the tier cannot be asked."""
     secret = tier.secret(index, namespace)  # a tier that is down: what it was, or None
     try:
-        return tier_tokens(tier.tier, tier.keys, namespace, name, secret, peek=True)
+        return tier_tokens(tier.tier, tier.keys, namespace, name, secret, peek=tier.rekey)
     except TierUnavailable:
         return None
 
@@ -137,12 +141,17 @@ def _carry_tombstone(
             log.info("persist: %s tier's session %r set to the fleet's tombstone", tier.name, name)
 
 
-def refused_first(shared: Any, index: Index, namespace: str, sid: int, name: str | None) -> bool:
+def refused_first(
+    shared: Any, index: Index, namespace: str, sid: int, name: str | None, replace: bool
+) -> bool:
     """Whether named snapshot ``sid``'s name (``name``: the ``NAME~N`` it is pushed as)
     holds, on ``shared``'s tier, a value this machine cannot authenticate: refused
     (``Shared.refuse``) before the push writes anything.  A keyless machine in a keyed
     fleet wrote its own namespace secret to the tier before its push was refused
-    (attack 38b, finding 5).  A tier that is down: False (the push fails on its own)."""
+    (attack 38b, finding 5).  False under rekey or ``replace`` (``plan``), and where
+    the tier is down (the push fails on its own)."""
+    if shared.rekey or replace:
+        return False
     with index.read() as db:
         rows = Index.rows_where(db, "id = ?", [sid])
     if not rows or rows[0].role != "session" or rows[0].name is None:

@@ -30,12 +30,13 @@ operator key, under none, or forged: ``Held.foreign``) is no "nothing there": it
 be the fleet's history under the fleet's key, and this machine the one with the wrong
 key (attack 38b, finding 5).  A push refuses it (``Foreign``), never writes over it
 nor beside it (a ``NAME~N`` under a key the fleet cannot read serves no one), unless
-told this machine's key is the fleet's (``rekey``: a rotation, ``persist sync --rekey``,
-or another tier that authenticates the name's history under this key: ``fleet_plan``).
-Even then the lineage such a value states (its tokens, version, tombstone version,
-read without its tag: ``tier_tokens(peek=True)``) is judged as any other's: the
-rotation replaces only what the snapshot continues, and goes beside or pushes nothing
-otherwise (attack 38c, finding 1).  It is used for nothing else.
+told this machine's key is the fleet's: ``rekey`` (a rotation, ``persist sync
+--rekey``), where the lineage such a value states (its tokens, version, tombstone
+version, read without its tag: ``tier_tokens(peek=True)``) is judged as any other's,
+so the rotation replaces only what the snapshot continues and goes beside or pushes
+nothing otherwise (attack 38c, finding 1), and is used for nothing else; or
+``replace``, where another tier authenticates the name's history under this key
+(``fleet_plan``): the value is a plant, and free (attack 38c, finding 4).
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def tier_tokens(
     or record that is well formed but not authenticated under this machine's key (or,
     without a key, tagged under one) is ``foreign``: the fleet's, maybe, under a key
     this machine lacks.  ``peek``: a foreign value's lineage too, read without its tag
-    (``_peeked``), for a push that may replace it (``rekey``, or another tier vouches
-    for this key: ``fleet_plan``) and must still not replace a newer history."""
+    (``_peeked``), for a rotation's push (``rekey``), which may replace such a value
+    but must still not replace a newer history or a tombstone with an older copy."""
     value, token = tier.session_pointer(namespace, name.encode())
     nothing = Held(token, None, None, None, value)
     if value is None:
@@ -228,6 +229,7 @@ def kept_name(
     base: float | None = None,
     beside: bool = False,
     rekey: bool = False,
+    replace: bool = False,
 ) -> tuple[str, Held]:
     """The name this snapshot is pushed under, and what the tier holds there: ``name`` if
     it continues the tier's session of that name (``base``: ``Index.base``, read before
@@ -236,16 +238,18 @@ def kept_name(
     is free.  A value under ``name`` this machine cannot authenticate is ``Foreign``
     (one under a ``name~N`` is passed over), unless ``rekey``: then the lineage it
     states (read without its tag) decides, as any other's does: a history the snapshot
-    does not continue keeps the name, the snapshot goes beside (attack 38c, finding 1)."""
+    does not continue keeps the name, the snapshot goes beside (attack 38c, finding 1);
+    or ``replace`` (another tier vouched for this key: ``fleet_plan``): then it is a
+    planted value, free (attack 38c, finding 4)."""
     held = tier_tokens(tier, keys, namespace, name, secret, peek=rekey)
-    if held.foreign is not None and not rekey:
+    if held.foreign is not None and not (rekey or replace):
         raise Foreign(name, held.foreign)
     if not beside and continues(tokens, held, rkey, base):
         return name, held
     for n in range(2, MAX_FORKS + 1):
         other = f"{name}~{n}"
         held = tier_tokens(tier, keys, namespace, other, secret, peek=rekey)
-        if (held.foreign is None or rekey) and continues(tokens, held, rkey):
+        if (held.foreign is None or rekey or replace) and continues(tokens, held, rkey):
             return other, held
     raise BadValue("mismatched", f"more than {MAX_FORKS} histories of session {name!r}")
 

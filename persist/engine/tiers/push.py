@@ -139,6 +139,7 @@ def push(
     base: tuple[float | None] | None = None,
     beside: bool = False,
     rekey: bool = False,
+    replace: bool = False,
 ) -> tuple[str, bytes | None]:
     """Write a committed snapshot's missing blobs and its record to the tier: ``pushed``,
     ``present`` (nothing was missing or wrong), ``skipped`` (gone meanwhile, or a
@@ -161,8 +162,10 @@ def push(
     holds a newer session of the name this one does not continue: not the name.
     A session whose name holds a value this machine cannot authenticate (another
     operator key's, none, forged) is ``Foreign``, before anything is written, unless
-    ``rekey`` (this machine's key is the fleet's: a rotation); then its lineage decides
-    (``kept_name``), and a name whose foreign value it replaced is added to ``replaced``."""
+    ``rekey`` (this machine's key is the fleet's: a rotation; its lineage, read without
+    its tag, then decides as any other's: ``kept_name``) or ``replace`` (another tier
+    vouched for this key: ``fleet_plan``; it is a planted value, replaced unjudged);
+    a name whose foreign value was written over is added to ``replaced``."""
     with index.read() as db:
         rows = Index.rows_where(db, "id = ?", [sid])
         refs = Index.blocks_in(db, sid)
@@ -178,7 +181,7 @@ def push(
         return "skipped", None
     if name is not None and repair is None:
         held = tier_tokens(tier, keys, namespace, name, secret, peek=rekey)
-        if held.foreign is not None and not rekey:  # maybe the fleet's, under its key
+        if held.foreign is not None and not (rekey or replace):  # maybe the fleet's
             raise Foreign(name, held.foreign)
         old = None if as_name is not None else past(held, row, base[0], index.seen(namespace, name))
         if old is not None:  # a copy of the fleet's own past: nothing to push
@@ -245,6 +248,7 @@ def push(
                 repair=repair,
                 beside=beside,
                 rekey=rekey,
+                replace=replace,
             )
             break
         except SessionMoved as e:
@@ -279,6 +283,7 @@ def _write_record(
     repair: tuple[bytes | None, bytes] | None = None,
     beside: bool = False,
     rekey: bool = False,
+    replace: bool = False,
 ) -> tuple[str | None, bytes | None, bool, bool]:
     """The record and its pointers, under the name the snapshot takes (``kept_name``:
     ``name`` or ``NAME~N``), its session pointer written only over what was read there
@@ -301,7 +306,7 @@ def _write_record(
             toks = unpack_tokens(fields["tokens"])
             kept, held = kept_name(
                 tier, keys, namespace, name, secret=secret, tokens=toks, rkey=rkey, base=base,
-                beside=beside, rekey=rekey,
+                beside=beside, rekey=rekey, replace=replace,
             )  # fmt: skip
             if kept != name:
                 fields["name"] = body["row"]["name"] = kept
