@@ -133,3 +133,23 @@ def test_a_refused_push_writes_nothing_to_any_tier(
         b.save([kv_cache(20, 9)], OTHER, identity=IDENTITY, session="chat")
         assert b.sync()["conflicts"]
     assert state() == before
+
+
+def test_a_wrong_key_that_wrote_alone_to_redis_does_not_vouch_for_itself(
+    redis_server: Any, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the cold tier, which decides names, vouches for a key (``fleet_plan``): a
+    machine with the wrong key that once pushed alone to Redis (a ``--shared``-only
+    setup, the fleet's pointer evicted there) finds its own session authenticated on
+    Redis, and must still not replace the fleet's durable cold pointer."""
+    monkeypatch.delenv("PERSIST_TIER_KEY", raising=False)
+    cold, both = {"cold": s3_server.url}, _tiers(redis_server, s3_server)
+    with persist.Store(tmp_path / "a", tier_key=K1, **cold) as a:
+        a.save([kv_cache(48, 1)], FLEET, identity=IDENTITY, session="chat")
+    with persist.Store(tmp_path / "b", tier_key=K2, shared=redis_server.url) as b:
+        b.save([kv_cache(20, 9)], OTHER, identity=IDENTITY, session="chat")
+    with persist.Store(tmp_path / "b", tier_key=K2, **both) as b:
+        b.save([kv_cache(22, 9)], [*OTHER, 1, 2], identity=IDENTITY, session="chat")
+        assert b.stats().counters.get("cold_conflicts") == 1
+    with persist.Store(tmp_path / "fresh", tier_key=K1, **cold) as f:
+        assert f.restore("chat", identity=IDENTITY).tokens == FLEET

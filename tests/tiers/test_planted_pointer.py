@@ -1,16 +1,15 @@
-"""A value planted on one tier does not stop the keyed fleet's push to the others, and
-the push repairs it.
+"""A value planted on Redis does not stop the keyed fleet's push, and the push repairs it.
 
 Found from outside (attack 38c, finding 4): a writer without the key stripped the tag
 off Redis's session pointer (one SET); the fleet's own machine then pushed its next
 turn to no tier at all (not even the cold one, whose pointer it authenticated), told
 its operator that the correct key was not the fleet's, other machines resumed the
-older turn, and the committed turn ended as ``chat~2``.  Now a tier that
-authenticates, under this key, a session of the name this store's history continues
-shows the key is the fleet's: the push goes on, and the unauthenticated value on the
-other tier is replaced (counted ``<tier>_foreign_replaced``), as docs/fleet.md
-promises of planted values.  Where no tier vouches, the push is still refused
-(tests/tiers/test_foreign_key_push.py).  Real redis-server, moto's S3 server.
+older turn, and the committed turn ended as ``chat~2``.  Now the cold tier,
+authenticating under this key a session of the name this store's history continues,
+shows the key is the fleet's: the push goes on, and the unauthenticated value on
+Redis decides nothing and is replaced (counted ``shared_foreign_replaced``), as
+docs/fleet.md promises of planted values.  Where the cold tier does not vouch, the
+push is still refused (tests/tiers/test_foreign_key_push.py).  Real redis-server, moto's S3 server.
 """
 
 from __future__ import annotations

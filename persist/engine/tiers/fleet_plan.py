@@ -27,10 +27,10 @@ name (one pointer and one record per tier) and decides once:
 - a tier holds a value under the name that this machine cannot authenticate
   (another operator key's, none, forged: ``Held.foreign``): pushed to none, a
   conflict on each such tier (``Shared.refuse``), unless the tier is told this
-  machine's key is the fleet's (``rekey``: a rotation), or another tier
+  machine's key is the fleet's (``rekey``: a rotation), or the cold tier
   *vouches* for it: it authenticates, under this key, a session of the name (a
   record or tombstone) that this store's history continues (``Index.base``) or
-  that the snapshot's tokens extend.  Then the key is evidently the fleet's for
+  that the snapshot's tokens extend (``_vouched``).  Then the key is evidently the fleet's for
   that name, and the foreign value one planted by a writer without it (attack
   38c, finding 4: a tag stripped off Redis's pointer stopped the push to every
   tier): it decides nothing (a forged tombstone or history would otherwise send
@@ -76,7 +76,7 @@ def plan(tiers: Sequence[Any], index: Index, namespace: str, row: Any) -> Plan:
     helds = [(tier, _held(tier, index, namespace, name)) for tier in tiers]
     answered = [(t, h) for t, h in helds if h is not None]
     foreign = [(t, h.foreign) for t, h in answered if h.foreign is not None and not t.rekey]
-    if foreign and not _vouched(answered, toks, base):
+    if foreign and not _vouched([(t, h) for t, h in answered if t.name == "cold"], toks, base):
         for tier, why in foreign:  # maybe the fleet's session, under a key this one is not
             tier.refuse(index, namespace, name, why)
         return Plan((base,), "refused", False)
@@ -91,14 +91,17 @@ def plan(tiers: Sequence[Any], index: Index, namespace: str, row: Any) -> Plan:
     return Plan((base,), verdict, beside, frozenset(t.name for t, _ in foreign))
 
 
-def _vouched(answered: list[tuple[Any, Held]], toks: list[int], base: float | None) -> bool:
-    """Whether some tier authenticates, under this machine's key, a session of the name
-    (a record or a tombstone) that this store's history continues or the snapshot's
-    tokens extend: the key is the fleet's for this name.  Nothing there, or only
-    values this key cannot open, vouch for nothing (a wrong key is refused)."""
+def _vouched(cold: list[tuple[Any, Held]], toks: list[int], base: float | None) -> bool:
+    """Whether the cold tier authenticates, under this machine's key, a session of the
+    name (a record or a tombstone) that this store's history continues or the
+    snapshot's tokens extend: the key is the fleet's for this name.  Nothing there,
+    or a value this key cannot open, vouches for nothing (a wrong key is refused).
+    Only the cold tier, which decides names and evicts nothing: a wrong-keyed machine
+    that once pushed alone to Redis (``--shared`` only, the fleet's pointer evicted)
+    found its own session there and replaced the fleet's cold pointer."""
     return any(
         h.foreign is None and h.version is not None and continues(toks, h, "", base)
-        for _, h in answered
+        for _, h in cold
     )
 
 
