@@ -46,8 +46,8 @@ def save(
 ) -> EntryInfo:  # fmt: skip
     """The five steps for ``store`` (a Store: its index, blobs, tiers, host tier)."""
     target = validated(cache, target, read_only=store.read_only, root=store.root)
-    for tier in store.tiers:  # the namespace's secret, agreed with the fleet
-        tier.agree(store.index, target.namespace, create=True)
+    for tier in store.tiers:  # the fleet's secret adopted; planted by the push, if
+        tier.agree(store.index, target.namespace)  # not refused (attack 38b, finding 5)
     snap = captured(cache, tokens, target.identity)
     row = write_and_commit(
         store.index, store.blobs, snap, target,

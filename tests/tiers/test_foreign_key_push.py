@@ -109,3 +109,47 @@ def test_a_rotation_replaces_the_old_keys_session_only_when_told(
         assert not done["conflicts"] and done["pushed"] == 2, done
     with persist.Store(tmp_path / "c", tier_key=K2, **tiers) as c:
         assert c.restore("chat", identity=IDENTITY).tokens == FLEET
+
+
+@pytest.mark.parametrize("cold", [True, False], ids=["redis+s3", "redis-only"])
+def test_a_refused_push_writes_nothing_to_any_tier(
+    redis_server: Any, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cold: bool
+) -> None:
+    """A keyless machine in a keyed fleet wrote its own namespace secret (and block size)
+    to Redis before its push was refused (attack 38b, finding 5): then a fresh keyless
+    machine chained under that secret.  A refused push leaves every tier as it was."""
+    monkeypatch.delenv("PERSIST_TIER_KEY", raising=False)
+    tiers = _tiers(redis_server, s3_server if cold else None)
+    with persist.Store(tmp_path / "a", tier_key=K1, **tiers) as a:
+        a.save([kv_cache(48, 1)], FLEET, identity=IDENTITY, session="chat")
+    r, s3 = redis_server.client(), s3_server.client()
+
+    def state() -> tuple[Any, Any]:
+        listed = s3.list_objects_v2(Bucket="persist-test").get("Contents", [])
+        return {k: r.dump(k) for k in r.keys("*")}, sorted(o["Key"] for o in listed)
+
+    before = state()
+    with persist.Store(tmp_path / "b", **tiers) as b:  # no key
+        b.save([kv_cache(20, 9)], OTHER, identity=IDENTITY, session="chat")
+        assert b.sync()["conflicts"]
+    assert state() == before
+
+
+def test_a_wrong_key_that_wrote_alone_to_redis_does_not_vouch_for_itself(
+    redis_server: Any, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the cold tier, which decides names, vouches for a key (``fleet_plan``): a
+    machine with the wrong key that once pushed alone to Redis (a ``--shared``-only
+    setup, the fleet's pointer evicted there) finds its own session authenticated on
+    Redis, and must still not replace the fleet's durable cold pointer."""
+    monkeypatch.delenv("PERSIST_TIER_KEY", raising=False)
+    cold, both = {"cold": s3_server.url}, _tiers(redis_server, s3_server)
+    with persist.Store(tmp_path / "a", tier_key=K1, **cold) as a:
+        a.save([kv_cache(48, 1)], FLEET, identity=IDENTITY, session="chat")
+    with persist.Store(tmp_path / "b", tier_key=K2, shared=redis_server.url) as b:
+        b.save([kv_cache(20, 9)], OTHER, identity=IDENTITY, session="chat")
+    with persist.Store(tmp_path / "b", tier_key=K2, **both) as b:
+        b.save([kv_cache(22, 9)], [*OTHER, 1, 2], identity=IDENTITY, session="chat")
+        assert b.stats().counters.get("cold_conflicts") == 1
+    with persist.Store(tmp_path / "fresh", tier_key=K1, **cold) as f:
+        assert f.restore("chat", identity=IDENTITY).tokens == FLEET

@@ -26,6 +26,7 @@ from ...storage.index import Index
 from ..costs import LOCAL, CostModel
 from ..layer_checks import quantized_start
 from .fleet_block import require_same_block
+from .fleet_plan import refused_first
 from .fleet_sync import sync
 from .lineage import Foreign, shown_url
 from .named_pull import UNREADABLE, Unreadable, named_record, repair
@@ -120,6 +121,7 @@ class Shared:
         as_name: str | None = None,
         base: tuple[float | None] | None = None,
         beside: bool = False,
+        replace_foreign: bool = False,
     ) -> str:
         """Push one committed snapshot: ``pushed``, ``present`` (the tier had all of it),
         ``conflict`` (a session that does not continue the tier's one of its name, written
@@ -127,20 +129,27 @@ class Shared:
         ``failed``; ``verify``: read every value the tier holds of it (``sync``), not
         once per process.  A session kept beside the tier's is added to ``conflicts``
         also when that fork was there already (``present``: nothing written), so sync
-        lists it each time and never counts it pushed again."""
+        lists it each time and never counts it pushed again.  ``refused`` (a foreign value
+        there) before anything is written, unless rekey or ``replace_foreign``."""
+        if refused_first(self, index, namespace, sid, as_name, replace_foreign):
+            return "refused"
         secret = self.secret(index, namespace, create=True)
         if secret is None:
             self._count(index, namespace, "errors")
             return "failed"
         before = dict(self.tier.counters)
+        replaced: list[str] = []
         for _ in range(2):
             forks = len(self.conflicts)
             try:
                 got = self._run(
-                    lambda s=secret: self._push(
-                        index, blobs, namespace, sid, s, verify, as_name, base, beside
+                    lambda s=secret: push(
+                        index, blobs, self.tier, keys=self.keys, namespace=namespace, sid=sid,
+                        secret=s, verify=verify, conflicts=self.conflicts, as_name=as_name,
+                        base=base, beside=beside, rekey=self.rekey, replace=replace_foreign,
+                        replaced=replaced,
                     )
-                )
+                )  # fmt: skip
             except Foreign as e:  # maybe the fleet's session, under a key this one is not
                 self._bytes(index, namespace, before)
                 self.refuse(index, namespace, e.name, e.detail)
@@ -152,17 +161,10 @@ class Shared:
             # its own first): the fleet's from now on, and this record again under it
             self._hold(namespace, after)
             secret = after
+        for name in replaced:  # a planted value, or the old key's: counted and said
+            self._count(index, namespace, "foreign_replaced")
+            log.warning("persist: %s tier's %r: an unauthenticated value replaced", self.name, name)
         return self._pushed(index, namespace, done, forks, before)
-
-    def _push(
-        self, index: Index, blobs: BlobStore, namespace: str, sid: int, secret: bytes,
-        verify: bool, as_name: str | None, base: tuple[float | None] | None, beside: bool,
-    ) -> tuple[str, bytes | None]:  # fmt: skip
-        return push(
-            index, blobs, self.tier, keys=self.keys, namespace=namespace, sid=sid,
-            secret=secret, verify=verify, conflicts=self.conflicts, as_name=as_name,
-            base=base, beside=beside, rekey=self.rekey,
-        )  # fmt: skip
 
     def refuse(self, index: Index, namespace: str, name: str, detail: str) -> None:
         """A session not pushed: the tier's value under its name is not authenticated

@@ -27,7 +27,21 @@ name (one pointer and one record per tier) and decides once:
 - a tier holds a value under the name that this machine cannot authenticate
   (another operator key's, none, forged: ``Held.foreign``): pushed to none, a
   conflict on each such tier (``Shared.refuse``), unless the tier is told this
-  machine's key is the fleet's (``rekey``: a rotation).
+  machine's key is the fleet's (``rekey``: a rotation), or the cold tier
+  *vouches* for it: it authenticates, under this key, a session of the name (a
+  record or tombstone) that this store's history continues (``Index.base``) or
+  that the snapshot's tokens extend (``_vouched``).  Then the key is evidently the fleet's for
+  that name, and the foreign value one planted by a writer without it (attack
+  38c, finding 4: a tag stripped off Redis's pointer stopped the push to every
+  tier): it decides nothing (a forged tombstone or history would otherwise send
+  the fleet's turn beside) and is replaced (``replace``: counted
+  ``<tier>_foreign_replaced``).  A machine with the wrong key finds nothing it
+  authenticates, and is refused as before;
+- under ``rekey`` a foreign value's lineage (read without its tag:
+  ``tier_tokens(peek=True)``) is judged as any other's (attack 38c, finding 1: a
+  rotation replaced the old key's newer turns and tombstones): it may make the
+  push the fleet's past or a fork beside, never anything more (its tombstone is
+  not carried to other tiers, nor recorded as seen).
 A tier that cannot be asked says nothing here; its push fails or is held back.
 """
 
@@ -42,7 +56,7 @@ from ...remote.redis_tier import TierUnavailable
 from ...storage.index import Index
 from .lineage import Held, continues, past, tier_tokens
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Plan", "plan", "refused_first"]
 
 log = logging.getLogger("persist")
 
@@ -51,34 +65,52 @@ class Plan(NamedTuple):
     base: tuple[float | None]  # Index.base of the name before any tier's push
     verdict: str | None  # "behind" / "deleted" (the fleet's past) / "refused": to no tier
     beside: bool  # a later tier's session of the name it does not continue: NAME~N
+    replace: frozenset[str] = frozenset()  # tiers whose foreign value another vouched out
 
 
 def plan(tiers: Sequence[Any], index: Index, namespace: str, row: Any) -> Plan:
     """The decision for named session ``row`` over ``tiers`` (the cold tier first)."""
     name = str(row.name)
     base, seen = index.base(namespace, name), index.seen(namespace, name)
+    toks = unpack_tokens(row.tokens)
     helds = [(tier, _held(tier, index, namespace, name)) for tier in tiers]
     answered = [(t, h) for t, h in helds if h is not None]
     foreign = [(t, h.foreign) for t, h in answered if h.foreign is not None and not t.rekey]
-    for tier, why in foreign:  # maybe the fleet's session, under a key this one is not
-        tier.refuse(index, namespace, name, why)
-    if foreign:
+    if foreign and not _vouched([(t, h) for t, h in answered if t.name == "cold"], toks, base):
+        for tier, why in foreign:  # maybe the fleet's session, under a key this one is not
+            tier.refuse(index, namespace, name, why)
         return Plan((base,), "refused", False)
+    # vouched for: a foreign value is a plant, judged by nothing (rekey: the old key's)
+    answered = [(t, h) for t, h in answered if h.foreign is None or t.rekey]
     verdicts = {past(h, row, base, seen) for _, h in answered}
     verdict = "deleted" if "deleted" in verdicts else "behind" if "behind" in verdicts else None
     if verdict == "deleted":
         _carry_tombstone(answered, index, namespace, name, float(row.created))
-    toks = unpack_tokens(row.tokens)
     later = [h for t, h in answered if t is not tiers[0]]  # the first decides the name
     beside = verdict is None and any(not continues(toks, h, "", base) for h in later)
-    return Plan((base,), verdict, beside)
+    return Plan((base,), verdict, beside, frozenset(t.name for t, _ in foreign))
+
+
+def _vouched(cold: list[tuple[Any, Held]], toks: list[int], base: float | None) -> bool:
+    """Whether the cold tier authenticates, under this machine's key, a session of the
+    name (a record or a tombstone) that this store's history continues or the
+    snapshot's tokens extend: the key is the fleet's for this name.  Nothing there,
+    or a value this key cannot open, vouches for nothing (a wrong key is refused).
+    Only the cold tier, which decides names and evicts nothing: a wrong-keyed machine
+    that once pushed alone to Redis (``--shared`` only, the fleet's pointer evicted)
+    found its own session there and replaced the fleet's cold pointer."""
+    return any(
+        h.foreign is None and h.version is not None and continues(toks, h, "", base)
+        for _, h in cold
+    )
 
 
 def _held(tier: Any, index: Index, namespace: str, name: str) -> Held | None:
-    """The tier's session ``name``; None where the tier cannot be asked."""
+    """The tier's session ``name`` (under rekey, a foreign value's lineage too); None
+    where the tier cannot be asked."""
     secret = tier.secret(index, namespace)  # a tier that is down: what it was, or None
     try:
-        return tier_tokens(tier.tier, tier.keys, namespace, name, secret)
+        return tier_tokens(tier.tier, tier.keys, namespace, name, secret, peek=tier.rekey)
     except TierUnavailable:
         return None
 
@@ -90,7 +122,9 @@ def _carry_tombstone(
     answered with nothing, an older tombstone, or a version no newer than this store's
     copy of the deleted history (``copy``: a tier rolled back to it); a compare-and-set
     over what it read.  A newer history there, or a value that does not open, stays."""
-    stones = [h for _, h in answered if h.rkey is None and h.version is not None]
+    stones = [  # a foreign one's version says only "push less": not carried, not seen
+        h for _, h in answered if h.rkey is None and h.version is not None and h.foreign is None
+    ]
     if not stones:
         return
     newest = max(stones, key=lambda h: h.version or 0.0)
@@ -108,3 +142,29 @@ def _carry_tombstone(
         index.count(namespace, **{f"{tier.name}_{'repaired' if done else 'repair_declined'}": 1})
         if done:
             log.info("persist: %s tier's session %r set to the fleet's tombstone", tier.name, name)
+
+
+def refused_first(
+    shared: Any, index: Index, namespace: str, sid: int, name: str | None, replace: bool
+) -> bool:
+    """Whether named snapshot ``sid``'s name (``name``: the ``NAME~N`` it is pushed as)
+    holds, on ``shared``'s tier, a value this machine cannot authenticate: refused
+    (``Shared.refuse``) before the push writes anything.  A keyless machine in a keyed
+    fleet wrote its own namespace secret to the tier before its push was refused
+    (attack 38b, finding 5).  False under rekey or ``replace`` (``plan``), and where
+    the tier is down (the push fails on its own)."""
+    if shared.rekey or replace:
+        return False
+    with index.read() as db:
+        rows = Index.rows_where(db, "id = ?", [sid])
+    if not rows or rows[0].role != "session" or rows[0].name is None:
+        return False
+    name, secret = name or str(rows[0].name), shared.secret(index, namespace)
+    try:
+        held = tier_tokens(shared.tier, shared.keys, namespace, name, secret)
+    except TierUnavailable:
+        return False
+    if held.foreign is None:
+        return False
+    shared.refuse(index, namespace, name, held.foreign)
+    return True

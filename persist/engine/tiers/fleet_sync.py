@@ -42,7 +42,8 @@ def push_everywhere(
     first (``fleet_plan``): the fleet's past on any tier is pushed to none, and a
     later tier's session the snapshot does not continue sends it beside on all.
     A snapshot without a name goes on; one whose name holds a value this machine
-    cannot authenticate on any tier is ``refused`` on all (``fleet_plan``)."""
+    cannot authenticate on any tier is ``refused`` on all, unless another tier
+    vouches for this key (``fleet_plan``: then that value is replaced)."""
     ordered = sorted(tiers, key=lambda t: t.name != "cold")
     row = _row(index, sid)
     named = row is not None and row.role == "session" and row.name is not None
@@ -71,6 +72,7 @@ def push_everywhere(
             index, blobs, namespace, sid, verify=verify, as_name=fork,
             base=p.base if p is not None and fork is None else None,
             beside=p is not None and p.beside and i == 0,
+            replace_foreign=p is not None and tier.name in p.replace,
         )  # fmt: skip
         if fork is None and len(tier.conflicts) > forks:  # pushed, or there already
             fork = tier.conflicts[-1][1]

@@ -30,7 +30,13 @@ operator key, under none, or forged: ``Held.foreign``) is no "nothing there": it
 be the fleet's history under the fleet's key, and this machine the one with the wrong
 key (attack 38b, finding 5).  A push refuses it (``Foreign``), never writes over it
 nor beside it (a ``NAME~N`` under a key the fleet cannot read serves no one), unless
-told this machine's key is the fleet's (``rekey``: a rotation, ``persist sync --rekey``).
+told this machine's key is the fleet's: ``rekey`` (a rotation, ``persist sync
+--rekey``), where the lineage such a value states (its tokens, version, tombstone
+version, read without its tag: ``tier_tokens(peek=True)``) is judged as any other's,
+so the rotation replaces only what the snapshot continues and goes beside or pushes
+nothing otherwise (attack 38c, finding 1), and is used for nothing else; or
+``replace``, where another tier authenticates the name's history under this key
+(``fleet_plan``): the value is a plant, and free (attack 38c, finding 4).
 """
 
 from __future__ import annotations
@@ -86,13 +92,17 @@ class Held(NamedTuple):
     foreign: str | None = None  # why a value there cannot be authenticated here: not replaced
 
 
-def tier_tokens(tier: Any, keys: Keys, namespace: str, name: str, secret: bytes | None) -> Held:
+def tier_tokens(
+    tier: Any, keys: Keys, namespace: str, name: str, secret: bytes | None, peek: bool = False
+) -> Held:
     """The tier's session ``name``: its record's key, tokens and version, a tombstone's
     version (``persist rm --fleet``), or nothing (also a value that does not open: a
     damaged one is no history to keep); with the pointer's token.  A pointer, tombstone
     or record that is well formed but not authenticated under this machine's key (or,
     without a key, tagged under one) is ``foreign``: the fleet's, maybe, under a key
-    this machine lacks."""
+    this machine lacks.  ``peek``: a foreign value's lineage too, read without its tag
+    (``_peeked``), for a rotation's push (``rekey``), which may replace such a value
+    but must still not replace a newer history or a tombstone with an older copy."""
     value, token = tier.session_pointer(namespace, name.encode())
     nothing = Held(token, None, None, None, value)
     if value is None:
@@ -109,11 +119,41 @@ def tier_tokens(tier: Any, keys: Keys, namespace: str, name: str, secret: bytes 
             return nothing
         body = open_record(keys, record, Expect(namespace, rkey, name=name, secret=secret))
     except BadValue as e:
-        if e.why == "unauthenticated":
-            return nothing._replace(foreign=e.detail)
-        return nothing
+        if e.why != "unauthenticated":
+            return nothing
+        if peek:
+            return _peeked(tier, keys, namespace, name, nothing._replace(foreign=e.detail))
+        return nothing._replace(foreign=e.detail)
     toks, created = unpack_tokens(body["row"]["tokens"]), float(body["row"]["created"])
     return Held(token, rkey, toks, created, value)
+
+
+def _peeked(tier: Any, keys: Keys, namespace: str, name: str, held: Held) -> Held:
+    """``held`` (a foreign value) with the lineage it states: its tombstone's version, or
+    its record's key, tokens and version, read without checking a tag (attack 38c,
+    finding 1: a rotation that took the old key's values for "nothing there" replaced
+    their newer turns and tombstones).  Still ``foreign``: whoever wrote it could have
+    written anything, so it may only make a push push less or go beside, never be
+    pulled, repaired from or carried.  A value that does not parse: as it was."""
+    value = held.value or b""
+    mark = value.partition(b".")[0]
+    try:
+        if mark.startswith(b"~"):
+            version = struct.unpack(">d", bytes.fromhex(mark[1:].decode("ascii")))[0]
+            ok = math.isfinite(version) and version > 0
+            return held._replace(version=float(version)) if ok else held
+        rkey = mark.decode("ascii")
+        if len(rkey) != 32 or any(c not in "0123456789abcdef" for c in rkey):
+            return held
+        record = tier.records(namespace, [rkey])[0]
+        if record is None:
+            return held
+        want = Expect(namespace, rkey, name=name)  # its chains are under the other key's
+        body = open_record(keys, record, want, authenticated=False)
+    except (ValueError, struct.error, BadValue):
+        return held
+    toks, created = unpack_tokens(body["row"]["tokens"]), float(body["row"]["created"])
+    return held._replace(rkey=rkey, tokens=toks, version=created)
 
 
 def _untagged(keys: Keys, value: bytes) -> None:
@@ -189,22 +229,27 @@ def kept_name(
     base: float | None = None,
     beside: bool = False,
     rekey: bool = False,
+    replace: bool = False,
 ) -> tuple[str, Held]:
     """The name this snapshot is pushed under, and what the tier holds there: ``name`` if
     it continues the tier's session of that name (``base``: ``Index.base``, read before
     this push) and not ``beside`` (another tier's newer session of the name it does not
     continue: ``fleet_sync``), else the first ``name~N`` (N >= 2) it continues or that
     is free.  A value under ``name`` this machine cannot authenticate is ``Foreign``
-    (one under a ``name~N`` is passed over), unless ``rekey``: then it is free."""
-    held = tier_tokens(tier, keys, namespace, name, secret)
-    if held.foreign is not None and not rekey:
+    (one under a ``name~N`` is passed over), unless ``rekey``: then the lineage it
+    states (read without its tag) decides, as any other's does: a history the snapshot
+    does not continue keeps the name, the snapshot goes beside (attack 38c, finding 1);
+    or ``replace`` (another tier vouched for this key: ``fleet_plan``): then it is a
+    planted value, free (attack 38c, finding 4)."""
+    held = tier_tokens(tier, keys, namespace, name, secret, peek=rekey)
+    if held.foreign is not None and not (rekey or replace):
         raise Foreign(name, held.foreign)
     if not beside and continues(tokens, held, rkey, base):
         return name, held
     for n in range(2, MAX_FORKS + 1):
         other = f"{name}~{n}"
-        held = tier_tokens(tier, keys, namespace, other, secret)
-        if (held.foreign is None or rekey) and continues(tokens, held, rkey):
+        held = tier_tokens(tier, keys, namespace, other, secret, peek=rekey)
+        if (held.foreign is None or rekey or replace) and continues(tokens, held, rkey):
             return other, held
     raise BadValue("mismatched", f"more than {MAX_FORKS} histories of session {name!r}")
 

@@ -58,6 +58,7 @@ class Shared(Protocol):
         as_name: str | None = None,
         base: tuple[float | None] | None = None,
         beside: bool = False,
+        replace_foreign: bool = False,
     ) -> str: ...
 
     def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool: ...
@@ -134,9 +135,11 @@ def push(
     conflicts: list[tuple[str, str]] | None = None,
     as_name: str | None = None,
     repair: tuple[bytes | None, bytes] | None = None,
+    replaced: list[str] | None = None,
     base: tuple[float | None] | None = None,
     beside: bool = False,
     rekey: bool = False,
+    replace: bool = False,
 ) -> tuple[str, bytes | None]:
     """Write a committed snapshot's missing blobs and its record to the tier: ``pushed``,
     ``present`` (nothing was missing or wrong), ``skipped`` (gone meanwhile, or a
@@ -159,7 +162,10 @@ def push(
     holds a newer session of the name this one does not continue: not the name.
     A session whose name holds a value this machine cannot authenticate (another
     operator key's, none, forged) is ``Foreign``, before anything is written, unless
-    ``rekey`` (this machine's key is the fleet's: a rotation)."""
+    ``rekey`` (this machine's key is the fleet's: a rotation; its lineage, read without
+    its tag, then decides as any other's: ``kept_name``) or ``replace`` (another tier
+    vouched for this key: ``fleet_plan``; it is a planted value, replaced unjudged);
+    a name whose foreign value was written over is added to ``replaced``."""
     with index.read() as db:
         rows = Index.rows_where(db, "id = ?", [sid])
         refs = Index.blocks_in(db, sid)
@@ -174,8 +180,8 @@ def push(
     if name is None and getattr(tier, "named_only", False):
         return "skipped", None
     if name is not None and repair is None:
-        held = tier_tokens(tier, keys, namespace, name, secret)
-        if held.foreign is not None and not rekey:  # maybe the fleet's, under its key
+        held = tier_tokens(tier, keys, namespace, name, secret, peek=rekey)
+        if held.foreign is not None and not (rekey or replace):  # maybe the fleet's
             raise Foreign(name, held.foreign)
         old = None if as_name is not None else past(held, row, base[0], index.seen(namespace, name))
         if old is not None:  # a copy of the fleet's own past: nothing to push
@@ -228,7 +234,7 @@ def push(
     last: SessionMoved | None = None
     for _ in range(MAX_RACES):  # a race lost: the tier's session read again, decided again
         try:
-            kept, after, had = _write_record(
+            kept, after, had, foreign = _write_record(
                 tier,
                 keys,
                 namespace,
@@ -242,6 +248,7 @@ def push(
                 repair=repair,
                 beside=beside,
                 rekey=rekey,
+                replace=replace,
             )
             break
         except SessionMoved as e:
@@ -250,6 +257,8 @@ def push(
             last = e
     else:
         raise TierUnavailable(f"{last}: {MAX_RACES} pushes in a row lost the race; not pushed")
+    if foreign and name is not None and kept == name and replaced is not None:
+        replaced.append(name)  # a value under the name not authenticated here, replaced
     if name is not None and kept is not None and kept != name and conflicts is not None:
         conflicts.append((name, kept))  # another history holds the name: both are kept
     if kept is not None:  # this version or a later one: an older record is a replay.
@@ -274,15 +283,17 @@ def _write_record(
     repair: tuple[bytes | None, bytes] | None = None,
     beside: bool = False,
     rekey: bool = False,
-) -> tuple[str | None, bytes | None, bool]:
+    replace: bool = False,
+) -> tuple[str | None, bytes | None, bool, bool]:
     """The record and its pointers, under the name the snapshot takes (``kept_name``:
     ``name`` or ``NAME~N``), its session pointer written only over what was read there
     (SessionMoved otherwise); (that name, the tier's secret after, whether the record
-    and every pointer were there and right already).  ``repair``: ``push``'s."""
+    and every pointer were there and right already, whether the session pointer
+    written over was one not authenticated here).  ``repair``: ``push``'s."""
     if name is not None:  # a race lost before: sealed under its own name again
         fields["name"] = body["row"]["name"] = name
     rkey, record = seal_record(keys, namespace, body)
-    session, kept, same = None, name, True
+    session, kept, same, foreign = None, name, True, False
     if name is not None:
         if repair is not None:  # the cold tier's record, exactly, over the stale value
             if keys.pointer(namespace, "sess", name.encode(), rkey) != repair[1]:
@@ -295,13 +306,15 @@ def _write_record(
             toks = unpack_tokens(fields["tokens"])
             kept, held = kept_name(
                 tier, keys, namespace, name, secret=secret, tokens=toks, rkey=rkey, base=base,
-                beside=beside, rekey=rekey,
+                beside=beside, rekey=rekey, replace=replace,
             )  # fmt: skip
             if kept != name:
                 fields["name"] = body["row"]["name"] = kept
                 rkey, record = seal_record(keys, namespace, body)
         ptr = keys.pointer(namespace, "sess", (kept or name).encode(), rkey)
         session, same = ((kept or name).encode(), ptr, held.token), held.rkey == rkey
+        foreign = held.foreign is not None and held.value != ptr
+        same = same and not foreign  # a stripped or forged tag over this record: rewritten
     on_tier = tier.records(namespace, [rkey])[0] if verify else None
     good_record = on_tier == record if verify else tier.has_record(namespace, rkey)
     ptrs = _pointers(keys, namespace, fields, chs, rkey)
@@ -321,7 +334,7 @@ def _write_record(
         replace_pointers=bad,
         session=session,
     )
-    return kept, after, good_record and not bad and same  # same: the pointer named it
+    return kept, after, good_record and not bad and same, foreign  # same: it named it
 
 
 def _check_pointers(

@@ -192,8 +192,10 @@ class Expect:
     via: tuple[str, bytes] | None = None  # ("blk" | "head", key) of the pointer followed
 
 
-def open_record(keys: Keys, value: Any, want: Expect) -> dict[str, Any]:
-    """The checked body of a record value, or BadValue (never another exception)."""
+def open_record(keys: Keys, value: Any, want: Expect, authenticated: bool = True) -> dict[str, Any]:
+    """The checked body of a record value, or BadValue (never another exception).
+    ``authenticated`` False: its operator key's tag is not checked (``lineage``
+    reads an unauthenticated session's tokens and version only to push less)."""
     try:
         if not isinstance(value, bytes) or len(value) > MAX_RECORD:
             raise BadValue("malformed", "not a record value")
@@ -203,7 +205,8 @@ def open_record(keys: Keys, value: Any, want: Expect) -> dict[str, Any]:
         packed = outer.get("body")
         if not isinstance(packed, bytes) or outer.get("sum") != xxhash.xxh3_128_digest(packed):
             raise BadValue("malformed", "a record that fails its checksum")
-        keys.check(b"record", outer.get("mac"), packed)
+        if authenticated:
+            keys.check(b"record", outer.get("mac"), packed)
         if want.rkey is not None and want.rkey != xxhash.xxh3_128_hexdigest(packed):
             raise BadValue("mismatched", "a record under another record's key")
         body = msgpack.unpackb(packed, raw=False, **LIMITS)
