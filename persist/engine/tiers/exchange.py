@@ -120,6 +120,7 @@ class Shared:
         as_name: str | None = None,
         base: tuple[float | None] | None = None,
         beside: bool = False,
+        live: bool = False,
     ) -> str:
         """Push one committed snapshot: ``pushed``, ``present`` (the tier had all of it),
         ``conflict`` (a session that does not continue the tier's one of its name, written
@@ -127,7 +128,8 @@ class Shared:
         ``failed``; ``verify``: read every value the tier holds of it (``sync``), not
         once per process.  A session kept beside the tier's is added to ``conflicts``
         also when that fork was there already (``present``: nothing written), so sync
-        lists it each time and never counts it pushed again."""
+        lists it each time and never counts it pushed again.  ``live``: another tier
+        holds this copy's own history (``fleet_plan.Plan.live``, ``push``)."""
         secret = self.secret(index, namespace, create=True)
         if secret is None:
             self._count(index, namespace, "errors")
@@ -138,7 +140,7 @@ class Shared:
             try:
                 got = self._run(
                     lambda s=secret: self._push(
-                        index, blobs, namespace, sid, s, verify, as_name, base, beside
+                        index, blobs, namespace, sid, s, verify, as_name, base, beside, live
                     )
                 )
             except Foreign as e:  # maybe the fleet's session, under a key this one is not
@@ -157,11 +159,12 @@ class Shared:
     def _push(
         self, index: Index, blobs: BlobStore, namespace: str, sid: int, secret: bytes,
         verify: bool, as_name: str | None, base: tuple[float | None] | None, beside: bool,
+        live: bool = False,
     ) -> tuple[str, bytes | None]:  # fmt: skip
         return push(
             index, blobs, self.tier, keys=self.keys, namespace=namespace, sid=sid,
             secret=secret, verify=verify, conflicts=self.conflicts, as_name=as_name,
-            base=base, beside=beside, rekey=self.rekey,
+            base=base, beside=beside, rekey=self.rekey, live=live,
         )  # fmt: skip
 
     def refuse(self, index: Index, namespace: str, name: str, detail: str) -> None:

@@ -70,7 +70,7 @@ def push_everywhere(
         how = tier.push(
             index, blobs, namespace, sid, verify=verify, as_name=fork,
             base=p.base if p is not None and fork is None else None,
-            beside=p is not None and p.beside and i == 0,
+            beside=p is not None and p.beside and i == 0, live=p is not None and p.live,
         )  # fmt: skip
         if fork is None and len(tier.conflicts) > forks:  # pushed, or there already
             fork = tier.conflicts[-1][1]

@@ -58,6 +58,7 @@ class Shared(Protocol):
         as_name: str | None = None,
         base: tuple[float | None] | None = None,
         beside: bool = False,
+        live: bool = False,
     ) -> str: ...
 
     def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool: ...
@@ -137,6 +138,7 @@ def push(
     base: tuple[float | None] | None = None,
     beside: bool = False,
     rekey: bool = False,
+    live: bool = False,
 ) -> tuple[str, bytes | None]:
     """Write a committed snapshot's missing blobs and its record to the tier: ``pushed``,
     ``present`` (nothing was missing or wrong), ``skipped`` (gone meanwhile, or a
@@ -157,6 +159,8 @@ def push(
     ``push_everywhere``), so a name the cold tier's push just took is no licence to
     replace a later tier's newer session; None: read here.  ``beside``: another tier
     holds a newer session of the name this one does not continue: not the name.
+    ``live``: another tier holds this copy's own history (``fleet_plan``): a newer
+    history here that does not extend it is a fork, not the fleet's past (``past``).
     A session whose name holds a value this machine cannot authenticate (another
     operator key's, none, forged) is ``Foreign``, before anything is written, unless
     ``rekey`` (this machine's key is the fleet's: a rotation)."""
@@ -177,7 +181,8 @@ def push(
         held = tier_tokens(tier, keys, namespace, name, secret)
         if held.foreign is not None and not rekey:  # maybe the fleet's, under its key
             raise Foreign(name, held.foreign)
-        old = None if as_name is not None else past(held, row, base[0], index.seen(namespace, name))
+        seen = index.seen(namespace, name)
+        old = None if as_name is not None else past(held, row, base[0], seen, live)
         if old is not None:  # a copy of the fleet's own past: nothing to push
             return old, None
     files = [row.tail, *(r.blob for r in refs if r.blob)]
@@ -289,8 +294,9 @@ def _write_record(
                 raise RepairDeclined(f"session {name!r} seals otherwise here (another secret)")
             version = float(fields["created"])
             held = stale_held(
-                tier, keys, namespace, name, secret=secret, stale=repair[0], version=version
-            )
+                tier, keys, namespace, name, secret=secret, stale=repair[0], version=version,
+                tokens=unpack_tokens(fields["tokens"]),
+            )  # fmt: skip
         else:
             toks = unpack_tokens(fields["tokens"])
             kept, held = kept_name(
