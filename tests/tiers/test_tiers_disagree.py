@@ -27,24 +27,11 @@ import persist
 from persist.remote.redis_tier import RedisTier
 from persist.remote.s3_tier import S3Tier
 from tests.golden.cases import IDENTITY, kv_cache
+from tests.tiers.two_tiers import KEY, both, pointers, restored
 
-KEY = bytes(range(32))
 FLEET = list(range(100, 148))  # version N
 LATER = list(range(100, 156))  # version N+1, continuing N
 OTHER = list(range(500, 540))  # a new conversation under the name
-
-
-def both(tmp: Path, name: str, redis: Any, s3: Any) -> persist.Store:
-    return persist.Store(tmp / name, tier_key=KEY, shared=redis.url, cold=s3.url)
-
-
-def pointers(redis: Any, s3: Any) -> tuple[bytes | None, bytes | None]:
-    """(Redis's, the cold tier's) ``chat`` pointer."""
-    item = [("sess", b"chat")]
-    return (
-        RedisTier(redis.url).pointers("default", item)[0],
-        S3Tier(s3.url).pointers("default", item)[0],
-    )
 
 
 def set_cold(s3: Any, value: bytes) -> None:
@@ -59,13 +46,6 @@ def emptied(s3: Any) -> None:
     c = s3.client()
     for o in c.list_objects_v2(Bucket="persist-test").get("Contents", []):
         c.delete_object(Bucket="persist-test", Key=o["Key"])
-
-
-def restored(store: persist.Store, name: str = "chat") -> list[int] | None:
-    try:
-        return list(store.restore(name, identity=IDENTITY).tokens)
-    except persist.SessionNotFoundError:
-        return None
 
 
 def test_a_cold_tier_rolled_back_loses_to_a_newer_redis(

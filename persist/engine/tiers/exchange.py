@@ -122,6 +122,7 @@ class Shared:
         base: tuple[float | None] | None = None,
         beside: bool = False,
         replace_foreign: bool = False,
+        live: bool = False,
     ) -> str:
         """Push one committed snapshot: ``pushed``, ``present`` (the tier had all of it),
         ``conflict`` (a session that does not continue the tier's one of its name, written
@@ -130,7 +131,8 @@ class Shared:
         once per process.  A session kept beside the tier's is added to ``conflicts``
         also when that fork was there already (``present``: nothing written), so sync
         lists it each time and never counts it pushed again.  ``refused`` (a foreign value
-        there) before anything is written, unless rekey or ``replace_foreign``."""
+        there) before anything is written, unless rekey or ``replace_foreign``.  ``live``:
+        another tier holds this copy's own history (``fleet_plan.Plan.live``, ``push``)."""
         if refused_first(self, index, namespace, sid, as_name, replace_foreign):
             return "refused"
         secret = self.secret(index, namespace, create=True)
@@ -148,6 +150,7 @@ class Shared:
                         secret=s, verify=verify, conflicts=self.conflicts, as_name=as_name,
                         base=base, beside=beside, rekey=self.rekey, replace=replace_foreign,
                         replaced=replaced,
+                        live=live,
                     )
                 )  # fmt: skip
             except Foreign as e:  # maybe the fleet's session, under a key this one is not

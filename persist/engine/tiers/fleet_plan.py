@@ -13,7 +13,9 @@ as ``NAME~2``.  So a named session's push first reads each tier's session of the
 name (one pointer and one record per tier) and decides once:
 
 - the copy is the fleet's past on any tier (``lineage.past``: behind a newer
-  version, under a tombstone, replaced by a newer history, or older than a
+  version, under a tombstone, replaced by a newer history (unless a tier still
+  holds the copy's own history, ``live``: then that newer history is a fork, and
+  the copy goes beside it; attack 38c, finding 2), or older than a
   version this store saw while a tier holds nothing as new): pushed to none.  A
   tombstone found is recorded as seen (the replay floor, not the base: a turn
   saved on this copy does not continue the tombstone), and put by compare-and-set
@@ -54,7 +56,7 @@ from typing import Any, NamedTuple
 from ...format.tokens import unpack_tokens
 from ...remote.redis_tier import TierUnavailable
 from ...storage.index import Index
-from .lineage import Held, continues, past, tier_tokens
+from .lineage import Held, continues, holds_copy, past, tier_tokens
 
 __all__ = ["Plan", "plan", "refused_first"]
 
@@ -66,6 +68,7 @@ class Plan(NamedTuple):
     verdict: str | None  # "behind" / "deleted" (the fleet's past) / "refused": to no tier
     beside: bool  # a later tier's session of the name it does not continue: NAME~N
     replace: frozenset[str] = frozenset()  # tiers whose foreign value another vouched out
+    live: bool = False  # a tier holds this copy's own history: another one is a fork
 
 
 def plan(tiers: Sequence[Any], index: Index, namespace: str, row: Any) -> Plan:
@@ -82,13 +85,14 @@ def plan(tiers: Sequence[Any], index: Index, namespace: str, row: Any) -> Plan:
         return Plan((base,), "refused", False)
     # vouched for: a foreign value is a plant, judged by nothing (rekey: the old key's)
     answered = [(t, h) for t, h in answered if h.foreign is None or t.rekey]
-    verdicts = {past(h, row, base, seen) for _, h in answered}
+    live = any(holds_copy(h, row) for _, h in answered)  # another history is a fork then
+    verdicts = {past(h, row, base, seen, live) for _, h in answered}
     verdict = "deleted" if "deleted" in verdicts else "behind" if "behind" in verdicts else None
     if verdict == "deleted":
         _carry_tombstone(answered, index, namespace, name, float(row.created))
     later = [h for t, h in answered if t is not tiers[0]]  # the first decides the name
     beside = verdict is None and any(not continues(toks, h, "", base) for h in later)
-    return Plan((base,), verdict, beside, frozenset(t.name for t, _ in foreign))
+    return Plan((base,), verdict, beside, frozenset(t.name for t, _ in foreign), live)
 
 
 def _vouched(cold: list[tuple[Any, Held]], toks: list[int], base: float | None) -> bool:

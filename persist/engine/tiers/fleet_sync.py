@@ -73,6 +73,7 @@ def push_everywhere(
             base=p.base if p is not None and fork is None else None,
             beside=p is not None and p.beside and i == 0,
             replace_foreign=p is not None and tier.name in p.replace,
+            live=p is not None and p.live,
         )  # fmt: skip
         if fork is None and len(tier.conflicts) > forks:  # pushed, or there already
             fork = tier.conflicts[-1][1]

@@ -53,7 +53,7 @@ from .records import BadValue, Expect, Keys, open_record
 __all__ = [
     "SessionUnreachableError", "MAX_FORKS", "Held", "kept_name", "shown_url", "tier_tokens",
     "tombstone", "open_tombstone", "RepairDeclined", "stale_held", "behind", "past", "continues",
-    "Foreign",
+    "Foreign", "forked", "holds_copy",
 ]  # fmt: skip
 
 MAX_FORKS = 1000  # NAME~2 .. NAME~1000: past it a push fails rather than scan on
@@ -194,7 +194,9 @@ def behind(
     return past(tier_tokens(tier, keys, namespace, name, secret), row, base, seen)
 
 
-def past(held: Held, row: Any, base: float | None, seen: float | None) -> str | None:
+def past(
+    held: Held, row: Any, base: float | None, seen: float | None, live: bool = False
+) -> str | None:
     """Whether ``row`` is the fleet's past where a tier holds ``held``.  Only a version
     this store pushed or pulled and saved nothing on (at or below ``base``) qualifies:
     ``behind`` where the tier's session is a newer version whose tokens extend it (a
@@ -204,17 +206,46 @@ def past(held: Held, row: Any, base: float | None, seen: float | None) -> str | 
     where this store saw a version newer than the copy (``seen``: a tombstone it read)
     and the tier holds nothing as new (a tier that came back empty or rolled back
     cannot prove the delete undone).  Pushing any of these back, even as ``NAME~2``,
-    would bring a conversation the fleet moved past back to it."""
+    would bring a conversation the fleet moved past back to it.
+
+    ``live``: another tier still holds this copy's history under the name
+    (``holds_copy``).  A newer history that does not extend it is then a fork, not a
+    delete (a tier that lost the pointer, and a machine without the other tier that
+    started a conversation there: attack 38c, finding 2), unless this store saw a
+    version newer than the copy: None, the copy is pushed (beside, a conflict)."""
     created = float(row.created)
     if base is None or created > base:
         return None
     if held.version is not None and held.version > created and held.rkey is not None:
         toks = unpack_tokens(row.tokens)
-        extends = held.tokens is not None and held.tokens[: len(toks)] == toks
-        return "behind" if extends else "deleted"
+        if held.tokens is not None and held.tokens[: len(toks)] == toks:
+            return "behind"
+        return None if live and (seen is None or seen <= created) else "deleted"
     if held.version is not None and held.rkey is None and held.version >= created:
         return "deleted"  # a tombstone (a value that does not open has no version)
     return "deleted" if seen is not None and seen > created else None
+
+
+def holds_copy(held: Held, row: Any) -> bool:
+    """Whether a tier's session ``held`` is snapshot ``row``'s own history: a record (not
+    a tombstone) no newer than it whose tokens it extends, e.g. the very version."""
+    if held.rkey is None or held.tokens is None or held.version is None:
+        return False
+    toks = unpack_tokens(row.tokens)
+    return held.version <= float(row.created) and toks[: len(held.tokens)] == held.tokens
+
+
+def forked(one: Held, other: Held) -> bool:
+    """Whether two tiers' sessions of a name are two histories: both records, and the
+    newer one's tokens do not extend the older one's (equal versions: unequal tokens).
+    A tombstone, nothing, or a value that does not open is no fork: lineage by version
+    decides there (a newer record follows an older tombstone, a newer tombstone deletes)."""
+    if one.version is None or other.version is None:
+        return False
+    old, new = sorted((one, other), key=lambda h: h.version or 0.0)
+    if old.tokens is None or new.tokens is None:
+        return False
+    return new.tokens[: len(old.tokens)] != old.tokens
 
 
 def kept_name(
@@ -263,17 +294,22 @@ def stale_held(
     secret: bytes | None,
     stale: bytes | None,
     version: float,
+    tokens: list[int] | None = None,
 ) -> Held:
     """The tier's session ``name`` if a repair may write over it: it still holds exactly
     ``stale`` (the value a named pull read there and found behind the cold tier's),
-    and no version as new as ``version`` (the cold tier's, which the repair writes);
-    else RepairDeclined.  The write that follows is a compare-and-set over the same
-    value, so a push landing after this read declines the repair there too."""
+    and no version as new as ``version`` (the cold tier's, which the repair writes),
+    and, given the ``tokens`` the repair writes, no history they do not extend (a
+    fork: both are kept, never one repaired over the other); else RepairDeclined.
+    The write that follows is a compare-and-set over the same value, so a push
+    landing after this read declines the repair there too."""
     held = tier_tokens(tier, keys, namespace, name, secret)
     if held.value != stale:  # the bytes (a cold tier's token is its ETag)
         raise RepairDeclined(f"session {name!r} moved on the tier since it was read")
     if held.version is not None and held.version >= version:
         raise RepairDeclined(f"the tier's session {name!r} is no older than the cold tier's")
+    if tokens is not None and held.tokens is not None and tokens[: len(held.tokens)] != held.tokens:
+        raise RepairDeclined(f"the tier's session {name!r} is another history (a fork)")
     return held
 
 

@@ -14,7 +14,14 @@ cold tier's exactly, by a compare-and-set over the stale value the pull read and
 only where Redis's version is older (``push.push`` with ``repair``,
 ``lineage.stale_held``; counted ``<tier>_repaired``, ``<tier>_repair_declined``).
 Where the two pointers differ the newer version by lineage wins, whichever tier
-holds it (a record's save time, a tombstone's version): a cold tier restored from
+holds it (a record's save time, a tombstone's version), where it continues the
+other (its tokens extend the other's, or the other is a tombstone or nothing).
+Two records neither of which extends the other are a fork (``lineage.forked``: a
+tier lost its pointer, an LRU, and a machine without the other tier started a new
+conversation under the name there; attack 38c, finding 2): the cold tier decides
+the name, its history is read, and the other tier's is left as it is, never
+repaired over (counted ``<tier>_forked``, logged); a machine holding either pushes
+it beside as ``NAME~N`` (``fleet_plan``).  Otherwise: a cold tier restored from
 backup or rolled back, or one a machine with only ``--shared`` never wrote, names
 an older version than Redis, and resuming it let the next push replace Redis's
 newer turn or tombstone (attack 38b, finding 1); the cold tier is then repaired
@@ -38,7 +45,14 @@ from typing import Any, NamedTuple
 from ...remote.redis_tier import TierUnavailable
 from ...storage.blobs import BlobStore
 from ...storage.index import Index
-from .lineage import RepairDeclined, open_tombstone, shown_url, stale_held, tier_tokens
+from .lineage import (
+    RepairDeclined,
+    forked,
+    open_tombstone,
+    shown_url,
+    stale_held,
+    tier_tokens,
+)
 from .push import push
 from .records import BadValue, Expect, open_record
 
@@ -135,7 +149,8 @@ def _source(shared: Any, index: Index, namespace: str, name: str, secret: bytes 
     """Whose pointer of ``name`` a pull follows: the cold tier's is asked first; Redis's
     where it is the same (its bytes are closer), where the cold tier holds none (a
     tombstone there is also put on the cold tier), or where it names a newer version
-    (or tombstone) than the cold tier's, which is then repaired; else the cold
+    (or tombstone) than the cold tier's, which is then repaired; the cold tier's,
+    neither repaired, where the two are different histories (a fork); else the cold
     tier's, and Redis's repaired.  Redis's alone where there is no cold tier or it
     cannot be asked (said once per outage).  TierUnavailable where Redis cannot be
     asked."""
@@ -160,6 +175,9 @@ def _source(shared: Any, index: Index, namespace: str, name: str, secret: bytes 
         shared.backup, shared.keys, namespace, name, shared.keys.namespace_secret(namespace)
     )
     ours = tier_tokens(shared.tier, shared.keys, namespace, name, secret)
+    if forked(ours, theirs):  # two histories: the cold tier decides, neither is repaired
+        _forked(shared, index, namespace, name)
+        return _Source(shared.backup, COLD, theirs.value, None)
     if ours.value is not None and (ours.version or 0.0) > (theirs.version or 0.0):
         lag = Lagging(shared.backup, COLD, theirs.value, ours.value)
         return _Source(shared.tier, shared.name, ours.value, lag)
@@ -167,6 +185,18 @@ def _source(shared: Any, index: Index, namespace: str, name: str, secret: bytes 
         return _Source(shared.tier, shared.name, ours.value, None)
     lag = Lagging(shared.tier, shared.name, ours.value, theirs.value)
     return _Source(shared.backup, COLD, theirs.value, lag)
+
+
+def _forked(shared: Any, index: Index, namespace: str, name: str) -> None:
+    index.count(namespace, **{f"{shared.name}_forked": 1})
+    log.warning(
+        "persist: session %r: the cold tier (%s) and the %s tier (%s) hold two different "
+        "histories under the name (neither continues the other: a tier lost its pointer "
+        "and a machine without the other tier started a conversation there); the cold "
+        "tier's is read, the %s tier's is left as it is (its machines resume it); a "
+        "machine holding either pushes it beside as NAME~N on sync",
+        name, shown_url(shared.backup.url), shared.name, shown_url(shared.tier.url), shared.name,
+    )  # fmt: skip
 
 
 def _unasked(shared: Any, index: Index, namespace: str, name: str, e: Exception) -> None:

@@ -59,6 +59,7 @@ class Shared(Protocol):
         base: tuple[float | None] | None = None,
         beside: bool = False,
         replace_foreign: bool = False,
+        live: bool = False,
     ) -> str: ...
 
     def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool: ...
@@ -140,6 +141,7 @@ def push(
     beside: bool = False,
     rekey: bool = False,
     replace: bool = False,
+    live: bool = False,
 ) -> tuple[str, bytes | None]:
     """Write a committed snapshot's missing blobs and its record to the tier: ``pushed``,
     ``present`` (nothing was missing or wrong), ``skipped`` (gone meanwhile, or a
@@ -160,6 +162,8 @@ def push(
     ``push_everywhere``), so a name the cold tier's push just took is no licence to
     replace a later tier's newer session; None: read here.  ``beside``: another tier
     holds a newer session of the name this one does not continue: not the name.
+    ``live``: another tier holds this copy's own history (``fleet_plan``): a newer
+    history here that does not extend it is a fork, not the fleet's past (``past``).
     A session whose name holds a value this machine cannot authenticate (another
     operator key's, none, forged) is ``Foreign``, before anything is written, unless
     ``rekey`` (this machine's key is the fleet's: a rotation; its lineage, read without
@@ -183,7 +187,8 @@ def push(
         held = tier_tokens(tier, keys, namespace, name, secret, peek=rekey)
         if held.foreign is not None and not (rekey or replace):  # maybe the fleet's
             raise Foreign(name, held.foreign)
-        old = None if as_name is not None else past(held, row, base[0], index.seen(namespace, name))
+        seen = index.seen(namespace, name)
+        old = None if as_name is not None else past(held, row, base[0], seen, live)
         if old is not None:  # a copy of the fleet's own past: nothing to push
             return old, None
     files = [row.tail, *(r.blob for r in refs if r.blob)]
@@ -300,8 +305,9 @@ def _write_record(
                 raise RepairDeclined(f"session {name!r} seals otherwise here (another secret)")
             version = float(fields["created"])
             held = stale_held(
-                tier, keys, namespace, name, secret=secret, stale=repair[0], version=version
-            )
+                tier, keys, namespace, name, secret=secret, stale=repair[0], version=version,
+                tokens=unpack_tokens(fields["tokens"]),
+            )  # fmt: skip
         else:
             toks = unpack_tokens(fields["tokens"])
             kept, held = kept_name(
