@@ -75,6 +75,29 @@ def test_a_tombstone_at_or_below_the_base_is_taken_by_the_next_history(
         assert restored(f) == OTHER and restored(f, "chat~2") is None
 
 
+def test_a_planted_pointer_still_lets_a_new_conversation_go_beside(
+    redis_server: Any, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cold tier authenticates, under this key, the record this store pushed (at its
+    base): evidence that the key is the fleet's, whether or not the new conversation
+    continues it.  A tag-stripped pointer on Redis then refuses nothing: the new
+    conversation goes beside on both tiers, the fleet's ``chat`` stays a's first."""
+    monkeypatch.delenv("PERSIST_TIER_KEY", raising=False)
+    tiers = {"shared": redis_server.url, "cold": s3_server.url, "tier_key": KEY}
+    with persist.Store(tmp_path / "a", **tiers) as a:
+        a.save([kv_cache(48, 1)], V1, identity=IDENTITY, session="chat")
+    r = redis_server.client()
+    key = f"{RedisTier.prefix('default')}sess:chat"
+    r.set(key, r.get(key).partition(b".")[0])  # the keyless writer's one SET
+    with persist.Store(tmp_path / "a", **tiers) as a:
+        a.save([kv_cache(20, 9)], OTHER, identity=IDENTITY, session="chat")
+        done = a.sync()
+    kept = {(c["tier"], c["kept_as"]) for c in done["conflicts"] if c["session"] == "chat"}
+    assert kept == {("cold", "chat~2")}, done  # beside, not refused (kept_as None)
+    with persist.Store(tmp_path / "f", **tiers) as f:
+        assert restored(f) == V1 and restored(f, "chat~2") == OTHER
+
+
 # --- continues, as a property -------------------------------------------------------
 
 tokens = st.lists(st.integers(0, 3), max_size=6)
