@@ -305,7 +305,8 @@ class Index(IndexStatistics):
     def base(self, namespace: str, name: str) -> float | None:
         """The latest tier version of a named session this store's history of it continues
         (pushed under the name, or pulled); None after a local delete (``forget_base``):
-        what a push may replace without a conflict (``engine.tiers.lineage``)."""
+        the tombstone a push may replace without a conflict (a record only by its tokens:
+        ``engine.tiers.lineage.continues``)."""
         with self.read() as db:
             row = db.execute(
                 "SELECT base FROM tier_seen WHERE namespace = ? AND name = ?", [namespace, name]

@@ -255,10 +255,12 @@ def test_a_session_continued_on_a_machine_with_a_slow_clock_is_still_newer(
 ) -> None:
     """A session's version is its save time, but never earlier than the one the saving
     store knows: a machine whose clock is behind continues a session and the machines
-    that saw the older version take the newer one."""
+    that saw the older version take the newer one.  (The turn extends the session's
+    tokens: a version alone never lets a push replace a tier's record, attack 38d.)"""
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
-    t1, t2 = tokens_for(300, seed=1), tokens_for(300, seed=2)
+    t1 = tokens_for(300, seed=1)
+    t2 = [*t1, *tokens_for(20, seed=2)]  # the next turn
     with persist.Store(tmp_path / "a", shared=redis_server.url) as a:
         a.save(prefill(model, t1)[0], t1, identity=ident, session="x")
         ahead = a.entry("x").created + 3600.0

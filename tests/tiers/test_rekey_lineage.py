@@ -50,7 +50,8 @@ def test_a_rekey_keeps_the_old_keys_newer_history(
             a.save([kv_cache(60, 1)], V2, identity=IDENTITY, session="chat")
         elif case == "tombstone":
             assert a.delete("chat", fleet=True)
-        else:  # the name now holds another conversation
+        else:  # the name now holds another conversation: after a fleet delete, as only
+            assert a.delete("chat", fleet=True)  # then may one take it (attack 38d)
             a.save([kv_cache(20, 9)], OTHER, identity=IDENTITY, session="chat")
     shutil.rmtree(tmp_path / "a")  # the old key's writer is gone: only the tiers know
     with persist.Store(tmp_path / "b", tier_key=K2, **tiers) as b:  # rotated to K2

@@ -256,7 +256,8 @@ def test_a_replayed_old_pointer_is_refused_by_every_store_that_saw_the_newer_one
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
     r, p = redis_server.client(), RedisTier.prefix("default")
-    old, new = tokens_for(300, seed=1), tokens_for(320, seed=2)
+    old = tokens_for(300, seed=1)
+    new = [*old, *tokens_for(20, seed=2)]  # the next turn: it takes the name (attack 38d)
     with persist.Store(tmp_path / "a", shared=redis_server.url, tier_key=KEY) as a:
         a.save(prefill(model, old)[0], old, identity=ident, session="x")
         stale = r.get(f"{p}sess:x")

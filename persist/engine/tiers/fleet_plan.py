@@ -22,8 +22,9 @@ name (one pointer and one record per tier) and decides once:
   on a tier that answered with nothing or an older version: a tier that comes back
   empty cannot prove a delete undone, so the other tier's tombstone holds;
 - a later tier holds a session of the name this snapshot does not continue (a
-  newer turn or tombstone the cold tier lacks): the snapshot goes beside it on
-  every tier, ``NAME~N``, a conflict reported;
+  record its tokens do not extend, however old its version, or a newer tombstone
+  the cold tier lacks): the snapshot goes beside it on every tier, ``NAME~N``, a
+  conflict reported;
 - every tier's push judges the name against ``Index.base`` as it was before the
   first one;
 - a tier holds a value under the name that this machine cannot authenticate
@@ -31,8 +32,8 @@ name (one pointer and one record per tier) and decides once:
   conflict on each such tier (``Shared.refuse``), unless the tier is told this
   machine's key is the fleet's (``rekey``: a rotation), or the cold tier
   *vouches* for it: it authenticates, under this key, a session of the name (a
-  record or tombstone) that this store's history continues (``Index.base``) or
-  that the snapshot's tokens extend (``_vouched``).  Then the key is evidently the fleet's for
+  record or tombstone) that this store's history knew (at or below ``Index.base``)
+  or that the snapshot's tokens extend (``_vouched``).  Then the key is evidently the fleet's for
   that name, and the foreign value one planted by a writer without it (attack
   38c, finding 4: a tag stripped off Redis's pointer stopped the push to every
   tier): it decides nothing (a forged tombstone or history would otherwise send
@@ -97,14 +98,19 @@ def plan(tiers: Sequence[Any], index: Index, namespace: str, row: Any) -> Plan:
 
 def _vouched(cold: list[tuple[Any, Held]], toks: list[int], base: float | None) -> bool:
     """Whether the cold tier authenticates, under this machine's key, a session of the
-    name (a record or a tombstone) that this store's history continues or the
-    snapshot's tokens extend: the key is the fleet's for this name.  Nothing there,
+    name (a record or a tombstone) that this store's history knew (a version at or
+    below ``base``) or the snapshot's tokens extend: the key is the fleet's for this
+    name.  Evidence of the key, not lineage: a record at or below ``base`` that the
+    snapshot does not extend still vouches, and the snapshot goes beside it
+    (``kept_name``; attack 38d) rather than be refused for a plant.  Nothing there,
     or a value this key cannot open, vouches for nothing (a wrong key is refused).
     Only the cold tier, which decides names and evicts nothing: a wrong-keyed machine
     that once pushed alone to Redis (``--shared`` only, the fleet's pointer evicted)
     found its own session there and replaced the fleet's cold pointer."""
     return any(
-        h.foreign is None and h.version is not None and continues(toks, h, "", base)
+        h.foreign is None
+        and h.version is not None
+        and ((base is not None and h.version <= base) or continues(toks, h, "", base))
         for _, h in cold
     )
 

@@ -7,12 +7,18 @@ conversation under a name the fleet already held, and its next push
 replaced the fleet's pointer: every machine then resumed the one-turn fork.
 Now a push first reads the tier's session of that name.  The snapshot takes
 the name when the tier holds none (or a value that does not open), the same
-record, a version this store's own history of the name continues (pushed or
-pulled and not deleted here since: ``Index.base``; a version's time never
-goes back along its history, so an older one is one it replaced knowingly),
-or one its tokens extend.  Any other is kept beside it under the first
-``NAME~N`` it continues or that is free, as a local save keeps a turn that
-lost its race, and the push reports the conflict.
+record, a record its tokens extend, or a tombstone no newer than the latest
+version this store's own history of the name continues (pushed or pulled and
+not deleted here since: ``Index.base``): a fleet delete it moved past.  A
+record is judged by its tokens alone, never by its version: versions are save
+times from every machine's clock, and a record older than ``base`` that the
+snapshot does not extend (from a machine whose clock is behind, or planted with
+an old version) is another history all the same; taking the name by version
+replaced it, a fork lost fleet-wide (attack 38d).  Any other is kept beside it
+under the first ``NAME~N`` it continues or that is free, as a local save keeps
+a turn that lost its race, and the push reports the conflict.  So a different
+conversation saved under a name, even over this store's own pushed session, goes
+beside it: only ``rm --fleet`` (a tombstone) gives the name to a new history.
 
 The pointer is then written only over the value the push read (a
 compare-and-set: ``remote/pointer_swap``); a push that finds another there
@@ -165,13 +171,15 @@ def _untagged(keys: Keys, value: bytes) -> None:
 
 def continues(tokens: list[int], held: Held, rkey: str, base: float | None = None) -> bool:
     """Whether a snapshot (``tokens``, record ``rkey``) may take a name whose tier session
-    is ``held``: none there, the same record, a version (or tombstone) no newer than the
-    latest this store's history of the name continues (``base``), or one its tokens
-    extend (a tombstone: none do)."""
+    is ``held``: none there, the same record, a record its tokens extend, or a tombstone
+    no newer than the latest version this store's history of the name continues
+    (``base``).  A record's version never decides: versions are save times of other
+    machines' clocks, and a record older than ``base`` that the tokens do not extend is
+    another history all the same (attack 38d: such a record was replaced, a fork lost)."""
     if held.version is None or held.rkey == rkey:
         return True
-    if base is not None and held.version <= base:
-        return True
+    if held.rkey is None:  # a tombstone: a fleet delete this history moved past, or not
+        return base is not None and held.version <= base
     return held.tokens is not None and tokens[: len(held.tokens)] == held.tokens
 
 
@@ -263,9 +271,10 @@ def kept_name(
     replace: bool = False,
 ) -> tuple[str, Held]:
     """The name this snapshot is pushed under, and what the tier holds there: ``name`` if
-    it continues the tier's session of that name (``base``: ``Index.base``, read before
-    this push) and not ``beside`` (another tier's newer session of the name it does not
-    continue: ``fleet_sync``), else the first ``name~N`` (N >= 2) it continues or that
+    it continues the tier's session of that name (``continues``: a record by its
+    tokens, a tombstone by ``base``, ``Index.base`` read before this push) and not
+    ``beside`` (another tier's session of the name it does not continue:
+    ``fleet_sync``), else the first ``name~N`` (N >= 2) it continues or that
     is free.  A value under ``name`` this machine cannot authenticate is ``Foreign``
     (one under a ``name~N`` is passed over), unless ``rekey``: then the lineage it
     states (read without its tag) decides, as any other's does: a history the snapshot

@@ -160,8 +160,8 @@ def push(
     is older (``lineage.stale_held``); RepairDeclined otherwise (``named_pull``).
     ``base``: (``Index.base`` of the name, read before the first tier's push:
     ``push_everywhere``), so a name the cold tier's push just took is no licence to
-    replace a later tier's newer session; None: read here.  ``beside``: another tier
-    holds a newer session of the name this one does not continue: not the name.
+    replace a later tier's newer tombstone; None: read here.  ``beside``: another tier
+    holds a session of the name this one does not continue: not the name.
     ``live``: another tier holds this copy's own history (``fleet_plan``): a newer
     history here that does not extend it is a fork, not the fleet's past (``past``).
     A session whose name holds a value this machine cannot authenticate (another
