@@ -5,7 +5,8 @@ memory they peak at, on MLX's CUDA backend (issue 39).
 
 A setup child saves a Llama-3-8B-shaped cache (bench/shapes) into a store; then
 each case is a fresh child process, as ``persist generate`` or ``persist serve``
-after a restart is: three restores of it (each followed by one decode step),
+after a restart is: three restores of it (each followed by one decode step; a fourth after
+``mx.clear_cache()``, so that it allocates its device memory as the first does),
 three saves of fresh caches of the same shape, each timed alone, with MLX's peak
 device memory above what was allocated before it.  Cases: restores straight
 from the slots (the default) and through a staging buffer (PERSIST_STAGING=whole),
@@ -18,6 +19,7 @@ stdout and in OUT/first-call.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,14 +71,21 @@ def _restores(root: str, prewarm: bool) -> dict[str, Any]:
     want = llama(int(os.environ.get("FIRST_CALL_TOKENS", "8192")))  # what setup saved
     runs = []
     with persist.Store(root) as store:
-        for _ in range(3):
+        if prewarm:  # what persist serve does before it answers
+            t = time.perf_counter()
+            store.preload()
+            out["preload_s"] = time.perf_counter() - t
+        for i in range(4):
             gc.collect()
+            if i == 3:  # a later restore with MLX's buffer cache emptied: allocation's share
+                mx.clear_cache()
             mx.synchronize()
             mx.reset_peak_memory()
             base = mx.get_active_memory()
             t = time.perf_counter()
-            r = store.restore("s", identity=IDENTITY)
-            mx.synchronize()
+            with _profiled(out, "profile" if i == 0 else None):
+                r = store.restore("s", identity=IDENTITY)
+                mx.synchronize()
             restore_s = time.perf_counter() - t
             peak = mx.get_peak_memory() - base
             cache_bytes = sum(a.nbytes for c in r.cache for a in (c.keys, c.values))
@@ -92,6 +102,28 @@ def _restores(root: str, prewarm: bool) -> dict[str, Any]:
         out["path"] = store.stats().data_paths
     out["runs"] = runs
     return out
+
+
+@contextlib.contextmanager
+def _profiled(out: dict[str, Any], key: str | None) -> Iterator[None]:
+    """With FIRST_CALL_PROFILE set, the first call's 30 costliest functions (cumulative)
+    into ``out[key]``: where a first call's extra time goes."""
+    if key is None or not os.environ.get("FIRST_CALL_PROFILE"):
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
+        out[key] = buf.getvalue()[-6000:]
 
 
 def _same(got: list[Any], want: list[Any]) -> bool:
@@ -118,6 +150,13 @@ def _saves(root: str, tokens: int) -> dict[str, Any]:
     out: dict[str, Any] = {"init_s": time.perf_counter() - t0}
     runs = []
     with persist.Store(root) as store:
+        if os.environ.get("FIRST_CALL_PREPARE"):  # what persist serve does before it answers
+            from persist.engine.staged.restore import prepare
+
+            t = time.perf_counter()
+            out["prepared"] = prepare()
+            store.preload()
+            out["prepare_s"] = time.perf_counter() - t
         for j in range(3):
             cache = [_kv(tokens, 8, 128, 1000 * (j + 1) + i) for i in range(32)]
             live = sum(a.nbytes for c in cache for a in (c.keys, c.values))
@@ -126,8 +165,9 @@ def _saves(root: str, tokens: int) -> dict[str, Any]:
             mx.reset_peak_memory()
             base = mx.get_active_memory()
             t = time.perf_counter()
-            store.save(cache, list(range(tokens)), identity=IDENTITY, session=f"w{j}")
-            mx.synchronize()
+            with _profiled(out, "profile" if j == 0 else None):
+                store.save(cache, list(range(tokens)), identity=IDENTITY, session=f"w{j}")
+                mx.synchronize()
             save_s = time.perf_counter() - t
             peak = mx.get_peak_memory() - base
             runs.append({"save_s": save_s, "peak_bytes": peak, "cache_bytes": live,
@@ -190,6 +230,9 @@ def main() -> None:
         ["save", str(base / "w1"), str(a.tokens)], {**env, "MLX_PTX_CACHE_DIR": str(base / "p2")}
     )
     result["save_kernel_cache"] = _run(["save", str(base / "w2"), str(a.tokens)], env)
+    result["save_prepared"] = _run(
+        ["save", str(base / "w3"), str(a.tokens)], {**env, "FIRST_CALL_PREPARE": "1"}
+    )
     text = json.dumps(result, indent=1)
     print(text)
     if a.out:

@@ -70,9 +70,17 @@ for phase in "$@"; do
     cp bench/results/serve-host-cuda.* "$OUT/" ;;
   e2e)
     # persist serve against plain mlx_lm.server, Llama-3-8B shape, ~8k-token system prompt
+    rm -rf /tmp/e2e-logs && mkdir -p /tmp/e2e-logs
     E2E_PYSPY=/tmp/site/bin/py-spy timeout 500 python3 -m bench.bench_e2e --quick --shape llama3-8b --system-words 1700 \
-      --out cuda --logs "$OUT/e2e-logs" 2>&1 | tee "$OUT/e2e.log" | tail -30
+      --out cuda --logs /tmp/e2e-logs 2>&1 | tee "$OUT/e2e.log" | tail -30
+    tar czf "$OUT/e2e-logs.tgz" -C /tmp e2e-logs
     cp bench/results/e2e-cuda.* "$OUT/" ;;
+  servetest)
+    # the host tier's serve test, its servers' logs kept (round 5: a partial hit on the H100)
+    rm -rf /tmp/pytest-of-* /tmp/bt
+    timeout 240 python3 -m pytest -q -rfEs -p no:cacheprovider --basetemp=/tmp/bt \
+      tests/engine/test_host_tier_cuda.py tests/engine/test_no_kernel_path.py 2>&1 | tee "$OUT/cuda-servetest.log" | tail -8
+    (cd /tmp && find bt -name '*.log' | tar czf "$OUT/servetest-logs.tgz" -T -) ;;
   e2efull)
     # the same, 6 sessions x 3 turns: more requests per phase
     E2E_PYSPY=/tmp/site/bin/py-spy timeout 470 python3 -m bench.bench_e2e --shape llama3-8b --system-words 1700 \

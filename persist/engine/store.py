@@ -187,6 +187,12 @@ class Store(StoreReads):
 
         return save(self, cache, tokens, target, progress)
 
+    def preload(self) -> None:
+        """Import now the modules a first restore, lookup or save imports on first use
+        (``ls`` never needs them): ``persist serve`` calls this before it answers, so its
+        first request pays for no imports (issue 39: a first restore's extra time)."""
+        from . import explain, lookup_order, reading, save_pipeline, saving, warm  # noqa: F401
+
     def count(self, namespace: str = "default", **counters: int) -> None:
         """Add to ``namespace``'s counters (``persist stats`` shows them)."""
         self.index.count(check_name(namespace, "namespace"), **counters)

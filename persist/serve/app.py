@@ -108,6 +108,7 @@ def serve(
     from ..engine.staged.restore import prepare
 
     prepare()  # CUDA: lanes up and kernels built before the first request (issue 39)
+    store.preload()  # and the read and save paths imported
     metrics = ServeMetrics(store, namespace)
     # counters and prefill rates written off the generation thread (serve.stats_writer)
     stats = StatsWriter(store, on_error=lambda e: metrics.store_failed(e, counter=True))
