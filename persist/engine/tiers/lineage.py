@@ -156,7 +156,7 @@ def _own_record(
     a tag stripped off the cold tier's pointer refused every keyed push, for good).
     Only a writer with the key made that record, and only as this name's: the name's
     history is this key's, and the pointer is judged by it as any authenticated one,
-    re-tagged by the push that moves the name on (``push``).  None without a key (a
+    written over only as ``fleet_plan.left_stripped`` allows.  None without a key (a
     keyless machine authenticates nothing), for a tombstone, a pointer whose own tag is
     valid (its record failed), and a record that is gone or does not authenticate: a
     keyless fleet's, another key's."""
