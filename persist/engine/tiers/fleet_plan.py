@@ -40,6 +40,19 @@ name (one pointer and one record per tier) and decides once:
   the fleet's turn beside) and is replaced (``replace``: counted
   ``<tier>_foreign_replaced``).  A machine with the wrong key finds nothing it
   authenticates, and is refused as before;
+- a pointer whose tag was stripped or forged but whose record authenticates under
+  this key as the name's (``Held.stripped``: ``tier_tokens(by_record=True)``) is
+  not foreign: only a writer with the key made that record, so its lineage is
+  judged as an authenticated pointer's, on any tier, the cold one included
+  (finding D: a tag stripped off the cold tier's pointer refused every keyed
+  push of the name, for good).  But a writer without the key may have pointed
+  the name back at an older record (the cold tier keeps every record), so such a
+  pointer is written over only by a *turn* saved here since this store last
+  pushed or pulled the name, where the turn continues it (counted
+  ``<tier>_foreign_replaced``), or by a copy another tier's pointer names tagged
+  (``_witnessed``); a copy alone leaves it as it is (``left_stripped``: re-tagged
+  or moved on to the copy, an older record would be an authentic rollback), and a
+  stripped cold pointer vouches for a turn only;
 - under ``rekey`` a foreign value's lineage (read without its tag:
   ``tier_tokens(peek=True)``) is judged as any other's (attack 38c, finding 1: a
   rotation replaced the old key's newer turns and tombstones): it may make the
@@ -57,9 +70,9 @@ from typing import Any, NamedTuple
 from ...format.tokens import unpack_tokens
 from ...remote.redis_tier import TierUnavailable
 from ...storage.index import Index
-from .lineage import Held, continues, holds_copy, past, tier_tokens
+from .lineage import Held, continues, holds_copy, past, shown_url, tier_tokens
 
-__all__ = ["Plan", "plan", "refused_first"]
+__all__ = ["Plan", "plan", "refused_first", "left_stripped"]
 
 log = logging.getLogger("persist")
 
@@ -80,7 +93,9 @@ def plan(tiers: Sequence[Any], index: Index, namespace: str, row: Any) -> Plan:
     helds = [(tier, _held(tier, index, namespace, name)) for tier in tiers]
     answered = [(t, h) for t, h in helds if h is not None]
     foreign = [(t, h.foreign) for t, h in answered if h.foreign is not None and not t.rekey]
-    if foreign and not _vouched([(t, h) for t, h in answered if t.name == "cold"], toks, base):
+    turn = base is None or float(row.created) > base  # saved here since, not a copy
+    cold = [(t, h) for t, h in answered if t.name == "cold"]
+    if foreign and not _vouched(cold, toks, base, turn):
         for tier, why in foreign:  # maybe the fleet's session, under a key this one is not
             tier.refuse(index, namespace, name, why)
         return Plan((base,), "refused", False)
@@ -93,10 +108,24 @@ def plan(tiers: Sequence[Any], index: Index, namespace: str, row: Any) -> Plan:
         _carry_tombstone(answered, index, namespace, name, float(row.created))
     later = [h for t, h in answered if t is not tiers[0]]  # the first decides the name
     beside = verdict is None and any(not continues(toks, h, "", base) for h in later)
-    return Plan((base,), verdict, beside, frozenset(t.name for t, _ in foreign), live)
+    replace = {t.name for t, _ in foreign} | _witnessed(answered, row, toks)
+    return Plan((base,), verdict, beside, frozenset(replace), live)
 
 
-def _vouched(cold: list[tuple[Any, Held]], toks: list[int], base: float | None) -> bool:
+def _witnessed(answered: list[tuple[Any, Held]], row: Any, toks: list[int]) -> set[str]:
+    """Tiers whose pointer has its tag stripped (``Held.stripped``) where another tier's
+    pointer names this very copy tagged: a copy is pushed over a stripped pointer only
+    so (a writer with those bytes could have put them there itself); otherwise only a
+    turn saved here since moves such a pointer on (``left_stripped``)."""
+    created = float(row.created)
+    tagged = any(
+        h.stripped is None and h.rkey is not None and h.version == created and h.tokens == toks
+        for _, h in answered
+    )
+    return {t.name for t, h in answered if h.stripped is not None} if tagged else set()
+
+
+def _vouched(cold: list[tuple[Any, Held]], toks: list[int], base: float | None, turn: bool) -> bool:
     """Whether the cold tier authenticates, under this machine's key, a session of the
     name (a record or a tombstone) that this store's history knew (a version at or
     below ``base``) or the snapshot's tokens extend: the key is the fleet's for this
@@ -106,10 +135,15 @@ def _vouched(cold: list[tuple[Any, Held]], toks: list[int], base: float | None) 
     or a value this key cannot open, vouches for nothing (a wrong key is refused).
     Only the cold tier, which decides names and evicts nothing: a wrong-keyed machine
     that once pushed alone to Redis (``--shared`` only, the fleet's pointer evicted)
-    found its own session there and replaced the fleet's cold pointer."""
+    found its own session there and replaced the fleet's cold pointer.  A pointer
+    whose tag was stripped (its record authenticates: ``Held.stripped``) vouches only
+    for a ``turn`` saved here since: a writer without the key may have pointed the name
+    back at an older record, and a copy pushed over another tier's plant would make
+    that rollback authentic there (finding D)."""
     return any(
         h.foreign is None
         and h.version is not None
+        and (h.stripped is None or turn)
         and ((base is not None and h.version <= base) or continues(toks, h, "", base))
         for _, h in cold
     )
@@ -120,7 +154,9 @@ def _held(tier: Any, index: Index, namespace: str, name: str) -> Held | None:
     where the tier cannot be asked."""
     secret = tier.secret(index, namespace)  # a tier that is down: what it was, or None
     try:
-        return tier_tokens(tier.tier, tier.keys, namespace, name, secret, peek=tier.rekey)
+        return tier_tokens(
+            tier.tier, tier.keys, namespace, name, secret, peek=tier.rekey, by_record=True
+        )
     except TierUnavailable:
         return None
 
@@ -171,10 +207,28 @@ def refused_first(
         return False
     name, secret = name or str(rows[0].name), shared.secret(index, namespace)
     try:
-        held = tier_tokens(shared.tier, shared.keys, namespace, name, secret)
+        held = tier_tokens(shared.tier, shared.keys, namespace, name, secret, by_record=True)
     except TierUnavailable:
         return False
     if held.foreign is None:
         return False
     shared.refuse(index, namespace, name, held.foreign)
+    return True
+
+
+def left_stripped(tier: Any, held: Held, name: str, moves: bool) -> bool:
+    """Whether a push leaves the tier's session pointer ``held`` of ``name`` as it is: its
+    tag stripped or forged, its record this key's (``Held.stripped``), and the push no
+    ``moves`` (a turn saved here since, or a copy another tier names tagged:
+    ``_witnessed``).  A writer without the key may have pointed the name back at an older
+    record, and this machine, holding an older copy too, cannot tell: a tag written over
+    it would make that rollback authentic to every reader (finding D)."""
+    if held.stripped is None or moves:
+        return False
+    log.warning(
+        "persist: %s's session pointer %r has no valid tag (a writer without the operator "
+        "key changed it); left as it is: a copy is not pushed over it, the next turn "
+        "saved here replaces it",
+        shown_url(tier.url), name,
+    )  # fmt: skip
     return True

@@ -42,7 +42,14 @@ version, read without its tag: ``tier_tokens(peek=True)``) is judged as any othe
 so the rotation replaces only what the snapshot continues and goes beside or pushes
 nothing otherwise (attack 38c, finding 1), and is used for nothing else; or
 ``replace``, where another tier authenticates the name's history under this key
-(``fleet_plan``): the value is a plant, and free (attack 38c, finding 4).
+(``fleet_plan``): the value is a plant, and free (attack 38c, finding 4).  A pointer
+whose own tag is stripped or forged but whose record opens and authenticates under
+this key as the name's is not foreign to a push (``tier_tokens(by_record=True)``,
+``Held.stripped``): that record's lineage decides, as an authenticated pointer's would
+(finding D); ``fleet_plan`` says when such a pointer is written over.  A tombstone,
+or a record that does not authenticate (a keyless fleet's, another key's), stays
+foreign.  A pull still reads nothing through a pointer without a valid tag (its
+repair only declines to write an older version over one: ``stale_held``).
 """
 
 from __future__ import annotations
@@ -96,19 +103,29 @@ class Held(NamedTuple):
     version: float | None  # its version (save time), or the tombstone's; None: neither
     value: bytes | None = None  # the pointer's bytes as read (a repair compares them)
     foreign: str | None = None  # why a value there cannot be authenticated here: not replaced
+    stripped: str | None = None  # why the pointer is not, while its record is (``by_record``)
 
 
 def tier_tokens(
-    tier: Any, keys: Keys, namespace: str, name: str, secret: bytes | None, peek: bool = False
+    tier: Any,
+    keys: Keys,
+    namespace: str,
+    name: str,
+    secret: bytes | None,
+    peek: bool = False,
+    by_record: bool = False,
 ) -> Held:
     """The tier's session ``name``: its record's key, tokens and version, a tombstone's
     version (``persist rm --fleet``), or nothing (also a value that does not open: a
     damaged one is no history to keep); with the pointer's token.  A pointer, tombstone
     or record that is well formed but not authenticated under this machine's key (or,
     without a key, tagged under one) is ``foreign``: the fleet's, maybe, under a key
-    this machine lacks.  ``peek``: a foreign value's lineage too, read without its tag
-    (``_peeked``), for a rotation's push (``rekey``), which may replace such a value
-    but must still not replace a newer history or a tombstone with an older copy."""
+    this machine lacks.  ``by_record`` (a push's reads): a pointer not authenticated
+    whose record is, under this key and as this name's, is that record's lineage,
+    ``stripped`` (``_own_record``).  ``peek``: a foreign value's lineage too, read
+    without its tag (``_peeked``), for a rotation's push (``rekey``), which may replace
+    such a value but must still not replace a newer history or a tombstone with an
+    older copy."""
     value, token = tier.session_pointer(namespace, name.encode())
     nothing = Held(token, None, None, None, value)
     if value is None:
@@ -127,11 +144,46 @@ def tier_tokens(
     except BadValue as e:
         if e.why != "unauthenticated":
             return nothing
+        own = _own_record(tier, keys, namespace, name, secret, value) if by_record else None
+        if own is not None:
+            return own._replace(token=token, stripped=e.detail)
         if peek:
             return _peeked(tier, keys, namespace, name, nothing._replace(foreign=e.detail))
         return nothing._replace(foreign=e.detail)
     toks, created = unpack_tokens(body["row"]["tokens"]), float(body["row"]["created"])
     return Held(token, rkey, toks, created, value)
+
+
+def _own_record(
+    tier: Any, keys: Keys, namespace: str, name: str, secret: bytes | None, value: bytes
+) -> Held | None:
+    """The lineage of the record a pointer without a valid tag names, where that record
+    opens and authenticates under this machine's key as session ``name``'s (finding D:
+    a tag stripped off the cold tier's pointer refused every keyed push, for good).
+    Only a writer with the key made that record, and only as this name's: the name's
+    history is this key's, and the pointer is judged by it as any authenticated one,
+    written over only as ``fleet_plan.left_stripped`` allows.  None without a key (a
+    keyless machine authenticates nothing), for a tombstone, a pointer whose own tag is
+    valid (its record failed), and a record that is gone or does not authenticate: a
+    keyless fleet's, another key's."""
+    if keys.key is None or value.startswith(b"~"):
+        return None
+    try:
+        keys.open_pointer(namespace, "sess", name.encode(), value)
+        return None  # the pointer is this key's: its record is what failed
+    except BadValue as e:
+        if e.why != "unauthenticated":
+            return None
+    rkey = value.partition(b".")[0].decode("ascii")  # open_pointer checked its form
+    record = tier.records(namespace, [rkey])[0]
+    if record is None:
+        return None
+    try:
+        body = open_record(keys, record, Expect(namespace, rkey, name=name, secret=secret))
+    except BadValue:
+        return None
+    toks, created = unpack_tokens(body["row"]["tokens"]), float(body["row"]["created"])
+    return Held(None, rkey, toks, created, value)
 
 
 def _peeked(tier: Any, keys: Keys, namespace: str, name: str, held: Held) -> Held:
@@ -280,15 +332,17 @@ def kept_name(
     states (read without its tag) decides, as any other's does: a history the snapshot
     does not continue keeps the name, the snapshot goes beside (attack 38c, finding 1);
     or ``replace`` (another tier vouched for this key: ``fleet_plan``): then it is a
-    planted value, free (attack 38c, finding 4)."""
-    held = tier_tokens(tier, keys, namespace, name, secret, peek=rekey)
+    planted value, free (attack 38c, finding 4).  A pointer whose tag was stripped or
+    forged but whose record authenticates here is that record's lineage (``stripped``:
+    ``by_record``), judged as an authenticated one (finding D)."""
+    held = tier_tokens(tier, keys, namespace, name, secret, peek=rekey, by_record=True)
     if held.foreign is not None and not (rekey or replace):
         raise Foreign(name, held.foreign)
     if not beside and continues(tokens, held, rkey, base):
         return name, held
     for n in range(2, MAX_FORKS + 1):
         other = f"{name}~{n}"
-        held = tier_tokens(tier, keys, namespace, other, secret, peek=rekey)
+        held = tier_tokens(tier, keys, namespace, other, secret, peek=rekey, by_record=True)
         if (held.foreign is None or rekey or replace) and continues(tokens, held, rkey):
             return other, held
     raise BadValue("mismatched", f"more than {MAX_FORKS} histories of session {name!r}")
@@ -304,6 +358,7 @@ def stale_held(
     stale: bytes | None,
     version: float,
     tokens: list[int] | None = None,
+    rkey: str | None = None,
 ) -> Held:
     """The tier's session ``name`` if a repair may write over it: it still holds exactly
     ``stale`` (the value a named pull read there and found behind the cold tier's),
@@ -311,11 +366,15 @@ def stale_held(
     and, given the ``tokens`` the repair writes, no history they do not extend (a
     fork: both are kept, never one repaired over the other); else RepairDeclined.
     The write that follows is a compare-and-set over the same value, so a push
-    landing after this read declines the repair there too."""
-    held = tier_tokens(tier, keys, namespace, name, secret)
+    landing after this read declines the repair there too.  A pointer whose tag was
+    stripped is judged by its record where that authenticates here (``by_record``):
+    a newer one is not written back to the other tier's older turn (a rollback made
+    authentic), the very record ``rkey`` is (the other tier's pointer tags it)."""
+    held = tier_tokens(tier, keys, namespace, name, secret, by_record=True)
     if held.value != stale:  # the bytes (a cold tier's token is its ETag)
         raise RepairDeclined(f"session {name!r} moved on the tier since it was read")
-    if held.version is not None and held.version >= version:
+    retag = held.stripped is not None and rkey is not None and held.rkey == rkey
+    if held.version is not None and held.version >= version and not retag:
         raise RepairDeclined(f"the tier's session {name!r} is no older than the cold tier's")
     if tokens is not None and held.tokens is not None and tokens[: len(held.tokens)] != held.tokens:
         raise RepairDeclined(f"the tier's session {name!r} is another history (a fork)")

@@ -29,6 +29,7 @@ from ...remote.redis_tier import TierUnavailable
 from ...storage.blobs import BlobStore
 from ...storage.chains import boundary_heads
 from ...storage.index import Index
+from .fleet_plan import left_stripped
 from .lineage import Foreign, RepairDeclined, kept_name, past, stale_held, tier_tokens
 from .records import ROW_FIELDS, BadValue, Expect, Keys, chains_under, open_record, seal_record
 
@@ -184,7 +185,7 @@ def push(
     if name is None and getattr(tier, "named_only", False):
         return "skipped", None
     if name is not None and repair is None:
-        held = tier_tokens(tier, keys, namespace, name, secret, peek=rekey)
+        held = tier_tokens(tier, keys, namespace, name, secret, peek=rekey, by_record=True)
         if held.foreign is not None and not (rekey or replace):  # maybe the fleet's
             raise Foreign(name, held.foreign)
         seen = index.seen(namespace, name)
@@ -254,6 +255,7 @@ def push(
                 beside=beside,
                 rekey=rekey,
                 replace=replace,
+                turn=base[0] is None or float(row.created) > base[0],
             )
             break
         except SessionMoved as e:
@@ -289,12 +291,15 @@ def _write_record(
     beside: bool = False,
     rekey: bool = False,
     replace: bool = False,
+    turn: bool = True,
 ) -> tuple[str | None, bytes | None, bool, bool]:
     """The record and its pointers, under the name the snapshot takes (``kept_name``:
     ``name`` or ``NAME~N``), its session pointer written only over what was read there
     (SessionMoved otherwise); (that name, the tier's secret after, whether the record
     and every pointer were there and right already, whether the session pointer
-    written over was one not authenticated here).  ``repair``: ``push``'s."""
+    written over was one not authenticated here).  ``repair``: ``push``'s.  ``turn``:
+    the snapshot was saved here since this store last pushed or pulled the name (not a
+    copy): only a turn moves on a pointer whose tag was stripped (``left_stripped``)."""
     if name is not None:  # a race lost before: sealed under its own name again
         fields["name"] = body["row"]["name"] = name
     rkey, record = seal_record(keys, namespace, body)
@@ -306,7 +311,7 @@ def _write_record(
             version = float(fields["created"])
             held = stale_held(
                 tier, keys, namespace, name, secret=secret, stale=repair[0], version=version,
-                tokens=unpack_tokens(fields["tokens"]),
+                tokens=unpack_tokens(fields["tokens"]), rkey=rkey,
             )  # fmt: skip
         else:
             toks = unpack_tokens(fields["tokens"])
@@ -319,8 +324,10 @@ def _write_record(
                 rkey, record = seal_record(keys, namespace, body)
         ptr = keys.pointer(namespace, "sess", (kept or name).encode(), rkey)
         session, same = ((kept or name).encode(), ptr, held.token), held.rkey == rkey
-        foreign = held.foreign is not None and held.value != ptr
+        foreign = (held.foreign or held.stripped) is not None and held.value != ptr
         same = same and not foreign  # a stripped or forged tag over this record: rewritten
+        if left_stripped(tier, held, kept or name, turn or replace or repair is not None):
+            session, same, foreign = None, True, False
     on_tier = tier.records(namespace, [rkey])[0] if verify else None
     good_record = on_tier == record if verify else tier.has_record(namespace, rkey)
     ptrs = _pointers(keys, namespace, fields, chs, rkey)
