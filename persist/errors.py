@@ -16,6 +16,7 @@ __all__ = [
     "CorruptBlobError",
     "NotResumableError",
     "SessionNotFoundError",
+    "SessionDeletedError",
     "StoreFullError",
     "HostCacheFullError",
     "InvalidNameError",
@@ -233,6 +234,20 @@ class SessionNotFoundError(PersistError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0])
+
+
+class SessionDeletedError(SessionNotFoundError):
+    """No session of that name here, and a fleet delete's tombstone under it on a tier
+    (``tiers``): deleted already.  ``persist rm --fleet`` says so and exits 0, so a
+    re-run after a partial failure is idempotent (attack 38d, finding F)."""
+
+    def __init__(self, session: str, namespace: str, tiers: list[str]) -> None:
+        self.session, self.namespace, self.tiers = session, namespace, tiers
+        KeyError.__init__(
+            self,
+            f"session {session!r} in namespace {namespace!r} was already deleted on the "
+            f"fleet (a tombstone on the {' and '.join(tiers)} tier)",
+        )
 
 
 class InvalidNameError(PersistError, ValueError):

@@ -19,7 +19,7 @@ from typing import Any
 from ..engine.cache_fit import refuse_unfit_kv_bits
 from ..engine.prefill import prefill
 from ..engine.store import Store
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, ModelNotFoundError
 from ..identity import ModelIdentity
 from ..records import Progress
 from .decoding import Run, Sampling
@@ -82,12 +82,16 @@ def load_model(
 
     path = resolve_model(model)
     adapter = None if adapter_path is None else str(adapter_path)
-    loaded = load(  # stamped: its identity may use the remembered digest
-        path,
-        adapter,
-        tokenizer_config={"trust_remote_code": trust_remote_code},
-        trust_remote_code=trust_remote_code,
-    )
+    try:
+        loaded = load(  # stamped: its identity may use the remembered digest
+            path,
+            adapter,
+            tokenizer_config={"trust_remote_code": trust_remote_code},
+            trust_remote_code=trust_remote_code,
+        )
+    except OSError as e:  # mlx-lm's word for a file it needs and cannot read (no weights)
+        also = f" with the adapter {adapter}" if adapter else ""
+        raise ModelNotFoundError(f"the model {path}{also}: mlx-lm cannot load it: {e}") from None
     m, tok = loaded[0], loaded[1]
     wanted: dict[str, Any] = {k: v for k, v in cache_config.items() if v is not None}
     name = None if model is None or Path(os.fspath(model)).is_dir() else os.fspath(model)

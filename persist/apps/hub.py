@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 
 from ..errors import ModelNotFoundError
 
-__all__ = ["resolve_model", "looks_like_repo"]
+__all__ = ["resolve_model", "looks_like_repo", "check_model_folder"]
 
 # owner/name or name, as the hub spells repo ids (no leading dot, no "..")
 REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}")
@@ -38,12 +39,40 @@ def resolve_model(model: str | os.PathLike[str] | None, *, download: bool = True
     text = os.fspath(model)
     path = Path(os.path.expanduser(text))
     if path.is_dir():
-        return path
+        return check_model_folder(path, text)
     if path.exists():
         raise ModelNotFoundError(f"--model {text}: not a folder (give the model's folder)")
     if not looks_like_repo(text):
         raise ModelNotFoundError(f"--model {text}: no such folder, and not a Hugging Face repo id")
     return _snapshot(text, download)
+
+
+def check_model_folder(path: Path, given: str) -> Path:
+    """``path``, unless mlx-lm could not read it: no ``config.json``, or a file in it
+    that is not a regular file (a FIFO there made mlx-lm's plain open wait forever;
+    attack 38d, finding G): ModelNotFoundError naming it.  Links are followed."""
+    try:
+        modes = [(entry.name, _mode(entry.path)) for entry in os.scandir(path)]
+    except OSError as e:
+        raise ModelNotFoundError(f"--model {given}: cannot read it ({e.strerror})") from None
+    for name, mode in modes:
+        if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise ModelNotFoundError(
+                f"--model {given}: {name} is not a regular file; mlx-lm would wait on it "
+                "or fail to read it"
+            )
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"--model {given}: no config.json (not a model folder)")
+    return path
+
+
+def _mode(path: str) -> int | None:
+    """The mode of what ``path`` leads to; None for a dangling link (mlx-lm says so if it
+    needs the file: ``load_model``)."""
+    try:
+        return os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
 
 
 def _snapshot(repo: str, download: bool = True) -> Path:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from ..codecs.snapshot import snapshot_facts
 from ..engine.files import load_file, read_manifest
+from ..format.opening import user_reads
 from ..records import RecordSpec
 
 __all__ = ["LayerInfo", "FileInfo", "describe_file", "verify_file"]
@@ -58,13 +58,15 @@ def _tensor_stats(spec: RecordSpec) -> tuple[int, int]:
 def describe_file(path: str | os.PathLike[str]) -> FileInfo:
     """What a persist file holds, from its validated header only (no tensor is read)."""
     m = read_manifest(path)
+    with user_reads(str(path)):  # gone since it was read: StorageError, as a read's
+        size = os.stat(path).st_size
     layers = []
     for i, spec in enumerate(m.layers):
         n, b = _tensor_stats(spec)
         layers.append(LayerInfo(index=i, kind=spec.kind, version=spec.version, tensors=n, bytes=b))
     return FileInfo(
         path=str(path),
-        file_bytes=Path(path).stat().st_size,
+        file_bytes=size,
         tensor_bytes=sum(layer.bytes for layer in layers),
         tokens=None if m.tokens is None else len(m.tokens),
         layers=layers,

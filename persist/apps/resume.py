@@ -26,6 +26,7 @@ from ..errors import (
 from ..format.manifest import MAX_USER_METADATA
 from ..identity import ModelIdentity
 from ..records import Progress
+from ..storage.rows import MAX_FORKS, fork_name
 
 __all__ = ["Resumed", "resume_text", "resume_chat", "save_turn", "CHAT_KEY"]
 
@@ -96,7 +97,8 @@ def save_turn(
     unverified: bool = False,
 ) -> str:
     """Save a turn if the session is still the version it was read at; else keep it
-    under the first free ``session~N`` (returned) instead of dropping it.
+    under the first free ``session~N`` (returned; ``rows.fork_name``, which every
+    command takes) instead of dropping it: SessionConflictError past ``MAX_FORKS``.
     ``unverified``: the turn continues an unverified session (``Resumed``), under
     whatever name it is kept."""
     name, n = session, 1
@@ -115,8 +117,10 @@ def save_turn(
             )
             return name
         except SessionConflictError:
-            n += 1
-            name, version = f"{session}~{n}", 0
+            n += 1 + (fork_name(session, n + 1) == session)  # never the name that lost
+            if n > MAX_FORKS:
+                raise
+            name, version = fork_name(session, n), 0
 
 
 def resume_chat(

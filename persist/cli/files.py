@@ -37,7 +37,8 @@ def _render(info: FileInfo) -> None:
         click.echo(f"verified: every checksum matches ({info.seconds:.3f} s)")
 
 
-_path = click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+# no click checks: the reader judges the path (a folder, a FIFO, a missing file: typed, exit 1)
+_path = click.argument("file", type=click.Path(path_type=Path))
 _json = json_option
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ..apps.demo import ARCHS, make_model
+from ..errors import PersistError, StorageError
 from .app import cli, emit
 
 
@@ -24,7 +25,12 @@ def make_model_cmd(directory: Path, arch: str, seed: int, as_json: bool) -> None
     Example:
       persist make-model ./tiny-qwen --arch qwen3_next
     """
-    path = make_model(directory, arch, seed=seed)
+    try:
+        path = make_model(directory, arch, seed=seed)
+    except PersistError:
+        raise
+    except OSError as e:  # a name too long, a read-only folder: the system's refusal, typed
+        raise StorageError(f"cannot write a model to {directory}", e) from e
     emit(
         as_json,
         {"directory": str(path), "arch": arch, "seed": seed},

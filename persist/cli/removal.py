@@ -24,6 +24,7 @@ from ..errors import (
     InvalidArgumentError,
     PersistError,
     ReadOnlyStoreError,
+    SessionDeletedError,
     SessionNotFoundError,
 )
 from ..storage.types import EntryInfo
@@ -69,7 +70,9 @@ def rm_cmd(
     it is pushed beside theirs (NAME~2), a conflict; --fleet deletes theirs too.
     Each name is deleted on its own: one that fails (a tier that cannot be asked,
     a name no tier holds) is reported and the others go on; exit 1 names those
-    not deleted.
+    not deleted.  With --fleet a name already deleted fleet-wide (a tombstone on
+    a tier, nothing here) is reported as such, not a failure: run it again after
+    a partial failure.
 
     \b
     Example:
@@ -89,15 +92,16 @@ def rm_cmd(
         matched = _globbed(known, patterns, namespace)
         doomed = _matching(known, names, every, namespace, fleet)
         doomed += [n for hits in matched.values() for n in hits if n not in doomed]
-        deleted, on_tiers, failed = _each(store, doomed, namespace, fleet)
+        deleted, on_tiers, failed, already = _each(store, doomed, namespace, fleet)
     out = {
         "deleted": deleted,
         "fleet": on_tiers,
+        "already_deleted": already,
         "namespace": namespace,
         "not_deleted": failed,
         "matched": matched,
     }
-    emit(as_json, out, lambda _: _render_rm(deleted, on_tiers, failed, matched))
+    emit(as_json, out, lambda _: _render_rm(deleted, on_tiers, failed, matched, already))
     if failed:
         if not as_json:
             left = plain(", ".join(f["session"] for f in failed))
@@ -111,15 +115,19 @@ def rm_cmd(
 
 def _each(
     store: Any, doomed: list[str], namespace: str, fleet: bool
-) -> tuple[list[str], list[str], list[dict[str, str]]]:
+) -> tuple[list[str], list[str], list[dict[str, str]], list[str]]:
     """Delete each name: (those deleted, those deleted from a tier too, those not:
-    ``{"session", "error"}``)."""
+    ``{"session", "error"}``, those a fleet delete had deleted already: a re-run)."""
     deleted: list[str] = []
     on_tiers: list[str] = []
     failed: list[dict[str, str]] = []
+    already: list[str] = []
     for name in doomed:
         try:
             held = store.delete(name, namespace=namespace, fleet=fleet)
+        except SessionDeletedError:  # a tombstone and nothing else: done before, not a failure
+            already.append(name)
+            continue
         except PersistError as e:
             failed.append({"session": name, "error": str(e)})
             continue
@@ -127,7 +135,7 @@ def _each(
         if held:
             on_tiers.append(name)
         committed(_so_far(deleted, on_tiers))  # a Ctrl-C from here says what went
-    return deleted, on_tiers, failed
+    return deleted, on_tiers, failed, already
 
 
 def _so_far(deleted: list[str], on_tiers: list[str], most: int = 20) -> str:
@@ -144,12 +152,15 @@ def _render_rm(
     on_tiers: list[str],
     failed: list[dict[str, str]],
     matched: dict[str, list[str]],
+    already: list[str],
 ) -> None:
     for pattern, hits in matched.items():  # what each pattern stood for, before it went
         click.echo(f"--glob {plain(repr(pattern))} matched: {plain(', '.join(hits))}")
     for f in failed:  # each name not deleted, with why (stdout lists what was)
         click.echo(f"persist: session {plain(repr(f['session']))} not deleted: "
                    f"{plain(f['error'])}", err=True)  # fmt: skip
+    if already:
+        click.echo(f"already deleted on the fleet: {plain(', '.join(already))}")
     if not deleted:
         return
     n, listed = len(deleted), plain(", ".join(deleted))

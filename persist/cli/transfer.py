@@ -83,7 +83,7 @@ def export_cmd(
 
 
 @cli.command("import")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("file", type=click.Path(path_type=Path))  # judged by the reader: typed, exit 1
 @click.option("--session", default=None, help="Session name (default: the file's name).")
 @click.option(
     "--model",
@@ -142,6 +142,9 @@ def import_cmd(
       persist import work.safetensors --session work-copy
       persist import prompt.safetensors --model ./my-model --prompt "You are..."
     """
+    from ..engine.transfer import check_readable
+
+    check_readable(file)  # a folder, a FIFO, a missing file: refused before a store is made
     name = session if session is not None else file.name.split(".")[0]
     model, identity, ids, templated = _foreign_inputs(model_dir, tokens, prompt, chat)
     with open_store(store_dir, create=True) as store:

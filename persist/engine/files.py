@@ -9,11 +9,11 @@ checksum before it builds a single cache object.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import secrets
 import stat
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 from ..codecs import capacity_of, check_spec
 from ..codecs.base import dtype_name
 from ..codecs.snapshot import capture, rebuild, require_covers
-from ..errors import CorruptBlobError, ExportTargetError, StorageError
+from ..errors import CorruptBlobError, ExportTargetError, PersistError, StorageError
 from ..format.container import Header, Producer, read_header, write_tensors
 from ..format.manifest import (
     Manifest,
@@ -32,14 +32,14 @@ from ..format.manifest import (
     tensor_keys,
     unpack_manifest,
 )
-from ..format.opening import open_regular
-from ..format.sink import atomic_write
+from ..format.opening import open_regular, user_reads
+from ..format.sink import atomic_write, tmp_beside
 from ..format.tensors import allocate, as_bytes, read_piece
 from ..identity import ModelIdentity
 from ..records import Record, RecordSpec, TensorSpec
 from . import file_tags
 
-__all__ = ["save_file", "load_file", "read_manifest", "Loaded"]
+__all__ = ["save_file", "load_file", "read_manifest", "Loaded", "user_writes"]
 
 FILE_MODE = 0o600
 
@@ -98,19 +98,26 @@ def save_file(
     if key is not None:  # hashed for the tag only under a key (SHA-256: ~1.5 GB/s)
         items = [(k, spec, data.wrap(produce)) for k, spec, produce in items]
     size = sum(s.nbytes for s in specs.values())
+    with user_writes(path):
+        tmp = tmp_beside(path)  # the container's one atomic write path
+        atomic_write(tmp, path, lambda f: write_tensors(f, items, manifest_meta), size, FILE_MODE)
+
+
+@contextlib.contextmanager
+def user_writes(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Writes of a file the user named: what the system refuses (a folder that is not
+    there, read-only or not ours, a name too long, a full disk) is StorageError."""
     try:
-        _atomic_write(Path(path), lambda f: write_tensors(f, items, manifest_meta), size)
-    except PermissionError as e:
-        raise StorageError(f"cannot write {path}", e) from e
-    except FileNotFoundError as e:
-        raise StorageError(f"cannot write {path} (its folder does not exist)", e) from e
+        yield
+    except PersistError:
+        raise
+    except OSError as e:
+        gone = isinstance(e, FileNotFoundError) and not os.path.isdir(_folder(path))
+        raise StorageError(f"cannot write {path}{' (its folder does not exist)' * gone}", e) from e
 
 
-def _atomic_write(path: Path, write: Any, size_hint: int) -> None:
-    """A tmp file beside ``path``, then the container's one atomic write path."""
-    directory = path.parent if str(path.parent) else Path(".")
-    tmp = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-    atomic_write(tmp, path, write, size_hint, FILE_MODE)
+def _folder(path: str | os.PathLike[str]) -> str:
+    return os.path.dirname(os.fspath(path)) or "."
 
 
 _KINDS = {
@@ -147,7 +154,7 @@ def check_export_target(store_root: str | os.PathLike[str], path: str | os.PathL
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Validate a file's header and manifest (kinds included) without loading tensors."""
     where = str(path)
-    with _open(path) as f:
+    with user_reads(where), _open(path) as f:
         header = read_header(f, where)
     return _checked_manifest(header, where)
 
@@ -185,7 +192,7 @@ def load_file(
     The header, the tag and the tensors are read from one open file.
     """
     where = str(path)
-    with _open(path) as f:
+    with user_reads(where), _open(path) as f:  # a refused read: StorageError, one line
         header = read_header(f, where)
         if key is not None:
             file_tags.verify(f.fileno(), header, key, where)

@@ -17,6 +17,7 @@ from ..errors import (
     InvalidArgumentError,
     InvalidStateError,
     ReadOnlyStoreError,
+    SessionDeletedError,
     SessionNotFoundError,
 )
 from ..policy import stronger_hints
@@ -122,9 +123,12 @@ class StoreUpkeep:
         the tiers keep theirs, and a new history saved here under the name is pushed
         beside it (``NAME~N``).  ``fleet``: first the tiers' session of the name too
         (a tombstone: ``engine/tiers/fleet_delete``; TierUnavailable, nothing deleted,
-        when a tier cannot be asked); the names of the tiers that held it."""
+        when a tier cannot be asked); the names of the tiers that held it.
+        SessionDeletedError (a SessionNotFoundError) where a fleet delete found only
+        tombstones: deleted already."""
         check_name(session, "session")
         held: list[str] = []
+        gone: list[str] = []  # tiers with a fleet delete's tombstone there already
         if fleet:
             if self.read_only:
                 raise ReadOnlyStoreError(self.root)
@@ -132,12 +136,14 @@ class StoreUpkeep:
                 raise InvalidArgumentError("a fleet delete needs a shared or cold tier")
             from .tiers.fleet_delete import delete_everywhere
 
-            held = delete_everywhere(self.tiers, self.index, namespace, session)
+            held, gone = delete_everywhere(self.tiers, self.index, namespace, session)
 
         def remove() -> None:
             with self.index.write() as db:
                 rows = writes.session_rows(db, namespace, session)
                 if not rows and not held:
+                    if gone:  # deleted already, nothing anywhere: a re-run (attack 38d, F)
+                        raise SessionDeletedError(session, namespace, gone)
                     raise SessionNotFoundError(session, namespace)
                 for r in rows:
                     writes.remove(db, r.id)

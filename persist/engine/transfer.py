@@ -12,10 +12,10 @@ own writer, so ``load_prompt_cache`` reads it, then the atomic rename.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,11 +32,11 @@ from ..errors import (
 )
 from ..format.container import read_header
 from ..format.manifest import is_mlx_lm_metadata
-from ..format.opening import open_regular
-from ..format.sink import fsync_dir
+from ..format.opening import open_regular, user_reads
+from ..format.sink import fsync_dir, tmp_beside
 from ..identity import ModelIdentity
 from .cache_fit import check_fits, check_quantized
-from .files import load_file, save_file
+from .files import load_file, save_file, user_writes
 from .unverified import UNVERIFIED_KEY
 
 __all__ = [
@@ -44,12 +44,14 @@ __all__ = [
     "read_importable",
     "write_mlx_lm",
     "read_mlx_lm",
+    "check_readable",
     "export_row",
     "FORMATS",
     "check_fits",
 ]
 
 FORMATS = ("persist", "mlx-lm")
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 class Importable:
@@ -139,6 +141,14 @@ def _one_row(cache: list[Any], where: str) -> None:
     require_one_row([kind_of(c) for c in cache], [encode_cache(c) for c in cache], where)
 
 
+def check_readable(path: str | os.PathLike[str]) -> None:
+    """Refuse, typed and before anything is made, a path no import can read: missing, a
+    folder, a FIFO (never waited on), a device (``open_regular``), or a file whose
+    first read the system refuses (``/proc/self/mem``: StorageError)."""
+    with user_reads(str(path)), open_regular(path, user=True) as f:
+        f.read(8)  # a safetensors header's length: what every reader reads first
+
+
 def _is_mlx_lm(path: str | os.PathLike[str]) -> bool:
     try:
         with open_regular(path, user=True) as f:
@@ -166,9 +176,12 @@ def read_mlx_lm(path: str | os.PathLike[str]) -> tuple[list[Any], dict[str, str]
     from ..codecs.snapshot import capture
 
     where = str(path)
-    with open_regular(path, user=True) as f:
+    with user_reads(where), open_regular(path, user=True) as f:
         read_header(f, where)  # persist's bounded, validating reader before mx.load
-    loaded: Any = mx.load(where, return_metadata=True)
+        try:  # by a path to the file checked (a file object: 6x slower reads in mlx)
+            loaded: Any = mx.load(_held(f, where), format="safetensors", return_metadata=True)
+        except (RuntimeError, ValueError) as e:  # mlx's words for a read that failed
+            raise CorruptBlobError(where, f"mlx cannot load it: {e}") from None
     arrays, meta = loaded
     _check_keys(where, [*meta, *arrays])  # tree_unflatten would allocate what they claim
     try:
@@ -195,6 +208,19 @@ def read_mlx_lm(path: str | os.PathLike[str]) -> tuple[list[Any], dict[str, str]
     except Exception as e:
         raise CorruptBlobError(where, f"a layer does not hold a valid cache: {e}") from None
     return cache, {str(k): str(v) for k, v in dict(user or {}).items()}
+
+
+def _held(f: Any, where: str) -> str:
+    """A path that opens the file ``f`` holds, never what was swapped in under its name
+    since (a FIFO would make mx.load wait): ``/proc/self/fd/N`` on Linux; elsewhere the
+    name, refused (CorruptBlobError) unless it still is that file."""
+    by_fd = f"/proc/self/fd/{f.fileno()}"
+    if os.path.exists(by_fd):
+        return by_fd
+    held, named = os.fstat(f.fileno()), os.stat(where)
+    if (held.st_dev, held.st_ino) != (named.st_dev, named.st_ino):
+        raise CorruptBlobError(where, "replaced by another file while it was read")
+    return where
 
 
 INDEX_RE = re.compile(r"0|[1-9][0-9]{0,8}")
@@ -246,13 +272,20 @@ def write_mlx_lm(
     path: str | os.PathLike[str], cache: list[Any], metadata: dict[str, str] | None = None
 ) -> None:
     """A file mlx-lm's ``load_prompt_cache`` reads: its writer, then fsync and rename."""
-    from mlx_lm.models.cache import save_prompt_cache
-
     mlx_lm_classes_only(cache)
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp.safetensors")
+    with user_writes(path):  # the system's refusal is StorageError, as save_file's
+        _write_mlx_lm(target, tmp_beside(target, ".tmp.safetensors"), cache, metadata)
+
+
+def _write_mlx_lm(target: Path, tmp: str, cache: list[Any], metadata: Any) -> None:
+    from mlx_lm.models.cache import save_prompt_cache
+
     try:
-        save_prompt_cache(str(tmp), cache, dict(metadata or {}))
+        # made here first (0600): a folder that refuses it says so as the system does,
+        # where mlx's writer would only raise its own RuntimeError
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o600))
+        save_prompt_cache(tmp, cache, dict(metadata or {}))
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -261,7 +294,8 @@ def write_mlx_lm(
         os.replace(tmp, target)
         fsync_dir(target.parent if str(target.parent) else Path("."))
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
 
 

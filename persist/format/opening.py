@@ -15,11 +15,12 @@ import errno
 import fcntl
 import os
 import stat
+from collections.abc import Iterator
 from typing import BinaryIO
 
-from ..errors import CorruptBlobError, InvalidArgumentError, StorageError
+from ..errors import CorruptBlobError, InvalidArgumentError, PersistError, StorageError
 
-__all__ = ["open_regular", "file_kind", "MAX_COMPONENT"]
+__all__ = ["open_regular", "user_reads", "file_kind", "MAX_COMPONENT"]
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -75,6 +76,19 @@ def open_regular(path: str | os.PathLike[str], *, user: bool = False) -> BinaryI
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
+
+
+@contextlib.contextmanager
+def user_reads(where: str) -> Iterator[None]:
+    """Reads of a file the user named: what the system refuses once it is open (EIO
+    from ``/proc/self/mem``, a failing disk, a network mount that dropped the file) is
+    StorageError naming it, never a bare OSError (attack 38d, finding G)."""
+    try:
+        yield
+    except PersistError:
+        raise
+    except OSError as e:
+        raise StorageError(f"cannot read {where}", e) from e
 
 
 def _why(e: OSError, user: bool) -> str | None:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import secrets
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["Sink", "atomic_write", "fsync_dir", "ALIGN", "DIRECT_MIN_BYTES", "STAGE_BYTES"]
+__all__ = [
+    "Sink", "atomic_write", "fsync_dir", "tmp_beside", "ALIGN", "DIRECT_MIN_BYTES", "STAGE_BYTES",
+]  # fmt: skip
 
 T = TypeVar("T")
 
@@ -154,6 +157,17 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def tmp_beside(path: str | os.PathLike[str], suffix: str = ".tmp") -> str:
+    """A fresh temporary name in ``path``'s folder, ``.NAME.PID.RANDOM{suffix}``; for a
+    name too long to carry (255 bytes a name: ENAMETOOLONG, attack 38d, finding G)
+    ``.persist.PID.RANDOM{suffix}``."""
+    folder, name = os.path.split(os.fspath(path))
+    tail = f".{os.getpid()}.{secrets.token_hex(6)}{suffix}"
+    if len(os.fsencode(f".{name}{tail}")) > 255:
+        name = "persist"
+    return os.path.join(folder, f".{name}{tail}")
 
 
 def atomic_write(

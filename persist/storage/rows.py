@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +26,15 @@ __all__ = [
     "entry_info",
     "listed_info",
     "check_name",
+    "fork_name",
     "MAX_NAME",
+    "MAX_FORKS",
     "store_root",
 ]
 
 MAX_NAME = 1024
+MAX_FORKS = 1000  # NAME~2 .. NAME~1000: the histories persist keeps beside a session
+_FORK = re.compile(r"~([1-9][0-9]{0,3})\Z")  # a fork suffix: ~N, no leading zero
 MAX_COMPONENT = 255  # bytes in one folder name (NAME_MAX on Linux and macOS)
 
 
@@ -201,14 +206,46 @@ def listed_info(r: SnapshotRow) -> EntryInfo:
 
 def check_name(value: Any, what: str) -> str:
     """Session and namespace names are plain keys: any text of 1..1024 characters, no NUL,
-    encodable as UTF-8 (a lone surrogate is no text SQLite or a tier key can hold)."""
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME or "\x00" in value:
-        raise InvalidNameError(f"{what} must be 1 to {MAX_NAME} characters of text without NUL")
+    encodable as UTF-8 (a lone surrogate is no text SQLite or a tier key can hold).  A
+    session name may go past the limit by a fork suffix ``~N`` (``fork_name``): the
+    limit is the base name's, so every name persist keeps a history under is a name
+    every command takes (attack 38d, finding E)."""
+    if not isinstance(value, str) or "\x00" in value or not _fits(value, what == "session"):
+        raise InvalidNameError(
+            f"{what} must be 1 to {MAX_NAME} characters of text without NUL"
+            + (f" (then only a fork suffix, ~2 to ~{MAX_FORKS})" if what == "session" else "")
+        )
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidNameError(f"{what} must be valid text (it holds a lone surrogate)") from None
     return value
+
+
+def _fits(name: str, forks: bool) -> bool:
+    if 0 < len(name) <= MAX_NAME:
+        return True
+    base = _fork_base(name) if forks else None
+    return base is not None and 0 < len(base) <= MAX_NAME
+
+
+def _fork_base(name: str) -> str | None:
+    """``name`` without its fork suffix ``~N`` (2 <= N <= MAX_FORKS); None without one."""
+    m = _FORK.search(name)
+    return name[: m.start()] if m and 2 <= int(m.group(1)) <= MAX_FORKS else None
+
+
+def fork_name(name: str, n: int) -> str:
+    """The name of the ``n``-th history of session ``name`` (2 <= n <= MAX_FORKS), kept
+    beside it when a save or push does not continue it: ``name~n``.  A name already
+    past MAX_NAME (a fork of a name of MAX_NAME characters) has its forks beside it,
+    ``base~n`` (``name`` itself for one n: callers pass over it), since a suffix on a
+    suffix would take it past every limit."""
+    if len(name) > MAX_NAME:
+        base = _fork_base(name)
+        if base is not None:
+            return f"{base}~{n}"
+    return f"{name}~{n}"
 
 
 def store_root(root: str | os.PathLike[str]) -> Path:

@@ -12,60 +12,73 @@ it, and an older version replayed on the tier is refused, here and by every
 store that reads the tombstone; a machine still continuing the deleted history
 pushes it beside (``NAME~N``), a conflict it reports.  A tombstone already in
 place (another machine deleted the name first) is recorded as seen exactly as one
-written here, so this store's next history under the name takes it.  A tier that cannot be
-asked fails the delete before anything here is deleted (try again: a tier
-that already holds the tombstone is left as it is).
+written here, so this store's next history under the name takes it; with nothing
+here either, the name was deleted already (``SessionDeletedError``: ``rm --fleet``
+run again after a partial failure says so and exits 0).  A tier that cannot be
+asked fails the delete before anything here is deleted (try again: a tier that
+already holds the tombstone is left as it is).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...remote.redis_tier import TierUnavailable
 from ...storage import writes
 from ...storage.index import Index
 from .lineage import shown_url, tier_tokens, tombstone
 
-__all__ = ["delete_everywhere"]
+__all__ = ["delete_everywhere", "Deleted"]
 
 TRIES = 8  # tombstones that may lose the race for the pointer before the delete fails
 
 
-def delete_everywhere(tiers: Sequence[Any], index: Index, namespace: str, name: str) -> list[str]:
-    """Put a tombstone over session ``name`` on every tier that holds a history of it;
-    the names of those tiers.  TierUnavailable (naming the tier, saying nothing was
-    deleted on the ones after it nor here) when one cannot be asked."""
-    held = []
+class Deleted(NamedTuple):
+    """What a fleet delete found: the tiers whose history of the name it replaced by a
+    tombstone (``held``), and those where a tombstone was already (``gone``)."""
+
+    held: list[str]
+    gone: list[str]
+
+
+def delete_everywhere(tiers: Sequence[Any], index: Index, namespace: str, name: str) -> Deleted:
+    """Put a tombstone over session ``name`` on every tier that holds a history of it
+    (``Deleted``).  TierUnavailable (naming the tier, saying nothing was deleted on
+    the ones after it nor here) when one cannot be asked."""
+    out = Deleted([], [])
     # the durable cold tier first, as a push: it decides the name, and with it down the
     # shared tier keeps its pointer (a Redis tombstone the cold tier lacks is half done)
     for shared in sorted(tiers, key=lambda t: t.name != "cold"):
         try:
-            if _tombstone(shared, index, namespace, name):
-                held.append(shared.name)
+            found = _tombstone(shared, index, namespace, name)
         except TierUnavailable as e:
-            done = f" (it was on the {', '.join(held)} tier already)" if held else ""
+            done = f" (it was on the {', '.join(out.held)} tier already)" if out.held else ""
             raise TierUnavailable(
                 f"session {name!r} was not deleted{done}: the {shared.name} tier "
                 f"({shown_url(shared.tier.url)}) could not be asked ({e}); nothing was "
                 "deleted here, try again when it answers"
             ) from None
-    return held
+        if found is not None:
+            (out.held if found else out.gone).append(shared.name)
+    return out
 
 
-def _tombstone(shared: Any, index: Index, namespace: str, name: str) -> bool:
-    """One tier: its session ``name`` replaced by a tombstone; False where it held no
-    history of it (none, or a tombstone already: nothing to write)."""
+def _tombstone(shared: Any, index: Index, namespace: str, name: str) -> bool | None:
+    """One tier: its session ``name`` replaced by a tombstone (True); False where a
+    tombstone was already (nothing to write); None where it held nothing of the name."""
     secret = shared.secret(index, namespace)
     if secret is None and shared.keys.key is None:
         shared.tier.get_secret(namespace)  # asks the tier: down is TierUnavailable
-        return False  # no secret anywhere: the namespace holds nothing there
+        return None  # no secret anywhere: the namespace holds nothing there
     for _ in range(TRIES):
         held = tier_tokens(shared.tier, shared.keys, namespace, name, secret)
         if held.rkey is None:
-            if held.version is not None:  # another machine's tombstone: seen, as one written
-                index.saw(namespace, name, held.version)  # here (attack 38b, finding 13)
+            if held.version is None:
+                return None
+            # another machine's tombstone: seen, as one written here (attack 38b, finding 13)
+            index.saw(namespace, name, held.version)
             return False
         with index.read() as db:
             version = writes.version_after(db, namespace, name, time.time())

@@ -61,6 +61,7 @@ from typing import Any, NamedTuple
 
 from ...errors import PersistError, SessionUnreachableError
 from ...format.tokens import unpack_tokens
+from ...storage.rows import MAX_FORKS, fork_name  # past MAX_FORKS a push fails, not scans on
 from .records import BadValue, Expect, Keys, open_record
 
 __all__ = [
@@ -68,8 +69,6 @@ __all__ = [
     "tombstone", "open_tombstone", "RepairDeclined", "stale_held", "behind", "past", "continues",
     "Foreign", "forked", "holds_copy",
 ]  # fmt: skip
-
-MAX_FORKS = 1000  # NAME~2 .. NAME~1000: past it a push fails rather than scan on
 
 
 class Foreign(PersistError):
@@ -326,8 +325,8 @@ def kept_name(
     it continues the tier's session of that name (``continues``: a record by its
     tokens, a tombstone by ``base``, ``Index.base`` read before this push) and not
     ``beside`` (another tier's session of the name it does not continue:
-    ``fleet_sync``), else the first ``name~N`` (N >= 2) it continues or that
-    is free.  A value under ``name`` this machine cannot authenticate is ``Foreign``
+    ``fleet_sync``), else the first ``name~N`` (N >= 2, ``rows.fork_name``) it
+    continues or that is free.  A value under ``name`` this machine cannot authenticate is ``Foreign``
     (one under a ``name~N`` is passed over), unless ``rekey``: then the lineage it
     states (read without its tag) decides, as any other's does: a history the snapshot
     does not continue keeps the name, the snapshot goes beside (attack 38c, finding 1);
@@ -341,7 +340,9 @@ def kept_name(
     if not beside and continues(tokens, held, rkey, base):
         return name, held
     for n in range(2, MAX_FORKS + 1):
-        other = f"{name}~{n}"
+        other = fork_name(name, n)  # a name every command takes (attack 38d, finding E)
+        if other == name:
+            continue
         held = tier_tokens(tier, keys, namespace, other, secret, peek=rekey, by_record=True)
         if (held.foreign is None or rekey or replace) and continues(tokens, held, rkey):
             return other, held
