@@ -321,19 +321,19 @@ def kept_name(
     rekey: bool = False,
     replace: bool = False,
 ) -> tuple[str, Held]:
-    """The name this snapshot is pushed under, and what the tier holds there: ``name`` if
-    it continues the tier's session of that name (``continues``: a record by its
+    """The name this snapshot is pushed under, and what the tier holds there: ``name``
+    if it continues the tier's session of that name (``continues``: a record by its
     tokens, a tombstone by ``base``, ``Index.base`` read before this push) and not
     ``beside`` (another tier's session of the name it does not continue:
-    ``fleet_sync``), else the first ``name~N`` (N >= 2, ``rows.fork_name``) it
-    continues or that is free.  A value under ``name`` this machine cannot authenticate is ``Foreign``
-    (one under a ``name~N`` is passed over), unless ``rekey``: then the lineage it
-    states (read without its tag) decides, as any other's does: a history the snapshot
-    does not continue keeps the name, the snapshot goes beside (attack 38c, finding 1);
-    or ``replace`` (another tier vouched for this key: ``fleet_plan``): then it is a
-    planted value, free (attack 38c, finding 4).  A pointer whose tag was stripped or
-    forged but whose record authenticates here is that record's lineage (``stripped``:
-    ``by_record``), judged as an authenticated one (finding D)."""
+    ``fleet_sync``), else the first ``name~N`` (N >= 2, ``rows.fork_name``) it continues
+    or that is free. A value under ``name`` this machine cannot authenticate is
+    ``Foreign`` (one under a ``name~N`` is passed over), unless ``rekey``: then the
+    lineage it states (read without its tag) decides, as any other's does: a history the
+    snapshot does not continue keeps the name, the snapshot goes beside (attack 38c,
+    finding 1); or ``replace`` (another tier vouched for this key: ``fleet_plan``): then
+    it is a planted value, free (attack 38c, finding 4). A pointer whose tag was
+    stripped or forged but whose record authenticates here is that record's lineage
+    (``stripped``: ``by_record``), judged as an authenticated one (finding D)."""
     held = tier_tokens(tier, keys, namespace, name, secret, peek=rekey, by_record=True)
     if held.foreign is not None and not (rekey or replace):
         raise Foreign(name, held.foreign)
