@@ -10,6 +10,7 @@ order on SIGTERM.  The prompt cache itself lives in ``serve.server``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -117,6 +118,11 @@ def serve(
     honour = not tenancy.multi or tenant_max_bytes is not None  # serve.hints: budgets
     budget = host_budget(host_cache)
     metrics.host = host = HostTier(budget) if budget > 0 else None
+    if host is not None and host.holder is not None:
+        t0 = time.perf_counter()  # pinned now: pinning beside requests stalls them
+        pinned_now = host.reserve()
+        log.info("persist: host tier: %d MiB of %s pinned in %.2f s", pinned_now >> 20,
+                 host.where, time.perf_counter() - t0)  # fmt: skip
     warming = warmer(store, host, warm)
     if warming is not None:
         warmers.append(warming)

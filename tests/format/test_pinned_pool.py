@@ -42,6 +42,30 @@ def test_pages_come_from_lazy_chunks_within_the_budget() -> None:
     assert chunks.made == 3  # a failed allocation pins nothing
 
 
+def test_reserve_pins_the_budget_up_front_and_allocations_pin_nothing_after() -> None:
+    chunks = HostChunks()
+    p = pool(10 * PAGE + 100, chunks=chunks)
+    assert p.reserve() == 10 * PAGE  # chunks of 4, 4, then 2: the budget, no more
+    assert chunks.made == 3 and p.pinned_pages == 10 and p.used_pages == 0
+    assert p.reserve() == 10 * PAGE and chunks.made == 3  # again: nothing more
+    taken = [p.allocate(3 * PAGE), p.allocate(7 * PAGE)]
+    assert chunks.made == 3  # served from what was pinned: no driver call beside a request
+    for t in taken:
+        p.free(t)
+
+
+def test_reserve_stops_quietly_where_memory_is_refused() -> None:
+    chunks = HostChunks(refuse_after=2)
+    p = pool(16 * PAGE, chunks=chunks)
+    assert p.reserve() == 8 * PAGE  # two chunks, then the system refused: no error
+    held = p.allocate(8 * PAGE)
+    with pytest.raises(HostCacheFullError):
+        p.allocate(PAGE)  # the rest is asked for on need, and refused again
+    chunks.refuse_after = None
+    assert len(p.allocate(PAGE)) == 1 and chunks.made == 3  # pinned on need once it can be
+    p.free(held)
+
+
 def test_freed_pages_are_reused_without_pinning_more() -> None:
     chunks = HostChunks()
     p = pool(8 * PAGE, chunks=chunks)

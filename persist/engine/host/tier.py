@@ -339,6 +339,11 @@ class HostTier:
         it = iter(arrays)
         return [filled(r, it) for r in kept.records], frozenset(id(a) for a in arrays)
 
+    def reserve(self) -> int:
+        """Pin the holder's whole budget now (``PagePool.reserve``); bytes pinned, 0
+        without a holder (the tier keeps arrays as they are: nothing to pin)."""
+        return self.holder.reserve() if self.holder is not None else 0
+
     def clear(self, close: bool = False) -> None:
         """Drop every entry; pinned pages go back to the system.  ``close`` (a Store's
         close): keep nothing after, so a save that commits beside the close pins none."""
