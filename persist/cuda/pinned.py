@@ -166,6 +166,16 @@ class Ring:
             self._pool = pool
         return self._pool
 
+    def warm(self) -> None:
+        """What a process's first restore would start or touch, done now: the lane
+        threads (``pool``) and each reader process's slots (``Readers.touch``).  On an
+        H200 a fresh process's first restore after the kernels were built still took
+        2.3x a later one (bench/results/cuda-first-call-r10.md)."""
+        with self.lock:
+            self.pool()
+            if self.readers is not None:
+                self.readers.touch()
+
     @property
     def slot_bytes(self) -> int:
         return int(self.lanes[0].slots[0].nbytes)

@@ -216,6 +216,20 @@ class Readers:
         if failed is not None:
             raise failed
 
+    def touch(self) -> None:
+        """Every worker reads once into each of its slots, from a file of zeros (sparse,
+        never on a disk): the pages of its mapping are mapped in the worker, and its
+        first request answered, before a restore waits for either (``Ring.warm``)."""
+        fd = os.memfd_create("persist-touch")
+        try:
+            os.ftruncate(fd, self.size)
+            for i in range(self.n):
+                self.ready(i)
+                for slot in (0, 1):
+                    self.answer(self.send(i, slot, fd, pos=0, n=self.size, pieces=[], fresh=True))
+        finally:
+            os.close(fd)
+
     def interrupt(self) -> None:
         """Kill every worker (a Ctrl-C: no reader thread waits on one); the next
         restore starts new ones."""

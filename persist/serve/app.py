@@ -118,11 +118,15 @@ def serve(
     honour = not tenancy.multi or tenant_max_bytes is not None  # serve.hints: budgets
     budget = host_budget(host_cache)
     metrics.host = host = HostTier(budget) if budget > 0 else None
+    pinned_line = None
     if host is not None and host.holder is not None:
         t0 = time.perf_counter()  # pinned now: pinning beside requests stalls them
         pinned_now = host.reserve()
-        log.info("persist: host tier: %d MiB of %s pinned in %.2f s", pinned_now >> 20,
-                 host.where, time.perf_counter() - t0)  # fmt: skip
+        took_pinning = time.perf_counter() - t0
+        pinned_line = (
+            f"persist: host tier: {pinned_now >> 20} MiB of {host.where} pinned in "
+            f"{took_pinning:.2f} s"
+        )
     warming = warmer(store, host, warm)
     if warming is not None:
         warmers.append(warming)
@@ -167,6 +171,8 @@ def serve(
             host=metrics.host,
         )
         log.info(line)
+        if pinned_line is not None:  # logged once mlx-lm has set logging up
+            log.info(pinned_line)
         if tidied:
             log.info("persist: removed %d leftovers of interrupted saves", len(tidied))
         if store.read_only:

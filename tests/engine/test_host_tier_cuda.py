@@ -118,6 +118,8 @@ def test_serve_restores_an_evicted_conversation_from_pinned_memory(
         assert hits(after, source) - hits(before, source) == 1
     assert "host cache off" in (tmp_path / "store.log").read_text()
     assert f"in {PINNED}" in (tmp_path / "host.log").read_text()  # the start line
+    # the budget pinned before the first request: pinning beside requests stalls them
+    assert f"MiB of {PINNED} pinned in" in (tmp_path / "host.log").read_text()
     assert health["host_cache"]["where"] == PINNED and health["host_cache"]["pinned_bytes"] > 0
     assert text(answers[1]) == text(answers[0])
 

@@ -873,3 +873,25 @@ def test_closed_readers_give_back_their_shared_file() -> None:
             readers.ready(0)  # closed: no worker starts again
         del readers  # the mapping (and mmap's own descriptor) goes with the last view
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_warm_starts_the_lanes_and_has_every_worker_fill_its_slots() -> None:
+    """``Ring.warm`` (``persist serve`` before it answers): the lane threads started, and
+    each reader process has read into both of its slots once (zeros from a sparse
+    file), so a first restore neither starts threads nor maps pages."""
+    ring = proc_ring(2, 1 << 16)
+    try:
+        for lane in ring.lanes:
+            for slot in lane.slots:
+                np.asarray(slot)[:] = 0xAB  # what a worker's read must replace
+        ring.warm()
+        assert ring._pool is not None
+        for lane in ring.lanes:
+            for slot in lane.slots:
+                assert not np.asarray(slot).any()  # written by the lane's worker
+        ring.readers.close()  # type: ignore[union-attr]
+        with pytest.raises(readers_mod.ReaderLost):
+            ring.warm()  # closed: typed, never a hang
+    finally:
+        if ring.readers is not None:
+            ring.readers.close()

@@ -369,7 +369,8 @@ def _placed(w: Want, dest: Dest, memo: dict[tuple[object, ...], Geometry | str])
 
 def prepare() -> bool:
     """Set up now what a process's first restore or save would: the data path (pinned
-    lanes, reader processes) and, on CUDA, every kernel built (``kernels.warm``).
+    lanes, reader processes, each lane's thread and slots: ``Ring.warm``) and, on CUDA,
+    every kernel built (``kernels.warm``).
     ``persist serve`` calls this before it answers; True where the path is CUDA's."""
     chosen = data_path()
     if chosen.driver is None:
@@ -377,4 +378,6 @@ def prepare() -> bool:
     from ...cuda import kernels
 
     kernels.warm(staged=chosen.ring is None or not chosen.ring.direct)
+    if chosen.ring is not None:
+        chosen.ring.warm()  # lane threads up, reader processes' slots mapped
     return True
