@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from ..format.container import write_tensors
 from ..format.manifest import blob_metadata
@@ -25,6 +27,8 @@ __all__ = ["HASHERS", "WRITERS", "write_blobs"]
 
 WRITERS = 2  # blobs written at once (one fsyncs while the other writes)
 HASHERS = min(4, os.cpu_count() or 1)  # blocks hashed at once (xxhash drops the GIL)
+AHEAD = 2 * HASHERS  # blocks hashed ahead of the one being written
+T = TypeVar("T")
 Hashed = list[tuple[Piece, Parts, bytes]]  # ``blocks.materialize``
 
 
@@ -48,12 +52,10 @@ def write_blobs(
     # the last one are found by it): on threads, ahead of the lookups and writes.
     hashing = ThreadPoolExecutor(HASHERS, thread_name_prefix="persist-hash")
     try:
-        hashed = hashing.map(
-            lambda i: materialize(p.block_pieces(i)), range(blocks if p.split else 0)
-        )
+        hashed = _ahead(hashing, lambda i: materialize(p.block_pieces(i)), blocks if p.split else 0)
         for i in range(blocks):
-            mats = next(hashed) if p.split else []
             pause()  # persist serve's write-behind waits here while a request prompts
+            mats = next(hashed) if p.split else []
             blob = _put(index, secret, b"block", mats, writes) if mats else None
             refs.append(BlockRef(i, chs[i + 1], blob))
             if progress is not None:
@@ -69,6 +71,19 @@ def write_blobs(
     if progress is not None:
         progress(blocks + 1, blocks + 1)
     return refs, tail
+
+
+def _ahead(pool: ThreadPoolExecutor, fn: Callable[[int], T], n: int) -> Iterator[T]:
+    """``fn(0) .. fn(n - 1)`` on ``pool``, in order, at most ``AHEAD`` submitted beyond
+    the one taken: a ``pause()`` of the taker holds the hashing too (``pool.map``
+    submitted a whole cache's blocks at once, and they ran beside a request's prefill)."""
+    running: deque[Future[T]] = deque()
+    submitted = 0
+    for _ in range(n):
+        while submitted < n and len(running) < AHEAD:
+            running.append(pool.submit(fn, submitted))
+            submitted += 1
+        yield running.popleft().result()
 
 
 class _Writes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +95,34 @@ def test_bytes_already_being_written_by_this_save_are_not_written_twice(tmp_path
     writes.close()
     assert [b.file for b in written] == [file] and blobs.exists(file)
     assert writes.find("a" * 32) == file  # and once written
+
+
+def test_a_paused_save_hashes_only_a_few_blocks_ahead(
+    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``persist serve``'s write-behind pauses between blocks while a request prompts
+    (``yielding.pause``); the hashing must pause with it, not run a whole cache's
+    blocks beside the prefill (it was ``pool.map``: every block submitted at once)."""
+    store, identity, cache, toks = setup(tiny, tmp_path / "s")
+    hashed: list[int] = []
+    real = blob_writes.materialize
+    seen_at_pause: list[int] = []
+
+    def counting(pieces: Any) -> Any:
+        hashed.append(1)
+        return real(pieces)
+
+    monkeypatch.setattr(blob_writes, "materialize", counting)
+
+    def paused() -> None:  # a request prompting: the hashers get time to run ahead
+        time.sleep(0.02)
+        seen_at_pause.append(len(hashed))
+
+    monkeypatch.setattr(blob_writes, "pause", paused)
+    store.save(cache, toks, identity=identity, session="s")
+    blocks = len(toks) // BLOCK
+    assert len(seen_at_pause) == blocks and sum(hashed) == blocks + 1  # and the tail
+    for taken, at_pause in enumerate(seen_at_pause):
+        assert at_pause <= taken + blob_writes.AHEAD  # never further ahead than that
+    assert seen_at_pause[0] <= blob_writes.AHEAD < blocks
+    store.close()
