@@ -233,7 +233,7 @@ def sync_cmd(
     store_dir: Path | None,
     as_json: bool,
 ) -> None:
-    """Push what the tiers (--shared, --cold) lack; fetch named sessions this store lacks.
+    """Push what the tiers (--shared, --cold) lack; fetch named sessions (--pull).
 
     Reports, per tier, snapshots pushed, already there and failed; exits 1 when any
     push failed (a tier down, refused, or holding another namespace secret), was held
@@ -241,7 +241,10 @@ def sync_cmd(
     answered) or met a conflict (a session here that does not continue the tier's
     session of its name: pushed beside it as NAME~N, the tier's kept; or a value under
     its name that this machine's tier key cannot authenticate: not pushed, unless
-    --rekey says this machine's key is the fleet's, as in a key rotation).
+    --rekey says this machine's key is the fleet's, as in a key rotation).  A --pull
+    name is "pulled" only where the fleet's version was fetched (also over an older
+    copy here that it continues), "up to date" where this store holds it already,
+    and "kept here" (exit 1) where this store holds another history of the name.
 
     \b
     Example:
@@ -259,7 +262,14 @@ def sync_cmd(
                 f"failed {n['failed']} (of {r['snapshots']} snapshots)"
                 + (f", held back {n['held']} until the cold tier answers" if n["held"] else "")
             )
-        click.echo(f"pulled {len(r['pulled'])} sessions")
+        up = f", up to date {len(r['up_to_date'])}" if r["up_to_date"] else ""
+        click.echo(f"pulled {len(r['pulled'])} sessions{up}")
+        for name in r["kept_here"]:  # this store's own history of the name: not replaced
+            click.echo(
+                f"kept here, differs from the fleet's, not pulled: {plain(name)!r} (to take "
+                f"the fleet's: persist rm {plain(name)!r} here, once it is pushed beside as "
+                "NAME~N (a conflict below) or exported, then persist sync --pull again)"
+            )
         if r["missing"]:
             click.echo(f"not in any tier: {plain(', '.join(r['missing']))}")
         if r["unreached"]:
@@ -287,7 +297,15 @@ def sync_cmd(
         click.echo(f"persist: {len(r['unreached'])} sessions not pulled: a tier was down", err=True)
     if r["unreadable"]:  # nor is a session the fleet holds and this machine cannot read
         click.echo(f"persist: {len(r['unreadable'])} sessions not pulled: unreadable", err=True)
+    if r["kept_here"]:  # nor is a pull that left another history of the name here
+        click.echo(
+            f"persist: {len(r['kept_here'])} sessions not pulled: this store holds "
+            "another history of the name",
+            err=True,
+        )
     if r["conflicts"]:  # nor is a history kept under another name
         click.echo(f"persist: {len(r['conflicts'])} sessions conflicted with a tier's", err=True)
-    if r["failed"] or r["held"] or r["unreached"] or r["unreadable"] or r["conflicts"]:
+    if r["failed"] or r["held"] or r["unreached"] or r["unreadable"] or r["kept_here"]:
+        sys.exit(1)
+    if r["conflicts"]:
         sys.exit(1)

@@ -30,7 +30,7 @@ from .fleet_plan import refused_first
 from .fleet_sync import sync
 from .lineage import Foreign, shown_url
 from .named_pull import UNREADABLE, Unreadable, named_record, repair
-from .pull import EvictedError, pull
+from .pull import EvictedError, pull, relation
 from .push import namespace_secret, push
 from .records import BadValue, Expect, Keys, best_record, check_key, open_record, tier_key_from_env
 
@@ -60,6 +60,7 @@ class Shared:
         self.rekey = False  # sync(rekey=True): this key is the fleet's, others' are replaced
         self.behind_said = False  # a pull served without the cold tier was said (named_pull)
         self.unread: str | None = None  # why the last pull_session could not read its session
+        self.held_here: str | None = None  # its session to this store's (pull_session's over)
 
     def _count(self, index: Index, namespace: str, what: str) -> None:
         index.count(namespace, **{f"{self.name}_{what}": 1})
@@ -199,13 +200,17 @@ class Shared:
             return "conflict" if done == "pushed" else done
         return done or "failed"
 
-    def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool:
+    def pull_session(
+        self, index: Index, blobs: BlobStore, namespace: str, name: str, over: Any = None
+    ) -> bool:
         """A named session the local store lacks, from the tier (CorruptBlobError if a
         blob is damaged); False where the tier is down or has no good record of it.
         With a cold tier behind this one, its pointer is asked first and the session
         read there where this tier's is not the same, this one's then repaired
-        (``named_pull``)."""
-        self.unread = None
+        (``named_pull``).  ``over``: this store's own row of the name, replaced only by a
+        newer version that continues it; ``held_here`` says what the tier's is to it
+        (``pull.relation``; None: nothing readable there)."""
+        self.unread = self.held_here = None
         secret = self.secret(index, namespace)
         try:
             found = self._run(lambda: named_record(self, index, namespace, name, secret))
@@ -216,6 +221,10 @@ class Shared:
         if found is None:
             self._count(index, namespace, "misses")
             return False
+        if over is not None:  # pulled only over a copy the fleet's session continues
+            self.held_here = relation(found.body["row"], over)
+            if self.held_here != "newer":
+                return False
         tier, counted = found.tier, found.name  # the cold tier's bytes, its counters
         before = dict(tier.counters)
         try:
@@ -230,6 +239,7 @@ class Shared:
                     namespace=namespace,
                     body=found.body,
                     named=True,
+                    replace=over.id if over is not None else None,
                 )
             )
             if pulled:

@@ -1,6 +1,7 @@
 """A snapshot pushed to every tier under one name (the durable cold tier first), and
 ``persist sync``: every local snapshot pushed where a tier lacks it or holds it wrong,
-then the named sessions this store lacks pulled.
+then the named sessions pulled: where this store lacks them, or holds a past version
+the fleet's continues (what each name came to is reported: ``_pull``).
 
 The cold tier decides which name a session takes (its history, or its tombstone
 after ``rm --fleet``, may make it a fork ``NAME~N``), and every later tier takes
@@ -100,7 +101,7 @@ def sync(
 ) -> dict[str, Any]:
     """Push every local snapshot (of ``namespace``) to the tiers (each push reads what a
     tier holds of it and writes what it lacks or holds wrong), then pull the named
-    sessions this store lacks.  The report says what happened: per tier, snapshots
+    sessions (``_pull``).  The report says what happened: per tier, snapshots
     pushed (a repaired one too), already there and right, failed, held back (a
     session waiting for the cold tier: ``push_everywhere``); conflicts, among them
     sessions not pushed because a tier holds a value under the name this machine
@@ -112,34 +113,18 @@ def sync(
     forked = {t.name: len(t.conflicts) for t in shared}
     refused = {t.name: len(t.refused) for t in shared}
     failed: set[int] = set()
-    deleted: set[str] = set()  # local copies of sessions the fleet deleted: not pushed
+    deleted: set[tuple[str, str]] = set()  # copies of sessions the fleet deleted: not pushed
     for row in rows:
         for tier, how in push_everywhere(shared, index, blobs, row.namespace, row.id, True):
             if how == "deleted" and row.name is not None:
-                deleted.add(row.name)
+                deleted.add((row.namespace, row.name))
             how = "pushed" if how == "conflict" else how  # written beside the tier's
             how = "present" if how == "behind" else how  # an older turn the tier holds
             if how in per[tier.name]:
                 per[tier.name][how] += 1
             if how in ("failed", "held"):  # held: waits for the cold tier, retried
                 failed.add(row.id)
-    pulled, unreached = [], []
-    unreadable: dict[str, str] = {}  # a tier names it, this machine cannot read it: why
-    for name in names:
-        ns = namespace or "default"
-        down, why = False, None
-        for tier in shared:
-            if index.by_name(ns, name) is None:
-                before = tier.unreachable
-                tier.pull_session(index, blobs, ns, name)
-                down = down or tier.unreachable > before
-                why = why or tier.unread
-        if index.by_name(ns, name) is not None:
-            pulled.append(name)
-        elif down:  # a tier that could not be asked: a failure, not "not in any tier"
-            unreached.append(name)
-        elif why is not None:  # as restore's SessionUnreadableError (attack 38c, finding 3)
-            unreadable[name] = why
+    got = _pull(index, blobs, shared, namespace or "default", names, deleted)
     total = {k: sum(p[k] for p in per.values()) for k in ("pushed", "present", "failed", "held")}
     conflicts: list[dict[str, Any]] = [
         {"tier": t.name, "session": a, "kept_as": b} for t in shared
@@ -155,9 +140,64 @@ def sync(
         "snapshots": len(rows),
         "snapshots_failed": len(failed),
         "tiers": per,
-        "pulled": pulled,
-        "unreached": sorted(set(unreached)),
-        "unreadable": unreadable,
-        "missing": sorted(set(names) - set(pulled) - set(unreached) - set(unreadable)),
-        "deleted_on_fleet": sorted(deleted),
+        **got,
+        "deleted_on_fleet": sorted({n for _, n in deleted}),
     }
+
+
+def _pull(
+    index: Index,
+    blobs: BlobStore,
+    shared: Sequence[Shared],
+    ns: str,
+    names: list[str],
+    deleted: set[tuple[str, str]],
+) -> dict[str, Any]:
+    """Each named session: ``pulled`` only where this run fetched the fleet's version
+    (attack 38e, F1: a local copy was reported pulled), ``up_to_date`` where this store
+    holds exactly it, ``kept_here`` where this store's own history of the name differs
+    from it, ``unreached`` where a tier that may hold it could not be asked (also with a
+    local copy), ``unreadable`` where a tier names it and it cannot be read here,
+    ``missing`` where no tier holds it.  A local copy of a session the fleet deleted
+    (the push found its tombstone) is reported as deleted only, by the caller."""
+    out: dict[str, list[str]] = {
+        k: [] for k in ("pulled", "up_to_date", "kept_here", "unreached", "missing")
+    }
+    unreadable: dict[str, str] = {}  # a tier names it, this machine cannot read it: why
+    for name in names:
+        have = index.by_name(ns, name)
+        if have is not None and (ns, name) in deleted:
+            continue
+        what, why = _pull_one(index, blobs, shared, ns, name, have)
+        if what == "unreadable" and why is not None:  # as restore's SessionUnreadableError
+            unreadable[name] = why
+        elif name not in out[what]:
+            out[what].append(name)
+    return {**{k: sorted(v) for k, v in out.items()}, "unreadable": unreadable}
+
+
+def _pull_one(
+    index: Index, blobs: BlobStore, shared: Sequence[Shared], ns: str, name: str, have: Any
+) -> tuple[str, str | None]:
+    """One name's outcome (a key of ``_pull``'s report) and, if unreadable, why.  With a
+    local copy every tier is asked: the one that cannot be asked may hold the fleet's
+    latest (the cold tier decides a name), so it is ``unreached``, never a success."""
+    down, why, verdicts = False, None, set()
+    for tier in shared:
+        if have is None and index.by_name(ns, name) is not None:
+            break  # pulled from an earlier tier
+        before = tier.unreachable
+        if tier.pull_session(index, blobs, ns, name, over=have):
+            return "pulled", None
+        down = down or tier.unreachable > before
+        why = why or tier.unread
+        verdicts.add(tier.held_here)
+    if have is None and index.by_name(ns, name) is not None:
+        return "pulled", None
+    if down:  # a tier that could not be asked: a failure, not "not in any tier"
+        return "unreached", None
+    if why is not None:  # as restore's SessionUnreadableError (attack 38c, finding 3)
+        return "unreadable", why
+    if "other" in verdicts:
+        return "kept_here", None
+    return ("up_to_date", None) if "same" in verdicts else ("missing", None)

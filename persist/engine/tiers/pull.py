@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ... import policy
 from ...errors import CorruptBlobError
 from ...format.tokens import unpack_tokens
 from ...remote.redis_tier import namespace_tag
@@ -20,7 +21,7 @@ from ...storage.index import Index
 from ...storage.rows import BlockRef, NewBlob
 from .records import ROW_FIELDS, TAG_BYTES, BadValue, Keys, block_of, chains_under
 
-__all__ = ["EvictedError", "pull"]
+__all__ = ["EvictedError", "pull", "relation"]
 
 Tier = Any  # a RedisTier or S3Tier
 
@@ -38,16 +39,20 @@ def pull(
     namespace: str,
     body: dict[str, Any],
     named: bool,
+    replace: int | None = None,
 ) -> int:
     """Commit a checked record's snapshot into the local store (as a session if
     ``named``, else an anonymous prefix); CorruptBlobError if a blob fails its checks.
     Blobs this store holds are not fetched; the others a few at a time (the tier's
-    threads hold a few blobs in memory, never the whole session)."""
+    threads hold a few blobs in memory, never the whole session).  ``replace``: this
+    store's own snapshot of the name, which the record continues (``relation``
+    ``newer``): retired in the commit's transaction, as a save retires its last turn."""
     for _ in range(_ATTEMPTS):
         try:
             sid = _attempt(
-                index, blobs, tier, keys=keys, namespace=namespace, body=body, named=named
-            )
+                index, blobs, tier, keys=keys, namespace=namespace, body=body, named=named,
+                replace=replace,
+            )  # fmt: skip
         except OSError as e:  # a blob or lease write found the disk full: typed, as a save's
             if e.errno in full.DISK_FULL:  # (nothing of the attempt is kept: ``_attempt``)
                 raise full.disk_full_error(getattr(blobs, "root", Path("the store")), e) from e
@@ -71,6 +76,7 @@ def _attempt(
     namespace: str,
     body: dict[str, Any],
     named: bool,
+    replace: int | None,
 ) -> int | None:
     """One pull: the snapshot id, or None if a reused local blob died before the commit
     (a concurrent rm/gc collected it); nothing of this attempt is then kept."""
@@ -111,6 +117,7 @@ def _attempt(
             written=written,
             salt=salt,
             named=named,
+            replace=replace,
         )
         if sid is None:
             _undo(index, blobs, written, salt)
@@ -167,6 +174,7 @@ def _commit(
     written: list[NewBlob],
     salt: str,
     named: bool,
+    replace: int | None = None,
 ) -> int | None:
     r = {k: body["row"][k] for k in ROW_FIELDS}
     # the tier's chains are under the tier's secret; this store's under its own
@@ -199,8 +207,47 @@ def _commit(
                 return None
             writes.add_blobs(db, namespace, written)
             writes.finish_pending(db, salt, [b.file for b in written], blobs.exists)
+            if replace is not None:
+                _retire(db, namespace, row, replace)
             sid = writes.insert(db, row, refs)
             writes.add_heads(db, sid, chs, unpack_tokens(r["tokens"]), block_of(body))
     except sqlite3.IntegrityError:  # the name was taken meanwhile (another pull, a save)
         raise BadValue("conflict", "the local store took that name meanwhile") from None
     return sid
+
+
+def relation(row: dict[str, Any], have: Any) -> str:
+    """What a tier's session (its record's ``row``) is to this store's own snapshot of
+    the name, ``have``: ``same`` (the same model and tokens: nothing to fetch), ``newer``
+    (a later version whose tokens extend it: the fleet's turns this store did not
+    pull), else ``other`` (another history, or an older version of this one)."""
+    toks, mine = unpack_tokens(row["tokens"]), unpack_tokens(have.tokens)
+    if row["identity"] != have.identity:
+        return "other"
+    if toks == mine:
+        return "same"
+    newer = float(row["created"]) > float(have.created)
+    return "newer" if newer and toks[: len(mine)] == mine else "other"
+
+
+def _retire(db: Any, namespace: str, row: dict[str, Any], replace: int) -> None:
+    """The session's snapshots before a pulled newer version of it is committed: each
+    dropped, demoted or kept as a save's would be (``policy.retire``), where the named
+    one is still ``replace`` (a save here meanwhile: a conflict, nothing replaced)."""
+    toks = unpack_tokens(row["tokens"])
+    for old in writes.session_rows(db, namespace, row["name"]):
+        if old.name is not None and old.id != replace:
+            raise BadValue("conflict", "the local session changed meanwhile")
+        old_toks = unpack_tokens(old.tokens)
+        action = policy.retire(
+            len(toks),
+            bool(row["trimmable"]),
+            int(row["min_resume"]),
+            old_len=old.n_tokens,
+            old_is_prefix=old.identity == row["identity"] and toks[: len(old_toks)] == old_toks,
+            old_is_checkpoint=old.name is None,
+        )
+        if action == "drop":
+            writes.remove(db, old.id)
+        elif action == "demote":
+            writes.demote(db, old.id)

@@ -46,6 +46,7 @@ class Shared(Protocol):
     refused: list[tuple[str, str]]  # (session, why): a value there not authenticated here
     rekey: bool  # this machine's key is the fleet's: values under another key are replaced
     unread: str | None  # why the last pull_session could not read its session
+    held_here: str | None  # what its session is to this store's (``pull.relation``)
 
     def refuse(self, index: Index, namespace: str, name: str, detail: str) -> None: ...
 
@@ -63,7 +64,9 @@ class Shared(Protocol):
         live: bool = False,
     ) -> str: ...
 
-    def pull_session(self, index: Index, blobs: BlobStore, namespace: str, name: str) -> bool: ...
+    def pull_session(
+        self, index: Index, blobs: BlobStore, namespace: str, name: str, over: Any = None
+    ) -> bool: ...
 
 
 Tier = Any  # a RedisTier or S3Tier (their common methods)
