@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 
 import persist
+from persist.engine.tiers.lineage import tombstone
+from persist.engine.tiers.records import Keys
 from persist.errors import PersistError
 from tests.golden.cases import IDENTITY, kv_cache
 
@@ -56,15 +58,13 @@ def test_a_rekey_keeps_the_old_keys_newer_history(
     shutil.rmtree(tmp_path / "a")  # the old key's writer is gone: only the tiers know
     with persist.Store(tmp_path / "b", tier_key=K2, **tiers) as b:  # rotated to K2
         done = b.sync(rekey=True)
-    if case == "newer-turn":  # b's copy is behind the fleet's turn: pushed to none
-        assert done["pushed"] == 0 and not done["conflicts"], done
-        assert _restored(tmp_path, tiers, "chat") != V1
-    elif case == "tombstone":  # deleted on the fleet: not brought back
-        assert done["deleted_on_fleet"] == ["chat"] and done["pushed"] == 0, done
-        assert _restored(tmp_path, tiers, "chat") != V1
-    else:  # the fleet replaced it knowingly (a new conversation): b's copy is its past
-        assert done["deleted_on_fleet"] == ["chat"] and done["pushed"] == 0, done
-        assert _restored(tmp_path, tiers, "chat") != V1
+    # the old key's newer turn, delete or conversation is not replaced (attack 38c); nor
+    # taken as the fleet's word (attack 38f): K2 cannot tell it from a keyless plant, so
+    # b's copy goes nowhere and each tier holding it reports a conflict (exit 1)
+    assert done["pushed"] == 0 and not done["deleted_on_fleet"], done
+    refused = {(c["tier"], c["session"], c["kept_as"]) for c in done["conflicts"]}
+    assert refused == {("cold", "chat", None), ("shared", "chat", None)}, done
+    assert _restored(tmp_path, tiers, "chat") != V1
 
 
 def test_a_rekey_of_a_history_of_its_own_goes_beside_the_old_keys(
@@ -137,3 +137,49 @@ def test_a_rekey_racing_an_old_key_push_keeps_that_turn(
     with persist.Store(tmp_path / "k1", tier_key=K1, **where) as k:
         assert k.restore("chat", identity=IDENTITY).tokens == mine  # a's turn, kept
     assert _restored(tmp_path, where, "chat~2") == theirs
+
+
+@pytest.mark.parametrize("planted_on", ["shared", "cold"])
+@pytest.mark.parametrize("forged", ["tombstone", "stripped"])
+def test_a_rekey_does_not_take_a_forged_value_for_the_fleets_word(
+    redis_server: Any,
+    s3_server: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    planted_on: str,
+    forged: str,
+) -> None:
+    """Attack 38f, finding 1: mid-rotation, a writer without a key SETs an untagged
+    tombstone under a live session's name on one tier.  Every
+    ``sync --rekey`` said "deleted on the fleet, not pushed back (persist rm drops it)",
+    exit 0, and the session never moved to the new key.  Now it is a conflict naming the
+    tier, the copy is kept and pushed nowhere, and once the plant is gone the rotation
+    moves the session."""
+    monkeypatch.delenv("PERSIST_TIER_KEY", raising=False)
+    tiers = {"shared": redis_server.url, "cold": s3_server.url}
+    with persist.Store(tmp_path / "a", tier_key=K1, **tiers) as a:
+        a.save([kv_cache(48, 1)], V1, identity=IDENTITY, session="chat")
+        tier = next(t.tier for t in a.tiers if t.name == planted_on)
+        held, token = tier.session_pointer("default", b"chat")
+        if forged == "tombstone":
+            plant = tombstone(Keys(None), "default", "chat", 4e9)  # no key: no tag
+        else:  # the old pointer's tag stripped: its record's lineage still decides
+            plant = held.partition(b".")[0]
+        assert tier.swap_session("default", b"chat", plant, token)
+    with persist.Store(tmp_path / "a", tier_key=K2) as a:  # a's copy, rotated to K2
+        a.save([kv_cache(60, 1)], V2, identity=IDENTITY, session="chat")
+    with persist.Store(tmp_path / "a", tier_key=K2, **tiers) as a:
+        done = a.sync(rekey=True)
+        assert not done["deleted_on_fleet"], done
+        assert a.entry("chat").tokens == len(V2)  # kept here
+        if forged == "tombstone":
+            assert done["pushed"] == 0, done
+            refused = [c for c in done["conflicts"] if c["kept_as"] is None]
+            assert [(c["tier"], c["session"]) for c in refused] == [(planted_on, "chat")]
+            assert "tombstone no key here authenticates" in refused[0]["why"]
+            tier = next(t.tier for t in a.tiers if t.name == planted_on)
+            now = tier.session_pointer("default", b"chat")[1]  # the operator puts back
+            assert tier.swap_session("default", b"chat", held, now)  # what was there
+            done = a.sync(rekey=True)
+    assert not done["conflicts"] and not done["deleted_on_fleet"], done
+    assert _restored(tmp_path, tiers, "chat") == V2  # the rotation moved the session

@@ -38,6 +38,10 @@ __all__ = ["Shared", "push", "pull", "sync", "EvictedError", "open_tiers"]
 
 
 log = logging.getLogger("persist")
+ROTATION_HINT = (
+    "if the fleet deleted it or another machine holds a newer turn, persist rm it here; "
+    "if it was planted, delete that value from the tier and sync --rekey again"
+)
 Tier = RedisTier | S3Tier
 ASK_AGAIN_S = 10.0  # a keyless secret (or its absence) is asked for again after this
 
@@ -170,17 +174,22 @@ class Shared:
             log.warning("persist: %s tier's %r: an unauthenticated value replaced", self.name, name)
         return self._pushed(index, namespace, done, forks, before)
 
-    def refuse(self, index: Index, namespace: str, name: str, detail: str) -> None:
+    def refuse(
+        self, index: Index, namespace: str, name: str, detail: str, rotating: bool = False
+    ) -> None:
         """A session not pushed: the tier's value under its name is not authenticated
-        under this machine's key (``lineage.Foreign``); counted, said, listed by sync."""
+        under this machine's key (``lineage.Foreign``); counted, said, listed by sync.
+        ``rotating``: under ``--rekey``, a value that would have stopped the push (a
+        tombstone, a newer turn) but that no key here can tell from a plant."""
         self._count(index, namespace, "conflicts")
-        why = self._why(self.name, self.tier, f"{detail}; not replaced", True)
+        if rotating:
+            why = f"the {self.name} tier ({shown_url(self.tier.url)}) holds {detail}"
+            hint = ROTATION_HINT
+        else:
+            why = self._why(self.name, self.tier, f"{detail}; not replaced", True)
+            hint = "persist sync --rekey replaces it, where this machine's key is the fleet's"
         self.refused.append((name, why))
-        log.warning(
-            "persist: session %r saved here only, not pushed: %s (persist sync --rekey "
-            "replaces it, where this machine's key is the fleet's)",
-            name, why,
-        )  # fmt: skip
+        log.warning("persist: session %r saved here only, not pushed: %s (%s)", name, why, hint)
 
     def _pushed(
         self, index: Index, namespace: str, done: str | None, forks: int, before: dict[str, int]

@@ -56,8 +56,14 @@ name (one pointer and one record per tier) and decides once:
 - under ``rekey`` a foreign value's lineage (read without its tag:
   ``tier_tokens(peek=True)``) is judged as any other's (attack 38c, finding 1: a
   rotation replaced the old key's newer turns and tombstones): it may make the
-  push the fleet's past or a fork beside, never anything more (its tombstone is
-  not carried to other tiers, nor recorded as seen).
+  push go beside (a fork, a conflict), never anything more (its tombstone is
+  not carried to other tiers, nor recorded as seen); where it alone says the
+  fleet moved past the copy (a tombstone, a newer turn), the copy is pushed to no
+  tier and each such tier reports a conflict (``Shared.refuse(rotating=True)``):
+  a key that cannot authenticate it cannot tell the old key's delete from one
+  planted by a writer without a key (attack 38f, finding 1: one forged tombstone on
+  Redis made every rotation call a live session "deleted", exit 0, and advise
+  ``persist rm``).
 A tier that cannot be asked says nothing here; its push fails or is held back.
 """
 
@@ -75,6 +81,7 @@ from .lineage import Held, continues, holds_copy, past, shown_url, tier_tokens
 __all__ = ["Plan", "plan", "refused_first", "left_stripped"]
 
 log = logging.getLogger("persist")
+NOTHING = Held(None, None, None, None)  # what this store itself saw (``seen``) decides alone
 
 
 class Plan(NamedTuple):
@@ -102,14 +109,44 @@ def plan(tiers: Sequence[Any], index: Index, namespace: str, row: Any) -> Plan:
     # vouched for: a foreign value is a plant, judged by nothing (rekey: the old key's)
     answered = [(t, h) for t, h in answered if h.foreign is None or t.rekey]
     live = any(holds_copy(h, row) for _, h in answered)  # another history is a fork then
-    verdicts = {past(h, row, base, seen, live) for _, h in answered}
-    verdict = "deleted" if "deleted" in verdicts else "behind" if "behind" in verdicts else None
+    trusted = [NOTHING, *(h for _, h in answered if h.foreign is None)]  # NOTHING: ``seen``
+    verdict = _verdict(trusted, row, base, seen, live)
+    doubted = [(t, h) for t, h in answered if h.foreign is not None]  # rekey: read untagged
+    stops = [(t, h) for t, h in doubted if verdict is None and _stops(h, row, base, seen, live)]
+    if stops:
+        # only a value no key here authenticates says the fleet moved past this copy or
+        # deleted the name: the old key's word, or a plant (attack 38f, finding 1: a forged
+        # tombstone made every rotation call a live session deleted, exit 0, or push its
+        # next turn beside): asked, not taken
+        for tier, h in stops:
+            what = "a tombstone" if h.rkey is None else "a newer turn of it"
+            tier.refuse(index, namespace, name, f"{what} no key here authenticates", True)
+        return Plan((base,), "refused", False)
     if verdict == "deleted":
         _carry_tombstone(answered, index, namespace, name, float(row.created))
     later = [h for t, h in answered if t is not tiers[0]]  # the first decides the name
     beside = verdict is None and any(not continues(toks, h, "", base) for h in later)
     replace = {t.name for t, _ in foreign} | _witnessed(answered, row, toks)
     return Plan((base,), verdict, beside, frozenset(replace), live)
+
+
+def _stops(h: Held, row: Any, base: float | None, seen: float | None, live: bool) -> bool:
+    """Whether a value read without its tag (a rotation's) would keep ``row`` off the
+    tier: it makes the copy the fleet's past, or it is a tombstone the copy does not
+    continue (a history of another conversation still goes beside: a fork, reported)."""
+    if past(h, row, base, seen, live) is not None:
+        return True
+    toks = unpack_tokens(row.tokens)
+    return h.rkey is None and h.version is not None and not continues(toks, h, "", base)
+
+
+def _verdict(
+    helds: list[Held], row: Any, base: float | None, seen: float | None, live: bool
+) -> str | None:
+    """``deleted`` or ``behind`` if any of ``helds`` says the fleet moved past ``row``
+    (``lineage.past``), ``deleted`` first; else None (push it)."""
+    verdicts = {past(h, row, base, seen, live) for h in helds}
+    return "deleted" if "deleted" in verdicts else "behind" if "behind" in verdicts else None
 
 
 def _witnessed(answered: list[tuple[Any, Held]], row: Any, toks: list[int]) -> set[str]:

@@ -48,7 +48,9 @@ class Shared(Protocol):
     unread: str | None  # why the last pull_session could not read its session
     held_here: str | None  # what its session is to this store's (``pull.relation``)
 
-    def refuse(self, index: Index, namespace: str, name: str, detail: str) -> None: ...
+    def refuse(
+        self, index: Index, namespace: str, name: str, detail: str, rotating: bool = False
+    ) -> None: ...
 
     def push(
         self,
