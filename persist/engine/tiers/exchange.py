@@ -61,6 +61,8 @@ class Shared:
         self.behind_said = False  # a pull served without the cold tier was said (named_pull)
         self.unread: str | None = None  # why the last pull_session could not read its session
         self.held_here: str | None = None  # its session to this store's (pull_session's over)
+        # (tier's name, tier, why) of a version the last pull_session refused as a replay
+        self.replayed: tuple[str, Any, str] | None = None
 
     def _count(self, index: Index, namespace: str, what: str) -> None:
         index.count(namespace, **{f"{self.name}_{what}": 1})
@@ -210,7 +212,7 @@ class Shared:
         (``named_pull``).  ``over``: this store's own row of the name, replaced only by a
         newer version that continues it; ``held_here`` says what the tier's is to it
         (``pull.relation``; None: nothing readable there)."""
-        self.unread = self.held_here = None
+        self.unread = self.held_here = self.replayed = None
         secret = self.secret(index, namespace)
         try:
             found = self._run(lambda: named_record(self, index, namespace, name, secret))
@@ -220,6 +222,9 @@ class Shared:
             return False
         if found is None:
             self._count(index, namespace, "misses")
+            if self.replayed is not None:  # a version older than one seen here (38f, F3)
+                where, tier, detail = self.replayed
+                self.unread = f"the {where} tier ({shown_url(tier.url)}) names it, but {detail}"
             return False
         if over is not None:  # pulled only over a copy the fleet's session continues
             self.held_here = relation(found.body["row"], over)
@@ -251,6 +256,9 @@ class Shared:
             return False
         except BadValue as e:
             self._bad(index, namespace, e)
+            if e.why == "conflict":  # a save here took the name meanwhile (38f, F3)
+                now = index.by_name(namespace, name)
+                self.held_here = relation(found.body["row"], now) if now else None
             if e.why in UNREADABLE:
                 self.unread = self._why(counted, tier, e.detail, True)
             return False
