@@ -123,9 +123,12 @@ class StoreUpkeep:
         """(pinned, (ttl, priority) or None) of a session; SessionNotFoundError if none."""
         check_name(session, "session")
         with self.index.read() as db:
-            if db.execute(
-                "SELECT 1 FROM snapshots WHERE namespace = ? AND name = ?", [namespace, session]
-            ).fetchone() is None:
+            if (
+                db.execute(
+                    "SELECT 1 FROM snapshots WHERE namespace = ? AND name = ?", [namespace, session]
+                ).fetchone()
+                is None
+            ):
                 raise SessionNotFoundError(session, namespace)
             return writes.session_pinned(db, namespace, session), writes.session_hints(
                 db, namespace, session

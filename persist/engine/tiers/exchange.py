@@ -61,7 +61,9 @@ class Shared:
         self.behind_said = False  # a pull served without the cold tier was said (named_pull)
         self.unread: str | None = None  # why the last pull_session could not read its session
         self.held_here: str | None = None  # its session to this store's (pull_session's over)
-        # (tier's name, tier, why) of a version the last pull_session refused as a replay
+        # (tier's name, tier, why) of a version the last pull_session refused as a replay:
+        # a restore is "not found" (a deleted copy's new history goes beside), a pull
+        # reports it unreadable (``fleet_sync._pull_one``)
         self.replayed: tuple[str, Any, str] | None = None
 
     def _count(self, index: Index, namespace: str, what: str) -> None:
@@ -222,9 +224,6 @@ class Shared:
             return False
         if found is None:
             self._count(index, namespace, "misses")
-            if self.replayed is not None:  # a version older than one seen here (38f, F3)
-                where, tier, detail = self.replayed
-                self.unread = f"the {where} tier ({shown_url(tier.url)}) names it, but {detail}"
             return False
         if over is not None:  # pulled only over a copy the fleet's session continues
             self.held_here = relation(found.body["row"], over)
@@ -270,6 +269,13 @@ class Shared:
         if pulled and found.stale is not None:
             repair(self, index, blobs, namespace, name, found)
         return bool(pulled)
+
+    def replay_why(self) -> str | None:
+        """Why the last ``pull_session`` took nothing, where it refused a replay."""
+        if self.replayed is None:
+            return None
+        where, tier, detail = self.replayed
+        return f"the {where} tier ({shown_url(tier.url)}) names it, but {detail}"
 
     def _why(self, name: str, tier: Any, detail: str, keyed: bool) -> str:
         """What SessionUnreadableError says of this tier: which one, and the key."""

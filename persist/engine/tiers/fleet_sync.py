@@ -190,7 +190,7 @@ def _pull_one(
         if tier.pull_session(index, blobs, ns, name, over=have):
             return "pulled", None
         down = down or tier.unreachable > before
-        why = why or tier.unread
+        why = why or tier.unread or tier.replay_why()  # a replay: named there (38f, F3)
         verdicts.add(tier.held_here)
     if down:  # a tier that could not be asked: a failure, not "not in any tier"
         return "unreached", None
