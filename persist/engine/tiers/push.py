@@ -50,6 +50,8 @@ class Shared(Protocol):
 
     def refuse(self, index: Index, namespace: str, name: str, detail: str) -> None: ...
 
+    def replay_why(self) -> str | None: ...
+
     def push(
         self,
         index: Index,
