@@ -14,9 +14,22 @@ import pytest
 
 import persist
 from persist.apps import generate as gen_mod
-from tests.cli.test_fork_names import lost_a_race
 from tests.golden.cases import IDENTITY, kv_cache
 from tests.helpers import persist_cli
+
+
+def lost_a_race(monkeypatch: pytest.MonkeyPatch, store: persist.Store, ident: Any) -> None:
+    """Every turn from here on loses a race: another writer saves the session after it
+    was read (as tests/cli/test_fork_names.py's)."""
+    real = gen_mod.resume_text
+
+    def racing(*a: Any, **k: Any) -> Any:
+        got = real(*a, **k)
+        other = store.restore(a[1], identity=ident)
+        store.save(other.cache, other.tokens, identity=ident, session=a[1])
+        return got
+
+    monkeypatch.setattr(gen_mod, "resume_text", racing)
 
 
 def _hints(store: persist.Store, name: str) -> tuple[float, int] | None:
