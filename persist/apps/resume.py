@@ -100,8 +100,9 @@ def save_turn(
     under the first free ``session~N`` (returned; ``rows.fork_name``, which every
     command takes) instead of dropping it: SessionConflictError past ``MAX_FORKS``.
     ``unverified``: the turn continues an unverified session (``Resumed``), under
-    whatever name it is kept."""
-    name, n = session, 1
+    whatever name it is kept.  A fork keeps the session's pin and retention hints
+    (``_kept_as``): it is the same conversation, which the user pinned."""
+    name, n, kept = session, 1, dict[str, Any]()
     while True:
         try:
             store.save(
@@ -114,6 +115,7 @@ def save_turn(
                 progress=progress,
                 if_version=version,
                 unverified_tokens=unverified,
+                **kept,
             )
             return name
         except SessionConflictError:
@@ -121,6 +123,17 @@ def save_turn(
             if n > MAX_FORKS:
                 raise
             name, version = fork_name(session, n), 0
+            kept = kept or _kept_as(store, session, namespace)
+
+
+def _kept_as(store: Store, session: str, namespace: str) -> dict[str, Any]:
+    """``Store.save``'s pin and hints arguments for a fork of ``session``: the session's."""
+    try:
+        pinned, hints = store.retention(session, namespace=namespace)
+    except SessionNotFoundError:  # deleted meanwhile: nothing to keep
+        return {}
+    ttl, priority = hints if hints is not None else (None, None)
+    return {"pin": pinned or None, "ttl": ttl, "priority": priority}
 
 
 def resume_chat(

@@ -117,6 +117,23 @@ class StoreUpkeep:
         if not changed:
             raise SessionNotFoundError(session, namespace)
 
+    def retention(
+        self, session: str, *, namespace: str = "default"
+    ) -> tuple[bool, tuple[float, int] | None]:
+        """(pinned, (ttl, priority) or None) of a session; SessionNotFoundError if none."""
+        check_name(session, "session")
+        with self.index.read() as db:
+            if (
+                db.execute(
+                    "SELECT 1 FROM snapshots WHERE namespace = ? AND name = ?", [namespace, session]
+                ).fetchone()
+                is None
+            ):
+                raise SessionNotFoundError(session, namespace)
+            return writes.session_pinned(db, namespace, session), writes.session_hints(
+                db, namespace, session
+            )
+
     def delete(self, session: str, *, namespace: str = "default", fleet: bool = False) -> list[str]:
         """Delete a session and its checkpoints (also those an interrupted prime left
         without a session: the name owns them); files go after the commit.  Here only:

@@ -56,7 +56,8 @@ class Target:
     name: str | None = None  # a named session
     owner: str | None = None  # the session a checkpoint belongs to
     role: str = "prefix"  # "session" | "checkpoint" | "prefix"
-    pin: bool = False
+    # None: the session's (a pin belongs to the session: its next turn keeps it)
+    pin: bool | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     # the session's version (EntryInfo.id) the caller read; 0: it must not exist yet
     if_version: int | None = None
@@ -224,7 +225,7 @@ def _commit(
             "manifest": p.manifest(),
             "tail": tail,
             "bytes": sum(sizes.values()),
-            "pinned": int(t.pin),
+            "pinned": 0,  # the save's own, else its session's: ``_pinned``
             "created": now,
             "used": now,
             "metadata": msgpack.packb(t.metadata, use_bin_type=True),
@@ -238,6 +239,7 @@ def _commit(
                 {**t.metadata, UNVERIFIED_KEY: "true"}, use_bin_type=True
             )
         hints = _hints(db, t, namespace, who)  # read before the session's old row goes
+        row["pinned"] = int(_pinned(db, t, namespace, who))
         if t.name is not None:
             _retire(
                 db,
@@ -306,6 +308,14 @@ def _hints(db: Any, t: Target, namespace: str, who: str | None) -> tuple[float, 
     if t.hints is not None:
         return t.hints
     return writes.session_hints(db, namespace, who) if who is not None else None
+
+
+def _pinned(db: Any, t: Target, namespace: str, who: str | None) -> bool:
+    """The new row's pin: the save's own, else its session's (attack 38f, F2: a pinned
+    session's next turn was unpinned, and gc evicted it; only unpin drops a pin)."""
+    if t.pin is not None:
+        return t.pin
+    return who is not None and writes.session_pinned(db, namespace, who)
 
 
 def _check_version(db: Any, t: Target) -> None:

@@ -112,7 +112,7 @@ class Store(StoreReads):
         identity: ModelIdentity,
         session: str | None = None,
         namespace: str = "default",
-        pin: bool = False,
+        pin: bool | None = None,
         metadata: Mapping[str, str] | None = None,
         progress: Progress | None = None,
         if_version: int | None = None,
@@ -126,7 +126,9 @@ class Store(StoreReads):
         an entry is evicted after every entry whose hints have lapsed, for ``ttl``
         seconds after its last use, and higher priorities after lower ones
         (``policy.eviction_key``).  A session keeps its hints from save to save;
-        without any, eviction is least recently used first.
+        without any, eviction is least recently used first.  ``pin``: True pins the
+        session (``pin``), False unpins it; None (the default) keeps the session's
+        own pin, as a new turn keeps its hints: a pinned session stays pinned.
 
         ``unverified_tokens``: nothing vouches that ``tokens`` are what the cache
         covers (an imported purely recurrent cache records no offset): the

@@ -28,6 +28,7 @@ __all__ = [
     "add_heads",
     "remove",
     "set_pinned",
+    "session_pinned",
     "demote",
     "blob_sizes",
     "finish_pending",
@@ -130,6 +131,14 @@ def set_pinned(db: sqlite_utils.Database, namespace: str, name: str, pinned: boo
     for sid in ids:
         db.execute("UPDATE snapshots SET pinned = ? WHERE id = ?", [int(pinned), sid])
     return True
+
+
+def session_pinned(db: sqlite_utils.Database, namespace: str, name: str) -> bool:
+    """Is session ``name`` (its named snapshot) pinned?  False where there is none."""
+    got = db.execute(
+        "SELECT pinned FROM snapshots WHERE namespace = ? AND name = ?", [namespace, name]
+    ).fetchone()
+    return bool(got is not None and got[0])
 
 
 def set_hints(db: sqlite_utils.Database, ids: Sequence[int], ttl: float, priority: int) -> None:

@@ -65,6 +65,10 @@ class Shared:
         self.behind_said = False  # a pull served without the cold tier was said (named_pull)
         self.unread: str | None = None  # why the last pull_session could not read its session
         self.held_here: str | None = None  # its session to this store's (pull_session's over)
+        # (tier's name, tier, why) of a version the last pull_session refused as a replay:
+        # a restore is "not found" (a deleted copy's new history goes beside), a pull
+        # reports it unreadable (``fleet_sync._pull_one``)
+        self.replayed: tuple[str, Any, str] | None = None
 
     def _count(self, index: Index, namespace: str, what: str) -> None:
         index.count(namespace, **{f"{self.name}_{what}": 1})
@@ -219,7 +223,7 @@ class Shared:
         (``named_pull``).  ``over``: this store's own row of the name, replaced only by a
         newer version that continues it; ``held_here`` says what the tier's is to it
         (``pull.relation``; None: nothing readable there)."""
-        self.unread = self.held_here = None
+        self.unread = self.held_here = self.replayed = None
         secret = self.secret(index, namespace)
         try:
             found = self._run(lambda: named_record(self, index, namespace, name, secret))
@@ -260,6 +264,9 @@ class Shared:
             return False
         except BadValue as e:
             self._bad(index, namespace, e)
+            if e.why == "conflict":  # a save here took the name meanwhile (38f, F3)
+                now = index.by_name(namespace, name)
+                self.held_here = relation(found.body["row"], now) if now else None
             if e.why in UNREADABLE:
                 self.unread = self._why(counted, tier, e.detail, True)
             return False
@@ -271,6 +278,13 @@ class Shared:
         if pulled and found.stale is not None:
             repair(self, index, blobs, namespace, name, found)
         return bool(pulled)
+
+    def replay_why(self) -> str | None:
+        """Why the last ``pull_session`` took nothing, where it refused a replay."""
+        if self.replayed is None:
+            return None
+        where, tier, detail = self.replayed
+        return f"the {where} tier ({shown_url(tier.url)}) names it, but {detail}"
 
     def _why(self, name: str, tier: Any, detail: str, keyed: bool) -> str:
         """What SessionUnreadableError says of this tier: which one, and the key."""

@@ -190,14 +190,17 @@ def _pull_one(
         if tier.pull_session(index, blobs, ns, name, over=have):
             return "pulled", None
         down = down or tier.unreachable > before
-        why = why or tier.unread
+        why = why or tier.unread or tier.replay_why()  # a replay: named there (38f, F3)
         verdicts.add(tier.held_here)
-    if have is None and index.by_name(ns, name) is not None:
-        return "pulled", None
     if down:  # a tier that could not be asked: a failure, not "not in any tier"
         return "unreached", None
     if why is not None:  # as restore's SessionUnreadableError (attack 38c, finding 3)
         return "unreadable", why
-    if "other" in verdicts:
+    # "newer" not pulled: a save here took the name during the pull (attack 38f, F3)
+    if verdicts & {"other", "newer"}:
         return "kept_here", None
-    return ("up_to_date", None) if "same" in verdicts else ("missing", None)
+    if "same" in verdicts:
+        return "up_to_date", None
+    if have is None and index.by_name(ns, name) is not None:
+        return "pulled", None
+    return "missing", None

@@ -140,6 +140,8 @@ def named_record(
     except BadValue as e:
         index.count(namespace, **{f"{src.name}_{e.why}": 1})
         log.info("persist: %s tier value refused: %s", src.name, e.detail)
+        if e.why == "stale":  # named there, refused here: never "not in any tier"
+            shared.replayed = (src.name, src.tier, e.detail)
         if e.why in UNREADABLE:
             raise Unreadable(src.name, src.tier, e.detail, True) from None
         return None

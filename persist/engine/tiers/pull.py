@@ -195,7 +195,7 @@ def _commit(
         "trimmable": int(bool(r["trimmable"])),
         "tail": files[body["tail"]],
         "bytes": sum(f[0] for f in body["blobs"].values()),
-        "pinned": 0,
+        "pinned": 0,  # a pin is this store's: one replaced keeps its copy's (``_commit``)
         "used": time.time(),
     }
     try:
@@ -207,9 +207,14 @@ def _commit(
                 return None
             writes.add_blobs(db, namespace, written)
             writes.finish_pending(db, salt, [b.file for b in written], blobs.exists)
-            if replace is not None:
+            hints = None
+            if replace is not None:  # the copy's pin and hints are the session's: kept
+                row["pinned"] = int(writes.session_pinned(db, namespace, row["name"]))
+                hints = writes.session_hints(db, namespace, row["name"])
                 _retire(db, namespace, row, replace)
             sid = writes.insert(db, row, refs)
+            if hints is not None:
+                writes.set_hints(db, [sid], *hints)
             writes.add_heads(db, sid, chs, unpack_tokens(r["tokens"]), block_of(body))
     except sqlite3.IntegrityError:  # the name was taken meanwhile (another pull, a save)
         raise BadValue("conflict", "the local store took that name meanwhile") from None

@@ -52,6 +52,8 @@ class Shared(Protocol):
         self, index: Index, namespace: str, name: str, detail: str, rotating: bool = False
     ) -> None: ...
 
+    def replay_why(self) -> str | None: ...
+
     def push(
         self,
         index: Index,
