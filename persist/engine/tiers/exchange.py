@@ -14,25 +14,21 @@ so is a session's version older than one this store saw (``_stale``: a replay).
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
-from ...errors import CorruptBlobError, StoreFullError
 from ...remote.redis_tier import RedisTier, TierUnavailable
 from ...remote.s3_tier import S3Tier
 from ...storage.blobs import BlobStore
-from ...storage.chains import boundary_heads, chain_root, chains
 from ...storage.index import Index
-from ..costs import LOCAL, CostModel
-from ..layer_checks import quantized_start
 from .fleet_block import require_same_block
 from .fleet_plan import refused_first
 from .fleet_sync import sync
 from .lineage import Foreign, shown_url
 from .named_pull import UNREADABLE, Unreadable, named_record, repair
+from .prefix_pull import PrefixPulls
 from .pull import EvictedError, pull, relation
 from .push import namespace_secret, push
-from .records import BadValue, Expect, Keys, best_record, check_key, open_record, tier_key_from_env
+from .records import BadValue, Keys, check_key, tier_key_from_env
 
 __all__ = ["Shared", "push", "pull", "sync", "EvictedError", "open_tiers"]
 
@@ -46,7 +42,7 @@ Tier = RedisTier | S3Tier
 ASK_AGAIN_S = 10.0  # a keyless secret (or its absence) is asked for again after this
 
 
-class Shared:
+class Shared(PrefixPulls):
     """A Store's shared tier: which namespaces agree with it, and the operations that
     never fail the local one (a tier that is down or refuses is counted and skipped)."""
 
@@ -295,133 +291,6 @@ class Shared:
             return text + " (this machine has no operator key, $PERSIST_TIER_KEY)"
         kid = self.keys.blob_name("")[1:]  # the key id blob names on the tiers carry
         return text + f" (this machine's operator key, key id {kid}, is not the fleet's)"
-
-    def pull_prefix(
-        self,
-        index: Index,
-        blobs: BlobStore,
-        toks: list[int],
-        *,
-        identity: Any,
-        namespace: str,
-        block: int,
-        costs: CostModel | None = None,
-        max_cost: float | None = None,
-        longer_than: int = 0,
-    ) -> None:
-        """Pull the tier's deepest snapshot of this prompt if it beats the local one
-        and ``longer_than`` (what the host tier holds), and, with ``costs``, if
-        pulling and restoring it beats a prefill."""
-        from ..reading import index_hit
-
-        secret = self.secret(index, namespace)  # adopts the fleet's secret on a new machine
-        if secret is None:
-            return
-        local = index_hit(
-            index, toks, identity, namespace=namespace, block_tokens=block, skip=set()
-        )
-        every = chains(chain_root(secret, identity.digest), toks, block)
-        heads = boundary_heads(every, toks, block)  # prefixes that end inside a block
-        want = Expect(namespace, secret=secret, block=block, identity=identity.digest)
-        bodies = self._run(lambda: self._deepest(index, namespace, every[1:], heads, want)) or []
-        found = best_record(bodies, toks, quantized_start(identity))
-        if found is None or found[0] <= max(local[1] if local else 0, longer_than):
-            self._count(index, namespace, "misses")
-            return
-        usable, body = found
-        worth = self._worth(
-            costs, identity, namespace=namespace, body=body, usable=usable, max_cost=max_cost
-        )
-        if not worth:
-            return
-        before = dict(self.tier.counters)
-        try:
-            t0 = time.perf_counter()
-            pulled = self._run(
-                lambda: pull(
-                    index,
-                    blobs,
-                    self.tier,
-                    keys=self.keys,
-                    namespace=namespace,
-                    body=body,
-                    named=False,
-                )
-            )
-            if pulled:
-                self._count(index, namespace, "hits")
-                moved = self.tier.counters.get("bytes_pulled", 0) - before.get("bytes_pulled", 0)
-                if costs is not None:
-                    costs.restored(identity, self.name, moved, time.perf_counter() - t0)
-        except EvictedError:  # a shorter hit or none, never an error
-            self._count(index, namespace, "incomplete")
-        except BadValue as e:
-            self._bad(index, namespace, e)
-        except CorruptBlobError as e:  # never a wrong cache: the local answer stands
-            self._count(index, namespace, "corrupt_skipped")
-            log.warning("persist: skipping a damaged shared snapshot: %s", e)
-        except StoreFullError as e:  # the disk has no room for it: the local answer stands
-            self._count(index, namespace, "full_skipped")
-            log.warning("persist: shared snapshot not pulled: %s", e)
-        self._bytes(index, namespace, before)
-
-    def _deepest(
-        self, index: Index, namespace: str, chs: list[bytes], heads: list[bytes], want: Expect
-    ) -> list[dict[str, Any]]:
-        """Checked records of the deepest snapshots of the prompt the tier knows, in two
-        round trips: one MGET of every pointer, one pipelined GET of at most two records.
-        The candidates: the end of the longest run of the prompt's chains from the start
-        (an LRU may drop a parent and keep its child: only the consecutive run counts),
-        and the deepest head key (``heads[b]``: the prompt's 16 tokens after block
-        boundary b, under chain b) at a boundary at least that deep."""
-        items = [("blk", c) for c in chs] + [("head", h) for h in heads]
-        found = self.tier.pointers(namespace, items) if items else []
-        blk, hd = found[: len(chs)], found[len(chs) :]
-        depth = 0
-        while depth < len(blk) and blk[depth] is not None:
-            depth += 1
-        at = max((b for b, v in enumerate(hd) if v is not None), default=-1)
-        followed = [("head", heads[at], hd[at])] if at >= depth else []
-        if depth:
-            followed.append(("blk", chs[depth - 1], blk[depth - 1]))
-        rkeys: list[tuple[str, tuple[str, bytes]]] = []
-        for kind, key, value in followed:
-            try:
-                rkeys.append((self.keys.open_pointer(namespace, kind, key, value), (kind, key)))
-            except BadValue as e:
-                self._bad(index, namespace, e)
-        out = []
-        values = self.tier.records(namespace, [r for r, _ in rkeys])
-        for (rkey, via), value in zip(rkeys, values, strict=True):
-            if value is None:
-                continue
-            try:
-                want.rkey, want.via = rkey, via
-                out.append(open_record(self.keys, value, want))
-            except BadValue as e:
-                self._bad(index, namespace, e)
-        return out
-
-    def _worth(
-        self,
-        costs: CostModel | None,
-        identity: Any,
-        *,
-        namespace: str,
-        body: dict[str, Any],
-        usable: int,
-        max_cost: float | None,
-    ) -> bool:
-        """Is pulling this record's blobs, then restoring ``usable`` tokens of them,
-        predicted to beat a prefill of those tokens?"""
-        if costs is None:
-            return True
-        nbytes = sum(int(v[0]) for v in body["blobs"].values())
-        via = [(self.name, nbytes), (LOCAL, nbytes)]
-        if costs.decide(identity, namespace, via, usable, max_cost).restore:
-            return True
-        self._count(costs.index, namespace, "declined")
-        return False
 
 
 def open_tiers(
