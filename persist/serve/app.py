@@ -16,7 +16,8 @@ from typing import Any
 
 from ..engine.host.placement import DEVICE_MEMORY, default_budget, placement
 from ..engine.host.tier import HostTier
-from ..engine.store import Store
+from ..engine.store import Store, check_name
+from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
 from .metrics import ServeMetrics
 from .server import PersistentPromptCache
@@ -25,6 +26,7 @@ from .tenants import Tenants
 __all__ = ["serve", "host_budget", "keep_freed_buffers"]
 
 log = logging.getLogger("persist")
+MIN_REQUEST_BYTES = 1024  # below it no chat request fits: a server that refuses them all
 
 
 def serve(
@@ -74,6 +76,12 @@ def serve(
     import functools
     import sys
 
+    check_name(namespace, "namespace")  # before the model loads: a typed error, exit 1
+    if max_request_bytes < MIN_REQUEST_BYTES:
+        raise InvalidArgumentError(
+            f"--max-request-bytes {max_request_bytes} takes no request: at least "
+            f"{MIN_REQUEST_BYTES} bytes (a chat request's JSON)"
+        )
     import mlx_lm.server as server
 
     from .allowed_models import listing_only

@@ -12,6 +12,7 @@ import pytest
 from persist.errors import InvalidArgumentError, PersistError
 from persist.serve.tenant_metrics import TenantCounts, tenancy_line, tenant_of
 from persist.serve.tenants import AccessDeniedError, Tenants, load_keys, load_public, tenants_from
+from tests.helpers import persist_cli
 
 KEY = "k" * 16
 OTHER_KEY = "j" * 20
@@ -280,3 +281,21 @@ def test_a_public_cut_never_holds_private_text(tiny: Any) -> None:
     # matches one token further, and that token is the user's, not the system's
     mlx_cut, got = cut_of("<|im_end|>PIN is 7351")
     assert got == 0 and mlx_cut > cut_of("Where is my order?")[0]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "said"),
+    [("--namespace", "", "namespace"), ("--max-request-bytes", "0", "--max-request-bytes")],
+)
+def test_serve_refuses_options_that_serve_nothing(
+    model_dir: Any, tmp_path: Path, option: str, value: str, said: str
+) -> None:
+    """Attack 38g: ``--namespace ''`` and ``--max-request-bytes 0`` started a server (one
+    whose every save failed, one that refused every request).  Now one line, exit 1,
+    before the model loads."""
+    out = persist_cli(
+        tmp_path / "home", "serve", "--model", str(model_dir("llama")), "--store",
+        str(tmp_path / "s"), "--port", "0", option, value, check=False,
+    )  # fmt: skip
+    assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
+    assert said in out.stderr and "Traceback" not in out.stderr
