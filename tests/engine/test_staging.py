@@ -895,3 +895,22 @@ def test_warm_starts_the_lanes_and_has_every_worker_fill_its_slots() -> None:
     finally:
         if ring.readers is not None:
             ring.readers.close()
+
+
+def test_prepare_goes_on_when_the_lanes_cannot_be_warmed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``Ring.warm`` is a head start, never a reason for ``persist serve`` not to start:
+    a reader process that cannot start is said once, and a restore starts it again."""
+    ring = host_ring(2, 1024)
+
+    def lost() -> None:
+        raise readers_mod.ReaderLost("reader process 0 did not start")
+
+    monkeypatch.setattr(ring, "warm", lost)
+    chosen = pinned.Choice(pinned.CUDA_PINNED, "test", ring, object())  # type: ignore[arg-type]
+    monkeypatch.setattr(staging, "data_path", lambda: chosen)
+    monkeypatch.setattr("persist.cuda.kernels.warm", lambda staged: None)
+    with caplog.at_level("WARNING", logger="persist"):
+        assert staging.prepare() is True
+    assert "not warmed" in caplog.text

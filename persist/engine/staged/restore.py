@@ -26,6 +26,7 @@ memory: the staging buffer, where there is one, until the scatter is done.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -379,5 +380,8 @@ def prepare() -> bool:
 
     kernels.warm(staged=chosen.ring is None or not chosen.ring.direct)
     if chosen.ring is not None:
-        chosen.ring.warm()  # lane threads up, reader processes' slots mapped
+        try:
+            chosen.ring.warm()  # lane threads up, reader processes' slots mapped
+        except OSError as e:  # ReaderLost too: a restore starts its workers again itself
+            logging.getLogger("persist").warning("persist: the restore lanes not warmed: %s", e)
     return True
