@@ -241,7 +241,7 @@ def _commit(
         hints = _hints(db, t, namespace, who)  # read before the session's old row goes
         row["pinned"] = int(_pinned(db, t, namespace, who))
         if t.name is not None:
-            _retire(
+            writes.retire_session(
                 db,
                 namespace,
                 t.name,
@@ -272,34 +272,6 @@ def _commit(
         (committed,) = Index.rows_where(db, "id = ?", [sid])
         _evict(db, index, budgets, namespace, frozenset({sid}), keep_unpushed)
     return committed
-
-
-def _retire(
-    db: Any,
-    namespace: str,
-    name: str,
-    *,
-    digest: str,
-    trimmable: bool,
-    floor: int,
-    toks: list[int],
-) -> None:
-    """Replace the session's previous snapshot: supersede it, or keep it as a checkpoint."""
-    for old in writes.session_rows(db, namespace, name):
-        old_toks = unpack_tokens(old.tokens)
-        is_prefix = old.identity == digest and toks[: len(old_toks)] == old_toks
-        action = policy.retire(
-            len(toks),
-            trimmable,
-            floor,
-            old_len=old.n_tokens,
-            old_is_prefix=is_prefix,
-            old_is_checkpoint=old.name is None,
-        )
-        if action == "drop":
-            writes.remove(db, old.id)
-        elif action == "demote":
-            writes.demote(db, old.id)
 
 
 def _hints(db: Any, t: Target, namespace: str, who: str | None) -> tuple[float, int] | None:

@@ -13,7 +13,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .. import policy
 from ..errors import SaveLostError
+from ..format.tokens import unpack_tokens
 from . import keys
 from .index import MAX_VARIABLES, Index
 from .rows import BlockRef, NewBlob, SnapshotRow, row_digest
@@ -260,3 +262,32 @@ def version_after(db: sqlite_utils.Database, namespace: str, name: str, now: flo
         [namespace, name, namespace, name],
     ).fetchone()
     return now if latest is None or latest < now else float(latest) + 1e-3
+
+
+def retire_session(
+    db: Any,
+    namespace: str,
+    name: str,
+    *,
+    digest: str,
+    trimmable: bool,
+    floor: int,
+    toks: list[int],
+) -> None:
+    """Before a new version of session ``name`` (``toks``) is committed: each of its
+    snapshots dropped, demoted to a checkpoint or kept (``policy.retire``), as a save
+    or a pull that replaces a past version does."""
+    for old in session_rows(db, namespace, name):
+        old_toks = unpack_tokens(old.tokens)
+        action = policy.retire(
+            len(toks),
+            trimmable,
+            floor,
+            old_len=old.n_tokens,
+            old_is_prefix=old.identity == digest and toks[: len(old_toks)] == old_toks,
+            old_is_checkpoint=old.name is None,
+        )
+        if action == "drop":
+            remove(db, old.id)
+        elif action == "demote":
+            demote(db, old.id)

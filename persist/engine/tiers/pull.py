@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ... import policy
 from ...errors import CorruptBlobError
 from ...format.tokens import unpack_tokens
 from ...remote.redis_tier import namespace_tag
@@ -236,23 +235,13 @@ def relation(row: dict[str, Any], have: Any) -> str:
 
 
 def _retire(db: Any, namespace: str, row: dict[str, Any], replace: int) -> None:
-    """The session's snapshots before a pulled newer version of it is committed: each
-    dropped, demoted or kept as a save's would be (``policy.retire``), where the named
-    one is still ``replace`` (a save here meanwhile: a conflict, nothing replaced)."""
-    toks = unpack_tokens(row["tokens"])
+    """The session's snapshots before a pulled newer version of it is committed, retired
+    as a save's would be (``writes.retire_session``), where the named one is still
+    ``replace`` (a save here meanwhile: a conflict, nothing replaced)."""
     for old in writes.session_rows(db, namespace, row["name"]):
         if old.name is not None and old.id != replace:
             raise BadValue("conflict", "the local session changed meanwhile")
-        old_toks = unpack_tokens(old.tokens)
-        action = policy.retire(
-            len(toks),
-            bool(row["trimmable"]),
-            int(row["min_resume"]),
-            old_len=old.n_tokens,
-            old_is_prefix=old.identity == row["identity"] and toks[: len(old_toks)] == old_toks,
-            old_is_checkpoint=old.name is None,
-        )
-        if action == "drop":
-            writes.remove(db, old.id)
-        elif action == "demote":
-            writes.demote(db, old.id)
+    writes.retire_session(
+        db, namespace, row["name"], digest=row["identity"], trimmable=bool(row["trimmable"]),
+        floor=int(row["min_resume"]), toks=unpack_tokens(row["tokens"]),
+    )  # fmt: skip
