@@ -112,7 +112,9 @@ def plan(tiers: Sequence[Any], index: Index, namespace: str, row: Any) -> Plan:
     trusted = [NOTHING, *(h for _, h in answered if h.foreign is None)]  # NOTHING: ``seen``
     verdict = _verdict(trusted, row, base, seen, live)
     doubted = [(t, h) for t, h in answered if h.foreign is not None]  # rekey: read untagged
-    stops = [(t, h) for t, h in doubted if verdict is None and _stops(h, row, base, seen, live)]
+    stops = [
+        (t, h) for t, h in doubted if verdict is None and _stops(h, row, toks, base, seen, live)
+    ]
     if stops:
         # only a value no key here authenticates says the fleet moved past this copy or
         # deleted the name: the old key's word, or a plant (attack 38f, finding 1: a forged
@@ -130,13 +132,14 @@ def plan(tiers: Sequence[Any], index: Index, namespace: str, row: Any) -> Plan:
     return Plan((base,), verdict, beside, frozenset(replace), live)
 
 
-def _stops(h: Held, row: Any, base: float | None, seen: float | None, live: bool) -> bool:
+def _stops(
+    h: Held, row: Any, toks: list[int], base: float | None, seen: float | None, live: bool
+) -> bool:
     """Whether a value read without its tag (a rotation's) would keep ``row`` off the
     tier: it makes the copy the fleet's past, or it is a tombstone the copy does not
     continue (a history of another conversation still goes beside: a fork, reported)."""
     if past(h, row, base, seen, live) is not None:
         return True
-    toks = unpack_tokens(row.tokens)
     return h.rkey is None and h.version is not None and not continues(toks, h, "", base)
 
 

@@ -66,7 +66,7 @@ from .records import BadValue, Expect, Keys, open_record
 
 __all__ = [
     "SessionUnreachableError", "MAX_FORKS", "Held", "kept_name", "shown_url", "tier_tokens",
-    "tombstone", "open_tombstone", "RepairDeclined", "stale_held", "behind", "past", "continues",
+    "tombstone", "open_tombstone", "RepairDeclined", "stale_held", "past", "continues",
     "Foreign", "forked", "holds_copy",
 ]  # fmt: skip
 
@@ -136,10 +136,11 @@ def tier_tokens(
             return Held(token, None, None, gone, value)
         rkey = keys.open_pointer(namespace, "sess", name.encode(), value)
         _untagged(keys, value)
-        record = tier.records(namespace, [rkey])[0]
-        if record is None:
+        got = _lineage(
+            tier, keys, namespace, rkey, Expect(namespace, rkey, name=name, secret=secret)
+        )
+        if got is None:
             return nothing
-        body = open_record(keys, record, Expect(namespace, rkey, name=name, secret=secret))
     except BadValue as e:
         if e.why != "unauthenticated":
             return nothing
@@ -149,8 +150,19 @@ def tier_tokens(
         if peek:
             return _peeked(tier, keys, namespace, name, nothing._replace(foreign=e.detail))
         return nothing._replace(foreign=e.detail)
-    toks, created = unpack_tokens(body["row"]["tokens"]), float(body["row"]["created"])
-    return Held(token, rkey, toks, created, value)
+    return Held(token, rkey, got[0], got[1], value)
+
+
+def _lineage(
+    tier: Any, keys: Keys, namespace: str, rkey: str, want: Expect, authenticated: bool = True
+) -> tuple[list[int], float] | None:
+    """Record ``rkey``'s tokens and version, opened as ``want`` says (BadValue where it
+    does not open); None where the tier holds no such record."""
+    record = tier.records(namespace, [rkey])[0]
+    if record is None:
+        return None
+    body = open_record(keys, record, want, authenticated=authenticated)
+    return unpack_tokens(body["row"]["tokens"]), float(body["row"]["created"])
 
 
 def _own_record(
@@ -174,15 +186,13 @@ def _own_record(
         if e.why != "unauthenticated":
             return None
     rkey = value.partition(b".")[0].decode("ascii")  # open_pointer checked its form
-    record = tier.records(namespace, [rkey])[0]
-    if record is None:
-        return None
     try:
-        body = open_record(keys, record, Expect(namespace, rkey, name=name, secret=secret))
+        got = _lineage(
+            tier, keys, namespace, rkey, Expect(namespace, rkey, name=name, secret=secret)
+        )
     except BadValue:
         return None
-    toks, created = unpack_tokens(body["row"]["tokens"]), float(body["row"]["created"])
-    return Held(None, rkey, toks, created, value)
+    return None if got is None else Held(None, rkey, got[0], got[1], value)
 
 
 def _peeked(tier: Any, keys: Keys, namespace: str, name: str, held: Held) -> Held:
@@ -202,15 +212,13 @@ def _peeked(tier: Any, keys: Keys, namespace: str, name: str, held: Held) -> Hel
         rkey = mark.decode("ascii")
         if len(rkey) != 32 or any(c not in "0123456789abcdef" for c in rkey):
             return held
-        record = tier.records(namespace, [rkey])[0]
-        if record is None:
-            return held
         want = Expect(namespace, rkey, name=name)  # its chains are under the other key's
-        body = open_record(keys, record, want, authenticated=False)
+        got = _lineage(tier, keys, namespace, rkey, want, authenticated=False)
+        if got is None:
+            return held
     except (ValueError, struct.error, BadValue):
         return held
-    toks, created = unpack_tokens(body["row"]["tokens"]), float(body["row"]["created"])
-    return held._replace(rkey=rkey, tokens=toks, version=created)
+    return held._replace(rkey=rkey, tokens=got[0], version=got[1])
 
 
 def _untagged(keys: Keys, value: bytes) -> None:
@@ -232,25 +240,6 @@ def continues(tokens: list[int], held: Held, rkey: str, base: float | None = Non
     if held.rkey is None:  # a tombstone: a fleet delete this history moved past, or not
         return base is not None and held.version <= base
     return held.tokens is not None and tokens[: len(held.tokens)] == held.tokens
-
-
-def behind(
-    tier: Any,
-    keys: Keys,
-    namespace: str,
-    name: str,
-    *,
-    secret: bytes | None,
-    row: Any,
-    base: float | None,
-    seen: float | None = None,
-) -> str | None:
-    """``behind`` or ``deleted`` where a local session ``row`` is a copy of a version
-    the fleet had and moved past, not a history to push; None to push it as usual
-    (``past`` decides, from the tier's session of the name)."""
-    if base is None or float(row.created) > base:  # saved here: a history
-        return None
-    return past(tier_tokens(tier, keys, namespace, name, secret), row, base, seen)
 
 
 def past(
