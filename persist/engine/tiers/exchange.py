@@ -25,9 +25,10 @@ from .fleet_plan import refused_first
 from .fleet_sync import sync
 from .lineage import Foreign, shown_url
 from .named_pull import UNREADABLE, Unreadable, named_record, repair
+from .namespace_secret import namespace_secret
 from .prefix_pull import PrefixPulls
 from .pull import EvictedError, pull, relation
-from .push import namespace_secret, push
+from .push import push
 from .records import BadValue, Keys, check_key, tier_key_from_env
 
 __all__ = ["Shared", "push", "pull", "sync", "EvictedError", "open_tiers"]
