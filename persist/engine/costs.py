@@ -153,16 +153,19 @@ class CostModel:
         tiers: list[tuple[str, int]],
         tokens: int,
         max_cost: float | None,
+        held: int = 0,
     ) -> recompute.CostDecision:
-        """The decision on ``tokens`` tokens through ``tiers``, recorded nowhere, no exploring."""
+        """The decision on ``tokens`` tokens through ``tiers``, recorded nowhere, no
+        exploring; ``held``: tokens the caller holds already (its prefill starts there)."""
         parts = [self.restore_estimate(identity, t, n) for t, n in tiers]
-        prefill = self.prefill_seconds(identity, 0, tokens)
+        prefill = self.prefill_seconds(identity, min(held, tokens), tokens)
         tier, nbytes = tiers[0]
         known = [p for p in parts if p is not None]
         if len(known) < len(parts):
             return recompute.decide_cost(
-                tokens, nbytes, tier, restore_s=None, prefill_s=prefill, max_cost=max_cost
-            )
+                tokens, nbytes, tier, restore_s=None, prefill_s=prefill, max_cost=max_cost,
+                held=held,
+            )  # fmt: skip
         return recompute.decide_cost(
             tokens,
             nbytes,
@@ -172,6 +175,7 @@ class CostModel:
             max_cost=max_cost,
             best_s=sum(p.best for p in known),
             samples=min(p.samples for p in known),
+            held=held,
         )
 
     def decide(
@@ -181,11 +185,13 @@ class CostModel:
         tiers: list[tuple[str, int]],
         tokens: int,
         max_cost: float | None,
+        held: int = 0,
     ) -> recompute.CostDecision:
-        """Restore ``tokens`` tokens through ``tiers`` ((tier, bytes) read from each)?
-        ``max_cost`` None: the model's own (``self.max_cost``, persist's --max-cost)."""
+        """Restore ``tokens`` tokens through ``tiers`` ((tier, bytes) read from each),
+        or prefill those past the ``held`` the caller has?  ``max_cost`` None: the
+        model's own (``self.max_cost``, persist's --max-cost)."""
         limit = self.max_cost if max_cost is None else max_cost
-        d = self.predict(identity, tiers, tokens, limit)
+        d = self.predict(identity, tiers, tokens, limit, held)
         if d.reason == "slower" and self._explore_due(identity, *tiers[0]):
             d = dataclasses.replace(d, restore=True, reason="explore")
         self.last = d

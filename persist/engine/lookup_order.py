@@ -77,6 +77,7 @@ def nearest(
                 costs=costs,
                 max_cost=max_cost,
                 longer_than=have,
+                held=longer_than,
             )
         found = lookup_prefix(
             i,
@@ -90,6 +91,7 @@ def nearest(
             costs=costs,
             max_cost=max_cost,
             count_miss=not kept,  # a declined copy was counted as cost_recomputed
+            held=longer_than,  # a declined host copy is not held: memory's prefix is
         )
         if found is not None:
             cache, row, prefix = found

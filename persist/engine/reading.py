@@ -151,6 +151,7 @@ def lookup_prefix(
     costs: CostModel | None = None,
     max_cost: float | None = None,
     count_miss: bool = True,
+    held: int | None = None,
 ) -> tuple[list[Any], SnapshotRow, int] | None:
     """(caches cut to the prefix, row, prefix) of the best usable hit, or None.
 
@@ -158,8 +159,10 @@ def lookup_prefix(
     A hit of at most ``longer_than`` tokens is not read and not counted, nor is
     a miss without ``count_miss`` (the host tier serves that lookup).
     With ``costs``, a hit predicted to restore slower than a prefill of its
-    tokens (or than ``max_cost`` seconds) is declined: None, as a miss.
+    tokens past ``held`` (what the caller holds in memory; None: ``longer_than``),
+    or than ``max_cost`` seconds, is declined: None, as a miss.
     """
+    held = longer_than if held is None else held
     skip: set[int] = set()
     while (
         found := index_hit(
@@ -175,7 +178,7 @@ def lookup_prefix(
         tier, nbytes = LOCAL, 0
         if costs is not None:
             tier, nbytes = local_hit(index, blobs, row, prefix)
-            d = costs.decide(identity, namespace, [(tier, nbytes)], prefix, max_cost)
+            d = costs.decide(identity, namespace, [(tier, nbytes)], prefix, max_cost, held)
             if not d.restore:
                 return None  # recomputing is faster here: counted as cost_recomputed
         try:

@@ -139,7 +139,9 @@ class CostDecision:
 
     ``restore_s`` is the predicted restore (the median rate), ``best_s`` its
     optimistic end (the upper quartile rate) and ``samples`` the measurements
-    behind it: the decision's confidence."""
+    behind it: the decision's confidence.  ``held``: the tokens the caller holds
+    already (mlx-lm's memory); ``prefill_s`` prices positions [held, tokens), what
+    the caller computes when it declines."""
 
     tokens: int
     nbytes: int
@@ -150,6 +152,7 @@ class CostDecision:
     reason: Reason
     best_s: float | None = None
     samples: int | None = None  # None: as many as confidence needs
+    held: int = 0  # tokens held already: the declined hit's prefill starts there
 
 
 def decide_cost(
@@ -163,9 +166,13 @@ def decide_cost(
     best_s: float | None = None,
     samples: int | None = None,
     explore: bool = False,
+    held: int = 0,
 ) -> CostDecision:
     """Take a hit unless restoring it is confidently predicted to lose to a prefill.
 
+    ``prefill_s`` prices what the caller computes instead: the hit's tokens past the
+    ``held`` it already has (a restore of 7,241 tokens lost to mlx-lm's memory of
+    7,073 and a prefill of 168 while it was priced against all 7,241).
     ``max_cost`` (seconds) replaces the predicted prefill as a hard limit (no
     learning, no exploring past it).  Before anything was measured a hit is
     restored: persist's behaviour without a model.  Against a prefill, a hit
@@ -186,6 +193,7 @@ def decide_cost(
             reason=reason,
             best_s=best_s,
             samples=samples,
+            held=held,
         )
 
     if restore_s is None or (prefill_s is None and max_cost is None):

@@ -253,3 +253,31 @@ def test_the_sample_reaches_the_last_blocks_of_a_hit(tiny: Any, tmp_path: Path) 
         assert local_hit(store.index, store.blobs, row, None)[0] == LOCAL
         _evicted(store, blocks[-7:])
         assert local_hit(store.index, store.blobs, row, None)[0] == LOCAL_DISK
+
+
+def test_a_hit_is_priced_against_the_prefill_past_what_memory_holds(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """A server's memory holding most of a stored prefix: declining the stored hit costs
+    a prefill of the tokens past memory's, not of them all (the H200 run: 7,241 tokens
+    restored in 0.4 s where memory held 7,073 and plain mlx_lm.server took 0.18 s)."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(600, seed=75)
+    prompt = [*toks, 5, 6, 7]
+    with primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
+        slowed(store, 0.02)  # a restore: 0.02 s per blob; 600 tokens prefill in 0.6 s
+        for _ in range(4):  # measured: faster than prefilling all 600
+            assert store.lookup(prompt, identity=ident) is not None
+        d = store.costs.last
+        assert d is not None and d.restore and d.reason == "faster" and d.held == 0
+        # memory holds 590 of them: a prefill of 10 tokens (0.01 s) beats the restore
+        assert store.lookup(prompt, identity=ident, longer_than=590) is None
+        d = store.costs.last
+        assert d is not None and not d.restore and d.reason == "slower" and d.held == 590
+        assert d.prefill_s == pytest.approx(10 / SLOW_PREFILL)
+        assert d.restore_s is not None and 10 / SLOW_PREFILL < d.restore_s < 600 / SLOW_PREFILL
+        assert store.stats().decisions[0]["held"] == 590
+        # memory holding fewer: the restore wins again
+        assert store.lookup(prompt, identity=ident, longer_than=100) is not None
+        assert store.costs.last is not None and store.costs.last.held == 100

@@ -98,7 +98,8 @@ def host_hit(
 
     As the durable lookup: no hit shorter than HEAD_TOKENS, none of at most
     ``longer_than`` tokens (a host miss, counted), none predicted slower than a
-    prefill (or ``max_cost``).  A declined copy still bounds the durable read:
+    prefill of its tokens past ``longer_than`` (the caller holds those), or than
+    ``max_cost``.  A declined copy still bounds the durable read:
     the same entry from disk costs more than from RAM, so only a longer hit
     may be read (each hit faces its own decision)."""
     if host is None:
@@ -107,7 +108,7 @@ def host_hit(
     if n < HEAD_TOKENS or n <= longer_than:
         host.missed()
         return 0, 0
-    d = costs.decide(identity, namespace, [(HOST, nbytes)], n, max_cost)
+    d = costs.decide(identity, namespace, [(HOST, nbytes)], n, max_cost, longer_than)
     return (n if d.restore else 0), n
 
 

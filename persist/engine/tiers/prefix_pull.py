@@ -58,10 +58,12 @@ class PrefixPulls:
         costs: CostModel | None = None,
         max_cost: float | None = None,
         longer_than: int = 0,
+        held: int | None = None,
     ) -> None:
         """Pull the tier's deepest snapshot of this prompt if it beats the local one
         and ``longer_than`` (what the host tier holds), and, with ``costs``, if
-        pulling and restoring it beats a prefill."""
+        pulling and restoring it beats a prefill of its tokens past ``held`` (what
+        the caller holds in memory; None: ``longer_than``)."""
         from ..reading import index_hit
 
         secret = self.secret(index, namespace)  # adopts the fleet's secret on a new machine
@@ -80,8 +82,9 @@ class PrefixPulls:
             return
         usable, body = found
         worth = self._worth(
-            costs, identity, namespace=namespace, body=body, usable=usable, max_cost=max_cost
-        )
+            costs, identity, namespace=namespace, body=body, usable=usable, max_cost=max_cost,
+            held=longer_than if held is None else held,
+        )  # fmt: skip
         if not worth:
             return
         before = dict(self.tier.counters)
@@ -161,14 +164,15 @@ class PrefixPulls:
         body: dict[str, Any],
         usable: int,
         max_cost: float | None,
+        held: int = 0,
     ) -> bool:
         """Is pulling this record's blobs, then restoring ``usable`` tokens of them,
-        predicted to beat a prefill of those tokens?"""
+        predicted to beat a prefill of those past ``held``?"""
         if costs is None:
             return True
         nbytes = sum(int(v[0]) for v in body["blobs"].values())
         via = [(self.name, nbytes), (LOCAL, nbytes)]
-        if costs.decide(identity, namespace, via, usable, max_cost).restore:
+        if costs.decide(identity, namespace, via, usable, max_cost, held).restore:
             return True
         self._count(costs.index, namespace, "declined")
         return False
