@@ -1,12 +1,15 @@
 """Why ``persist serve`` reused less of a prompt than it shares with what is stored.
 
 Every keyed lookup that does not reuse the prompt's whole prefix (all of it but
-the last token, the most any cache gives) is judged on the generation thread,
-right after the lookup and before the request's own caches are saved: a
-bounded ``Store.explain`` (``storage.nearest``: a few index seeks and a few
-dozen rows, whatever the store holds; timed as step ``explain`` of
-``persist_generation_thread_seconds``), weighed against what the lookup served
-from any tier and what the cost model decided.  A verdict that is not a hit
+the last token, the most any cache gives) is judged against the store as the
+lookup saw it: on the write-behind's thread, queued before the request's own
+caches are saved (a miss pays no index reads on the generation thread); on
+the generation thread, right after the lookup, when the request waits for
+its verdict or the write-behind's queue is full (timed as step ``explain`` of
+``persist_generation_thread_seconds``).  A judgement is a bounded
+``Store.explain`` (``storage.nearest``: a few index seeks and a few dozen rows,
+whatever the store holds), weighed against what the lookup served from any
+tier and what the cost model decided.  A verdict that is not a hit
 counts in ``persist_misses_total{reason}``, the fixed ``REASONS`` codes as
 labels.
 
@@ -32,7 +35,9 @@ from ..identity import ModelIdentity
 from ..storage.chains import HEAD_TOKENS
 from .request_checks import BadRequest
 
-__all__ = ["ExplainSlot", "Verdict", "judge", "explain_asked", "miss_counter", "HEADER"]
+__all__ = [
+    "ExplainSlot", "Verdict", "judge", "judged", "explain_asked", "miss_counter", "HEADER"
+]  # fmt: skip
 
 log = logging.getLogger("persist")
 HEADER = "X-Persist-Explain"
@@ -143,6 +148,37 @@ def judge(
         longest = e.longest.reason if e.longest is not None else "hit"
         reason = longest if longest != "declined" else "hit"
     return verdict(reason, fields=fields if reason == "identity" else [])
+
+
+def judged(
+    store: Any,
+    identity: ModelIdentity,
+    namespace: str,
+    tokens: list[int],
+    *,
+    cached: int,
+    decision: Any,
+    misses: Counter | None,
+    slot: ExplainSlot | None,
+) -> None:
+    """``judge`` a lookup, count a verdict that is not a hit in ``misses`` and leave it
+    in ``slot`` (a request that asked: logged too).  Never raises: a verdict is
+    never worth a request."""
+    try:
+        v = judge(
+            store, identity, namespace, tokens, cached=cached, decision=decision,
+            asked=slot is not None,
+        )  # fmt: skip
+    except Exception as e:
+        log.warning("persist: could not judge a lookup: %s", e)
+        return
+    if v is None:
+        return
+    if v.reason != "hit" and misses is not None:
+        misses.labels(v.reason).inc()
+    if slot is not None:
+        slot.verdict = v
+        told(v)
 
 
 def told(v: Verdict) -> None:

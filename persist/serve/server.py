@@ -52,6 +52,7 @@ log = logging.getLogger("persist")
 
 Resolver = Callable[[Any], "ModelIdentity | None"]
 Queued = tuple[ModelIdentity, str, list[int], list[Any], "Hints | None"]  # a save, written behind
+Behind = Callable[[], None]  # work run after the saves queued before it (``after_saves``)
 
 
 def _no_wait() -> None:
@@ -124,7 +125,7 @@ class PersistentPromptCache(LRUPromptCache):
         # a tenant's counts, by namespace (serve.tenant_metrics); None: not kept
         self.on_count: Callable[[str, dict[str, int]], None] | None = None
         # captured on the writer thread, from the cache's layers (serve.handoff)
-        self._queue: queue.Queue[Queued | None] = queue.Queue(queue_size)
+        self._queue: queue.Queue[Queued | Behind | None] = queue.Queue(queue_size)
         self._writer = threading.Thread(
             target=self._write_behind, name="persist-writer", daemon=True
         )
@@ -286,12 +287,26 @@ class PersistentPromptCache(LRUPromptCache):
 
     # -- write-behind --------------------------------------------------------
 
+    def after_saves(self, work: Behind) -> bool:
+        """Run ``work`` on the writer thread, after every save queued before it and
+        before any queued later (a lookup's verdict, judged off the generation thread
+        on the store as it was asked: ``serve.explaining``); False, nothing queued,
+        when the queue is full (the caller runs it itself)."""
+        try:
+            self._queue.put_nowait(work)
+        except queue.Full:
+            return False
+        return True
+
     def _write_behind(self) -> None:
         while True:
             item = self._queue.get()
             try:
                 if item is None:
                     return
+                if callable(item):  # after_saves: its own errors are its own
+                    item()
+                    continue
                 identity, ns, tokens, layers, hints = item
                 m = self.metrics
                 probe = m.probe(save=True) if m is not None else None
@@ -315,7 +330,8 @@ class PersistentPromptCache(LRUPromptCache):
             except Exception as e:  # a cache persist refuses (e.g. unknown kind) is skipped
                 if self.metrics is not None:
                     self.metrics.store_failed(e)
-                self._count(item[1] if item else self.namespace, persist_errors=1)
+                self._count(item[1] if isinstance(item, tuple) else self.namespace,
+                            persist_errors=1)  # fmt: skip
                 log.warning("persist: could not persist a cache: %s", e)
             finally:
                 self._queue.task_done()

@@ -26,6 +26,7 @@ its own has less, and that segment's boundary snapshot is stored there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import threading
@@ -36,7 +37,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from ..errors import AccessDeniedError
-from .explaining import ExplainSlot, judge, told
+from .explaining import ExplainSlot, judged
 from .generation import GuardedGenerator
 from .hints import SaveHints, save_hints, split_at_marks
 from .request_checks import BadRequest
@@ -141,32 +142,23 @@ class TenantScoping(CountsOnce):
 
     def _judge(self, model: Any, ask: Asking, tokens: list[int], have: int, d: Any) -> None:
         """Why this lookup reused ``have`` tokens (``serve.explaining``): counted when it
-        is not a hit, and told to a request that asked.  Never fails the request."""
+        is not a hit, and told to a request that asked.  Judged on the writer thread,
+        before this request's own saves, unless the request waits for its verdict (or
+        the write-behind's queue is full): a miss pays no index reads on the
+        generation thread (issue 39).  Never fails the request."""
         identity = self.identity_for(model)  # type: ignore[attr-defined]
-        if identity is None:
+        asked = ask.explain is not None
+        if identity is None or (have >= len(tokens) - 1 and not asked):
+            return  # no verdict for a whole hit nobody asked about (``judge``)
+        misses = self.metrics.misses if self.metrics is not None else None
+        verdict = functools.partial(
+            judged, self.store, identity, ask.namespace, list(tokens), cached=have,
+            decision=d, misses=misses, slot=ask.explain,
+        )  # fmt: skip
+        if not asked and self.after_saves(verdict):  # type: ignore[attr-defined]
             return
-        try:
-            with self._on_thread("explain"):  # type: ignore[attr-defined]
-                asked = ask.explain is not None
-                v = judge(
-                    self.store,
-                    identity,
-                    ask.namespace,
-                    tokens,
-                    cached=have,
-                    decision=d,
-                    asked=asked,
-                )
-        except Exception as e:  # a verdict is never worth a request
-            log.warning("persist: could not judge a lookup: %s", e)
-            return
-        if v is None:
-            return
-        if v.reason != "hit" and self.metrics is not None and self.metrics.misses is not None:
-            self.metrics.misses.labels(v.reason).inc()
-        if ask.explain is not None:
-            ask.explain.verdict = v
-            told(v)
+        with self._on_thread("explain"):  # type: ignore[attr-defined]
+            verdict()
 
     def _holding(self) -> Any:
         """Hold what a lookup reports to /metrics (``serve.prompt_counts``)."""

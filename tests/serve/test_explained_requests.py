@@ -5,6 +5,7 @@ counts misses by reason.  Real server processes, a real HTTP client, real stores
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -116,12 +117,31 @@ def test_a_header_that_is_neither_yes_nor_no_is_a_400(server: Server) -> None:
     assert err["type"] == "invalid_request_error" and "X-Persist-Explain" in err["message"]
 
 
+def counted_misses(srv: Server, before: dict[str, float], wait: float = 60.0) -> dict[str, float]:
+    """The misses once one more is counted (a verdict nobody asked for is judged on
+    the writer thread, a moment after the answer; bounded)."""
+    deadline = time.monotonic() + wait
+    while sum((now := misses(srv)).values()) <= sum(before.values()):
+        assert time.monotonic() < deadline, "the miss was never counted"
+        time.sleep(0.05)
+    return now
+
+
+def explain_steps(srv: Server) -> float:
+    """Judgements the generation thread ran (its ``explain`` step's count)."""
+    key = ("persist_generation_thread_seconds_count", (("step", "explain"),))
+    return metrics(srv).get(key, 0.0)
+
+
 def test_misses_are_counted_by_reason_every_label_there(server: Server) -> None:
     before = misses(server)
     assert set(before) == set(REASONS) - {"hit"}
+    on_thread = explain_steps(server)
     cold = [{"role": "user", "content": "Zebras, quartz and a jukebox: " * 8}]
     chat(server, cold, {})  # nothing stored shares a token with it
-    after = misses(server)
+    after = counted_misses(server, before)
+    # judged off the generation thread: a miss nobody asked about costs it nothing
+    assert explain_steps(server) == on_thread
     assert after["empty"] == before["empty"] + 1
     assert {r: v for r, v in after.items() if r != "empty"} == {
         r: v for r, v in before.items() if r != "empty"
