@@ -57,6 +57,13 @@ for phase in "$@"; do
   contention)
     # a miss right after another request against one after persist went idle
     timeout 170 python3 -m bench.cuda_serve_contention --n 3 --out "$OUT" 2>&1 | tail -4 ;;
+  contention2)
+    # the same, Python's default switch interval against 0.5 ms, py-spy on the GIL holder
+    python3 -c "from persist.apps.demo import make_model; from bench.bench_e2e import SHAPES; make_model('/tmp/cmodel', 'llama', overrides=SHAPES['llama3-8b'])" >/dev/null 2>&1 || true
+    for si in "" 0.0005; do
+      timeout 200 python3 -m bench.cuda_serve_contention --n 3 --model /tmp/cmodel --out "$OUT" \
+        --pyspy /tmp/site/bin/py-spy ${si:+--switch-interval $si} 2>&1 | tail -4
+    done ;;
   directtests)
     timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_staging.py \
       tests/engine/test_no_kernel_path.py tests/engine/test_host_tier_cuda.py 2>&1 | tee "$OUT/cuda-direct-tests.log" | tail -5 ;;

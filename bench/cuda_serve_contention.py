@@ -5,6 +5,11 @@ writer and keeper still work on the previous request's caches) and after persist
 has gone idle ("idle": its write queue empty, then a pause), in one run.
 
     python -m bench.cuda_serve_contention [--shape llama3-8b] [--n 4] [--out DIR]
+        [--switch-interval S] [--pyspy PATH]
+
+``--switch-interval``: persist serve's Python thread switch interval (a sitecustomize on
+its path only: what the generation thread waits for the GIL behind background work);
+``--pyspy``: py-spy samples persist serve's GIL holder, by thread, into OUT.
 
 Plain ``mlx_lm.server`` gets the same prompts at the same moments, so the ratio
 of persist's TTFT to plain's in each mode tells what the overlap costs.
@@ -14,10 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
+import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.bench_e2e import SHAPES, scrape, start, streamed, unseen
 from persist.apps.demo import make_model
@@ -36,18 +45,47 @@ def idle(port: int, settle: float, bound: float = 60.0) -> None:
     time.sleep(settle)
 
 
+def start_persist(model: Path, tmp: Path, interval: float | None) -> Any:
+    """persist serve, with Python's switch interval set to ``interval`` in it alone."""
+    if interval is None:
+        return start("persist", model, tmp, 2)[0]
+    site = tmp / "switch"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(f"import sys\nsys.setswitchinterval({interval})\n")
+    before = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), before) if p)
+    try:
+        return start("persist", model, tmp, 2)[0]
+    finally:
+        os.environ["PYTHONPATH"] = before
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--chars", type=int, default=12000)
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--model", type=Path, help="an existing model folder (skip making one)")
+    ap.add_argument("--switch-interval", type=float)
+    ap.add_argument("--pyspy", help="py-spy's path: sample persist serve's GIL holder")
     args = ap.parse_args()
+    tag = "" if args.switch_interval is None else f"-si{args.switch_interval:g}"
     res: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        model = make_model(tmp / "model", "llama", overrides=SHAPES[args.shape])
-        servers = {k: start(k, model, tmp, 2)[0] for k in ("plain", "persist")}
+        model = args.model or make_model(tmp / "model", "llama", overrides=SHAPES[args.shape])
+        servers = {"plain": start("plain", model, tmp, 2)[0],
+                   "persist": start_persist(model, tmp, args.switch_interval)}  # fmt: skip
+        spy = None
+        if args.pyspy:
+            args.out.mkdir(parents=True, exist_ok=True)
+            spy = subprocess.Popen(
+                [args.pyspy, "record", "--pid", str(servers["persist"].proc.pid), "--gil",
+                 "--threads", "--nonblocking", "--rate", "250", "--format", "raw",
+                 "-o", str(args.out / f"serve-contention{tag}-gil.txt")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
         try:
             for srv in servers.values():  # kernels compiled: not timed
                 streamed(srv.port, [{"role": "user", "content": "warm up"}], 2)
@@ -62,6 +100,9 @@ def main() -> None:
                         res.setdefault(mode, {}).setdefault(k, []).append(r["ttft"])
             metrics = scrape(servers["persist"].port)
         finally:
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
             for srv in servers.values():
                 srv.stop()
     report = {m: {k: sorted(v) for k, v in by.items()} for m, by in res.items()}
@@ -70,8 +111,8 @@ def main() -> None:
         print(f"{m}: persist median {p[len(p) // 2]:.3f} plain median {q[len(q) // 2]:.3f} "
               f"ratio {p[len(p) // 2] / q[len(q) // 2]:.2f}")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve-contention.json").write_text(json.dumps(report, indent=1))
-    (args.out / "serve-contention-metrics.txt").write_text(metrics)
+    (args.out / f"serve-contention{tag}.json").write_text(json.dumps(report, indent=1))
+    (args.out / f"serve-contention{tag}-metrics.txt").write_text(metrics)
 
 
 if __name__ == "__main__":
