@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from bench.servers import Server
+from persist.serve.warm_start import WARMUP_TOKENS, batched, warmup_tokens
 from tests.serve.servers import TURN1, TURN2, hits, metrics, persist_serve, text
 
 
@@ -65,3 +66,19 @@ def test_the_model_runs_once_before_the_server_listens(model_dir: Any, tmp_path:
         assert text(srv.chat(TURN1))
     finally:
         srv.stop()
+
+
+def test_the_warm_up_prompt_is_long_prompts_chunks_on_a_gpu() -> None:
+    # a GPU builds kernels per shape: a full chunk, one after a chunk, a partial one
+    assert warmup_tokens(2048, gpu=True, context=None) == 2048 * 2 + 1024
+    assert warmup_tokens(2048, gpu=False, context=None) == WARMUP_TOKENS
+    assert warmup_tokens(512, gpu=True, context=131072) == 1280
+    assert warmup_tokens(2048, gpu=True, context=1024) == 1021  # never past the context
+    assert warmup_tokens(2048, gpu=True, context=3) == 2
+
+
+def test_the_warm_up_runs_mlx_lms_batched_prefill_chunk_by_chunk(tiny: Any) -> None:
+    # the path a batchable request takes, in chunks of --prefill-step-size
+    model, tok, _ = tiny("llama")
+    ids = tok.encode("warm up " * 160)[:160]
+    assert batched(model, ids, step=64) == 159  # the last one is the first decode step's
