@@ -60,7 +60,9 @@ for phase in "$@"; do
   contention2)
     # the same, Python's default switch interval against 0.5 ms, py-spy on the GIL holder
     python3 -c "from persist.apps.demo import make_model; from bench.bench_e2e import SHAPES; make_model('/tmp/cmodel', 'llama', overrides=SHAPES['llama3-8b'])" >/dev/null 2>&1 || true
-    for si in "" 0.0005; do
+    # CONTENTION_SI: the switch intervals to run ("default" for Python's own)
+    for si in ${CONTENTION_SI:-default 0.0005}; do
+      [ "$si" = default ] && si=""
       timeout 200 python3 -m bench.cuda_serve_contention --n 3 --model /tmp/cmodel --out "$OUT" \
         --pyspy /tmp/site/bin/py-spy ${si:+--switch-interval $si} 2>&1 | tail -4
     done ;;
@@ -90,7 +92,9 @@ for phase in "$@"; do
     (cd /tmp && find bt -name '*.log' | tar czf "$OUT/servetest-logs.tgz" -T -) ;;
   e2efull)
     # the same, 6 sessions x 3 turns: more requests per phase
+    # a model contention2 made is reused (its making is not part of the run)
     E2E_PYSPY=/tmp/site/bin/py-spy timeout 470 python3 -m bench.bench_e2e --shape llama3-8b --system-words 1700 \
+      $( [ -f /tmp/cmodel/config.json ] && echo --model /tmp/cmodel ) \
       --out cuda --logs /tmp/e2e-logs 2>&1 | tee "$OUT/e2e.log" | tail -30
     tar czf "$OUT/e2e-logs.tgz" -C /tmp e2e-logs  # one file: a call brings back 8 at most
     cp bench/results/e2e-cuda.* "$OUT/" ;;
