@@ -291,7 +291,10 @@ class PersistentPromptCache(LRUPromptCache):
         """Run ``work`` on the writer thread, after every save queued before it and
         before any queued later (a lookup's verdict, judged off the generation thread
         on the store as it was asked: ``serve.explaining``); False, nothing queued,
-        when the queue is full (the caller runs it itself)."""
+        when the queue is half full (the caller runs it itself): such work never
+        takes the room a save needs."""
+        if self._queue.qsize() >= self._queue.maxsize // 2:
+            return False
         try:
             self._queue.put_nowait(work)
         except queue.Full:

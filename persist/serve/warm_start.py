@@ -92,7 +92,11 @@ def first_forward(model_provider: Any) -> float | None:
         gpu = mx.default_device() != mx.cpu
         n = warmup_tokens(step, gpu, context_length(model))
         ids = model_provider.tokenizer.encode("warm up " * n)[:n]
-        batched(model, ids, step)
+        args = model_provider.cli_args
+        if getattr(model_provider, "is_batchable", False) and getattr(args, "kv_bits", 0) is None:
+            batched(model, ids, step)
+        else:  # mlx-lm serves this model (or these options) one request at a time
+            alone(model, ids, step)
     except InvalidArgumentError:
         raise  # options this model cannot serve (kv_bits on rings): refused at start
     except Exception as e:
@@ -116,3 +120,15 @@ def batched(model: Any, ids: list[int], step: int) -> int:
         raise RuntimeError(f"the warm-up did not finish in {MAX_STEPS} steps")
     finally:
         gen.close()
+
+
+def alone(model: Any, ids: list[int], step: int) -> None:
+    """``ids`` through a fresh prompt cache in chunks of ``step``, then a decode step."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    for i in range(0, len(ids), step):
+        logits = model(mx.array([ids[i : i + step]]), cache=cache)
+        mx.eval(logits)
+    mx.eval(model(mx.argmax(logits[:, -1:], axis=-1), cache=cache))

@@ -173,3 +173,33 @@ def test_an_evicted_cache_still_lazy_is_kept(tiny: Any, tmp_path: Path) -> None:
         finally:
             pc.close()
         assert host.stats()["kept"] == 1
+
+
+def test_work_after_the_saves_never_takes_a_saves_room(tiny: Any, tmp_path: Path) -> None:
+    # a lookup's verdict runs on the writer thread, after the saves queued before it,
+    # only while the queue is less than half full; else its caller runs it
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    with persist.Store(tmp_path / "s") as store:
+        pc = PersistentPromptCache(4, store=store, identity=ident, queue_size=4)
+        started, held, ran = threading.Event(), threading.Event(), []
+
+        def hold() -> None:
+            started.set()
+            held.wait(60)
+
+        try:
+            assert pc.after_saves(hold)
+            assert started.wait(60)  # the writer waits in it: the queue is empty
+            assert pc.after_saves(lambda: ran.append(1))
+            assert pc.after_saves(lambda: ran.append(2))
+            assert not pc.after_saves(lambda: ran.append(3))  # 2 of 4: half full
+            toks = tokens_for(40, seed=93)
+            pc.insert_cache("m", toks, prefill(model, toks)[0])  # a save still has room
+            held.set()
+            pc.flush()
+            assert ran == [1, 2] and pc.counters["persisted"] == 1
+            assert "queue_drops" not in pc.counters
+        finally:
+            held.set()
+            pc.close()

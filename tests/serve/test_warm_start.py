@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from bench.servers import Server
-from persist.serve.warm_start import WARMUP_TOKENS, batched, warmup_tokens
+from persist.serve.warm_start import WARMUP_TOKENS, alone, batched, warmup_tokens
 from tests.serve.servers import TURN1, TURN2, hits, metrics, persist_serve, text
 
 
@@ -82,3 +82,9 @@ def test_the_warm_up_runs_mlx_lms_batched_prefill_chunk_by_chunk(tiny: Any) -> N
     model, tok, _ = tiny("llama")
     ids = tok.encode("warm up " * 160)[:160]
     assert batched(model, ids, step=64) == 159  # the last one is the first decode step's
+
+
+def test_a_model_mlx_lm_serves_alone_is_warmed_alone(tiny: Any) -> None:
+    # a draft model or --kv-bits: mlx-lm's server runs such requests one at a time
+    model, tok, _ = tiny("llama")
+    alone(model, tok.encode("warm up " * 100)[:100], step=32)
