@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import tempfile
@@ -28,20 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.bench_e2e import SHAPES, scrape, start, streamed, unseen
+from bench.bench_e2e import SHAPES, quiet, scrape, start, streamed, unseen
 from persist.apps.demo import make_model
 
 
-def queue_depth(port: int) -> float:
-    m = re.search(r"^persist_write_queue_depth (\S+)$", scrape(port), re.M)
-    return float(m.group(1)) if m else 0.0
-
-
-def idle(port: int, settle: float, bound: float = 60.0) -> None:
+def idle(port: int, settle: float) -> None:
     """Wait for persist's write queue to empty (bounded), then ``settle`` seconds."""
-    t0 = time.monotonic()
-    while queue_depth(port) > 0 and time.monotonic() - t0 < bound:
-        time.sleep(0.1)
+    quiet(port)
     time.sleep(settle)
 
 
