@@ -2,11 +2,12 @@
 
 Every keyed lookup that does not reuse the prompt's whole prefix (all of it but
 the last token, the most any cache gives) is judged against the store as the
-lookup saw it: on the write-behind's thread, queued before the request's own
-caches are saved (a miss pays no index reads on the generation thread); on
-the generation thread, right after the lookup, when the request waits for
-its verdict or the write-behind's queue is full (timed as step ``explain`` of
-``persist_generation_thread_seconds``).  A judgement is a bounded
+lookup saw it: on the write-behind's thread when it has nothing queued or in
+writing, queued before the request's own caches are saved (a miss pays no
+index reads on the generation thread); on the generation thread, right after
+the lookup, when the request waits for its verdict or a save waits (one
+committed before a later verdict made a miss look like a hit; timed as step
+``explain`` of ``persist_generation_thread_seconds``).  A judgement is a bounded
 ``Store.explain`` (``storage.nearest``: a few index seeks and a few dozen rows,
 whatever the store holds), weighed against what the lookup served from any
 tier and what the cost model decided.  A verdict that is not a hit

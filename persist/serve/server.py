@@ -289,12 +289,14 @@ class PersistentPromptCache(LRUPromptCache):
 
     def after_saves(self, work: Behind) -> bool:
         """Run ``work`` on the writer thread, after every save queued before it and
-        before any queued later (a lookup's verdict, judged off the generation thread
-        on the store as it was asked: ``serve.explaining``); False, nothing queued,
-        when the queue is half full (the caller runs it itself): such work never
-        takes the room a save needs."""
-        if self._queue.qsize() >= self._queue.maxsize // 2:
-            return False
+        before any queued later; only while nothing is queued or being written, so
+        that it reads the store as it is now (a lookup's verdict, judged off the
+        generation thread: ``serve.explaining``).  False, nothing queued, otherwise
+        (the caller runs it itself): a save queued before a lookup and committed
+        before its verdict made a miss look like a hit (attack 39h)."""
+        with self._queue.mutex:  # inserts come from this (the generation) thread only
+            if self._queue.unfinished_tasks:
+                return False
         try:
             self._queue.put_nowait(work)
         except queue.Full:

@@ -143,9 +143,9 @@ class TenantScoping(CountsOnce):
     def _judge(self, model: Any, ask: Asking, tokens: list[int], have: int, d: Any) -> None:
         """Why this lookup reused ``have`` tokens (``serve.explaining``): counted when it
         is not a hit, and told to a request that asked.  Judged on the writer thread,
-        before this request's own saves, unless the request waits for its verdict (or
-        the write-behind's queue is full): a miss pays no index reads on the
-        generation thread (issue 39).  Never fails the request."""
+        before this request's own saves, when nothing is queued or in writing and the
+        request does not wait for its verdict (``after_saves``): a miss then pays no
+        index reads on the generation thread (issue 39).  Never fails the request."""
         identity = self.identity_for(model)  # type: ignore[attr-defined]
         asked = ask.explain is not None
         if identity is None or (have >= len(tokens) - 1 and not asked):

@@ -16,7 +16,7 @@ import pytest
 
 from bench.servers import Server
 from persist.engine.explain import REASONS
-from tests.serve.servers import TURN1, TURN2, metrics, persist_serve
+from tests.serve.servers import TURN1, TURN2, metrics, persist_serve, written
 
 ASK = {"X-Persist-Explain": "1"}
 
@@ -136,6 +136,7 @@ def explain_steps(srv: Server) -> float:
 def test_misses_are_counted_by_reason_every_label_there(server: Server) -> None:
     before = misses(server)
     assert set(before) == set(REASONS) - {"hit"}
+    written(server)  # nothing queued or in writing: the verdict may go behind the saves
     on_thread = explain_steps(server)
     cold = [{"role": "user", "content": "Zebras, quartz and a jukebox: " * 8}]
     chat(server, cold, {})  # nothing stored shares a token with it

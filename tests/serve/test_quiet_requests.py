@@ -175,9 +175,10 @@ def test_an_evicted_cache_still_lazy_is_kept(tiny: Any, tmp_path: Path) -> None:
         assert host.stats()["kept"] == 1
 
 
-def test_work_after_the_saves_never_takes_a_saves_room(tiny: Any, tmp_path: Path) -> None:
-    # a lookup's verdict runs on the writer thread, after the saves queued before it,
-    # only while the queue is less than half full; else its caller runs it
+def test_work_after_the_saves_runs_only_on_the_store_as_it_is(tiny: Any, tmp_path: Path) -> None:
+    # a lookup's verdict runs on the writer thread only while nothing is queued or in
+    # writing: a save queued before the lookup and committed before the verdict made a
+    # miss look like a hit (attack 39h); else its caller runs it, as before
     model, tok, _ = tiny("llama")
     ident = persist.ModelIdentity.of(model, tok)
     with persist.Store(tmp_path / "s") as store:
@@ -189,17 +190,65 @@ def test_work_after_the_saves_never_takes_a_saves_room(tiny: Any, tmp_path: Path
             held.wait(60)
 
         try:
-            assert pc.after_saves(hold)
-            assert started.wait(60)  # the writer waits in it: the queue is empty
-            assert pc.after_saves(lambda: ran.append(1))
-            assert pc.after_saves(lambda: ran.append(2))
-            assert not pc.after_saves(lambda: ran.append(3))  # 2 of 4: half full
-            toks = tokens_for(40, seed=93)
-            pc.insert_cache("m", toks, prefill(model, toks)[0])  # a save still has room
+            assert pc.after_saves(hold)  # nothing queued: the writer takes it
+            assert started.wait(60)
+            assert not pc.after_saves(lambda: ran.append(1))  # one in writing
             held.set()
             pc.flush()
-            assert ran == [1, 2] and pc.counters["persisted"] == 1
-            assert "queue_drops" not in pc.counters
+            toks = tokens_for(40, seed=93)
+            started.clear()
+            held.clear()
+            assert pc.after_saves(hold)
+            assert started.wait(60)
+            pc.insert_cache("m", toks, prefill(model, toks)[0])  # queued behind it
+            assert not pc.after_saves(lambda: ran.append(2))
+            held.set()
+            pc.flush()
+            assert pc.after_saves(lambda: ran.append(3))  # all written: the store is as it is
+            pc.flush()
+            assert ran == [3] and pc.counters["persisted"] == 1
         finally:
             held.set()
+            pc.close()
+
+
+def test_a_miss_is_judged_on_the_store_its_lookup_saw(tiny: Any, tmp_path: Path) -> None:
+    # attack 39h: P's save still queued, P evicted from memory by Q, then P's next turn:
+    # the lookup reuses nothing; judged after P's save committed it was counted as a hit
+    from persist.serve import tenant_serving as ts
+    from persist.serve.explaining import miss_counter
+    from persist.serve.metrics import ServeMetrics
+    from persist.serve.tenants import Tenants
+
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    p_toks, q_toks = tokens_for(80, seed=94), tokens_for(80, seed=95)
+    with persist.Store(tmp_path / "s") as store:
+        metrics = ServeMetrics(store, "default")
+        metrics.misses = miss_counter(metrics.registry)
+        pc = ts.scoped_cache(PersistentPromptCache)(
+            1, tenants=Tenants("default"), store=store, identity=ident, metrics=metrics,
+            queue_size=8,
+        )  # fmt: skip
+        started, held = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            started.set()
+            held.wait(60)
+
+        ts._here.asking, ts._here.single = ts.Asking("default"), True
+        try:
+            assert pc.after_saves(hold)
+            assert started.wait(60)  # the writer is busy: P's save waits in the queue
+            pc.insert_cache("m", p_toks, prefill(model, p_toks)[0])
+            pc.insert_cache("m", q_toks, prefill(model, q_toks)[0])  # evicts P from memory
+            cache, rest = pc.fetch_nearest_cache("m", [*p_toks, 7, 8])
+            assert cache is None and len(rest) == 82  # nothing reused
+            held.set()
+            pc.flush()
+            assert store.lookup([*p_toks, 7, 8], identity=ident) is not None  # P is stored now
+            assert metrics.misses.labels("empty")._value.get() == 1  # judged as looked up
+        finally:
+            held.set()
+            ts._here.asking, ts._here.single = None, False
             pc.close()
