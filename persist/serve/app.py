@@ -23,7 +23,7 @@ from .metrics import ServeMetrics
 from .server import PersistentPromptCache
 from .tenants import Tenants
 
-__all__ = ["serve", "host_budget", "keep_freed_buffers"]
+__all__ = ["serve", "check_sizes", "host_budget", "keep_freed_buffers"]
 
 log = logging.getLogger("persist")
 MIN_REQUEST_BYTES = 1024  # below it no chat request fits: a server that refuses them all
@@ -82,6 +82,7 @@ def serve(
             f"--max-request-bytes {max_request_bytes} takes no request: at least "
             f"{MIN_REQUEST_BYTES} bytes (a chat request's JSON)"
         )
+    check_sizes(server_args or [])
     import mlx_lm.server as server
 
     from .allowed_models import listing_only
@@ -231,6 +232,33 @@ def serve(
         stats.close()
         log.info(stop_line(metrics.summary(), store))
         store.close()
+
+
+# mlx-lm's options that must be 1 or more: at 0 its server started, then hung on the
+# first request (or, below 0, failed every one) (attack 39h)
+AT_LEAST_ONE = ("--prefill-step-size", "--prompt-concurrency", "--decode-concurrency")
+
+
+def check_sizes(server_args: Sequence[str]) -> None:
+    """InvalidArgumentError for one of AT_LEAST_ONE below 1 among mlx-lm's options (a
+    value that is not a number is mlx-lm's own argparse's to refuse)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    for name in AT_LEAST_ONE:
+        parser.add_argument(name)
+    known, _ = parser.parse_known_args(list(server_args))
+    for name in AT_LEAST_ONE:
+        raw = getattr(known, name.lstrip("-").replace("-", "_"))
+        try:
+            value = int(raw) if raw is not None else 1
+        except ValueError:
+            continue
+        if value < 1:
+            raise InvalidArgumentError(
+                f"{name} {value} serves nothing: at least 1 (mlx-lm's server would hang "
+                "on its first request or fail every one)"
+            )
 
 
 def host_budget(host_cache: int | None) -> int:

@@ -88,6 +88,7 @@ def first_forward(model_provider: Any) -> float | None:
         model = model_provider.model
         if model is None:
             return None
+        check_draft(model_provider)
         step = int(getattr(model_provider.cli_args, "prefill_step_size", 0) or 2048)
         gpu = mx.default_device() != mx.cpu
         n = warmup_tokens(step, gpu, context_length(model))
@@ -103,6 +104,22 @@ def first_forward(model_provider: Any) -> float | None:
         log.warning("persist: the first forward pass at start failed: %s", e)
         return None
     return time.perf_counter() - t0
+
+
+def check_draft(model_provider: Any) -> None:
+    """InvalidArgumentError for a draft model beside a model whose cache cannot be
+    trimmed: mlx-lm's speculative decoding refuses such a cache in every request (a
+    500 each, attack 39h); refused at start, as other setups that serve nothing are."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+    if getattr(model_provider, "draft_model", None) is None:
+        return
+    if not can_trim_prompt_cache(make_prompt_cache(model_provider.model)):
+        raise InvalidArgumentError(
+            "--draft-model needs a model whose prompt cache can be trimmed (mlx-lm's "
+            "speculative decoding refuses every request otherwise); this model's cache "
+            "has layers that cannot be (recurrent state): serve it without a draft model"
+        )
 
 
 def batched(model: Any, ids: list[int], step: int) -> int:

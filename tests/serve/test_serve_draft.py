@@ -134,3 +134,19 @@ def test_memory_tier_caches_cover_their_keys(model_dir: Any, tmp_path: Path) -> 
             assert pc.counters["persist_errors"] == 0  # the store took every insert
         finally:
             pc.close()
+
+
+def test_a_draft_beside_an_untrimmable_model_is_refused_at_start(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    """Attack 39h: mlx-lm's speculative decoding refuses a recurrent model's cache in
+    every request (a 500 each); persist serve refuses the setup in one line, exit 1."""
+    from tests.helpers import persist_cli
+
+    out = persist_cli(
+        tmp_path / "home", "serve", "--model", str(model_dir("qwen3_next")), "--store",
+        str(tmp_path / "s"), "--port", "0", "--draft-model", str(model_dir("qwen3_next_b")),
+        check=False,
+    )  # fmt: skip
+    assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
+    assert "--draft-model" in out.stderr and "Traceback" not in out.stderr

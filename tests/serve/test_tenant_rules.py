@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+import persist
 from persist.errors import InvalidArgumentError, PersistError
 from persist.serve.tenant_metrics import TenantCounts, tenancy_line, tenant_of
 from persist.serve.tenants import AccessDeniedError, Tenants, load_keys, load_public, tenants_from
@@ -285,7 +286,16 @@ def test_a_public_cut_never_holds_private_text(tiny: Any) -> None:
 
 @pytest.mark.parametrize(
     ("option", "value", "said"),
-    [("--namespace", "", "namespace"), ("--max-request-bytes", "0", "--max-request-bytes")],
+    [
+        ("--namespace", "", "namespace"),
+        ("--max-request-bytes", "0", "--max-request-bytes"),
+        # attack 39h: mlx-lm's server started, then hung on the first request (0) or
+        # failed every one (-1)
+        ("--prefill-step-size", "0", "--prefill-step-size"),
+        ("--prefill-step-size", "-1", "--prefill-step-size"),
+        ("--prompt-concurrency", "0", "--prompt-concurrency"),
+        ("--decode-concurrency", "0", "--decode-concurrency"),
+    ],
 )
 def test_serve_refuses_options_that_serve_nothing(
     model_dir: Any, tmp_path: Path, option: str, value: str, said: str
@@ -299,3 +309,13 @@ def test_serve_refuses_options_that_serve_nothing(
     )  # fmt: skip
     assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
     assert said in out.stderr and "Traceback" not in out.stderr
+
+
+def test_mlx_lm_sizes_below_one_are_refused_in_every_spelling() -> None:
+    from persist.serve.app import check_sizes
+
+    for bad in (["--prefill-step-size=0"], ["--prefill-step", "0"], ["--decode-concurrency", "-3"]):
+        with pytest.raises(persist.InvalidArgumentError, match="at least 1"):
+            check_sizes(bad)
+    check_sizes(["--prefill-step-size", "1", "--prompt-concurrency", "2", "--kv-bits", "4"])
+    check_sizes(["--prefill-step-size", "many"])  # mlx-lm's own argparse refuses it
