@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,8 @@ from ..storage.chains import HEAD_TOKENS
 from .request_checks import BadRequest
 
 __all__ = [
-    "ExplainSlot", "Verdict", "judge", "judged", "explain_asked", "miss_counter", "HEADER"
+    "ExplainSlot", "Verdict", "judge", "judged", "wanted", "explain_asked", "miss_counter",
+    "HEADER",
 ]  # fmt: skip
 
 log = logging.getLogger("persist")
@@ -127,7 +129,7 @@ def judge(
     reused every token but the last is a hit without reading the index, unless the
     client asked to be told more."""
     n = len(tokens)
-    if cached >= n - 1 and not asked:
+    if not wanted(n, cached, asked):
         return None
     e = store.explain(tokens, identity=identity, namespace=namespace, bounded=True)
     shared = max(cached, e.longest.shared if e.longest is not None else 0)
@@ -151,25 +153,20 @@ def judge(
     return verdict(reason, fields=fields if reason == "identity" else [])
 
 
+def wanted(n: int, cached: int, asked: bool) -> bool:
+    """Does a lookup that reused ``cached`` of ``n`` tokens get a verdict?  Not a whole
+    hit (every token but the last) that nobody asked about."""
+    return asked or cached < n - 1
+
+
 def judged(
-    store: Any,
-    identity: ModelIdentity,
-    namespace: str,
-    tokens: list[int],
-    *,
-    cached: int,
-    decision: Any,
-    misses: Counter | None,
-    slot: ExplainSlot | None,
+    verdict: Callable[[], Verdict | None], misses: Counter | None, slot: ExplainSlot | None
 ) -> None:
-    """``judge`` a lookup, count a verdict that is not a hit in ``misses`` and leave it
-    in ``slot`` (a request that asked: logged too).  Never raises: a verdict is
-    never worth a request."""
+    """Run ``verdict`` (a ``judge`` bound to its lookup), count one that is not a hit in
+    ``misses`` and leave it in ``slot`` (a request that asked: logged too).  Never
+    raises: a verdict is never worth a request."""
     try:
-        v = judge(
-            store, identity, namespace, tokens, cached=cached, decision=decision,
-            asked=slot is not None,
-        )  # fmt: skip
+        v = verdict()
     except Exception as e:
         log.warning("persist: could not judge a lookup: %s", e)
         return

@@ -297,10 +297,7 @@ class PersistentPromptCache(LRUPromptCache):
         with self._queue.mutex:  # inserts come from this (the generation) thread only
             if self._queue.unfinished_tasks:
                 return False
-        try:
-            self._queue.put_nowait(work)
-        except queue.Full:
-            return False
+        self._queue.put_nowait(work)  # an empty queue has room
         return True
 
     def _write_behind(self) -> None:

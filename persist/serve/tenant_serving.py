@@ -37,7 +37,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from ..errors import AccessDeniedError
-from .explaining import ExplainSlot, judged
+from .explaining import ExplainSlot, judge, judged, wanted
 from .generation import GuardedGenerator
 from .hints import SaveHints, save_hints, split_at_marks
 from .request_checks import BadRequest
@@ -148,17 +148,18 @@ class TenantScoping(CountsOnce):
         index reads on the generation thread (issue 39).  Never fails the request."""
         identity = self.identity_for(model)  # type: ignore[attr-defined]
         asked = ask.explain is not None
-        if identity is None or (have >= len(tokens) - 1 and not asked):
-            return  # no verdict for a whole hit nobody asked about (``judge``)
-        misses = self.metrics.misses if self.metrics is not None else None
+        if identity is None or not wanted(len(tokens), have, asked):
+            return
         verdict = functools.partial(
-            judged, self.store, identity, ask.namespace, list(tokens), cached=have,
-            decision=d, misses=misses, slot=ask.explain,
+            judge, self.store, identity, ask.namespace, list(tokens), cached=have,
+            decision=d, asked=asked,
         )  # fmt: skip
-        if not asked and self.after_saves(verdict):  # type: ignore[attr-defined]
+        misses = self.metrics.misses if self.metrics is not None else None
+        work = functools.partial(judged, verdict, misses, ask.explain)
+        if not asked and self.after_saves(work):  # type: ignore[attr-defined]
             return
         with self._on_thread("explain"):  # type: ignore[attr-defined]
-            verdict()
+            work()
 
     def _holding(self) -> Any:
         """Hold what a lookup reports to /metrics (``serve.prompt_counts``)."""

@@ -89,11 +89,11 @@ def first_forward(model_provider: Any) -> float | None:
         if model is None:
             return None
         check_draft(model_provider)
-        step = int(getattr(model_provider.cli_args, "prefill_step_size", 0) or 2048)
+        args = model_provider.cli_args
+        step = int(getattr(args, "prefill_step_size", 0) or 2048)
         gpu = mx.default_device() != mx.cpu
         n = warmup_tokens(step, gpu, context_length(model))
         ids = model_provider.tokenizer.encode("warm up " * n)[:n]
-        args = model_provider.cli_args
         if getattr(model_provider, "is_batchable", False) and getattr(args, "kv_bits", 0) is None:
             batched(model, ids, step)
         else:  # mlx-lm serves this model (or these options) one request at a time
