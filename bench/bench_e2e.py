@@ -165,9 +165,16 @@ def profiler(srv: Server, logs: Path | None, life: str) -> subprocess.Popen[byte
     spy = os.environ.get("E2E_PYSPY")
     if not spy or logs is None:
         return None
-    out = logs / f"pyspy-{life.replace(' ', '-')}.txt"
+    return sampling(spy, srv, logs / f"pyspy-{life.replace(' ', '-')}.txt")
+
+
+def sampling(
+    spy: str, srv: Server, out: Path, *more: str, rate: int = 200
+) -> subprocess.Popen[bytes]:
+    """py-spy recording ``srv``'s threads into ``out`` (raw; ``more``: e.g. ``--gil``)
+    until it gets SIGINT."""
     args = [spy, "record", "--pid", str(srv.proc.pid), "--format", "raw", "-o", str(out),
-            "--threads", "--nonblocking", "--rate", "200"]  # fmt: skip
+            "--threads", "--nonblocking", "--rate", str(rate), *more]  # fmt: skip
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -21,13 +21,12 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.bench_e2e import SHAPES, quiet, scrape, start, streamed, unseen
+from bench.bench_e2e import SHAPES, quiet, sampling, scrape, start, streamed, unseen
 from persist.apps.demo import make_model
 
 
@@ -72,12 +71,8 @@ def main() -> None:
         spy = None
         if args.pyspy:
             args.out.mkdir(parents=True, exist_ok=True)
-            spy = subprocess.Popen(
-                [args.pyspy, "record", "--pid", str(servers["persist"].proc.pid), "--gil",
-                 "--threads", "--nonblocking", "--rate", "250", "--format", "raw",
-                 "-o", str(args.out / f"serve-contention{tag}-gil.txt")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+            out = args.out / f"serve-contention{tag}-gil.txt"
+            spy = sampling(args.pyspy, servers["persist"], out, "--gil", rate=250)
         try:
             for srv in servers.values():  # kernels compiled: not timed
                 streamed(srv.port, [{"role": "user", "content": "warm up"}], 2)
