@@ -23,6 +23,7 @@ server then answers every later request with an error while it stays up.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -156,6 +157,12 @@ class GuardedGenerator(ResponseGenerator):
                     exc_info=e,
                 )
 
+    def stop_and_join(self) -> None:
+        """mlx-lm's stop and join, then a bounded wait for the thread to leave the OS."""
+        super().stop_and_join()
+        if not left_the_os(self._generation_thread):
+            log.warning("persist: the generation thread had not exited 5 s after its join")
+
     def _die(self, why: str, e: BaseException) -> None:
         self.death = why
         self._generation_failed = True
@@ -279,3 +286,23 @@ def status_for(e: Exception) -> int | None:
     if isinstance(e, (BadRequest, ValueError, TypeError, KeyError, IndexError)):
         return 400
     return None
+
+
+def left_the_os(thread: threading.Thread, timeout: float = 5.0) -> bool:
+    """Wait until a joined ``thread`` is gone from the OS (False: still there after
+    ``timeout`` seconds).  ``join`` returns when its Python part has ended; its C++
+    thread-locals are freed after, and MLX's compile cache among them takes the GIL to
+    release the compiled Python functions (the model's, mlx-lm's samplers').  A
+    process that finalized first was aborted by that thread's exit ("terminate
+    called without an active exception", SIGABRT after `persist serve`'s stop line).
+    Where there is no /proc/self/task to look in, nothing to wait for is known."""
+    tid = thread.native_id
+    if tid is None or not os.path.isdir("/proc/self/task"):
+        return True
+    task = f"/proc/self/task/{tid}"
+    deadline = time.monotonic() + timeout
+    while os.path.exists(task):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)  # lets that thread take the GIL for its thread-locals
+    return True

@@ -93,3 +93,22 @@ def test_restart_budget_counts_failures_in_its_window() -> None:
     assert not budget.spend()  # a third within 10 s
     now[0] = 100.0
     assert budget.spend()  # the old ones have left the window
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+def test_stop_and_join_returns_once_the_generation_thread_has_left_the_os(
+    model_dir: Any,
+) -> None:
+    """mlx-lm's join returned as the thread's Python part ended; its C++ thread-locals
+    (MLX's compile cache, holding the sampler's compiled Python functions) were freed
+    after that, taking the GIL: a process that stopped at once sometimes finalized
+    first, and that thread's exit aborted it ("terminate called without an active
+    exception", SIGABRT after `persist serve`'s stop line, round 5 under CPU load)."""
+    provider = server.ModelProvider(cli_args(str(model_dir("llama"))))
+    gen = GuardedGenerator(provider, LRUPromptCache())
+    try:
+        answer(gen, "hello there, how are")  # the model's compiled functions (swiglu)
+    finally:
+        gen.stop_and_join()
+    tid = gen._generation_thread.native_id
+    assert tid is not None and not Path(f"/proc/self/task/{tid}").exists()
