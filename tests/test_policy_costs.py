@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -161,3 +164,55 @@ def test_one_slow_sample_never_declines_and_a_confident_one_may_explore() -> Non
     )
     assert (capped.restore, capped.reason) == (False, "max_cost")
     assert (decide(3, 0.5).samples, decide(3, 0.5).best_s) == (3, 0.5)
+
+
+def test_an_unmeasured_tier_is_bounded_by_the_fastest_confident_one() -> None:
+    """After a restart a tier was not measured yet (``local``), while another (``host``)
+    was, confidently: a hit that loses to the prefill even at that tier's optimistic
+    rate is declined (``bound``), not restored to learn (on the H100 a restart's
+    restores of 7,241 tokens took 0.39-0.47 s where memory held 7,073 and plain
+    mlx_lm.server prefilled the other 222 in 0.20-0.27 s)."""
+    host = {30: [1e9, 1.2e9, 1.1e9]}  # bytes/s in the bucket of 2**29 bytes
+    floor = recompute.floor_seconds({"host": host, "local": {30: [5e8]}}, 1 << 29)
+    assert floor == pytest.approx((1 << 29) / 1.2e9)  # the optimistic end, of host only
+    assert recompute.floor_seconds({"host": {30: [1e9, 1e9]}}, 1 << 29) is None  # 2 samples
+    assert recompute.floor_seconds({}, 1 << 29) is None
+
+    def decide(rs: float | None, samples: int | None, fl: float | None, **kw: float) -> Any:
+        return recompute.decide_cost(
+            7241, 1 << 29, "local", restore_s=rs, prefill_s=0.02, samples=samples,
+            floor_s=fl, **kw,
+        )  # fmt: skip
+
+    d = decide(None, None, 0.45)
+    assert (d.restore, d.reason, d.floor_s) == (False, "bound", 0.45)
+    assert (decide(0.5, 1, 0.45).restore, decide(0.5, 1, 0.45).reason) == (False, "bound")
+    # winnable at the optimistic rate: restored, to be measured, as before
+    assert (decide(None, None, 0.01).restore, decide(None, None, 0.01).reason) == (
+        True,
+        "unmeasured",
+    )
+    assert (decide(0.5, 1, 0.01).restore, decide(0.5, 1, 0.01).reason) == (True, "learning")
+    # a limit the caller names is the limit: no bound past it
+    assert (decide(None, None, 0.45, max_cost=1.0).restore) is True
+
+
+@given(
+    st.none() | st.floats(0, 1e3),
+    st.none() | st.integers(0, 9),
+    st.floats(1e-6, 1e3),
+    st.none() | st.floats(0, 1e3),
+)
+def test_a_bound_declines_only_what_would_lose_at_its_rate(
+    rs: float | None, samples: int | None, ps: float, fl: float | None
+) -> None:
+    d = recompute.decide_cost(
+        100, 1 << 20, "local", restore_s=rs, prefill_s=ps, samples=samples, floor_s=fl
+    )
+    if d.reason == "bound":
+        assert fl is not None and fl > ps and not d.restore
+    without = recompute.decide_cost(
+        100, 1 << 20, "local", restore_s=rs, prefill_s=ps, samples=samples
+    )
+    if without.reason in ("faster", "slower", "uncertain"):
+        assert d == dataclasses.replace(without, floor_s=fl)  # a confident estimate rules

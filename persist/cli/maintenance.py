@@ -175,6 +175,8 @@ def _render_decision(d: dict[str, Any]) -> str:
     why = d["reason"]
     if d.get("samples") is not None:
         why += f", {plural(d['samples'], 'sample')}"
+    if d["reason"] == "bound" and d.get("floor_s") is not None:
+        why += f": {d['floor_s']:.3f} s at the fastest rate measured here"
     return (
         f"decision {chosen}: {d['tokens']} tokens from {d['tier']}, restore "
         f"{secs(d['restore_s'])} vs prefill {secs(d['prefill_s'])} ({why})"

@@ -15,7 +15,9 @@ faulted in) and are kept apart as ``<what>-first``, never as a rate (they
 price only a process's own first run, against its first prefill); a hit
 declined as slower is restored anyway now and then (``EXPLORE_EVERY``
 declines of its bucket in this process, or its bucket unmeasured for
-``EXPLORE_AFTER`` seconds) so a wrong estimate is measured again.
+``EXPLORE_AFTER`` seconds) so a wrong estimate is measured again; a tier not
+measured yet (or learning) is bounded by the fastest tier measured confidently
+(``policy.recompute.floor_seconds``): a hit that loses even at that rate is declined.
 """
 
 from __future__ import annotations
@@ -161,10 +163,12 @@ class CostModel:
         prefill = self.prefill_seconds(identity, min(held, tokens), tokens)
         tier, nbytes = tiers[0]
         known = [p for p in parts if p is not None]
+        unsure = len(known) < len(parts) or min(p.samples for p in known) < recompute.MIN_SAMPLES
+        floor = self._floor(identity, tiers) if unsure and prefill is not None else None
         if len(known) < len(parts):
             return recompute.decide_cost(
                 tokens, nbytes, tier, restore_s=None, prefill_s=prefill, max_cost=max_cost,
-                held=held,
+                held=held, floor_s=floor,
             )  # fmt: skip
         return recompute.decide_cost(
             tokens,
@@ -176,7 +180,16 @@ class CostModel:
             best_s=sum(p.best for p in known),
             samples=min(p.samples for p in known),
             held=held,
+            floor_s=floor,
         )
+
+    def _floor(self, identity: ModelIdentity, tiers: list[tuple[str, int]]) -> float | None:
+        """The fewest seconds restoring ``tiers``' bytes could take on this machine
+        (``recompute.floor_seconds`` of each part, summed; None where one has none)."""
+        every = rates.samples_by_key(self.index, self._machine(identity), "restore")
+        measured = {t: {b: s.values for b, s in got.items()} for t, got in every.items()}
+        parts = [recompute.floor_seconds(measured, n) for _, n in tiers]
+        return None if None in parts else sum(p for p in parts if p is not None)
 
     def decide(
         self,
@@ -192,7 +205,7 @@ class CostModel:
         model's own (``self.max_cost``, persist's --max-cost)."""
         limit = self.max_cost if max_cost is None else max_cost
         d = self.predict(identity, tiers, tokens, limit, held)
-        if d.reason == "slower" and self._explore_due(identity, *tiers[0]):
+        if d.reason in ("slower", "bound") and self._explore_due(identity, *tiers[0]):
             d = dataclasses.replace(d, restore=True, reason="explore")
         self.last = d
         rates.note_decision(self.index, namespace, dataclasses.asdict(d))

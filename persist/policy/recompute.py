@@ -19,6 +19,7 @@ __all__ = [
     "rate_of",
     "restore_estimate",
     "RestoreEstimate",
+    "floor_seconds",
     "CostDecision",
     "decide_cost",
 ]
@@ -130,7 +131,22 @@ def restore_estimate(samples: Mapping[int, Sequence[float]], nbytes: int) -> Res
     return RestoreEstimate(seconds, min(best, seconds), est.samples)
 
 
-Reason = Literal["unmeasured", "faster", "slower", "max_cost", "learning", "uncertain", "explore"]
+def floor_seconds(tiers: Mapping[str, Mapping[int, Sequence[float]]], nbytes: int) -> float | None:
+    """The fewest seconds a restore of ``nbytes`` could take here: the optimistic end
+    of the fastest tier whose estimate MIN_SAMPLES or more samples stand behind (None:
+    no tier's does).  Every restore ends as the fastest tier's does (the host tier's:
+    bytes already in RAM, placed on the device), so no tier restores faster."""
+    ends = []
+    for samples in tiers.values():
+        est = restore_estimate(samples, nbytes)
+        if est is not None and est.samples >= MIN_SAMPLES:
+            ends.append(est.best)
+    return min(ends, default=None)
+
+
+Reason = Literal[
+    "unmeasured", "faster", "slower", "max_cost", "learning", "uncertain", "explore", "bound"
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,6 +169,7 @@ class CostDecision:
     best_s: float | None = None
     samples: int | None = None  # None: as many as confidence needs
     held: int = 0  # tokens held already: the declined hit's prefill starts there
+    floor_s: float | None = None  # the fastest it could restore here (``floor_seconds``)
 
 
 def decide_cost(
@@ -167,6 +184,7 @@ def decide_cost(
     samples: int | None = None,
     explore: bool = False,
     held: int = 0,
+    floor_s: float | None = None,
 ) -> CostDecision:
     """Take a hit unless restoring it is confidently predicted to lose to a prefill.
 
@@ -179,7 +197,10 @@ def decide_cost(
     predicted slower is still restored (and so measured again) while fewer than
     MIN_SAMPLES stand behind the estimate ("learning"), while its optimistic end
     ``best_s`` beats the prefill ("uncertain"), or when the caller says an
-    exploration is due ("explore": a wrong estimate corrects itself).
+    exploration is due ("explore": a wrong estimate corrects itself).  Unmeasured
+    or learning, a hit that loses to the prefill even at ``floor_s`` (the fastest any
+    tier confidently restores here: ``floor_seconds``) is declined ("bound"): there is
+    nothing to learn that could make it win.
     """
 
     def out(ok: bool, reason: Reason) -> CostDecision:
@@ -194,8 +215,16 @@ def decide_cost(
             best_s=best_s,
             samples=samples,
             held=held,
+            floor_s=floor_s,
         )
 
+    def unless_bound(reason: Reason) -> CostDecision:
+        if floor_s is not None and prefill_s is not None and floor_s > prefill_s:
+            return out(False, "bound")
+        return out(True, reason)
+
+    if max_cost is None and prefill_s is not None and restore_s is None:
+        return unless_bound("unmeasured")
     if restore_s is None or (prefill_s is None and max_cost is None):
         return out(True, "unmeasured")
     if max_cost is not None:
@@ -204,7 +233,7 @@ def decide_cost(
     if restore_s < prefill_s:
         return out(True, "faster")
     if samples is not None and samples < MIN_SAMPLES:
-        return out(True, "learning")
+        return unless_bound("learning")
     if best_s is not None and best_s < prefill_s:
         return out(True, "uncertain")
     return out(True, "explore") if explore else out(False, "slower")

@@ -28,6 +28,7 @@ __all__ = [
     "record",
     "rates",
     "samples",
+    "samples_by_key",
     "Samples",
     "reset",
     "all_rates",
@@ -113,6 +114,20 @@ def samples(index: Index, machine: str, what: str, key: str) -> dict[int, Sample
             [machine, what, key],
         ).fetchall()
     return {int(b): Samples(_recent(raw, float(r), int(n)), float(u)) for b, r, n, u, raw in got}
+
+
+def samples_by_key(index: Index, machine: str, what: str) -> dict[str, dict[int, Samples]]:
+    """Key (a tier, for "restore") -> bucket -> its latest samples measured here."""
+    with index.read() as db:
+        got = db.execute(
+            "SELECT key, bucket, rate, samples, updated, recent FROM rates "
+            "WHERE machine = ? AND what = ?",
+            [machine, what],
+        ).fetchall()
+    out: dict[str, dict[int, Samples]] = {}
+    for k, b, r, n, u, raw in got:
+        out.setdefault(str(k), {})[int(b)] = Samples(_recent(raw, float(r), int(n)), float(u))
+    return out
 
 
 def rates(index: Index, machine: str, what: str, key: str) -> dict[int, float]:

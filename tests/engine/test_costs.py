@@ -24,6 +24,7 @@ import pytest
 import persist
 from bench.common import evict
 from persist.apps.generate import generate
+from persist.policy import recompute
 from persist.storage import blobs as blobs_module
 from persist.storage import rates
 from tests.engine.cost_checks import (
@@ -281,3 +282,38 @@ def test_a_hit_is_priced_against_the_prefill_past_what_memory_holds(
         # memory holding fewer: the restore wins again
         assert store.lookup(prompt, identity=ident, longer_than=100) is not None
         assert store.costs.last is not None and store.costs.last.held == 100
+
+
+def test_a_tier_not_measured_yet_is_bounded_by_one_that_was(tiny: Any, tmp_path: Path) -> None:
+    """A restart: the store's own files were never restored on this machine, its host
+    tier was, confidently.  Where memory holds most of the hit, a restore that loses
+    even at the host tier's optimistic rate is declined (``bound``) instead of taken to
+    learn (the H100 run: 7,241 tokens restored in 0.39-0.47 s after a restart, memory
+    holding 7,073, while plain mlx_lm.server took 0.20-0.27 s)."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(600, seed=76)
+    prompt = [*toks, 5, 6, 7]
+    with primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
+        slowed(store, 0.0)
+        got = store.costs.predict(ident, [("local", 1)], 600, None)
+        assert got.restore_s is None  # local: never measured here
+        d0 = store.lookup(prompt, identity=ident, max_cost=math.inf)
+        assert d0 is not None and store.costs.last is not None
+        nbytes = store.costs.last.nbytes
+        rates.reset(store.index)  # what that restore taught: this machine is fresh again
+        here = rates.machine_name(ident.backend)
+        for _ in range(3):  # the host tier: this hit's bytes in 0.05 s at best
+            rates.record(store.index, here, "restore", key="host",
+                         bucket=recompute.rate_bucket(nbytes), rate=nbytes / 0.05)  # fmt: skip
+        taught(store, ident, 600)  # at SLOW_PREFILL (primed injects the rate)
+        # memory holds 590: the 10 left prefill in 0.01 s, the restore needs 0.05 s at best
+        assert store.lookup(prompt, identity=ident, longer_than=590) is None
+        d = store.costs.last
+        assert d is not None and (d.restore, d.reason) == (False, "bound"), d
+        assert d.floor_s == pytest.approx(0.05) and d.restore_s is None
+        said = persist_cli(tmp_path, "stats", "--store", str(tmp_path / "s")).stdout
+        assert "restore unmeasured vs prefill 0.010 s (bound: 0.050 s at the fastest" in said
+        # memory holds nothing: 600 tokens prefill in 0.6 s, so the hit is taken and measured
+        assert store.lookup(prompt, identity=ident) is not None
+        assert store.costs.last is not None and store.costs.last.reason == "unmeasured"
