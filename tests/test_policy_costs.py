@@ -177,6 +177,10 @@ def test_an_unmeasured_tier_is_bounded_by_the_fastest_confident_one() -> None:
     assert floor == pytest.approx((1 << 29) / 1.2e9)  # the optimistic end, of host only
     assert recompute.floor_seconds({"host": {30: [1e9, 1e9]}}, 1 << 29) is None  # 2 samples
     assert recompute.floor_seconds({}, 1 << 29) is None
+    # a smaller size's rate may understate a larger one's (its fixed costs): not asked
+    assert recompute.floor_seconds({"host": {20: [1e8, 1e8, 1e8]}}, 1 << 29) is None
+    bigger = recompute.floor_seconds({"host": {20: [1e8] * 3, 32: [4e9] * 3}}, 1 << 29)
+    assert bigger == pytest.approx((1 << 29) / 4e9)
 
     def decide(rs: float | None, samples: int | None, fl: float | None, **kw: float) -> Any:
         return recompute.decide_cost(

@@ -132,16 +132,21 @@ def restore_estimate(samples: Mapping[int, Sequence[float]], nbytes: int) -> Res
 
 
 def floor_seconds(tiers: Mapping[str, Mapping[int, Sequence[float]]], nbytes: int) -> float | None:
-    """The fewest seconds a restore of ``nbytes`` could take here: the optimistic end
-    of the fastest tier whose estimate MIN_SAMPLES or more samples stand behind (None:
-    no tier's does).  Every restore ends as the fastest tier's does (the host tier's:
-    bytes already in RAM, placed on the device), so no tier restores faster."""
-    ends = []
+    """The fewest seconds a restore of ``nbytes`` could take here (None: unknown): at
+    the fastest optimistic rate (upper quartile) of any tier's bucket of MIN_SAMPLES
+    or more samples, among buckets no smaller than ``nbytes``'s.  Every restore ends
+    as the fastest tier's does (the host tier's: bytes already in RAM, placed on the
+    device), and a larger restore's rate is no slower (its fixed costs are shared by
+    more bytes), so none of those can beat it; a smaller bucket's rate could
+    understate it, so none of those is asked."""
+    b = rate_bucket(nbytes)
+    fastest = 0.0
     for samples in tiers.values():
-        est = restore_estimate(samples, nbytes)
-        if est is not None and est.samples >= MIN_SAMPLES:
-            ends.append(est.best)
-    return min(ends, default=None)
+        for k, got in samples.items():
+            est = rate_of(got) if k >= b else None
+            if est is not None and est.samples >= MIN_SAMPLES:
+                fastest = max(fastest, est.best)
+    return nbytes / fastest if fastest > 0 else None
 
 
 Reason = Literal[
