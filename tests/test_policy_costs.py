@@ -114,9 +114,31 @@ def test_a_thin_bucket_borrows_its_neighbours_samples() -> None:
     nbytes = 3 << 20  # bucket 22
     b = recompute.rate_bucket(nbytes)
     got = recompute.restore_estimate({b: [1e6], b - 1: [1e9, 1e9], b + 1: [1e9]}, nbytes)
-    assert got is not None and got.samples == 4 and got.seconds == nbytes / 1e9
+    # 4 samples price it, 2 of its own size or larger stand behind it (smaller ones'
+    # rates may understate it: they never make it confident)
+    assert got is not None and got.samples == 2 and got.seconds == nbytes / 1e9
     alone = recompute.restore_estimate({b: [1e6, 1e6, 1e6], b + 3: [1e9]}, nbytes)
     assert alone is not None and alone.samples == 3 and alone.seconds == nbytes / 1e6
+
+
+def test_smaller_restores_never_make_a_larger_one_confident() -> None:
+    """Attack 39j: a 1.5 MB hit priced at the rate of 10 KiB restores (2-13 MB/s, their
+    fixed costs; 110-200 MB/s measured at its own size) was declined "slower" on 5
+    samples in every fresh process, and never measured again (its own bucket had no
+    sample to grow stale).  Rates of smaller buckets may price it, never decline it."""
+    nbytes = 3 << 20
+    b = recompute.rate_bucket(nbytes)
+    got = recompute.restore_estimate({b - 8: [2e6] * 5}, nbytes)
+    assert got is not None and got.seconds == nbytes / 2e6 and got.samples == 0
+    d = recompute.decide_cost(
+        6000, nbytes, "local", restore_s=got.seconds, prefill_s=0.3, best_s=got.best,
+        samples=got.samples,
+    )  # fmt: skip
+    assert (d.restore, d.reason) == (True, "learning")
+    thin = recompute.restore_estimate({b - 1: [1e6] * 5, b: [1e6]}, nbytes)
+    assert thin is not None and thin.samples == 1  # its own bucket's sample only
+    above = recompute.restore_estimate({b + 2: [1e6] * 3}, nbytes)
+    assert above is not None and above.samples == 3  # a larger one's rate is no slower
 
 
 def test_a_faster_larger_bucket_bounds_a_slow_estimate() -> None:
@@ -137,7 +159,8 @@ def test_an_estimate_is_positive_and_its_best_no_slower(
     samples: dict[int, list[float]], nbytes: int
 ) -> None:
     got = recompute.restore_estimate(samples, nbytes)
-    assert got is not None and 0 < got.best <= got.seconds and got.samples >= 1
+    assert got is not None and 0 < got.best <= got.seconds
+    assert 0 <= got.samples <= sum(len(s) for s in samples.values())
 
 
 def test_one_slow_sample_never_declines_and_a_confident_one_may_explore() -> None:
@@ -173,14 +196,23 @@ def test_an_unmeasured_tier_is_bounded_by_the_fastest_confident_one() -> None:
     restores of 7,241 tokens took 0.39-0.47 s where memory held 7,073 and plain
     mlx_lm.server prefilled the other 222 in 0.20-0.27 s)."""
     host = {30: [1e9, 1.2e9, 1.1e9]}  # bytes/s in the bucket of 2**29 bytes
-    floor = recompute.floor_seconds({"host": host, "local": {30: [5e8]}}, 1 << 29)
+    floor = recompute.floor_seconds({"host": host, "local": {30: [5e8]}}, 1 << 29, "local")
     assert floor == pytest.approx((1 << 29) / 1.2e9)  # the optimistic end, of host only
-    assert recompute.floor_seconds({"host": {30: [1e9, 1e9]}}, 1 << 29) is None  # 2 samples
-    assert recompute.floor_seconds({}, 1 << 29) is None
+    assert recompute.floor_seconds({"host": {30: [1e9] * 2}}, 1 << 29, "local") is None  # 2 samples
+    assert recompute.floor_seconds({}, 1 << 29, "local") is None
     # a smaller size's rate may understate a larger one's (its fixed costs): not asked
-    assert recompute.floor_seconds({"host": {20: [1e8, 1e8, 1e8]}}, 1 << 29) is None
-    bigger = recompute.floor_seconds({"host": {20: [1e8] * 3, 32: [4e9] * 3}}, 1 << 29)
+    assert recompute.floor_seconds({"host": {20: [1e8] * 3}}, 1 << 29, "local") is None
+    bigger = recompute.floor_seconds({"host": {20: [1e8] * 3, 32: [4e9] * 3}}, 1 << 29, "local")
     assert bigger == pytest.approx((1 << 29) / 4e9)
+    # a slower tier never bounds a faster one (attack 39j: the host tier's RAM copy was
+    # declined at a slow local rate); a fleet tier is bounded by the host and local ones
+    slow_local = {"local": {30: [3e5] * 5}}
+    assert recompute.floor_seconds(slow_local, 1 << 29, "host") is None
+    assert recompute.floor_seconds(slow_local, 1 << 29, "local") is None
+    assert recompute.floor_seconds(slow_local, 1 << 29, "local-disk") == pytest.approx(
+        (1 << 29) / 3e5
+    )
+    assert recompute.floor_seconds(slow_local, 1 << 29, "shared") == pytest.approx((1 << 29) / 3e5)
 
     def decide(rs: float | None, samples: int | None, fl: float | None, **kw: float) -> Any:
         return recompute.decide_cost(

@@ -172,6 +172,12 @@ def _render_decision(d: dict[str, Any]) -> str:
         return "unmeasured" if v is None else f"{v:.3f} s"
 
     chosen = "restore" if d["restore"] else "recompute"
+    if d["reason"] == "max_cost":  # judged against the caller's limit, not the prefill
+        side = "within" if d["restore"] else "over"
+        return (
+            f"decision {chosen}: {d['tokens']} tokens from {d['tier']}, restore "
+            f"{secs(d['restore_s'])} {side} the caller's max_cost"
+        )
     why = d["reason"]
     if d.get("samples") is not None:
         why += f", {plural(d['samples'], 'sample')}"

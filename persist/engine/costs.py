@@ -188,7 +188,7 @@ class CostModel:
         (``recompute.floor_seconds`` of each part, summed; None where one has none)."""
         every = rates.samples_by_key(self.index, self._machine(identity), "restore")
         measured = {t: {b: s.values for b, s in got.items()} for t, got in every.items()}
-        parts = [recompute.floor_seconds(measured, n) for _, n in tiers]
+        parts = [recompute.floor_seconds(measured, n, t) for t, n in tiers]
         return None if None in parts else sum(p for p in parts if p is not None)
 
     def decide(

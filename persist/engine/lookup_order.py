@@ -48,6 +48,7 @@ def nearest(
     i, b, strict = store.index, store.block_tokens, store.strict_backend
     costs: CostModel = store.costs
     who, ram, kept = "", 0, 0
+    taken = None  # the host copy's decision, where it is the one acted on
     if host is not None:
         from .host.store_hooks import host_hit, owner
 
@@ -62,7 +63,10 @@ def nearest(
             longer_than=longer_than,
             max_cost=max_cost,
         )
+        taken = costs.last if ram else None
     have = max(kept, longer_than)  # what a pull or a read must beat (a declined copy too)
+    # what a durable hit saves: a prefill past the host copy taken, else past memory's
+    held = ram or longer_than
     if kept < len(toks) - 1:  # nothing beats a hit of every token but the last
         # the fleet's deepest snapshot, if it beats what is here (a read-only store
         # pulls nothing: a pull writes)
@@ -77,7 +81,7 @@ def nearest(
                 costs=costs,
                 max_cost=max_cost,
                 longer_than=have,
-                held=longer_than,
+                held=held,
             )
         found = lookup_prefix(
             i,
@@ -91,7 +95,7 @@ def nearest(
             costs=costs,
             max_cost=max_cost,
             count_miss=not kept,  # a declined copy was counted as cost_recomputed
-            held=longer_than,  # a declined host copy is not held: memory's prefix is
+            held=held,  # a declined host copy is not held: memory's prefix is
         )
         if found is not None:
             cache, row, prefix = found
@@ -100,6 +104,7 @@ def nearest(
         return None
     from .host.store_hooks import from_host
 
+    costs.last = taken  # the decision this lookup acts on (a durable one may have followed)
     return from_host(
         store,
         host,

@@ -20,6 +20,7 @@ __all__ = [
     "restore_estimate",
     "RestoreEstimate",
     "floor_seconds",
+    "FASTER_THAN",
     "CostDecision",
     "decide_cost",
 ]
@@ -109,40 +110,59 @@ def restore_estimate(samples: Mapping[int, Sequence[float]], nbytes: int) -> Res
     """Seconds to restore ``nbytes`` from per-bucket samples of bytes/s; None unmeasured.
 
     A bucket of fewer than MIN_SAMPLES borrows its neighbours' samples; a bucket
-    never measured takes the nearest one's.  A larger bucket's confident estimate
-    bounds this one from above: restoring fewer bytes never takes longer than
-    the fewest bytes of that bucket did (restores of the next bucket up were 22x
-    faster while one slow sample here declined every hit)."""
+    never measured takes the nearest one's.  ``samples`` counts only those of its
+    bucket or larger ones: a smaller restore's rate understates a larger one's (at
+    10 KiB, 2-13 MB/s; at 1.5 MB, 110-200 MB/s), so it never declines a hit.  A
+    larger bucket's confident estimate bounds this one from above: restoring fewer
+    bytes never takes longer than the fewest bytes of that bucket did (restores of
+    the next bucket up were 22x faster while one slow sample here declined every
+    hit)."""
     measured = [k for k, s in samples.items() if any(r > 0 for r in s)]
     if not measured:
         return None
     b = rate_bucket(nbytes)
-    pool = list(samples.get(b, ()))
-    if len(pool) < MIN_SAMPLES:
-        pool += [*samples.get(b - 1, ()), *samples.get(b + 1, ())]
-    est = rate_of(pool) or rate_of(samples[min(measured, key=lambda k: (abs(k - b), k))])
+    used = [b] if len(samples.get(b, ())) >= MIN_SAMPLES else [b - 1, b, b + 1]
+    est = rate_of([r for k in used for r in samples.get(k, ())])
+    if est is None:  # the nearest measured bucket's
+        used = [min(measured, key=lambda k: (abs(k - b), k))]
+        est = rate_of(samples[used[0]])
     assert est is not None
+    # a smaller restore's rate may understate this one's (its fixed costs are spread
+    # over fewer bytes): it prices, it never makes the estimate confident
+    behind = sum(1 for k in used if k >= b for r in samples.get(k, ()) if r > 0)
     seconds, best = nbytes / est.typical, nbytes / est.best
     for k in measured:
         above = rate_of(samples[k]) if k > b else None
         if above is not None and above.samples >= MIN_SAMPLES:
             lo = 1 << (k - 1)  # the fewest bytes of bucket k: more than nbytes
             seconds, best = min(seconds, lo / above.typical), min(best, lo / above.best)
-    return RestoreEstimate(seconds, min(best, seconds), est.samples)
+    return RestoreEstimate(seconds, min(best, seconds), behind)
 
 
-def floor_seconds(tiers: Mapping[str, Mapping[int, Sequence[float]]], nbytes: int) -> float | None:
-    """The fewest seconds a restore of ``nbytes`` could take here (None: unknown): at
-    the fastest optimistic rate (upper quartile) of any tier's bucket of MIN_SAMPLES
-    or more samples, among buckets no smaller than ``nbytes``'s.  Every restore ends
-    as the fastest tier's does (the host tier's: bytes already in RAM, placed on the
-    device), and a larger restore's rate is no slower (its fixed costs are shared by
-    more bytes), so none of those can beat it; a smaller bucket's rate could
-    understate it, so none of those is asked."""
+# Tiers whose restores are never slower than a tier's own: the host tier's bytes are
+# in RAM already; the store's files in the page cache ("local") are read without the
+# disk ("local-disk"); a fleet tier (any other name) brings its bytes to this store first.
+FASTER_THAN: dict[str, tuple[str, ...]] = {
+    "host": (),
+    "local": ("host",),
+    "local-disk": ("host", "local"),
+}
+FLEET_FASTER = ("host", "local")
+
+
+def floor_seconds(
+    tiers: Mapping[str, Mapping[int, Sequence[float]]], nbytes: int, tier: str
+) -> float | None:
+    """The fewest seconds a restore of ``nbytes`` from ``tier`` could take here (None:
+    unknown): at the fastest optimistic rate (upper quartile) of a bucket of
+    MIN_SAMPLES or more samples, no smaller than ``nbytes``'s, of a tier never slower
+    than ``tier`` (FASTER_THAN).  A larger restore's rate is no slower (its fixed costs
+    are shared by more bytes); a smaller bucket's rate could understate it, and a
+    slower tier's could too, so none of those is asked."""
     b = rate_bucket(nbytes)
     fastest = 0.0
-    for samples in tiers.values():
-        for k, got in samples.items():
+    for name in FASTER_THAN.get(tier, FLEET_FASTER):
+        for k, got in tiers.get(name, {}).items():
             est = rate_of(got) if k >= b else None
             if est is not None and est.samples >= MIN_SAMPLES:
                 fastest = max(fastest, est.best)

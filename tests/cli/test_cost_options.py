@@ -46,6 +46,9 @@ def test_max_cost_limits_a_prefix_hit_and_reset_rates_forgets(
     assert limited["decision"]["restore"] is False
     generous = gen("c", "--max-cost", "60")
     assert generous["reused_tokens"] > 0 and generous["decision"]["restore"] is True
+    # persist stats names the limit it was judged against, not the prefill (attack 39j)
+    said = persist_cli(home, "stats").stdout
+    assert "within the caller's max_cost" in said and "over the caller's max_cost" in said
     bad = persist_cli(home, "generate", "--model", m, "--session", "d", "--prompt", "x",
                       "--max-cost", "-1", check=False)  # fmt: skip
     assert bad.returncode == 2 and "--max-cost" in bad.stderr

@@ -194,7 +194,8 @@ def test_a_hit_in_the_page_cache_and_one_on_the_disk_have_rates_of_their_own(
         if {store.blobs.cached(f) for f in store.blobs.files()} != {1.0}:
             pytest.skip("this kernel or file system cannot say what is in the page cache")
         here = rates.machine_name(ident.backend)
-        for bucket in range(40):  # 600 tokens prefill in 0.6 s; 1 GB/s warm, 1 kB/s cold
+        for bucket in range(40 * recompute.MIN_SAMPLES):  # confident in every bucket
+            bucket //= recompute.MIN_SAMPLES  # 600 tokens prefill in 0.6 s; 1 GB/s, 1 kB/s
             rates.record(store.index, here, "restore", key="local", bucket=bucket, rate=1e9)
             rates.record(store.index, here, "restore", key="local-disk", bucket=bucket, rate=1e3)
         warm = store.lookup(prompt, identity=ident)
@@ -317,3 +318,71 @@ def test_a_tier_not_measured_yet_is_bounded_by_one_that_was(tiny: Any, tmp_path:
         # memory holds nothing: 600 tokens prefill in 0.6 s, so the hit is taken and measured
         assert store.lookup(prompt, identity=ident) is not None
         assert store.costs.last is not None and store.costs.last.reason == "unmeasured"
+
+
+def test_the_tier_names_the_floor_orders_are_the_engines(tiny: Any) -> None:
+    """policy.recompute orders tiers by name (it imports no engine): the same names."""
+    from persist.engine.costs import LOCAL, LOCAL_DISK
+    from persist.engine.host.tier import HOST
+
+    assert set(recompute.FASTER_THAN) == {HOST, LOCAL, LOCAL_DISK}
+    assert recompute.FASTER_THAN[LOCAL_DISK] == (HOST, LOCAL)
+
+
+def _planted_prefill(store: persist.Store, ident: Any, rate: float) -> None:
+    """Every prefill bucket (and a process's first) measured at ``rate`` tokens/s."""
+    here = rates.machine_name(ident.backend)
+    for what in ("prefill", "prefill-first"):
+        for b in range(1, 15):
+            for _ in range(recompute.MIN_SAMPLES):
+                rates.record(store.index, here, what, key=ident.digest, bucket=b, rate=rate)
+
+
+def test_a_slower_tier_never_bounds_the_host_tier(tiny: Any, tmp_path: Path) -> None:
+    """Attack 39j: the host tier unmeasured, a slow local rate bounded it ("bound") and its
+    RAM copy was declined; every tier is at most as fast as the host tier."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    small = tokens_for(600, seed=77)
+    with persist.Store(tmp_path / "s", host_cache=1 << 30) as store:
+        store.save(prefill(model, small)[0], small, identity=ident, session="small")
+        here = rates.machine_name(ident.backend)
+        for what in ("restore", "restore-first"):
+            for b in range(1, 40):  # the store's files: 1 KB/s, confidently
+                for _ in range(5):
+                    rates.record(store.index, here, what, key="local", bucket=b, rate=1e3)
+        _planted_prefill(store, ident, 2000.0)
+        hit = store.lookup([*small, 1, 2], identity=ident)
+        assert hit is not None and hit.source == "host", store.costs.last
+        assert store.costs.last is not None and store.costs.last.tier == "host"
+
+
+def test_a_stored_hit_past_a_host_copy_is_priced_against_the_copy_and_its_prefill(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """Attack 39j: with the host tier's copy of 3,000 tokens taken, a stored 6,000-token
+    hit was priced against a prefill of all 6,000 (memory held none), not against the
+    copy and a prefill of the 3,000 past it: a slower restore won on paper.  And the
+    decision the lookup acted on is ``costs.last``."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    big = tokens_for(1200, seed=78)
+    root = tmp_path / "s"
+    with persist.Store(root) as store:  # the long one on disk only
+        store.save(prefill(model, big)[0], big, identity=ident, session="big")
+    with persist.Store(root, host_cache=1 << 30) as store:
+        half = big[:600]
+        store.save(prefill(model, half)[0], half, identity=ident, session="half")
+        assert store.lookup([*big, 1], identity=ident, max_cost=math.inf) is not None
+        assert store.costs.last is not None and store.costs.last.tokens == 1200
+        nbytes = store.costs.last.nbytes
+        rates.reset(store.index)
+        _planted_prefill(store, ident, 2000.0)  # 1,200 tokens in 0.6 s, the last 600 in 0.3
+        here = rates.machine_name(ident.backend)
+        for _ in range(5):  # the stored 1,200 tokens restore in 0.45 s
+            rates.record(store.index, here, "restore", key="local",
+                         bucket=recompute.rate_bucket(nbytes), rate=nbytes / 0.45)  # fmt: skip
+        hit = store.lookup([*big, 1], identity=ident)
+        assert hit is not None and (hit.source, len(hit.tokens)) == ("host", 600)
+        d = store.costs.last
+        assert d is not None and (d.tier, d.restore) == ("host", True), d
