@@ -199,6 +199,48 @@ def serve_cmd(
       persist serve --model ./tiny --mlx-cache 8G --port 8080
       persist serve --model ./tiny --warm 50 --port 8080
     """
+    options = dict(locals())  # as click parsed them
+    from ..serve.early_stop import StoppedAtStart, early_stop
+
+    early_stop()  # SIGTERM noted from here, before the imports and the model load
+    try:
+        _serve(**options)
+    except StoppedAtStart as e:
+        from ..serve.logs import use_log_format
+
+        use_log_format(log_format)
+        if not logging.getLogger().handlers:  # mlx-lm had not configured logging yet
+            logging.basicConfig(format="%(asctime)s - %(levelname)s - %(message)s")
+        logging.getLogger("persist").warning(
+            "persist serve: stopped (%s) before it served: exit 0", e.args[0] if e.args else e
+        )
+
+
+def _serve(
+    model_dir: str | None,
+    max_bytes: str | None,
+    namespace: str,
+    backlog: int,
+    drain_timeout: float,
+    write_queue: int,
+    when_full: str,
+    mlx_cache: str,
+    max_request_bytes: str,
+    request_timeout: float,
+    log_format: str,
+    max_connections: int,
+    host_cache: str,
+    max_tokens_limit: int,
+    allowed_models: str,
+    api_keys: str | None,
+    tenant_header: str | None,
+    public_prefix: str | None,
+    allow_public_marks: bool,
+    tenant_max_bytes: str | None,
+    warm: int,
+    store_dir: Path | None,
+    server_args: tuple[str, ...],
+) -> None:
     from ..apps.hub import resolve_model
     from ..serve.app import serve
     from ..serve.tenants import tenants_from

@@ -19,6 +19,7 @@ from ..engine.host.tier import HostTier
 from ..engine.store import Store, check_name
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
+from .early_stop import early_stop
 from .metrics import ServeMetrics
 from .server import PersistentPromptCache
 from .tenants import Tenants
@@ -76,6 +77,7 @@ def serve(
     import functools
     import sys
 
+    early = early_stop()  # SIGTERM while the model loads: an orderly stop (serve.early_stop)
     check_name(namespace, "namespace")  # before the model loads: a typed error, exit 1
     if max_request_bytes < MIN_REQUEST_BYTES:
         raise InvalidArgumentError(
@@ -84,6 +86,8 @@ def serve(
         )
     check_sizes(server_args or [])
     import mlx_lm.server as server
+
+    early.check()  # a SIGTERM during the imports (seconds: transformers)
 
     from .allowed_models import listing_only
     from .bounds import limits_for
@@ -192,9 +196,14 @@ def serve(
             log.warning("persist: retention hints in requests are ignored: tenants share the "
                         "store's budget (give --tenant-max-bytes to honour them)")  # fmt: skip
         # loaded, run once (kernels built) and warmed before the server listens
+        early.check()
         took = first_forward(model_provider)
         if took is not None:
             log.info("persist: model loaded and its kernels built in %.2f s", took)
+        early.check()
+        # the generation thread starts in there: a signal is noted until the server's
+        # own handlers act on it (serve.early_stop)
+        early.defer_interrupts()
         real_run(host, port, model_provider, *args, **kwargs)
 
     server.LRUPromptCache = make  # type: ignore[assignment,misc]
@@ -222,6 +231,7 @@ def serve(
         read_timeout=read_timeout,
         max_request_bytes=max_request_bytes,
         max_connections=max_connections,
+        pending=early.pending,
     )
     sys.argv = ["mlx_lm.server", "--model", str(model_dir), *(server_args or [])]
     try:

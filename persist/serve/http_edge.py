@@ -29,6 +29,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 from typing import Any
 
@@ -213,9 +214,11 @@ def serve_until_signal(
     read_timeout: float = 30.0,
     max_request_bytes: int = 4 << 20,
     max_connections: int = 128,
+    pending: Callable[[], str | None] = lambda: None,
 ) -> None:
     """mlx-lm's ``_run_http_server`` with a real backlog, bounded requests and an orderly
-    stop; InvalidStateError if it stopped because generation did (exit non-zero)."""
+    stop; InvalidStateError if it stopped because generation did (exit non-zero).
+    ``pending``: a stop signal that came before this was called (``serve.early_stop``)."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, address = next(iter(infos))
     DrainingServer.address_family = family
@@ -259,6 +262,9 @@ def serve_until_signal(
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
     threading.Thread(target=watch_generation, name="persist-watch", daemon=True).start()
+    early = pending()
+    if early is not None:  # it came while the generation thread started: stop now
+        stop(early)
     log.info("Starting httpd at %s on port %s (backlog %d)...", host, port, backlog)
     try:
         httpd.serve_forever()

@@ -185,3 +185,33 @@ def test_generation_that_cannot_go_on_exits_non_zero(model_dir: Any, tmp_path: P
     text = log.read_text()
     assert code == 1, text[-3000:]
     assert "generation stopped for good" in text and "the model did not load" in text, text
+
+
+def test_sigterm_while_the_model_loads_is_an_orderly_stop(model_dir: Any, tmp_path: Path) -> None:
+    """Attack 39j: SIGTERM before the server listened (the model loading, its kernels
+    built, the host tier pinned) ended the process at once: exit -15, no log line.
+    systemd stops a unit that is still starting the same way as one that serves."""
+    import signal
+    import time
+
+    log = tmp_path / "log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "persist", "serve", "--model", str(model_dir("llama")),
+            "--store", str(tmp_path / "store"), "--port", str(free_port())]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        # MLX mapped: the command runs (it imports no MLX before), the server not yet up
+        while "libmlx" not in Path(f"/proc/{proc.pid}/maps").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    assert "stopped (SIGTERM) before it served" in text or "persist serve: stopped" in text, text
+    assert "Traceback" not in text
