@@ -200,12 +200,14 @@ def serve_cmd(
       persist serve --model ./tiny --warm 50 --port 8080
     """
     options = dict(locals())  # as click parsed them
-    from ..serve.early_stop import StoppedAtStart, early_stop
+    from ..serve.early_stop import StoppedAtStart, early_stop, exiting
 
     early_stop()  # SIGTERM noted from here, before the imports and the model load
     try:
         _serve(**options)
+        exiting()
     except StoppedAtStart as e:
+        exiting()
         from ..serve.logs import use_log_format
 
         use_log_format(log_format)

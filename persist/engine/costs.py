@@ -185,9 +185,15 @@ class CostModel:
 
     def _floor(self, identity: ModelIdentity, tiers: list[tuple[str, int]]) -> float | None:
         """The fewest seconds restoring ``tiers``' bytes could take on this machine
-        (``recompute.floor_seconds`` of each part, summed; None where one has none)."""
+        (``recompute.floor_seconds`` of each part, summed; None where one has none).
+        Only buckets measured within EXPLORE_AFTER count: a process that cannot time
+        the floor's tier again (no host tier there) would otherwise decline for good."""
         every = rates.samples_by_key(self.index, self._machine(identity), "restore")
-        measured = {t: {b: s.values for b, s in got.items()} for t, got in every.items()}
+        fresh = self.wall() - EXPLORE_AFTER
+        measured = {
+            t: {b: s.values for b, s in got.items() if s.updated > fresh}
+            for t, got in every.items()
+        }
         parts = [recompute.floor_seconds(measured, n, t) for t, n in tiers]
         return None if None in parts else sum(p for p in parts if p is not None)
 

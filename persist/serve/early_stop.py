@@ -12,15 +12,18 @@ exits 0.  Once mlx-lm's generation thread starts, nothing may unwind past it (a
 running non-daemon thread holds the process at exit), so SIGINT is noted too
 until ``http_edge.serve_until_signal`` has its own handlers and stops at once,
 in order.  A SIGINT before that is Ctrl-C as everywhere else: "interrupted", 130.
+A second signal stops at once (128 + its number), as after the server listens.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import threading
 from types import FrameType
 
-__all__ = ["StoppedAtStart", "EarlyStop", "early_stop"]
+__all__ = ["StoppedAtStart", "EarlyStop", "early_stop", "exiting"]
 
 
 class StoppedAtStart(KeyboardInterrupt):
@@ -39,6 +42,9 @@ class EarlyStop:
             signal.signal(sig, self._note)
 
     def _note(self, signum: int, _frame: FrameType | None) -> None:
+        if self.signum is not None:  # a second one: at once, as after the server listens
+            logging.getLogger("persist").warning("persist: second signal, stopping at once")
+            os._exit(128 + signum)
         self.signum = signum
 
     def defer_interrupts(self) -> None:
@@ -57,6 +63,15 @@ class EarlyStop:
 
 
 _current: EarlyStop | None = None
+
+
+def exiting() -> None:
+    """The stop is done and the process exits: a signal from now on is ignored (the
+    interpreter puts the default action back as it finalizes, and a supervisor's
+    repeated SIGTERM then killed a process that had stopped in order)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
 
 
 def early_stop() -> EarlyStop:

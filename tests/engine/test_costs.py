@@ -386,3 +386,26 @@ def test_a_stored_hit_past_a_host_copy_is_priced_against_the_copy_and_its_prefil
         assert hit is not None and (hit.source, len(hit.tokens)) == ("host", 600)
         d = store.costs.last
         assert d is not None and (d.tier, d.restore) == ("host", True), d
+
+
+def test_a_floor_bounds_only_while_it_is_fresh(tiny: Any, tmp_path: Path) -> None:
+    """Attack 39k: three slow host-tier samples declined a stored hit ("bound") in every
+    fresh process that had no host tier to time again, for good.  A floor older than
+    EXPLORE_AFTER bounds nothing: the hit is restored, and its own rate measured."""
+    from persist.engine.costs import EXPLORE_AFTER
+
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(600, seed=79)
+    prompt = [*toks, 5, 6, 7]
+    with primed(model, tok, tmp_path / "s", toks, SLOW_PREFILL) as store:
+        slowed(store, 0.0)  # the model's wall clock is the test's: now is 0
+        here = rates.machine_name(ident.backend)
+        for bucket in range(40 * recompute.MIN_SAMPLES):  # the host tier: 1 kB/s, now
+            rates.record(store.index, here, "restore", key="host",
+                         bucket=bucket // recompute.MIN_SAMPLES, rate=1e3, at=0.0)  # fmt: skip
+        assert store.lookup(prompt, identity=ident) is None
+        assert store.costs.last is not None and store.costs.last.reason == "bound"
+        store.costs.wall = lambda: EXPLORE_AFTER + 1.0  # ten minutes on, none timed again
+        assert store.lookup(prompt, identity=ident) is not None
+        assert store.costs.last is not None and store.costs.last.reason == "unmeasured"

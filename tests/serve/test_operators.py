@@ -215,3 +215,35 @@ def test_sigterm_while_the_model_loads_is_an_orderly_stop(model_dir: Any, tmp_pa
     assert rc == 0, text[-3000:]
     assert "stopped (SIGTERM) before it served" in text or "persist serve: stopped" in text, text
     assert "Traceback" not in text
+
+
+def test_sigterms_while_it_starts_stop_it_in_order_or_at_once(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    """Attack 39k: SIGTERM every 5 ms from a starting server (a supervisor insisting)
+    ended it by the signal (exit -15) after it had logged an orderly stop: a second
+    signal stops at once (143), as after it listens; none is a kill."""
+    import signal
+    import time
+
+    log = tmp_path / "log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "persist", "serve", "--model", str(model_dir("llama")),
+            "--store", str(tmp_path / "store"), "--port", str(free_port())]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "libmlx" not in Path(f"/proc/{proc.pid}/maps").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.01)
+        while proc.poll() is None and time.monotonic() < deadline:
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.005)
+        rc = proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc in (0, 143), text[-3000:]
+    assert "Traceback" not in text
