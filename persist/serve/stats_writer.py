@@ -1,11 +1,12 @@
 """The store's statistics writes of ``persist serve``, off the generation thread.
 
-A lookup's counters, a restored row's last use and every prefill step's
-measured rate were each a SQLite transaction (``synchronous=FULL``: an fsync)
+A lookup's counters, a restored row's last use, a hit's restore-or-recompute
+decision and measured restore rate, and every prefill step's measured rate
+were each a SQLite transaction (``synchronous=FULL``: an fsync)
 on mlx-lm's generation thread, waiting behind the write-behind's commits for
 the index lock: time every request paid before its first token, hit or miss
-(issue 39).  Here the index holds counts and last uses in memory
-(``Index.hold_statistics``) and prefill rates wait in a queue; one thread
+(issue 39).  Here the index holds counts, last uses, decisions and restore
+rates in memory (``Index.hold_statistics``) and prefill rates wait in a queue; one thread
 writes them every ``interval`` seconds and at ``flush``.  A crash loses
 statistics of the last second, never data.
 """

@@ -5,7 +5,8 @@ A counter update or a row's last-use time is one SQLite transaction
 (``synchronous=FULL``: an fsync), taken on whatever thread asked: in ``persist
 serve`` that is mlx-lm's generation thread, before a request's first token,
 waiting behind the write-behind's commits for the lock (issue 39).  An index
-told to hold them (``Index.hold_statistics``) sums them here instead; its
+told to hold them (``Index.hold_statistics``) sums them here instead, and holds
+the other statistics rows (measured rates, decisions: ``storage.rates``); its
 owner writes them in one transaction now and then (``Index.write_statistics``:
 serve.stats_writer).  What a crash loses is a count or a last-use time: a
 statistic and an eviction order, never data.
@@ -17,18 +18,32 @@ import contextlib
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 __all__ = ["HeldStatistics", "IndexStatistics"]
 
 
+MAX_DEFERRED = 4096  # statistics rows held at most; past it each is written at once
+
+
 class HeldStatistics:
-    """Counter deltas by namespace and last-use times by snapshot, not yet written."""
+    """Counter deltas by namespace, last-use times by snapshot and other statistics
+    rows (``defer``: measured rates, decisions), not yet written."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.counts: dict[str, Counter[str]] = {}
         self.used: dict[int, float] = {}
+        self.rows: list[Callable[[Any], None]] = []
+
+    def defer(self, write: Callable[[Any], None]) -> bool:
+        """Hold ``write(db)`` for the next ``write_statistics`` (False: too many held)."""
+        with self._lock:
+            if len(self.rows) >= MAX_DEFERRED:
+                return False
+            self.rows.append(write)
+            return True
 
     def count(self, namespace: str, deltas: dict[str, int]) -> None:
         with self._lock:
@@ -38,16 +53,24 @@ class HeldStatistics:
         with self._lock:
             self.used[snapshot_id] = when
 
-    def take(self) -> tuple[dict[str, Counter[str]], dict[int, float]]:
+    def take(
+        self,
+    ) -> tuple[dict[str, Counter[str]], dict[int, float], list[Callable[[Any], None]]]:
         """Everything held, handed over (and held no more)."""
         with self._lock:
-            counts, used = self.counts, self.used
-            self.counts, self.used = {}, {}
-        return counts, used
+            counts, used, rows = self.counts, self.used, self.rows
+            self.counts, self.used, self.rows = {}, {}, []
+        return counts, used, rows
 
-    def give_back(self, counts: dict[str, Counter[str]], used: dict[int, float]) -> None:
+    def give_back(
+        self,
+        counts: dict[str, Counter[str]],
+        used: dict[int, float],
+        rows: list[Callable[[Any], None]],
+    ) -> None:
         """What a failed write took: held again, for the next try."""
         with self._lock:
+            self.rows[:0] = rows[: max(0, MAX_DEFERRED - len(self.rows))]
             for ns, deltas in counts.items():
                 self.counts.setdefault(ns, Counter()).update(deltas)
             for sid, when in used.items():
@@ -89,8 +112,8 @@ class IndexStatistics:
         """Write the held counts and last uses, in one transaction."""
         if self.held is None:
             return
-        counts, used = self.held.take()
-        if not counts and not used:
+        counts, used, rows = self.held.take()
+        if not counts and not used and not rows:
             return
         try:
             with self.write() as db:
@@ -98,8 +121,10 @@ class IndexStatistics:
                     _add_counts(db, namespace, deltas)
                 for sid, when in used.items():  # a row deleted since: nothing updated
                     db.execute("UPDATE snapshots SET used = MAX(used, ?) WHERE id = ?", [when, sid])
+                for write in rows:
+                    write(db)
         except BaseException:
-            self.held.give_back(counts, used)
+            self.held.give_back(counts, used, rows)
             raise
 
     def count(self, namespace: str, **deltas: int) -> None:

@@ -13,8 +13,10 @@ best effort: a read never fails because its statistics could not be written
 
 from __future__ import annotations
 
+import functools
 import platform
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgpack
@@ -61,7 +63,24 @@ def record(
     if not rate > 0 or rate == float("inf"):
         return
     when = time.time() if at is None else at
-    best_effort(_record, index, machine, what, key=key, bucket=bucket, rate=rate, at=when)
+    _write(index, functools.partial(
+        _record, machine=machine, what=what, key=key, bucket=bucket, rate=rate, at=when
+    ))  # fmt: skip
+
+
+def _write(index: Index, write: Callable[[Any], None]) -> None:
+    """A statistics row: held for the index's own writer where it holds statistics
+    (``persist serve``: never a transaction on the request's thread), else written
+    now, best effort."""
+    held = index.held
+    if held is not None and held.defer(write):
+        return
+    best_effort(_in_transaction, index, write)
+
+
+def _in_transaction(index: Index, write: Callable[[Any], None]) -> None:
+    with index.write() as db:
+        write(db)
 
 
 def _recent(raw: Any, rate: float, samples: int) -> list[float]:
@@ -77,25 +96,24 @@ def _recent(raw: Any, rate: float, samples: int) -> list[float]:
 
 
 def _record(
-    index: Index, machine: str, what: str, *, key: str, bucket: int, rate: float, at: float
+    db: Any, *, machine: str, what: str, key: str, bucket: int, rate: float, at: float
 ) -> None:
     where = [machine, what, key, bucket]
-    with index.write() as db:
-        row = db.execute(
-            "SELECT rate, samples, recent FROM rates "
-            "WHERE machine = ? AND what = ? AND key = ? AND bucket = ?",
-            where,
-        ).fetchone()
-        kept = [] if row is None else _recent(row[2], float(row[0]), int(row[1]))
-        kept = [*kept, rate][-recompute.KEEP_SAMPLES :]
-        est = recompute.rate_of(kept)
-        assert est is not None
-        n = 1 if row is None else int(row[1]) + 1
-        db.execute(
-            "INSERT OR REPLACE INTO rates(machine, what, key, bucket, rate, samples, updated, "
-            "recent) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            [*where, est.typical, n, at, msgpack.packb(kept)],
-        )
+    row = db.execute(
+        "SELECT rate, samples, recent FROM rates "
+        "WHERE machine = ? AND what = ? AND key = ? AND bucket = ?",
+        where,
+    ).fetchone()
+    kept = [] if row is None else _recent(row[2], float(row[0]), int(row[1]))
+    kept = [*kept, rate][-recompute.KEEP_SAMPLES :]
+    est = recompute.rate_of(kept)
+    assert est is not None
+    n = 1 if row is None else int(row[1]) + 1
+    db.execute(
+        "INSERT OR REPLACE INTO rates(machine, what, key, bucket, rate, samples, updated, "
+        "recent) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        [*where, est.typical, n, at, msgpack.packb(kept)],
+    )
 
 
 class Samples(NamedTuple):
@@ -166,20 +184,20 @@ def all_rates(index: Index) -> list[dict[str, Any]]:
 
 def note_decision(index: Index, namespace: str, body: dict[str, Any]) -> None:
     """Keep a decision (the latest KEEP_DECISIONS per namespace); dropped on a full disk."""
-    best_effort(_note, index, namespace, body)
+    packed = msgpack.packb(body, use_bin_type=True)
+    _write(index, functools.partial(_note, namespace=namespace, at=time.time(), body=packed))
 
 
-def _note(index: Index, namespace: str, body: dict[str, Any]) -> None:
-    with index.write() as db:
-        db.execute(
-            "INSERT INTO decisions(namespace, at, body) VALUES (?, ?, ?)",
-            [namespace, time.time(), msgpack.packb(body, use_bin_type=True)],
-        )
-        db.execute(
-            "DELETE FROM decisions WHERE namespace = ? AND id NOT IN "
-            "(SELECT id FROM decisions WHERE namespace = ? ORDER BY id DESC LIMIT ?)",
-            [namespace, namespace, KEEP_DECISIONS],
-        )
+def _note(db: Any, *, namespace: str, at: float, body: bytes) -> None:
+    db.execute(
+        "INSERT INTO decisions(namespace, at, body) VALUES (?, ?, ?)",
+        [namespace, at, body],
+    )
+    db.execute(
+        "DELETE FROM decisions WHERE namespace = ? AND id NOT IN "
+        "(SELECT id FROM decisions WHERE namespace = ? ORDER BY id DESC LIMIT ?)",
+        [namespace, namespace, KEEP_DECISIONS],
+    )
 
 
 def decisions(index: Index, namespace: str | None = None, limit: int = 5) -> list[dict[str, Any]]:
@@ -207,12 +225,11 @@ _PATH = "data_path:"  # meta key prefix: the data path a machine's processes cho
 def note_path(index: Index, machine: str, text: str) -> None:
     """Keep the data path (``cuda/pinned.data_path``) a process on ``machine`` took;
     dropped on a full disk."""
-    best_effort(_note_path, index, machine, text)
+    _write(index, functools.partial(_note_path, machine=machine, text=text))
 
 
-def _note_path(index: Index, machine: str, text: str) -> None:
-    with index.write() as db:
-        db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", [_PATH + machine, text])
+def _note_path(db: Any, *, machine: str, text: str) -> None:
+    db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", [_PATH + machine, text])
 
 
 def paths(index: Index) -> dict[str, str]:

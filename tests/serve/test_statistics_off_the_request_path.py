@@ -54,6 +54,34 @@ def test_a_miss_and_a_memory_hit_write_nothing_on_the_requests_thread(
         assert again.stats().counters["serve_misses"] == 1
 
 
+def test_a_store_hit_writes_nothing_on_the_requests_thread(tiny: Any, tmp_path: Path) -> None:
+    """A hit from the store: its restore-or-recompute decision and its measured restore
+    rate were two more transactions (each an fsync, behind the write-behind's commits)
+    on the generation thread, before the first token."""
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(80, seed=98)
+    with persist.Store(tmp_path / "s") as store:
+        store.save(prefill(model, toks)[0], toks, identity=ident, session="a")
+        for _ in range(3):  # the prefill rates: the hit faces a real decision
+            store.record_prefill(ident, 0, 80, 1.0)
+        pc = PersistentPromptCache(4, store=store, identity=ident)
+        try:
+            writers = _writes_by_thread(store)
+            cache, rest = pc.fetch_nearest_cache("m", [*toks, 1])  # from the store
+            assert cache is not None and len(rest) == 1
+            assert threading.get_ident() not in writers
+            pc.flush()
+            assert writers and threading.get_ident() not in writers
+            stats = store.stats()
+            assert stats.decisions and stats.decisions[0]["restore"] is True
+            assert any(r["what"].startswith("restore") for r in stats.rates)
+        finally:
+            pc.close()
+    with persist.Store(tmp_path / "s") as again:  # written, not only held in memory
+        assert again.stats().decisions
+
+
 def test_held_statistics_are_written_by_close_and_read_while_held(tmp_path: Path) -> None:
     with persist.Store(tmp_path / "s") as store:
         store.index.hold_statistics()
