@@ -216,6 +216,9 @@ def serve_cmd(
         logging.getLogger("persist").warning(
             "persist serve: stopped (%s) before it served: exit 0", e.args[0] if e.args else e
         )
+    except KeyboardInterrupt:  # Ctrl-C while it started: "interrupted", 130, and no
+        exiting()  # second Ctrl-C may end the process by the signal as it exits
+        raise
 
 
 def _serve(
