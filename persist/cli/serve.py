@@ -199,58 +199,11 @@ def serve_cmd(
       persist serve --model ./tiny --mlx-cache 8G --port 8080
       persist serve --model ./tiny --warm 50 --port 8080
     """
-    options = dict(locals())  # as click parsed them
-    from ..serve.early_stop import StoppedAtStart, early_stop, exiting
+    with _stopping(log_format), _exit_line(log_format):  # before the imports (MLX's)
+        from ..apps.hub import resolve_model
+        from ..serve.app import serve
+        from ..serve.tenants import tenants_from
 
-    early_stop()  # SIGTERM noted from here, before the imports and the model load
-    try:
-        _serve(**options)
-        exiting()
-    except StoppedAtStart as e:
-        exiting()
-        from ..serve.logs import use_log_format
-
-        use_log_format(log_format)
-        if not logging.getLogger().handlers:  # mlx-lm had not configured logging yet
-            logging.basicConfig(format="%(asctime)s - %(levelname)s - %(message)s")
-        logging.getLogger("persist").warning(
-            "persist serve: stopped (%s) before it served: exit 0", e.args[0] if e.args else e
-        )
-    except KeyboardInterrupt:  # Ctrl-C while it started: "interrupted", 130, and no
-        exiting()  # second Ctrl-C may end the process by the signal as it exits
-        raise
-
-
-def _serve(
-    model_dir: str | None,
-    max_bytes: str | None,
-    namespace: str,
-    backlog: int,
-    drain_timeout: float,
-    write_queue: int,
-    when_full: str,
-    mlx_cache: str,
-    max_request_bytes: str,
-    request_timeout: float,
-    log_format: str,
-    max_connections: int,
-    host_cache: str,
-    max_tokens_limit: int,
-    allowed_models: str,
-    api_keys: str | None,
-    tenant_header: str | None,
-    public_prefix: str | None,
-    allow_public_marks: bool,
-    tenant_max_bytes: str | None,
-    warm: int,
-    store_dir: Path | None,
-    server_args: tuple[str, ...],
-) -> None:
-    from ..apps.hub import resolve_model
-    from ..serve.app import serve
-    from ..serve.tenants import tenants_from
-
-    with _exit_line(log_format):
         root = store_dir if store_dir is not None else default_store()
         if max_bytes:
             budget = parse_size(max_bytes)
@@ -283,6 +236,32 @@ def _serve(
             warm=warm,
             **tier_urls(),
         )
+
+
+@contextlib.contextmanager
+def _stopping(log_format: str) -> Iterator[None]:
+    """A SIGTERM while the server starts is an orderly stop, exit 0 (``serve.early_stop``);
+    once the command is done (or interrupted), a signal no longer kills the exiting process."""
+    from ..serve.early_stop import StoppedAtStart, early_stop, exiting
+
+    early_stop()  # SIGTERM noted from here, before the imports and the model load
+    try:
+        yield
+    except StoppedAtStart as e:
+        exiting()
+        from ..serve.logs import use_log_format
+
+        use_log_format(log_format)
+        if not logging.getLogger().handlers:  # mlx-lm had not configured logging yet
+            logging.basicConfig(format="%(asctime)s - %(levelname)s - %(message)s")
+        logging.getLogger("persist").warning(
+            "persist serve: stopped (%s) before it served: exit 0", e.args[0] if e.args else e
+        )
+        return
+    except KeyboardInterrupt:  # Ctrl-C while it started: "interrupted", 130, and no
+        exiting()  # second Ctrl-C may end the process by the signal as it exits
+        raise
+    exiting()
 
 
 @contextlib.contextmanager

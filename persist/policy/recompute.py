@@ -248,10 +248,8 @@ def decide_cost(
             return out(False, "bound")
         return out(True, reason)
 
-    if max_cost is None and prefill_s is not None and restore_s is None:
-        return unless_bound("unmeasured")
     if restore_s is None or (prefill_s is None and max_cost is None):
-        return out(True, "unmeasured")
+        return out(True, "unmeasured") if max_cost is not None else unless_bound("unmeasured")
     if max_cost is not None:
         return out(restore_s <= max_cost, "max_cost")
     assert prefill_s is not None

@@ -9,12 +9,16 @@ Hugging Face cache logged a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -187,13 +191,12 @@ def test_generation_that_cannot_go_on_exits_non_zero(model_dir: Any, tmp_path: P
     assert "generation stopped for good" in text and "the model did not load" in text, text
 
 
-def test_sigterm_while_the_model_loads_is_an_orderly_stop(model_dir: Any, tmp_path: Path) -> None:
-    """Attack 39j: SIGTERM before the server listened (the model loading, its kernels
-    built, the host tier pinned) ended the process at once: exit -15, no log line.
-    systemd stops a unit that is still starting the same way as one that serves."""
-    import signal
-    import time
-
+@contextlib.contextmanager
+def starting_server(
+    model_dir: Any, tmp_path: Path
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``persist serve`` started, handed over once MLX is mapped: the command runs (it
+    imports no MLX before), the server is not up yet.  Killed if still running after."""
     log = tmp_path / "log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = [sys.executable, "-m", "persist", "serve", "--model", str(model_dir("llama")),
@@ -202,15 +205,22 @@ def test_sigterm_while_the_model_loads_is_an_orderly_stop(model_dir: Any, tmp_pa
         proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
-        # MLX mapped: the command runs (it imports no MLX before), the server not yet up
         while "libmlx" not in Path(f"/proc/{proc.pid}/maps").read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=120)
+        yield proc, log
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_sigterm_while_the_model_loads_is_an_orderly_stop(model_dir: Any, tmp_path: Path) -> None:
+    """Attack 39j: SIGTERM before the server listened (the model loading, its kernels
+    built, the host tier pinned) ended the process at once: exit -15, no log line.
+    systemd stops a unit that is still starting the same way as one that serves."""
+    with starting_server(model_dir, tmp_path) as (proc, log):
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
     text = log.read_text()
     assert rc == 0, text[-3000:]
     assert "stopped (SIGTERM) before it served" in text or "persist serve: stopped" in text, text
@@ -223,27 +233,12 @@ def test_sigterms_while_it_starts_stop_it_in_order_or_at_once(
     """Attack 39k: SIGTERM every 5 ms from a starting server (a supervisor insisting)
     ended it by the signal (exit -15) after it had logged an orderly stop: a second
     signal stops at once (143), as after it listens; none is a kill."""
-    import signal
-    import time
-
-    log = tmp_path / "log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    args = [sys.executable, "-m", "persist", "serve", "--model", str(model_dir("llama")),
-            "--store", str(tmp_path / "store"), "--port", str(free_port())]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
+    with starting_server(model_dir, tmp_path) as (proc, log):
         deadline = time.monotonic() + 120
-        while "libmlx" not in Path(f"/proc/{proc.pid}/maps").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.01)
         while proc.poll() is None and time.monotonic() < deadline:
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.005)
         rc = proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     text = log.read_text()
     assert rc in (0, 143), text[-3000:]
     assert "Traceback" not in text
