@@ -160,6 +160,14 @@ def quiet(port: int, bound: float = 60.0) -> float:
     return time.monotonic() - t0
 
 
+def stats_into(store: Path, out: Path) -> None:
+    """``persist stats`` of persist's store into ``out``: its restore-or-recompute
+    decisions and the rates they used (why a hit was taken or declined)."""
+    got = subprocess.run(["persist", "stats", "--store", str(store)], capture_output=True,
+                         text=True, timeout=120, check=False)  # fmt: skip
+    out.write_text(got.stdout + got.stderr)
+
+
 def profiler(srv: Server, logs: Path | None, life: str) -> subprocess.Popen[bytes] | None:
     """py-spy sampling persist serve's threads (E2E_PYSPY: its path), into ``logs``."""
     spy = os.environ.get("E2E_PYSPY")
@@ -221,6 +229,7 @@ def run(model: Path, tmp: Path, sessions: list[Session], rounds: int, cache_size
                 (logs / f"metrics-{life.replace(' ', '-')}.txt").write_text(
                     scrape(servers["persist"].port)
                 )
+                stats_into(tmp / "store", logs / f"stats-{life.replace(' ', '-')}.txt")
             for srv in servers.values():
                 srv.stop()
     out: dict[str, Any] = {}
