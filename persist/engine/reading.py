@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 
@@ -27,9 +28,18 @@ from .unverified import marked
 
 if TYPE_CHECKING:
     from ..storage.blobs import BlobStore
-    from ..storage.index import Index, SnapshotRow
+    from ..storage.index import BlockRef, Index, SnapshotRow
 
-__all__ = ["restore_named", "index_hit", "lookup_prefix", "RESTORE_RETRIES"]
+__all__ = [
+    "restore_named",
+    "read_named",
+    "row_gone",
+    "index_hit",
+    "lookup_prefix",
+    "RESTORE_RETRIES",
+]
+
+T = TypeVar("T")
 
 log = logging.getLogger("persist")
 RESTORE_RETRIES = 4  # re-reads of a session that concurrent saves keep replacing
@@ -52,17 +62,11 @@ def restore_named(
 ) -> tuple[list[Any], SnapshotRow]:
     """The named session's caches and row, exactly as saved.
 
-    The row and its blocks are read in one transaction.  If a blob of it is
-    gone because the session was saved again meanwhile (its old blobs
-    collected), the new version is restored instead; a blob missing from
-    a row that did not change is damage (CorruptBlobError).
+    The row and its blocks are read together, and again where the session was
+    saved again meanwhile (``read_named``).
     """
-    last_id = None
-    for _attempt in range(RESTORE_RETRIES):
-        found = index.by_name_with_blocks(namespace, session)
-        if found is None:
-            raise SessionNotFoundError(session, namespace)
-        row, refs = found
+
+    def read(row: SnapshotRow, refs: list[BlockRef]) -> list[Any]:
         if row.identity != identity.digest:
             saved_identity(row).require_same(identity, f"session {session!r}")
         if strict_backend and _other_backend(row, identity):
@@ -70,18 +74,11 @@ def restore_named(
             raise IdentityMismatchError(
                 f"session {session!r}", ["backend"], saved.display(), identity.display()
             )
-        try:
-            tier, nbytes = (LOCAL, 0) if costs is None else local_hit(index, blobs, row, None)
-            with _timed(costs, identity, tier, nbytes):
-                cache = load_snapshot(index, blobs, row, progress, refs=refs)
-            break
-        except CorruptBlobError:
-            # damage, unless a newer save replaced the row meanwhile
-            if row.id == last_id or not _gone(index, row):
-                raise
-            last_id = row.id
-    else:
-        raise CorruptBlobError(f"session {session!r}", "kept changing while it was read")
+        tier, nbytes = (LOCAL, 0) if costs is None else local_hit(index, blobs, row, None)
+        with _timed(costs, identity, tier, nbytes):
+            return load_snapshot(index, blobs, row, progress, refs=refs)
+
+    cache, row = read_named(index, namespace, session, read)
     if marked(row.metadata):  # what continues it stays unverified, under any name
         mark_unverified(cache)
     # statistics: a full disk drops them, never the restore (store.full)
@@ -90,7 +87,35 @@ def restore_named(
     return cache, row
 
 
-def _gone(index: Index, row: SnapshotRow) -> bool:
+def read_named(
+    index: Index,
+    namespace: str,
+    session: str,
+    read: Callable[[SnapshotRow, list[BlockRef]], T],
+) -> tuple[T, SnapshotRow]:
+    """``read`` of the named session's row and blocks, read in one transaction.
+
+    If a blob of it is gone because the session was saved again or removed
+    meanwhile (its old blobs collected), the new version is read instead, or
+    SessionNotFoundError; a blob missing from a row that did not change is
+    damage (CorruptBlobError).  ``restore`` and ``export`` read by this."""
+    last_id = None
+    for _attempt in range(RESTORE_RETRIES):
+        found = index.by_name_with_blocks(namespace, session)
+        if found is None:
+            raise SessionNotFoundError(session, namespace)
+        row, refs = found
+        try:
+            return read(row, refs), row
+        except CorruptBlobError:
+            # damage, unless a newer save replaced the row meanwhile
+            if row.id == last_id or not row_gone(index, row):
+                raise
+            last_id = row.id
+    raise CorruptBlobError(f"session {session!r}", "kept changing while it was read")
+
+
+def row_gone(index: Index, row: SnapshotRow) -> bool:
     """Has ``row`` left the index since it was read (a concurrent gc, check --fix, rm or
     save removed it)?  Then what its read found missing or not matching is that
     delete, not damage.  Read again in a transaction of its own: the row as it is
@@ -186,7 +211,7 @@ def lookup_prefix(
                 cache = load_snapshot(index, blobs, row, keep=prefix)
         except CorruptBlobError as e:
             skip.add(row.id)
-            if _gone(index, row):  # evicted or replaced by another process meanwhile
+            if row_gone(index, row):  # evicted or replaced by another process meanwhile
                 log.debug("persist: a lookup's snapshot %d went while it was read", row.id)
                 continue
             log.warning("persist: skipping a damaged snapshot in lookup: %s", e)

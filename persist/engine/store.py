@@ -26,7 +26,7 @@ from ..identity import ModelIdentity
 from ..records import Progress
 from ..storage import retention
 from ..storage.housekeeping import remembered_budget
-from ..storage.index import Index
+from ..storage.index import BlockRef, Index, SnapshotRow
 from ..storage.rows import check_name, store_root
 from ..storage.store_folder import open_folder
 from ..storage.types import EntryInfo
@@ -280,6 +280,7 @@ class Store(StoreReads):
         anything but a regular file (a FIFO, a device, a folder, a link), is
         ExportTargetError: nothing written."""
         from .files import check_export_target
+        from .reading import read_named
         from .transfer import export_row
 
         check_name(namespace, "namespace")
@@ -293,10 +294,16 @@ class Store(StoreReads):
             raise SessionNotFoundError(session, namespace)
         check_export_target(self.root, path)  # a regular file outside the store only
         key = file_key(self.tier_key)  # the operator key tags the file (file_tags)
-        export_row(
-            self.index, self.blobs, row, path=path, format=format, model=model,
-            model_dir=model_dir, key=key,
-        )  # fmt: skip
+
+        def write(row: SnapshotRow, refs: list[BlockRef]) -> None:
+            export_row(
+                self.index, self.blobs, row, refs=refs, path=path, format=format,
+                model=model, model_dir=model_dir, key=key,
+            )  # fmt: skip
+
+        # the session as it is now: one saved again or removed meanwhile is the new
+        # version or not found, never a false report of damage (attack r13b)
+        _, row = read_named(self.index, namespace, session, write)
         return self._info(row)
 
     def import_file(

@@ -335,6 +335,7 @@ def export_row(
     blobs: Any,
     row: Any,
     *,
+    refs: list[Any] | None = None,
     path: str | os.PathLike[str],
     format: str,
     model: str | None = None,
@@ -353,7 +354,7 @@ def export_row(
     from .loading import load_snapshot
     from .reading import saved_identity
 
-    cache = load_snapshot(index, blobs, row)
+    cache = load_snapshot(index, blobs, row, refs=refs)  # refs: read with the row
     meta = entry_info(row).metadata
     identity = saved_identity(row)
     if format == "mlx-lm":

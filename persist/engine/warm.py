@@ -28,6 +28,7 @@ from ..storage.rows import SnapshotRow, listed_info
 from .host.store_hooks import owner
 from .host.tier import HostTier
 from .loading import load_snapshot
+from .reading import row_gone
 
 __all__ = ["WarmReport", "warm", "warm_candidates"]
 
@@ -97,7 +98,8 @@ def warm(
         try:
             cache = load_snapshot(index, blobs, row)
         except CorruptBlobError as e:
-            log.warning("persist: warm start skipped a damaged entry: %s", e)
+            if not row_gone(index, row):  # one removed or replaced meanwhile is not damage
+                log.warning("persist: warm start skipped a damaged entry: %s", e)
             skipped += 1
             continue
         who = owner(row.namespace, identity, strict_backend)

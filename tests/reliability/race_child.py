@@ -1,6 +1,6 @@
 """A process of the race tests: ``writer``, ``checker``, ``reader`` or ``gc`` on one store.
 
-argv: role store_root seconds out_file.  The writer re-saves a few named
+argv: role store_root seconds out_file (role ``exporter`` too).  The writer re-saves a few named
 sessions with new contents (distinct lengths, so a version is its token
 list) and appends each save that *returned* to out_file, fsynced, so the
 test knows every committed version.  The others loop until the time is up
@@ -45,7 +45,7 @@ def writer(store: persist.Store, until: float, out: Path) -> None:
             os.fsync(log.fileno())
 
 
-def loop(role: str, store: persist.Store, until: float) -> Counter[str]:
+def loop(role: str, store: persist.Store, until: float, out_dir: Path) -> Counter[str]:
     seen: Counter[str] = Counter()
     rng = random.Random(os.getpid())
     while time.time() < until:
@@ -56,6 +56,8 @@ def loop(role: str, store: persist.Store, until: float) -> Counter[str]:
                 store.restore(rng.choice(NAMES), identity=IDENTITY)
             elif role == "gc":
                 store.gc()
+            elif role == "exporter":  # attack r13b: a false CorruptBlobError beside saves
+                store.export(rng.choice(NAMES), Path(f"{out_dir}/export.safetensors"))
             seen["ok"] += 1
         except persist.SessionNotFoundError:
             seen["not-yet-saved"] += 1
@@ -71,7 +73,7 @@ def main() -> None:
         if role == "writer":
             writer(store, until, out)
         else:
-            out.write_text(json.dumps(loop(role, store, until)))
+            out.write_text(json.dumps(loop(role, store, until, out.parent)))
 
 
 if __name__ == "__main__":

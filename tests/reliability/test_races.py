@@ -35,7 +35,7 @@ def test_check_fix_and_readers_beside_a_writer(tmp_path: Path, tally: Any) -> No
     root = tmp_path / "store"
     persist.Store(root).close()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    roles = ["writer", "checker", "reader", "gc"]
+    roles = ["writer", "checker", "reader", "gc", "exporter"]
     procs = {
         role: subprocess.Popen(
             [
