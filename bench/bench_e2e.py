@@ -32,6 +32,7 @@ import re
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -163,8 +164,9 @@ def quiet(port: int, bound: float = 60.0) -> float:
 def stats_into(store: Path, out: Path) -> None:
     """``persist stats`` of persist's store into ``out``: its restore-or-recompute
     decisions and the rates they used (why a hit was taken or declined)."""
-    got = subprocess.run(["persist", "stats", "--store", str(store)], capture_output=True,
-                         text=True, timeout=120, check=False)  # fmt: skip
+    # ``python -m``: the GPU machine installs persist by PYTHONPATH, no ``persist`` on PATH
+    command = [sys.executable, "-m", "persist", "stats", "--store", str(store)]
+    got = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     out.write_text(got.stdout + got.stderr)
 
 

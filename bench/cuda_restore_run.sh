@@ -92,7 +92,9 @@ for phase in "$@"; do
     (cd /tmp && find bt -name '*.log' | tar czf "$OUT/servetest-logs.tgz" -T -) ;;
   e2efull)
     # the same, 6 sessions x 3 turns: more requests per phase
-    # a model contention2 made is reused (its making is not part of the run)
+    # a model contention2 made is reused (its making is not part of the run); the logs
+    # folder is emptied first (requests.jsonl is appended to)
+    rm -rf /tmp/e2e-logs && mkdir -p /tmp/e2e-logs
     E2E_PYSPY=/tmp/site/bin/py-spy timeout 470 python3 -m bench.bench_e2e --shape llama3-8b --system-words 1700 \
       $( [ -f /tmp/cmodel/config.json ] && echo --model /tmp/cmodel ) \
       --out cuda --logs /tmp/e2e-logs 2>&1 | tee "$OUT/e2e.log" | tail -30
