@@ -12,7 +12,10 @@ device memory above what was allocated before it.  Cases: restores straight
 from the slots (the default) and through a staging buffer (PERSIST_STAGING=whole),
 each with no kernel cache (MLX_PTX_CACHE_DIR empty) and after
 ``engine.staged.restore.prepare`` (what ``persist serve`` runs before it
-answers); saves with no kernel cache and with MLX's filled by an earlier process.  JSON on
+answers), and after it with calls 2-4 restoring three other sessions of the same size
+that the process has not read (a session's blob headers are read once per process,
+so restoring "s" again flatters the later calls); saves with no kernel cache and with
+MLX's filled by an earlier process.  JSON on
 stdout and in OUT/first-call.json.
 """
 
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 CHILD = "_child"
+OTHERS = 3  # sessions besides "s": calls 2-4 of FIRST_CALL_OTHERS restore them
 
 
 def _setup(root: str, tokens: int) -> None:
@@ -46,6 +50,11 @@ def _setup(root: str, tokens: int) -> None:
     # only the first to read the disk: a page-cache difference, not a first call's)
     with persist.Store(root, cached_writes=True) as store:
         store.save(cache, list(range(tokens)), identity=IDENTITY, session="s")
+        # other sessions of the same size, no blob shared with "s": a later restore of
+        # one the process has not read yet (its blob headers unread too)
+        for j in range(1, OTHERS + 1):
+            other = llama(tokens, seed=j)
+            store.save(other, [t + j for t in range(tokens)], identity=IDENTITY, session=f"o{j}")
     mx.synchronize()
 
 
@@ -71,7 +80,8 @@ def _restores(root: str, prewarm: bool) -> dict[str, Any]:
         out["prepare_s"] = time.perf_counter() - t
     from bench.shapes import llama
 
-    want = llama(int(os.environ.get("FIRST_CALL_TOKENS", "8192")))  # what setup saved
+    tokens = int(os.environ.get("FIRST_CALL_TOKENS", "8192"))
+    others = bool(os.environ.get("FIRST_CALL_OTHERS"))  # calls 2-4: sessions not yet read
     runs = []
     with persist.Store(root) as store:
         if prewarm:  # what persist serve does before it answers
@@ -88,12 +98,12 @@ def _restores(root: str, prewarm: bool) -> dict[str, Any]:
             base = mx.get_active_memory()
             t = time.perf_counter()
             with _profiled(out, f"profile{i + 1}" if i < 2 else None):
-                r = store.restore("s", identity=IDENTITY)
+                r = store.restore(f"o{i}" if others and i else "s", identity=IDENTITY)
                 mx.synchronize()
             restore_s = time.perf_counter() - t
             peak = mx.get_peak_memory() - base
             cache_bytes = sum(a.nbytes for c in r.cache for a in (c.keys, c.values))
-            equal = _same(r.cache, want)
+            equal = _same(r.cache, llama(tokens, seed=i if others else 0))  # what setup saved
             t = time.perf_counter()
             first_step(r.cache)
             mx.synchronize()
@@ -225,12 +235,15 @@ def main() -> None:
         ("restore_direct_no_kernel_cache", "0", True, "direct"),
         ("restore_direct_prepared", "1", False, "direct"),
         ("restore_direct_prepared_profiled", "1", False, "direct"),
+        ("restore_direct_prepared_other_sessions", "1", False, "direct"),
         ("restore_whole_no_kernel_cache", "0", True, "whole"),
         ("restore_whole_prepared", "1", False, "whole"),
     ):
         e = {**env, "PERSIST_STAGING": staging}
         if name.endswith("_profiled"):
             e["FIRST_CALL_PROFILE"] = "1"
+        if name.endswith("_other_sessions"):  # the later calls restore unread sessions
+            e["FIRST_CALL_OTHERS"] = "1"
         if fresh:
             e["MLX_PTX_CACHE_DIR"] = str(base / f"ptx-{name}")
         result[name] = _run(["restore", str(base / "r"), prewarm], e)

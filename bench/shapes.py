@@ -16,9 +16,10 @@ import persist
 IDENTITY = persist.ModelIdentity("bench", "c", "w", "t", "h", name="bench")
 
 
-def llama(tokens: int) -> list[Any]:
-    """Llama-3-8B's cache shape: 32 layers, 8 KV heads, head dim 128, bfloat16."""
-    return [_kv(tokens, 8, 128, i) for i in range(32)]
+def llama(tokens: int, seed: int = 0) -> list[Any]:
+    """Llama-3-8B's cache shape: 32 layers, 8 KV heads, head dim 128, bfloat16
+    (``seed``: another cache of the same shape, no block shared with seed 0's)."""
+    return [_kv(tokens, 8, 128, i + 1000 * seed) for i in range(32)]
 
 
 def qwen3_next(tokens: int) -> list[Any]:
