@@ -1,49 +1,41 @@
 """Sessions in and out of single files: persist files, and mlx-lm's prompt caches.
 
-mlx-lm's ``save_prompt_cache`` (and ``mlx_lm.cache_prompt``) writes a
-safetensors file whose metadata names each layer's class and holds no tokens
-and no model identity.  Reading one, persist validates the container first,
-maps class names only to the mlx-lm cache classes it has codecs for (never a
-name looked up anywhere else), and checks every layer through its codec; the
-caller must say which tokens the cache covers and for which model, since
-nothing in the file can vouch for either.  Writing one goes through mlx-lm's
-own writer, so ``load_prompt_cache`` reads it, then the atomic rename.
+An mlx-lm prompt-cache file (``mlx_lm_files``: read, validated, and written)
+records no tokens and no model identity: importing one, the caller says which
+tokens it covers and for which model, and the cache is checked against both
+here; exporting to one, the session is checked against the model it will claim.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import (
-    CorruptBlobError,
     IdentityMismatchError,
     InvalidArgumentError,
     ModelNotFoundError,
     NotResumableError,
-    PersistError,
-    UnknownKindError,
     UnsupportedFormatError,
 )
-from ..format.container import read_header
-from ..format.manifest import is_mlx_lm_metadata
 from ..format.opening import open_regular, user_reads
-from ..format.sink import fsync_dir, tmp_beside
 from ..identity import ModelIdentity
 from .cache_fit import check_fits, check_quantized
-from .files import load_file, save_file, user_writes
+from .files import load_file, save_file
+from .mlx_lm_files import (
+    is_mlx_lm,
+    mlx_lm_classes_only,
+    mlx_lm_metadata,
+    read_mlx_lm,
+    write_mlx_lm,
+)
 from .unverified import UNVERIFIED_KEY
 
 __all__ = [
     "Importable",
     "read_importable",
-    "write_mlx_lm",
-    "read_mlx_lm",
     "check_readable",
     "export_row",
     "FORMATS",
@@ -51,7 +43,6 @@ __all__ = [
 ]
 
 FORMATS = ("persist", "mlx-lm")
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 class Importable:
@@ -83,7 +74,7 @@ def read_importable(
     model (whose own caches it must fit, ``check_fits``, when ``model`` is given).
     A persist file's model must be ``identity``'s (its cache settings are the file's
     own), and under ``key`` (the operator key) it must carry that key's tag."""
-    if not _is_mlx_lm(path):
+    if not is_mlx_lm(path):
         loaded = load_file(path, key=key)
         if loaded.identity is None or loaded.tokens is None:
             raise NotResumableError(
@@ -147,167 +138,6 @@ def check_readable(path: str | os.PathLike[str]) -> None:
     first read the system refuses (``/proc/self/mem``: StorageError)."""
     with user_reads(str(path)), open_regular(path, user=True) as f:
         f.read(8)  # a safetensors header's length: what every reader reads first
-
-
-def _is_mlx_lm(path: str | os.PathLike[str]) -> bool:
-    try:
-        with open_regular(path, user=True) as f:
-            header = read_header(f, str(path))
-    except OSError:
-        return False  # load_file reports it
-    return is_mlx_lm_metadata(header.metadata)
-
-
-def _classes() -> dict[str, type]:
-    from ..codecs import BUILTIN_KINDS
-
-    return {
-        cls.__name__: cls
-        for cls, _ in BUILTIN_KINDS.values()
-        if cls.__module__ == "mlx_lm.models.cache"
-    }
-
-
-def read_mlx_lm(path: str | os.PathLike[str]) -> tuple[list[Any], dict[str, str]]:
-    """The caches and user metadata of an mlx-lm prompt-cache file, validated."""
-    import mlx.core as mx
-    from mlx.utils import tree_unflatten
-
-    from ..codecs.snapshot import capture
-
-    where = str(path)
-    with user_reads(where), open_regular(path, user=True) as f:
-        read_header(f, where)  # persist's bounded, validating reader before mx.load
-        try:  # by a path to the file checked (a file object: 6x slower reads in mlx)
-            loaded: Any = mx.load(_held(f, where), format="safetensors", return_metadata=True)
-        except (RuntimeError, ValueError) as e:  # mlx's words for a read that failed
-            raise CorruptBlobError(where, f"mlx cannot load it: {e}") from None
-    arrays, meta = loaded
-    _check_keys(where, [*meta, *arrays])  # tree_unflatten would allocate what they claim
-    try:
-        user, names, scalars = tree_unflatten(list(meta.items()))
-        assert isinstance(names, list) and all(isinstance(n, str) for n in names)
-        states = tree_unflatten(list(_scalars(arrays, scalars).items()))
-        assert isinstance(states, list) and len(states) == len(names)
-    except (AssertionError, ValueError, TypeError, KeyError, IndexError):
-        raise CorruptBlobError(where, "malformed mlx-lm prompt-cache metadata") from None
-    known: dict[str, Any] = _classes()
-    cache = []
-    for i, (name, state) in enumerate(zip(names, states, strict=True)):
-        cls = known.get(name)
-        if cls is None:
-            raise UnknownKindError(name, f"{where}: not an mlx-lm cache class persist stores")
-        try:
-            cache.append(cls.from_state(state))
-        except Exception as e:  # mlx-lm's setters assume a well-formed state
-            raise CorruptBlobError(where, f"layer {i} ({name}): malformed state: {e}") from None
-    try:
-        capture(cache)  # every layer through its codec: refused here, not at a later save
-    except PersistError:
-        raise
-    except Exception as e:
-        raise CorruptBlobError(where, f"a layer does not hold a valid cache: {e}") from None
-    return cache, {str(k): str(v) for k, v in dict(user or {}).items()}
-
-
-def _held(f: Any, where: str) -> str:
-    """A path that opens the file ``f`` holds, never what was swapped in under its name
-    since (a FIFO would make mx.load wait): ``/proc/self/fd/N`` on Linux; elsewhere the
-    name, refused (CorruptBlobError) unless it still is that file."""
-    by_fd = f"/proc/self/fd/{f.fileno()}"
-    if os.path.exists(by_fd):
-        return by_fd
-    held, named = os.fstat(f.fileno()), os.stat(where)
-    if (held.st_dev, held.st_ino) != (named.st_dev, named.st_ino):
-        raise CorruptBlobError(where, "replaced by another file while it was read")
-    return where
-
-
-INDEX_RE = re.compile(r"0|[1-9][0-9]{0,8}")
-MAX_KEY_DEPTH = 32  # levels of a key (a.b.c: 3); the states of mlx-lm caches nest 4 (CacheList)
-
-
-def _check_keys(where: str, keys: list[str]) -> None:
-    """Every list index in an mlx-lm file's keys is a plain number no greater than the
-    file's count of keys: ``tree_unflatten`` makes a list as long as its largest index
-    (a key ``1.<N>`` allocated N slots, a MemoryError for N = 10**11). A real file's
-    lists have an entry per index, each at least one key, but for empty states.
-    No key nests deeper than MAX_KEY_DEPTH: ``tree_unflatten`` recurses once per level."""
-    bound = len(keys)
-    for key in keys:
-        parts = key.split(".")
-        if len(parts) > MAX_KEY_DEPTH:
-            raise CorruptBlobError(
-                where,
-                f"mlx-lm prompt-cache key {key[:40]!r}... nests {len(parts)} levels; "
-                f"persist reads at most {MAX_KEY_DEPTH}",
-            )
-        for part in parts:
-            try:
-                int(part)  # what tree_unflatten takes for a list index ("1_0", " 7", ...)
-            except ValueError:
-                continue
-            if not INDEX_RE.fullmatch(part) or int(part) > bound:
-                raise CorruptBlobError(
-                    where, f"malformed mlx-lm prompt-cache key {key[:80]!r} (list index)"
-                )
-
-
-def _scalars(arrays: dict[str, Any], scalars: Any) -> dict[str, Any]:
-    out = dict(arrays)
-    for pos, kind in scalars[1:]:
-        a = out[pos]
-        if kind == "scalar":
-            out[pos] = a.item()
-        elif kind == "string":
-            out[pos] = "".join(chr(i) for i in a.tolist())
-        elif kind == "none":
-            out[pos] = None
-        else:
-            raise ValueError(kind)
-    return out
-
-
-def write_mlx_lm(
-    path: str | os.PathLike[str], cache: list[Any], metadata: dict[str, str] | None = None
-) -> None:
-    """A file mlx-lm's ``load_prompt_cache`` reads: its writer, then fsync and rename."""
-    mlx_lm_classes_only(cache)
-    target = Path(path)
-    with user_writes(path):  # the system's refusal is StorageError, as save_file's
-        _write_mlx_lm(target, tmp_beside(target, ".tmp.safetensors"), cache, metadata)
-
-
-def _write_mlx_lm(target: Path, tmp: str, cache: list[Any], metadata: Any) -> None:
-    from mlx_lm.models.cache import save_prompt_cache
-
-    try:
-        # made here first (0600): a folder that refuses it says so as the system does,
-        # where mlx's writer would only raise its own RuntimeError
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o600))
-        save_prompt_cache(tmp, cache, dict(metadata or {}))
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-        fsync_dir(target.parent if str(target.parent) else Path("."))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def mlx_lm_classes_only(cache: list[Any]) -> None:
-    """UnsupportedFormatError for a cache list mlx-lm's ``load_prompt_cache`` cannot
-    read: it looks classes up in mlx_lm.models.cache alone."""
-    foreign = sorted({type(c).__name__ for c in cache} - set(_classes()))
-    if foreign:
-        raise UnsupportedFormatError(
-            f"mlx-lm cannot load caches of {', '.join(foreign)} (not mlx-lm classes); "
-            "export this session in the persist format"
-        )
 
 
 def write_file(
@@ -392,10 +222,3 @@ def _same_model(saved: ModelIdentity, given: ModelIdentity, what: str) -> None:
     fields = [f for f in saved.diff(given) if not f.startswith("cache_config")]
     if fields:
         raise IdentityMismatchError(what, fields, saved.display(), given.display())
-
-
-def mlx_lm_metadata(user: dict[str, str], model: str) -> dict[str, str]:
-    """What ``mlx_lm.cache_prompt`` writes and ``mlx_lm generate --prompt-cache-file``
-    reads: ``model`` (compared as a string with its --model, or loaded when that is
-    not given) and ``tokenizer_config`` (JSON); the session's own metadata beside."""
-    return {**user, "model": model, "tokenizer_config": json.dumps({})}

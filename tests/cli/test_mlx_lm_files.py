@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 import persist
-from persist.engine.transfer import MAX_KEY_DEPTH
+from persist.engine.mlx_lm_files import MAX_KEY_DEPTH
 from tests.helpers import assert_same_state, continue_run, live_state, persist_cli, prefill, raw
 
 PROMPT = "a prompt cached by mlx_lm.cache_prompt, then resumed through persist"

@@ -103,7 +103,7 @@ def test_an_mlx_lm_file_whose_keys_claim_a_huge_list(tmp_path: Path, model_dir: 
 
 def test_an_mlx_lm_key_that_python_reads_as_a_number(tmp_path: Path) -> None:
     """``int("1_0")`` is 10: such a key is no list index a real file has."""
-    from persist.engine.transfer import read_mlx_lm
+    from persist.engine.mlx_lm_files import read_mlx_lm
 
     hostile = tmp_path / "h.safetensors"
     make_huge_index(hostile, "1_0")
