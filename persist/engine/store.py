@@ -33,7 +33,7 @@ from ..storage.types import EntryInfo
 from .costs import CostModel
 from .file_tags import file_key
 from .lifecycle import check_hints
-from .store_reads import PULL_READS, StoreReads
+from .store_reads import StoreReads
 
 if TYPE_CHECKING:  # the save path imports mlx: loaded by the first save, not by ``ls``
     from ..codecs.snapshot import Snapshot
@@ -285,25 +285,23 @@ class Store(StoreReads):
 
         check_name(namespace, "namespace")
         check_name(session, "session")
-        row = self.index.by_name(namespace, session)
-        for _ in range(PULL_READS):  # as restore: a session only the fleet holds is pulled
-            if row is not None or self.read_only or not self._pull_named(session, namespace):
-                break
-            row = self.index.by_name(namespace, session)  # None: evicted since, pull again
-        if row is None:
-            raise SessionNotFoundError(session, namespace)
-        check_export_target(self.root, path)  # a regular file outside the store only
         key = file_key(self.tier_key)  # the operator key tags the file (file_tags)
 
         def write(row: SnapshotRow, refs: list[BlockRef]) -> None:
+            check_export_target(self.root, path)  # a regular file outside the store only
             export_row(
                 self.index, self.blobs, row, refs=refs, path=path, format=format,
                 model=model, model_dir=model_dir, key=key,
             )  # fmt: skip
 
-        # the session as it is now: one saved again or removed meanwhile is the new
-        # version or not found, never a false report of damage (attack r13b)
-        _, row = read_named(self.index, namespace, session, write)
+        # as restore: a session only the fleet holds is pulled (a read-only store never
+        # pulls), and one saved again or removed meanwhile is the new version or not
+        # found, never a false report of damage (read_named; attack r13b)
+        _, row = self._pulled(
+            session, namespace,
+            lambda: read_named(self.index, namespace, session, write),
+            pull=not self.read_only,
+        )  # fmt: skip
         return self._info(row)
 
     def import_file(

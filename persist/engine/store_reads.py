@@ -10,8 +10,8 @@ index and the blob tier, never the Store.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from ..errors import (
     InvalidArgumentError,
@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # loaded by the first restore or warm start, not by ``ls``
     from .warm import WarmReport
 
 __all__ = ["StoreReads"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("persist")
 PULL_READS = 3  # a pulled session evicted before its read is pulled again, twice at most
@@ -61,23 +63,30 @@ class StoreReads(StoreUpkeep):
         check_name(namespace, "namespace")
         check_name(session, "session")
         i, strict = self.index, self.strict_backend
-        for attempt in range(PULL_READS):
-            pulled = self._pull_named(session, namespace)
-            try:
-                cache, row = restore_named(
-                    i, self.blobs, namespace, session, identity=identity, progress=progress,
-                    strict_backend=strict, costs=self.costs,
-                )  # fmt: skip
-                break
-            except SessionNotFoundError:
-                # what the pull just committed was evicted before it was read (a gc in
-                # another process): the fleet holds it, so pull it again (attack 38b, 15)
-                if not pulled or attempt == PULL_READS - 1:
-                    raise
+        cache, row = self._pulled(
+            session, namespace,
+            lambda: restore_named(
+                i, self.blobs, namespace, session, identity=identity, progress=progress,
+                strict_backend=strict, costs=self.costs,
+            ),
+        )  # fmt: skip
         notice = pop_notice(i, namespace, session)
         if notice is not None:  # said once, here and to whoever logs
             log.warning("persist: %s", notice)
         return Restored(cache, unpack_tokens(row.tokens), self._info(row), notice)
+
+    def _pulled(self, session: str, namespace: str, read: Callable[[], T], pull: bool = True) -> T:
+        """``read`` of a named session, pulled first from the tiers when this store lacks
+        it (``pull``).  What a pull just committed may be evicted before it is read (a gc
+        in another process): the fleet holds it, so it is pulled again (attack 38b, 15)."""
+        for attempt in range(PULL_READS):
+            pulled = pull and self._pull_named(session, namespace)
+            try:
+                return read()
+            except SessionNotFoundError:
+                if not pulled or attempt == PULL_READS - 1:
+                    raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _pull_named(self, session: str, namespace: str) -> bool:
         """A session this store lacks, from the tiers (the shared one first, then the
