@@ -276,7 +276,7 @@ class Store(StoreReads):
         ``model`` itself when it is a folder, else ``model_dir`` (the folder a
         repo id resolves to); neither is ModelNotFoundError, nothing written.  A
         session only the fleet holds is pulled first, as ``restore`` pulls it (a
-        read-only store never pulls).  ``path`` inside the store, or one holding
+        read-only store with tiers: ReadOnlyStoreError).  ``path`` inside the store, or one holding
         anything but a regular file (a FIFO, a device, a folder, a link), is
         ExportTargetError: nothing written."""
         from .files import check_export_target
@@ -294,14 +294,13 @@ class Store(StoreReads):
                 model=model, model_dir=model_dir, key=key,
             )  # fmt: skip
 
-        # as restore: a session only the fleet holds is pulled (a read-only store never
-        # pulls), and one saved again or removed meanwhile is the new version or not
-        # found, never a false report of damage (read_named; attack r13b)
+        # as restore: a session only the fleet holds is pulled (a read-only store says
+        # so, ReadOnlyStoreError, never "no session": attack r13c), and one saved again
+        # or removed meanwhile is the new version or not found, never a false report of
+        # damage (read_named; attack r13b)
         _, row = self._pulled(
-            session, namespace,
-            lambda: read_named(self.index, namespace, session, write),
-            pull=not self.read_only,
-        )  # fmt: skip
+            session, namespace, lambda: read_named(self.index, namespace, session, write)
+        )
         return self._info(row)
 
     def import_file(

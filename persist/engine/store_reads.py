@@ -75,12 +75,12 @@ class StoreReads(StoreUpkeep):
             log.warning("persist: %s", notice)
         return Restored(cache, unpack_tokens(row.tokens), self._info(row), notice)
 
-    def _pulled(self, session: str, namespace: str, read: Callable[[], T], pull: bool = True) -> T:
+    def _pulled(self, session: str, namespace: str, read: Callable[[], T]) -> T:
         """``read`` of a named session, pulled first from the tiers when this store lacks
-        it (``pull``).  What a pull just committed may be evicted before it is read (a gc
+        it.  What a pull just committed may be evicted before it is read (a gc
         in another process): the fleet holds it, so it is pulled again (attack 38b, 15)."""
         for attempt in range(PULL_READS):
-            pulled = pull and self._pull_named(session, namespace)
+            pulled = self._pull_named(session, namespace)
             try:
                 return read()
             except SessionNotFoundError:

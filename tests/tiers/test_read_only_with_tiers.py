@@ -29,6 +29,9 @@ def test_a_read_only_store_never_pulls(tiny: Any, redis_server: Any, tmp_path: P
         assert b.read_only
         with pytest.raises(persist.ReadOnlyStoreError, match="is read-only"):
             b.restore("chat", identity=ident)
+        with pytest.raises(persist.ReadOnlyStoreError, match="is read-only"):
+            b.export("chat", tmp_path / "chat.safetensors")  # not "no session" (attack r13c)
+        assert not (tmp_path / "chat.safetensors").exists()
         assert b.lookup(toks + [1], identity=ident) is None  # the fleet's: not pulled
         hit = b.lookup(mine + [1], identity=ident)
         assert hit is not None and hit.tokens == mine
