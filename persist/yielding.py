@@ -7,7 +7,12 @@ work (a capture's device copies and reads, a save's blob writes) call
 request is in its prompt phase (``serve.quiet.RequestGate``).  In every other
 thread ``pause`` does nothing.  Why: a save's copies and writes beside a
 prefill or a restore slow both (issue 39, on an H100: a lookup beside a save
-took 0.4-0.6 s, alone 0.08 s).  No mlx, no numpy: every layer may call it.
+took 0.4-0.6 s, alone 0.08 s).
+
+``committing(first)`` names work that must read the store before this thread's
+next save commits: a save calls ``before_commit()`` just before its commit (the
+write-behind judges lookups' verdicts there, against the store their lookups
+saw: ``serve.judgements``).  No mlx, no numpy: every layer may call it.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["giving_way", "pause"]
+__all__ = ["before_commit", "committing", "giving_way", "pause"]
 
 _local = threading.local()
 
@@ -37,3 +42,22 @@ def pause() -> None:
     wait = getattr(_local, "wait", None)
     if wait is not None:
         wait()
+
+
+@contextlib.contextmanager
+def committing(first: Callable[[], None]) -> Iterator[None]:
+    """Within this block, this thread's ``before_commit()`` calls ``first``."""
+    before = getattr(_local, "first", None)
+    _local.first = first
+    try:
+        yield
+    finally:
+        _local.first = before
+
+
+def before_commit() -> None:
+    """A save's point just before its commit: the work that must read the store
+    without it runs here (in every thread outside ``committing``: nothing)."""
+    first = getattr(_local, "first", None)
+    if first is not None:
+        first()

@@ -34,6 +34,7 @@ from ..storage import retention, writes
 from ..storage.blobs import BlobStore
 from ..storage.index import BlockRef, Index, NewBlob, SnapshotRow
 from ..storage.leases import Lease
+from ..yielding import before_commit
 from .blob_writes import write_blobs
 from .blocks import Plan, chain_root, chains, head_key, plan
 from .layer_checks import (
@@ -116,6 +117,7 @@ def write_and_commit(
                 progress=progress,
                 salt=salt,
             )
+            before_commit()  # what must read the store without this save (serve.judgements)
             done = _commit(
                 index,
                 blobs,

@@ -33,10 +33,11 @@ from ..engine.layer_checks import quantized_start
 from ..engine.store import Store
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
-from ..yielding import giving_way
+from ..yielding import committing, giving_way
 from .coverage import covered_key
 from .handoff import handed_off, writer_stream
 from .hints import HintedKeys, Hints
+from .judgements import Judgements
 from .keeper import EvictionKeeper
 from .kept_keys import KeptKeys
 from .memory_order import HintedOrder
@@ -52,7 +53,7 @@ log = logging.getLogger("persist")
 
 Resolver = Callable[[Any], "ModelIdentity | None"]
 Queued = tuple[ModelIdentity, str, list[int], list[Any], "Hints | None"]  # a save, written behind
-Behind = Callable[[], None]  # work run after the saves queued before it (``after_saves``)
+Behind = Callable[[], None]  # work for the writer thread (``hand_verdicts``)
 
 
 def _no_wait() -> None:
@@ -126,6 +127,7 @@ class PersistentPromptCache(LRUPromptCache):
         self.on_count: Callable[[str, dict[str, int]], None] | None = None
         # captured on the writer thread, from the cache's layers (serve.handoff)
         self._queue: queue.Queue[Queued | Behind | None] = queue.Queue(queue_size)
+        self.judgements = Judgements()  # lookups' verdicts, judged by the writer
         self._writer = threading.Thread(
             target=self._write_behind, name="persist-writer", daemon=True
         )
@@ -287,18 +289,13 @@ class PersistentPromptCache(LRUPromptCache):
 
     # -- write-behind --------------------------------------------------------
 
-    def after_saves(self, work: Behind) -> bool:
-        """Run ``work`` on the writer thread, after every save queued before it and
-        before any queued later; only while nothing is queued or being written, so
-        that it reads the store as it is now (a lookup's verdict, judged off the
-        generation thread: ``serve.explaining``).  False, nothing queued, otherwise
-        (the caller runs it itself): a save queued before a lookup and committed
-        before its verdict made a miss look like a hit (attack 39h)."""
-        with self._queue.mutex:  # inserts come from this (the generation) thread only
-            if self._queue.unfinished_tasks:
-                return False
-        self._queue.put_nowait(work)  # an empty queue has room
-        return True
+    def hand_verdicts(self) -> None:
+        """Have the writer thread run the verdicts lookups handed over
+        (``serve.judgements``); a writer busy with saves runs them between saves and
+        before each commit anyway (a full queue: nothing more to do)."""
+        if self.judgements.wake():
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait(self.judgements.run_ready)
 
     def _write_behind(self) -> None:
         while True:
@@ -306,7 +303,7 @@ class PersistentPromptCache(LRUPromptCache):
             try:
                 if item is None:
                     return
-                if callable(item):  # after_saves: its own errors are its own
+                if callable(item):  # hand_verdicts: its own errors are its own
                     item()
                     continue
                 identity, ns, tokens, layers, hints = item
@@ -316,7 +313,8 @@ class PersistentPromptCache(LRUPromptCache):
                 ttl, priority = hints if hints is not None else (None, None)
                 waits = self.gate.pauses() if self.gate is not None else _no_wait
                 try:
-                    with giving_way(waits), writer_stream():
+                    first = self.judgements.before_commit  # verdicts read no later save
+                    with giving_way(waits), committing(first), writer_stream():
                         waits()  # a request that came with this cache goes first
                         snap = capture(layers, tokens)
                         del layers  # the host bytes are all the save needs from here
@@ -336,6 +334,7 @@ class PersistentPromptCache(LRUPromptCache):
                             persist_errors=1)  # fmt: skip
                 log.warning("persist: could not persist a cache: %s", e)
             finally:
+                self.judgements.run_ready()  # those handed over while this item ran
                 self._queue.task_done()
 
     def flush(self) -> None:

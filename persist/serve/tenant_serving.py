@@ -30,6 +30,7 @@ import functools
 import json
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +108,18 @@ class TenantScoping(CountsOnce):
         if ask is None:  # no request noted: nothing shared is safe to hand out
             self.counters.update(unscoped=1)
             return None, tokens
+        try:
+            # open from before the store is read until the verdict is handed over
+            with self.judgements.looking() as hand:  # type: ignore[attr-defined]
+                return self._looked_up(model, ask, tokens, hand)
+        finally:
+            self.hand_verdicts()  # type: ignore[attr-defined]
+            if ask.explain is not None:
+                ask.explain.ready.set()
+
+    def _looked_up(
+        self, model: Any, ask: Asking, tokens: list[int], hand: Callable[[Any], None]
+    ) -> tuple[Any, list[int]]:
         own_counts: Counts = []
         pub_counts: Counts = []
         served_public = False
@@ -131,21 +144,23 @@ class TenantScoping(CountsOnce):
                     served_public = True
             if self.metrics is not None:
                 self.metrics.outcomes.count_once(seen, len(tokens), have)
-            self._judge(model, ask, tokens, have, decision)
+            self._judge(model, ask, tokens, have, decision, hand)
             return cache, rest
         finally:
             # one lookup per request in /metrics by tenant (serve.tenant_metrics)
             for ns, deltas in one_lookup(ask.namespace, own_counts, pub_counts, served_public):
                 self._tenant_count(ns, deltas)
-            if ask.explain is not None:
-                ask.explain.ready.set()
 
-    def _judge(self, model: Any, ask: Asking, tokens: list[int], have: int, d: Any) -> None:
+    def _judge(
+        self, model: Any, ask: Asking, tokens: list[int], have: int, d: Any,
+        hand: Callable[[Any], None],
+    ) -> None:  # fmt: skip
         """Why this lookup reused ``have`` tokens (``serve.explaining``): counted when it
-        is not a hit, and told to a request that asked.  Judged on the writer thread,
-        before this request's own saves, when nothing is queued or in writing and the
-        request does not wait for its verdict (``after_saves``): a miss then pays no
-        index reads on the generation thread (issue 39).  Never fails the request."""
+        is not a hit, and told to a request that asked.  Handed to the writer thread
+        (``serve.judgements``: judged before its next commit, on the store as this
+        lookup saw it), so a miss pays no index reads on the generation thread (issue
+        39); judged here when the request waits for its verdict.  Never fails the
+        request."""
         identity = self.identity_for(model)  # type: ignore[attr-defined]
         asked = ask.explain is not None
         if identity is None or not wanted(len(tokens), have, asked):
@@ -156,7 +171,8 @@ class TenantScoping(CountsOnce):
         )  # fmt: skip
         misses = self.metrics.misses if self.metrics is not None else None
         work = functools.partial(judged, verdict, misses, ask.explain)
-        if not asked and self.after_saves(work):  # type: ignore[attr-defined]
+        if not asked:
+            hand(work)
             return
         with self._on_thread("explain"):  # type: ignore[attr-defined]
             work()
