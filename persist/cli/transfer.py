@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ _force = click.option("--force", is_flag=True, help="Replace what is already the
 
 @cli.command("export")
 @click.argument("name", shell_complete=complete_sessions)
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("file", type=click.Path(path_type=Path))  # a folder: ExportTargetError
 @click.option(
     "--format",
     "fmt",
@@ -61,9 +60,6 @@ def export_cmd(
       python -m mlx_lm generate --model ./my-model --prompt-cache-file work-mlx.safetensors \\
           --prompt "and then?"
     """
-    # lexists: False for a path that cannot be (the export's own check says why, typed)
-    if os.path.lexists(file) and not force:
-        raise AlreadyExistsError(f"{file} exists; pass --force to replace it")
     if model_dir is not None and fmt != "mlx-lm":
         raise click.UsageError("--model is for --format mlx-lm (a persist file names its model)")
     folder = None
@@ -73,8 +69,9 @@ def export_cmd(
         folder = resolve_model(model_dir, download=False)
     with open_store(store_dir) as store:  # reads only: no store is made
         e = store.export(
-            name, file, namespace=namespace, format=fmt, model=model_dir, model_dir=folder
-        )
+            name, file, namespace=namespace, format=fmt, model=model_dir, model_dir=folder,
+            replace=force,
+        )  # fmt: skip
     emit(
         as_json,
         {"session": name, "file": str(file), "tokens": e.tokens},

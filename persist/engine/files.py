@@ -22,7 +22,13 @@ from typing import Any, BinaryIO
 from ..codecs import capacity_of, check_spec
 from ..codecs.base import dtype_name
 from ..codecs.snapshot import capture, rebuild, require_covers
-from ..errors import CorruptBlobError, ExportTargetError, PersistError, StorageError
+from ..errors import (
+    AlreadyExistsError,
+    CorruptBlobError,
+    ExportTargetError,
+    PersistError,
+    StorageError,
+)
 from ..format.container import Header, Producer, read_header, write_tensors
 from ..format.manifest import (
     Manifest,
@@ -39,7 +45,7 @@ from ..identity import ModelIdentity
 from ..records import Record, RecordSpec, TensorSpec
 from . import file_tags
 
-__all__ = ["save_file", "load_file", "read_manifest", "Loaded", "user_writes"]
+__all__ = ["save_file", "load_file", "read_manifest", "Loaded", "user_writes", "already_there"]
 
 FILE_MODE = 0o600
 
@@ -62,13 +68,15 @@ def save_file(
     metadata: Mapping[str, str] | None = None,
     identity: ModelIdentity | None = None,
     key: bytes | None = None,
+    replace: bool = True,
 ) -> None:
     """Save a model's cache list (and the tokens it covers) to one file.
 
     Only live data is written.  With ``tokens`` every layer's offset must
     equal ``len(tokens)`` (``NotResumableError`` otherwise).  ``key`` (the
     operator key): the file carries its tag (``file_tags``), which an import
-    under that key requires.
+    under that key requires.  ``replace`` False: a file at ``path``, even one
+    made while this one was written, is AlreadyExistsError and stays as it was.
     """
     meta = check_metadata(metadata)
     snap = capture(list(cache), tokens)
@@ -100,7 +108,8 @@ def save_file(
     size = sum(s.nbytes for s in specs.values())
     with user_writes(path):
         tmp = tmp_beside(path)  # the container's one atomic write path
-        atomic_write(tmp, path, lambda f: write_tensors(f, items, manifest_meta), size, FILE_MODE)
+        write = partial(write_tensors, tensors=items, metadata=manifest_meta)
+        atomic_write(tmp, path, write, size, FILE_MODE, replace=replace)
 
 
 @contextlib.contextmanager
@@ -111,9 +120,22 @@ def user_writes(path: str | os.PathLike[str]) -> Iterator[None]:
         yield
     except PersistError:
         raise
+    except FileExistsError:  # only a writer told not to replace raises it
+        raise already_there(path) from None
     except OSError as e:
         gone = isinstance(e, FileNotFoundError) and not os.path.isdir(_folder(path))
-        raise StorageError(f"cannot write {path}{' (its folder does not exist)' * gone}", e) from e
+        # the user's name, never the temporary file's beside it (attack r13c)
+        named = OSError(e.errno, e.strerror, os.fspath(path)) if e.errno else e
+        raise StorageError(
+            f"cannot write {path}{' (its folder does not exist)' * gone}", named
+        ) from e
+
+
+def already_there(path: str | os.PathLike[str]) -> AlreadyExistsError:
+    """What a write told not to replace says of a file at ``path``."""
+    return AlreadyExistsError(
+        f"{path} exists; nothing was written (persist export --force, or replace=True, replaces it)"
+    )
 
 
 def _folder(path: str | os.PathLike[str]) -> str:

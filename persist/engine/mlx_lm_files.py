@@ -24,7 +24,7 @@ from ..errors import CorruptBlobError, PersistError, UnknownKindError, Unsupport
 from ..format.container import read_header
 from ..format.manifest import is_mlx_lm_metadata
 from ..format.opening import open_regular, user_reads
-from ..format.sink import fsync_dir, tmp_beside
+from ..format.sink import fsync_dir, place, tmp_beside
 from .files import user_writes
 
 __all__ = [
@@ -159,16 +159,22 @@ def _scalars(arrays: dict[str, Any], scalars: Any) -> dict[str, Any]:
 
 
 def write_mlx_lm(
-    path: str | os.PathLike[str], cache: list[Any], metadata: dict[str, str] | None = None
+    path: str | os.PathLike[str],
+    cache: list[Any],
+    metadata: dict[str, str] | None = None,
+    *,
+    replace: bool = True,
 ) -> None:
-    """A file mlx-lm's ``load_prompt_cache`` reads: its writer, then fsync and rename."""
+    """A file mlx-lm's ``load_prompt_cache`` reads: its writer, then fsync and rename
+    (``replace`` False: a link, AlreadyExistsError where anything is, as save_file's)."""
     mlx_lm_classes_only(cache)
     target = Path(path)
     with user_writes(path):  # the system's refusal is StorageError, as save_file's
-        _write_mlx_lm(target, tmp_beside(target, ".tmp.safetensors"), cache, metadata)
+        tmp = tmp_beside(target, ".tmp.safetensors")
+        _write_mlx_lm(target, tmp, cache, metadata, replace)
 
 
-def _write_mlx_lm(target: Path, tmp: str, cache: list[Any], metadata: Any) -> None:
+def _write_mlx_lm(target: Path, tmp: str, cache: list[Any], metadata: Any, replace: bool) -> None:
     from mlx_lm.models.cache import save_prompt_cache
 
     try:
@@ -181,7 +187,7 @@ def _write_mlx_lm(target: Path, tmp: str, cache: list[Any], metadata: Any) -> No
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, target)
+        place(tmp, target, replace)
         fsync_dir(target.parent if str(target.parent) else Path("."))
     except BaseException:
         with contextlib.suppress(OSError):

@@ -266,6 +266,7 @@ class Store(StoreReads):
         format: str = "persist",
         model: str | None = None,
         model_dir: str | os.PathLike[str] | None = None,
+        replace: bool = True,
     ) -> EntryInfo:
         """Write a session to one file: a persist file (``load_file`` reads it, with
         tokens and identity) or, with ``format="mlx-lm"``, one mlx-lm's
@@ -278,8 +279,10 @@ class Store(StoreReads):
         session only the fleet holds is pulled first, as ``restore`` pulls it (a
         read-only store with tiers: ReadOnlyStoreError).  ``path`` inside the store, or one holding
         anything but a regular file (a FIFO, a device, a folder, a link), is
-        ExportTargetError: nothing written."""
-        from .files import check_export_target
+        ExportTargetError: nothing written.  ``replace`` False (``persist export``
+        without --force): a file at ``path`` is AlreadyExistsError, even one made
+        while the export ran (the file is linked into place, never renamed over)."""
+        from .files import already_there, check_export_target
         from .reading import read_named
         from .transfer import export_row
 
@@ -289,9 +292,11 @@ class Store(StoreReads):
 
         def write(row: SnapshotRow, refs: list[BlockRef]) -> None:
             check_export_target(self.root, path)  # a regular file outside the store only
+            if not replace and os.path.lexists(path):  # before any blob is read
+                raise already_there(path)
             export_row(
                 self.index, self.blobs, row, refs=refs, path=path, format=format,
-                model=model, model_dir=model_dir, key=key,
+                model=model, model_dir=model_dir, key=key, replace=replace,
             )  # fmt: skip
 
         # as restore: a session only the fleet holds is pulled (a read-only store says

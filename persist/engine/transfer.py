@@ -149,13 +149,15 @@ def write_file(
     metadata: dict[str, str],
     fmt: str = "persist",
     key: bytes | None = None,
+    replace: bool = True,
 ) -> None:
     """``fmt`` persist (everything, verifiable; tagged under ``key``) or mlx-lm
-    (caches and metadata only: mlx-lm reads no tag)."""
+    (caches and metadata only: mlx-lm reads no tag); ``replace`` as save_file's."""
     if fmt == "persist":
-        save_file(path, cache, tokens, metadata=metadata, identity=identity, key=key)
+        save_file(path, cache, tokens, metadata=metadata, identity=identity, key=key,
+                  replace=replace)  # fmt: skip
     elif fmt == "mlx-lm":
-        write_mlx_lm(path, cache, metadata)
+        write_mlx_lm(path, cache, metadata, replace=replace)
     else:
         raise UnsupportedFormatError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
@@ -171,6 +173,7 @@ def export_row(
     model: str | None = None,
     model_dir: str | os.PathLike[str] | None = None,
     key: bytes | None = None,
+    replace: bool = True,
 ) -> None:
     """``Store.export``: a stored snapshot, restored, written as one file (a persist
     file tagged under the operator ``key``, ``file_tags``).  An mlx-lm
@@ -202,7 +205,8 @@ def export_row(
         _same_model(identity, given, f"this session (exported for {model})")
         meta = mlx_lm_metadata(meta, model)
     toks = unpack_tokens(row.tokens)
-    write_file(path, cache, toks, identity=identity, metadata=meta, fmt=format, key=key)
+    write_file(path, cache, toks, identity=identity, metadata=meta, fmt=format, key=key,
+               replace=replace)  # fmt: skip
 
 
 def _recorded_model(identity: ModelIdentity) -> str:

@@ -9,6 +9,7 @@ writes safetensors into it).  Pure Python, no mlx.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import secrets
@@ -17,7 +18,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 __all__ = [
-    "Sink", "atomic_write", "fsync_dir", "tmp_beside", "ALIGN", "DIRECT_MIN_BYTES", "STAGE_BYTES",
+    "Sink", "atomic_write", "fsync_dir", "place", "tmp_beside", "ALIGN", "DIRECT_MIN_BYTES",
+    "STAGE_BYTES",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -177,19 +179,21 @@ def atomic_write(
     size_hint: int = 0,
     mode: int = 0o600,
     cached: bool = False,
+    replace: bool = True,
 ) -> tuple[int, T]:
     """The one write path of every persist file: tmp, stream, fsync, rename, fsync the folder.
 
     ``write`` streams into the sink and finishes (fsyncs) it.  Returns the
     file's size and what ``write`` returned; on any failure the tmp file goes.
-    ``cached``: through the page cache, never O_DIRECT (``Sink``).
+    ``cached``: through the page cache, never O_DIRECT (``Sink``).  ``replace``
+    False: ``final`` is made only where nothing is (``place``).
     """
     sink = Sink(tmp, mode, size_hint, cached)
     try:
         result = write(sink)
         size = sink.size
         sink.close()
-        os.replace(tmp, final)
+        place(tmp, final, replace)
         fsync_dir(os.path.dirname(os.fspath(final)) or ".")
     except BaseException:
         sink.close()
@@ -197,3 +201,26 @@ def atomic_write(
             os.unlink(tmp)
         raise
     return size, result
+
+
+# link(2) refused by a file system without hard links (FAT, some FUSE and network mounts)
+NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS}
+
+
+def place(tmp: str | os.PathLike[str], final: str | os.PathLike[str], replace: bool) -> None:
+    """Give the finished file ``tmp`` its name ``final``: a rename over whatever is
+    there, or (``replace`` False) a link, which fails (FileExistsError) where anything
+    is, even a file made after the caller last looked; the rename never could."""
+    if replace:
+        os.replace(tmp, final)
+        return
+    try:
+        os.link(tmp, final, follow_symlinks=False)
+    except OSError as e:
+        if e.errno not in NO_LINKS:
+            raise
+        # no hard links here: claim the name (O_EXCL), then rename over the claim
+        os.close(os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.replace(tmp, final)
+        return
+    os.unlink(tmp)

@@ -22,7 +22,7 @@ from ..records import Progress
 from . import full, leases, writes
 from .access import unsafe_part
 from .blobs import FILE_RE, FileBlobs
-from .check_damage import Cutter, damaged, quarantine, repair, verify_blob
+from .check_damage import Cutter, damaged, quarantine, repair, still_live, verify_blob
 from .index import Index
 from .rows import listed_info, row_digest
 from .types import Problem
@@ -67,6 +67,7 @@ def check_store(
         index, blobs, rows, pending=pending, on_disk=on_disk, fix=fix, n_snapshots=n_rows
     )
     bad = damaged(blobs, rows, on_disk, progress=progress, done=0, total=total)
+    bad = still_live(index, bad)  # a save's commit may have collected some meanwhile
     problems += repair(index, blobs, bad, fix, cut)
     problems += _rows(index, fix, progress, len(rows), total)
     problems += _refcounts(index, fix)

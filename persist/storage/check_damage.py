@@ -35,7 +35,7 @@ from ..format.opening import open_regular
 from ..records import Progress
 from ..servable import of_row
 from . import writes
-from .index import Index
+from .index import MAX_VARIABLES, Index
 from .rows import SnapshotRow
 from .types import Problem
 
@@ -48,6 +48,7 @@ __all__ = [
     "Hurt",
     "Cutter",
     "damaged",
+    "still_live",
     "verify_blob",
     "repair",
     "NOTICE",
@@ -95,6 +96,23 @@ def damaged(
         if problem:
             bad[f] = problem
     return bad
+
+
+def still_live(index: Index, bad: dict[str, str]) -> dict[str, str]:
+    """Of ``bad`` (found over check's one view), the blobs still live now.  A save that
+    committed after that view may have unreferenced a blob and then deleted its file
+    (the write order): missing now, but no longer used, so not damage (attack r13c)."""
+    if not bad:
+        return bad
+    files = sorted(bad)
+    live: set[str] = set()
+    with index.read() as db:
+        for i in range(0, len(files), MAX_VARIABLES):
+            part = files[i : i + MAX_VARIABLES]
+            marks = ",".join("?" * len(part))
+            q = f"SELECT file FROM blobs WHERE dead = 0 AND file IN ({marks})"
+            live.update(r[0] for r in db.execute(q, part).fetchall())
+    return {f: why for f, why in bad.items() if f in live}
 
 
 def _verify(path: Path, size: int, head: bytes) -> str | None:

@@ -33,6 +33,11 @@ def corruption_is_typed() -> Iterator[None]:
             raise StoreFullError(0, 0, f"the disk holding the store is full ({e})") from None
         if "disk I/O error" in str(e):
             raise StorageError("the store's index", OSError(errno.EIO, str(e))) from None
+        if "attempt to write a readonly database" in str(e):  # in a read: a read-only view
+            raise StoreBusyError(  # of a store a writer elsewhere changed (attack r13c)
+                f"SQLite could not follow the store's write-ahead log from this read-only "
+                f"view while a writer elsewhere changed it ({e}); retry"
+            ) from None
         if "database is locked" in str(e):  # another process held it past the busy timeout
             raise StoreBusyError(
                 f"the store's index stayed locked by another process ({e}); retry later"

@@ -106,3 +106,70 @@ def test_the_library_refuses_too(tmp_path: Path) -> None:
     with persist.Store(root) as s, pytest.raises(persist.ExportTargetError, match="store"):
         s.export("chat", root / "index.sqlite")
     assert restores(root) == 48
+
+
+def test_an_export_not_told_to_replace_never_replaces_a_file_made_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """Attack r13c, F2: without --force the target was checked at the start only; a
+    file made there while the export ran was replaced (two concurrent exports to one
+    path both succeeded).  The file is made at the export's first blob read."""
+    root = tmp_path / "s"
+    store_with_chat(root)
+    target = tmp_path / "out.persist"
+    with persist.Store(root) as s:
+        real = s.index.blob_head
+
+        def blob_head(name: str) -> object:
+            if not target.exists():
+                target.write_bytes(b"precious")  # another program's file, made meanwhile
+            return real(name)
+
+        s.index.blob_head = blob_head  # type: ignore[method-assign]
+        with pytest.raises(persist.errors.AlreadyExistsError, match="out"):
+            s.export("chat", target, replace=False)
+    assert target.read_bytes() == b"precious"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+
+def test_writers_not_told_to_replace_refuse_an_existing_file(tmp_path: Path) -> None:
+    from persist.engine.mlx_lm_files import write_mlx_lm
+
+    target = tmp_path / "there.safetensors"
+    target.write_bytes(b"precious")
+    cache = [kv_cache(8, 1)]
+    with pytest.raises(persist.errors.AlreadyExistsError):
+        persist.save_file(target, cache, list(range(8)), replace=False)
+    with pytest.raises(persist.errors.AlreadyExistsError):
+        write_mlx_lm(target, cache, {}, replace=False)
+    assert target.read_bytes() == b"precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["there.safetensors"]
+
+
+def test_export_refusals_are_typed_and_in_one_order(tmp_path: Path) -> None:
+    """Attack r13c: a folder was click's usage error (exit 2); without --force an
+    existing path was refused before the session or the target's kind was looked at;
+    a folder that is not there was reported under the temporary file's name."""
+    root = tmp_path / "s"
+    store_with_chat(root)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for force in ((), ("--force",)):
+        base = ["--store", str(root), "--json", *force]
+        refused(persist_cli(tmp_path, "export", "chat", str(folder), *base, check=False),
+                "a folder")  # fmt: skip
+        refused(persist_cli(tmp_path, "export", "chat", str(fifo), *base, check=False), "a FIFO")
+        gone = persist_cli(tmp_path, "export", "nope", str(fifo), *base, check=False)
+        assert gone.returncode == 1 and "SessionNotFoundError" in gone.stdout, gone.stdout
+        missing = tmp_path / "no-such-folder" / "x.persist"
+        out = persist_cli(tmp_path, "export", "chat", str(missing), *base, check=False)
+        assert out.returncode == 1 and "StorageError" in out.stdout, out.stdout
+        assert str(missing) in out.stdout and ".tmp" not in out.stdout, out.stdout
+    old = tmp_path / "old.persist"
+    old.write_bytes(b"an older export")
+    out = persist_cli(tmp_path, "export", "chat", str(old), "--store", str(root), "--json",
+                      check=False)  # fmt: skip
+    assert out.returncode == 1 and "AlreadyExistsError" in out.stdout, out.stdout
+    assert old.read_bytes() == b"an older export"

@@ -255,3 +255,29 @@ def test_health_of_a_read_only_store_is_ok_and_names_the_mode(
     finally:
         srv.stop()
     assert (health["status"], health["store"].get("mode")) == ("ok", "read-only"), health
+
+
+def test_a_read_only_view_refused_by_sqlite_mid_read_is_typed(
+    tiny: Any, tmp_path: Path, read_only_store: Any
+) -> None:
+    # attack r13c, F4 (once in ~4,900 exports): a read-only bind mount of a store that
+    # a writer changed through its writable path; SQLite, unable to rebuild its shared
+    # WAL index there, said "attempt to write a readonly database" from a plain read,
+    # and the export died of an untyped sqlite3.OperationalError.  Injected here at
+    # the first blob read, as SQLite raised it.
+    import sqlite3
+
+    root, _toks = read_only_store
+    with persist.Store(root) as store:
+        real = store.index.db.execute
+
+        def execute(sql: str, *args: Any) -> Any:
+            if "FROM blobs" in sql:
+                raise sqlite3.OperationalError("attempt to write a readonly database")
+            return real(sql, *args)
+
+        store.index.db.execute = execute  # type: ignore[method-assign]
+        out = tmp_path / "chat.persist"
+        with pytest.raises(persist.errors.StoreBusyError, match="retry"):
+            store.export("chat", out)
+        assert not out.exists()
