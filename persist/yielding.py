@@ -9,10 +9,11 @@ thread ``pause`` does nothing.  Why: a save's copies and writes beside a
 prefill or a restore slow both (issue 39, on an H100: a lookup beside a save
 took 0.4-0.6 s, alone 0.08 s).
 
-``committing(first)`` names work that must read the store before this thread's
-next save commits: a save calls ``before_commit()`` just before its commit (the
-write-behind judges lookups' verdicts there, against the store their lookups
-saw: ``serve.judgements``).  No mlx, no numpy: every layer may call it.
+``committing(first, then)`` names work that must read the store before this
+thread's next save commits: a save calls ``before_commit()`` just before its
+commit and ``after_commit()`` once it ended (the write-behind judges lookups'
+verdicts there, against the store their lookups saw, and no lookup begins
+in between: ``serve.judgements``).  No mlx, no numpy: every layer may call it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["before_commit", "committing", "giving_way", "pause"]
+__all__ = ["after_commit", "before_commit", "committing", "giving_way", "pause"]
 
 _local = threading.local()
 
@@ -45,14 +46,15 @@ def pause() -> None:
 
 
 @contextlib.contextmanager
-def committing(first: Callable[[], None]) -> Iterator[None]:
-    """Within this block, this thread's ``before_commit()`` calls ``first``."""
-    before = getattr(_local, "first", None)
-    _local.first = first
+def committing(first: Callable[[], None], then: Callable[[], None] | None = None) -> Iterator[None]:
+    """Within this block, this thread's ``before_commit()`` calls ``first`` and its
+    ``after_commit()`` calls ``then``."""
+    before = getattr(_local, "first", None), getattr(_local, "then", None)
+    _local.first, _local.then = first, then
     try:
         yield
     finally:
-        _local.first = before
+        _local.first, _local.then = before
 
 
 def before_commit() -> None:
@@ -61,3 +63,10 @@ def before_commit() -> None:
     first = getattr(_local, "first", None)
     if first is not None:
         first()
+
+
+def after_commit() -> None:
+    """A save's point just after its commit ended (committed or not)."""
+    then = getattr(_local, "then", None)
+    if then is not None:
+        then()

@@ -46,7 +46,7 @@ REASONS = {
     "floor": "the snapshot serves no prefix below its resume floor",
     "exact-only": "the snapshot serves only its own length (its state cannot be cut back)",
     "unverified": "the snapshot's tokens are the caller's word (imported unverified)",
-    "damaged": "the snapshot's index row fails its checksum",
+    "damaged": "the snapshot's index row fails its checksum, or its blobs failed their checks",
     "declined": "the cost model predicts prefilling the prefix is faster than restoring it",
     "backend": "the snapshot was computed on another backend (a strict store)",
     "kv-bits-plain": (

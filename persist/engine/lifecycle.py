@@ -210,9 +210,13 @@ class StoreUpkeep:
         )
 
     def check(self, fix: bool = False, *, progress: Progress | None = None) -> list[Problem]:
-        """Reconcile index and files; with ``fix`` repair what can be repaired."""
+        """Reconcile index and files; with ``fix`` repair what can be repaired (a
+        read-only store: ReadOnlyStoreError before anything is looked at)."""
         from ..storage.check import check_store
         from .salvage import cutter
+
+        if fix and self.read_only:  # never a repair that dies half-way of EROFS
+            raise ReadOnlyStoreError(self.root)
 
         cut = cutter(self.index, self.blobs, self.block_tokens, self.budgets)
         return check_store(self.index, self.blobs, fix, progress, cut)

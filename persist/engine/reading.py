@@ -24,6 +24,7 @@ from ..storage.full import best_effort
 from .costs import LOCAL, CostModel, local_hit
 from .layer_checks import quantized_start
 from .loading import load_snapshot
+from .skips import skipped_damaged
 from .unverified import marked
 
 if TYPE_CHECKING:
@@ -216,6 +217,7 @@ def lookup_prefix(
                 continue
             log.warning("persist: skipping a damaged snapshot in lookup: %s", e)
             best_effort(index.count, namespace, corrupt_skipped=1)
+            skipped_damaged()  # the verdict of persist serve says so
             continue
         best_effort(index.touch, row.id)
         best_effort(index.count, namespace, hits=1, restored_tokens=prefix)

@@ -34,7 +34,7 @@ from ..storage import retention, writes
 from ..storage.blobs import BlobStore
 from ..storage.index import BlockRef, Index, NewBlob, SnapshotRow
 from ..storage.leases import Lease
-from ..yielding import before_commit
+from ..yielding import after_commit, before_commit
 from .blob_writes import write_blobs
 from .blocks import Plan, chain_root, chains, head_key, plan
 from .layer_checks import (
@@ -118,20 +118,23 @@ def write_and_commit(
                 salt=salt,
             )
             before_commit()  # what must read the store without this save (serve.judgements)
-            done = _commit(
-                index,
-                blobs,
-                p,
-                snap=snap,
-                chs=chs,
-                refs=refs,
-                tail=tail,
-                written=written,
-                target=target,
-                salt=salt,
-                budgets=budgets,
-                keep_unpushed=keep_unpushed,
-            )
+            try:
+                done = _commit(
+                    index,
+                    blobs,
+                    p,
+                    snap=snap,
+                    chs=chs,
+                    refs=refs,
+                    tail=tail,
+                    written=written,
+                    target=target,
+                    salt=salt,
+                    budgets=budgets,
+                    keep_unpushed=keep_unpushed,
+                )
+            finally:
+                after_commit()
         except BaseException as e:
             # Decide by the index, not by the exception: a Ctrl-C that lands
             # just after the COMMIT must not unlink what the commit references.

@@ -123,11 +123,13 @@ def judge(
     cached: int,
     decision: Any,
     asked: bool,
+    damaged: bool = False,
 ) -> Verdict | None:
     """The verdict on a lookup that reused ``cached`` of ``tokens`` (``decision``: the
-    cost model's, if the store was asked; None when it made none).  A lookup that
-    reused every token but the last is a hit without reading the index, unless the
-    client asked to be told more."""
+    cost model's, if the store was asked; None when it made none; ``damaged``: it
+    skipped a snapshot whose blobs failed their checks, which the index alone cannot
+    show).  A lookup that reused every token but the last is a hit without reading
+    the index, unless the client asked to be told more."""
     n = len(tokens)
     if not wanted(n, cached, asked):
         return None
@@ -146,6 +148,8 @@ def judge(
         return verdict("empty")
     if cached >= min(shared, n - 1):
         return verdict("hit")
+    if damaged:  # what the index offers, its blobs refused (attack r14)
+        return verdict("damaged")
     reason = e.reason
     if reason == "declined":  # predicted so, but this lookup restored (or never asked)
         longest = e.longest.reason if e.longest is not None else "hit"

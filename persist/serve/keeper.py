@@ -14,9 +14,14 @@ evaluated MLX array never changes, and mlx-lm no longer holds an evicted cache.
 
 A lookup first waits for the hand-overs in flight that could serve it
 (``settle``, given its prompt and what memory already gives it): the host tier
-answers as if the keep had been made in place.  A prompt that shares no longer
-prefix with any cache in flight does not wait (issue 39: a miss waited for the
-previous request's 1 GiB copy, about 36 ms a request on an H100).  At most
+answers as if the keep had been made in place.  A prompt that none of them
+serves ``gain`` tokens further than memory (a store block), or half of what
+memory leaves to prefill where that is less, does not wait (issue 39: a miss
+waited for the previous request's 1 GiB copy, about 36 ms a request on an
+H100, and one sharing only a chat template's tokens with it still did:
+prefilling them costs less than the wait).  While a request is in its prompt
+phase the copy waits to start (``serve.quiet.RequestGate``, at most its
+``hold``), unless a lookup is waiting for it.  At most
 ``size`` evicted caches wait (their device memory is what eviction meant to
 free); one more is not kept (``dropped``; the write-behind's store copy still
 serves it).
@@ -27,6 +32,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +40,7 @@ import numpy as np
 
 from ..engine.host.tier import HostTier
 from .handoff import writer_stream
+from .quiet import RequestGate
 
 __all__ = ["EvictionKeeper"]
 
@@ -51,9 +58,14 @@ class EvictionKeeper:
         *,
         size: int = 2,
         on_error: Callable[[Exception], None] | None = None,
+        gate: RequestGate | None = None,
+        gain: int = 1,
     ) -> None:
         self.host, self.on_error = host, on_error
+        self.gate, self.gain = gate, max(1, gain)
         self.dropped = 0
+        self.holding = 0  # copies waiting for a request's prompt phase now (tests)
+        self._settling = 0  # lookups waiting for a copy in flight: it starts at once
         self._queue: queue.Queue[Kept | None] = queue.Queue(size)
         self._lock = threading.Lock()
         self._inflight: dict[int, np.ndarray] = {}  # each hand-over's tokens, by its number
@@ -91,15 +103,40 @@ class EvictionKeeper:
             return
         toks = np.asarray(prompt, dtype=np.int64)
         with self._done:
-            self._done.wait_for(lambda: not self._serving(toks, have))
+            if not self._serving(toks, have):
+                return
+            self._settling += 1  # a copy held for a prompt phase starts now
+            self._done.notify_all()
+            try:
+                self._done.wait_for(lambda: not self._serving(toks, have))
+            finally:
+                self._settling -= 1
 
     def _serving(self, toks: np.ndarray, have: int) -> bool:
-        """Is a hand-over in flight that shares more than ``have`` tokens of ``toks``?"""
+        """Is a hand-over in flight that serves ``toks`` far enough past ``have``: by
+        ``gain`` tokens, or by half of what memory leaves to prefill when that is less
+        (a short prompt's whole conversation is worth its short copy)?"""
+        want = have + max(1, min(self.gain, (len(toks) - have) // 2))
         for kept in self._inflight.values():
-            n = min(len(kept), len(toks))
-            if n > have and bool(np.array_equal(kept[: have + 1], toks[: have + 1])):
+            if min(len(kept), len(toks)) >= want and np.array_equal(kept[:want], toks[:want]):
                 return True
         return False
+
+    def _hold(self) -> None:
+        """Wait while a request is in its prompt phase (at most the gate's ``hold``
+        seconds), unless a lookup waits for a copy in flight: a copy beside a prefill
+        slows both (issue 39).  Polled: the gate is another lock."""
+        gate = self.gate
+        if gate is None:
+            return
+        deadline = time.monotonic() + gate.hold
+        with self._done:
+            self.holding += 1
+            try:
+                while gate.prompting and not self._settling and time.monotonic() < deadline:
+                    self._done.wait(0.005)
+            finally:
+                self.holding -= 1
 
     def _finished(self, n: int) -> None:
         with self._done:
@@ -129,6 +166,7 @@ class EvictionKeeper:
         _, owner, tokens, cache, hints = item
         del item
         try:
+            self._hold()
             with writer_stream():
                 self.host.keep(owner, tokens, cache, hints=hints)
             del cache  # its device memory goes back as soon as the copy is made

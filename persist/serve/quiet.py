@@ -2,11 +2,12 @@
 
 ``RequestGate`` counts the requests between their arrival and their first
 token (or their end): the time a client waits for while persist's prefill or
-restore runs.  The write-behind and the host-tier keeper hold their work at
-their ``persist.yielding.pause`` points while any request is there, at most
-``hold`` seconds per saved cache, so a server that is never idle still writes
-(late, not never).  Decode steps do not hold them: a save's copies cost a
-token stream little, and a long answer must not hold a save for its length.
+restore runs.  The write-behind holds its work at its ``persist.yielding.pause``
+points while any request is there, and the host-tier keeper its next copy
+(unless a lookup waits for it: ``serve.keeper``), at most ``hold`` seconds per
+cache, so a server that is never idle still writes (late, not never).  Decode
+steps do not hold them: a save's copies cost a token stream little, and a long
+answer must not hold a save for its length.
 """
 
 from __future__ import annotations

@@ -103,8 +103,9 @@ class PersistentPromptCache(LRUPromptCache):
         if host is not None:
             self._trie = EvictionWatch(self._trie, self._evicted)  # type: ignore[assignment]
             self._keeper = EvictionKeeper(  # the copies, off the generation thread
-                host, on_error=lambda e: self.counters.update(keep_errors=1)
-            )
+                host, on_error=lambda e: self.counters.update(keep_errors=1), gate=gate,
+                gain=store.block_tokens,  # a lookup waits for a copy that adds a block
+            )  # fmt: skip
         self.metrics = metrics  # persist serve's Prometheus metrics (apps.metrics)
         if metrics is not None:
             metrics.caches.append(self)
@@ -313,8 +314,12 @@ class PersistentPromptCache(LRUPromptCache):
                 ttl, priority = hints if hints is not None else (None, None)
                 waits = self.gate.pauses() if self.gate is not None else _no_wait
                 try:
-                    first = self.judgements.before_commit  # verdicts read no later save
-                    with giving_way(waits), committing(first), writer_stream():
+                    j = self.judgements  # verdicts read no later save (serve.judgements)
+                    with (
+                        giving_way(waits),
+                        committing(j.before_commit, j.after_commit),
+                        writer_stream(),
+                    ):
                         waits()  # a request that came with this cache goes first
                         snap = capture(layers, tokens)
                         del layers  # the host bytes are all the save needs from here

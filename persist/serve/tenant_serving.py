@@ -37,6 +37,7 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
+from ..engine.skips import damaged_skips
 from ..errors import AccessDeniedError
 from .explaining import ExplainSlot, judge, judged, wanted
 from .generation import GuardedGenerator
@@ -125,7 +126,7 @@ class TenantScoping(CountsOnce):
         served_public = False
         try:
             lookup = super().fetch_nearest_cache  # type: ignore[misc]
-            before = self.store.costs.last
+            before, skips = self.store.costs.last, damaged_skips()
             # two lookups, one request: /metrics counts the one whose cache is handed out
             with self._holding() as own, self._tenant_holding(own_counts):
                 cache, rest = lookup(Scoped(model, ask.namespace), tokens)
@@ -144,7 +145,8 @@ class TenantScoping(CountsOnce):
                     served_public = True
             if self.metrics is not None:
                 self.metrics.outcomes.count_once(seen, len(tokens), have)
-            self._judge(model, ask, tokens, have, decision, hand)
+            damaged = damaged_skips() > skips  # a row the index offers failed its checks
+            self._judge(model, ask, tokens, have, decision, damaged, hand)
             return cache, rest
         finally:
             # one lookup per request in /metrics by tenant (serve.tenant_metrics)
@@ -152,7 +154,7 @@ class TenantScoping(CountsOnce):
                 self._tenant_count(ns, deltas)
 
     def _judge(
-        self, model: Any, ask: Asking, tokens: list[int], have: int, d: Any,
+        self, model: Any, ask: Asking, tokens: list[int], have: int, d: Any, damaged: bool,
         hand: Callable[[Any], None],
     ) -> None:  # fmt: skip
         """Why this lookup reused ``have`` tokens (``serve.explaining``): counted when it
@@ -167,7 +169,7 @@ class TenantScoping(CountsOnce):
             return
         verdict = functools.partial(
             judge, self.store, identity, ask.namespace, list(tokens), cached=have,
-            decision=d, asked=asked,
+            decision=d, asked=asked, damaged=damaged,
         )  # fmt: skip
         misses = self.metrics.misses if self.metrics is not None else None
         work = functools.partial(judged, verdict, misses, ask.explain)

@@ -44,3 +44,38 @@ def test_blobs_a_save_collected_after_checks_view_are_not_damage(
         monkeypatch.setattr(check_module, "damaged", real)
         assert store.check() == []
         assert store.restore("s", identity=IDENTITY).tokens == version("s", 41)[0]
+
+
+def test_blobs_a_save_is_collecting_are_not_problems(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # attack r14, B1: `persist check` beside a saver reported "orphan-blob ... no index
+    # entry" (a blob collected between check's listing and its read of the rows) and
+    # "unreferenced, awaiting deletion" (a save's commit unreferenced it, its collect
+    # had not run yet) on a healthy store, and exited 1
+    from persist.storage import retention
+
+    root = tmp_path / "store"
+    tokens, cache = version("s", 300)
+    with persist.Store(root) as store:
+        store.save([cache], tokens, identity=IDENTITY, session="s")
+        real_rows = store.index.blob_rows_and_pending
+        real_collect = retention.collect
+        turn = [41]
+
+        def rows_after_a_save() -> Any:  # lands after check listed the files
+            if turn:
+                new_tokens, new = version("s", turn.pop())
+                with persist.Store(root) as other:
+                    other.save([new], new_tokens, identity=IDENTITY, session="s")
+            return real_rows()
+
+        store.index.blob_rows_and_pending = rows_after_a_save  # type: ignore[method-assign]
+        assert [p for p in store.check() if p.kind == "orphan-blob"] == []
+        store.index.blob_rows_and_pending = real_rows  # type: ignore[method-assign]
+        monkeypatch.setattr(retention, "collect", lambda index, blobs: 0)  # not yet
+        new_tokens, new = version("s", 77)
+        store.save([new], new_tokens, identity=IDENTITY, session="s")  # its collect pending
+        monkeypatch.setattr(retention, "collect", real_collect)
+        assert store.check() == []
+        assert store.restore("s", identity=IDENTITY).tokens == new_tokens

@@ -281,3 +281,23 @@ def test_a_read_only_view_refused_by_sqlite_mid_read_is_typed(
         with pytest.raises(persist.errors.StoreBusyError, match="retry"):
             store.export("chat", out)
         assert not out.exists()
+
+
+def test_check_fix_on_a_read_only_store_is_refused_before_it_deletes(
+    tiny: Any, tmp_path: Path
+) -> None:
+    # attack r14, B2: `check --fix` on a read-only view found a file to delete (an
+    # orphan a writer elsewhere was collecting) and died of EROFS, exit 3
+    model, tok, _ = tiny("llama")
+    root, toks = tmp_path / "store", tokens_for(60, seed=6)
+    with persist.Store(root) as store:
+        store.save(prefill(model, toks)[0], toks, identity=persist.ModelIdentity.of(model, tok))
+    blob = next(p for p in (root / "blobs").rglob("*") if p.is_file())
+    parts = blob.name.split(".")
+    orphan = blob.with_name(".".join([parts[0], "0" * len(parts[1]), *parts[2:]]))
+    orphan.write_bytes(blob.read_bytes())  # a blob file no row lists: an orphan
+    with read_only_mount(root), persist.Store(root) as store:
+        assert store.read_only
+        with pytest.raises(persist.ReadOnlyStoreError, match="is read-only"):
+            store.check(fix=True)
+    assert orphan.exists()

@@ -46,10 +46,55 @@ def test_a_lookup_open_past_the_bound_loses_its_verdict_not_the_save() -> None:
     with j.looking() as hand:
         hand(lambda: ran.append(1))  # handed over, but its lookup is still open
         j.before_commit()  # its wait is over at once: the save commits
+        j.after_commit()
     j.run_ready()
     assert ran == [] and j.dropped == 1
     with j.looking() as hand:  # a later lookup is judged as usual
         hand(lambda: ran.append(2))
     assert j.wake() and not j.wake()  # one wake-up per run of ready verdicts
     j.before_commit()
+    j.after_commit()
     assert ran == [2]
+
+
+def test_a_lookup_never_begins_inside_a_commit(tiny: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    # attack r14, A2: a lookup that began after the save's wait for open lookups and
+    # before its commit read the store without the save, and was judged after it
+    from persist.engine import saving
+
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    toks = tokens_for(48, seed=105)
+    cache = prefill(model, toks)[0]
+    j = Judgements()
+    in_window, go, entered = threading.Event(), threading.Event(), threading.Event()
+    real = saving._commit
+
+    def held_commit(*args: Any, **kw: Any) -> Any:
+        in_window.set()  # past before_commit, not yet committed
+        assert go.wait(60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(saving, "_commit", held_commit)
+    seen: list[bool] = []
+    with persist.Store(tmp_path / "s") as store:
+
+        def save() -> None:
+            with committing(j.before_commit, j.after_commit):
+                store.save(cache, toks, identity=ident)
+
+        def lookup() -> None:
+            with j.looking():
+                entered.set()
+                seen.append(store.lookup([*toks, 1], identity=ident) is not None)
+
+        writer = threading.Thread(target=save)
+        writer.start()
+        assert in_window.wait(60)
+        looker = threading.Thread(target=lookup)
+        looker.start()
+        assert not entered.wait(0.5)  # it waits for the commit to end
+        go.set()
+        writer.join(60)
+        looker.join(60)
+        assert seen == [True]  # it began after the commit: the store it judges

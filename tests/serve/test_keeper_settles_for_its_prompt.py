@@ -54,3 +54,62 @@ def test_a_prompt_no_cache_in_flight_serves_does_not_wait(tiny: Any) -> None:
     finally:
         tier.go.set()
         keeper.close()
+
+
+def test_a_copy_that_would_add_few_tokens_is_not_waited_for(tiny: Any) -> None:
+    # issue 39 on an H100: a miss that shares a chat template's tokens with a cache in
+    # flight waited for its whole copy to gain a token or two of prefill
+    model, _, _ = tiny("llama")
+    kept = tokens_for(40, seed=3)
+    tier = HeldTier()
+    keeper = EvictionKeeper(tier, gain=16)
+    try:
+        assert keeper.offer("o", kept, prefill(model, kept)[0])
+        assert tier.started.wait(60)
+        tail = tokens_for(40, seed=6)  # a prompt that goes on past what is shared
+        assert settled(keeper, kept[:25] + tail, 10).wait(30)  # 15 more: not worth it
+        longer = settled(keeper, kept[:26] + tail, 10)  # 16 more: waited for
+        assert not longer.wait(0.5)
+        # a short prompt: half of what memory leaves (20 of 40) is worth its copy
+        short = settled(keeper, kept[:20] + [7] * 20, 0)
+        assert not short.wait(0.5)
+        tier.go.set()
+        assert longer.wait(60) and short.wait(60)
+    finally:
+        tier.go.set()
+        keeper.close()
+
+
+def test_a_copy_waits_for_a_prompt_phase_unless_a_lookup_needs_it(tiny: Any) -> None:
+    # the keeper's copy ran beside the next request's prefill on the GPU (issue 39);
+    # held while a request prompts, it starts at once for a lookup that waits for it
+    from persist.serve.quiet import RequestGate
+
+    model, _, _ = tiny("llama")
+    first, second = tokens_for(40, seed=4), tokens_for(40, seed=5)
+    gate = RequestGate(hold=600)
+    tier = HostTier(1 << 30)
+    keeper = EvictionKeeper(tier, gate=gate)
+    leave = gate.enter()
+    try:
+        assert keeper.offer("o", first, prefill(model, first)[0])
+        deadline = threading.Event()
+        for _ in range(600):  # bounded: the keeper takes it and holds
+            if keeper.holding:
+                break
+            deadline.wait(0.1)
+        assert keeper.holding == 1 and tier.peek("o", first + [1])[0] == 0
+        assert settled(keeper, first + [1], 0).wait(60)  # needed: copied at once
+        assert tier.peek("o", first + [1])[0] == 40
+        assert keeper.offer("o", second, prefill(model, second)[0])
+        for _ in range(600):
+            if keeper.holding:
+                break
+            deadline.wait(0.1)
+        assert keeper.holding == 1
+        leave()  # the prompt phase is over: the held copy goes on
+        keeper.settle()
+        assert tier.peek("o", second + [1])[0] == 40
+    finally:
+        leave()
+        keeper.close()

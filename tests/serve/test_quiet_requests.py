@@ -257,3 +257,39 @@ def test_a_miss_beside_a_save_is_judged_off_the_generation_thread(
             leave()
             ts._here.asking, ts._here.single = None, False
             pc.close()
+
+
+def test_a_lookup_that_skipped_a_damaged_snapshot_is_not_a_hit(tiny: Any, tmp_path: Path) -> None:
+    # attack r14, A1: P's blobs damaged on disk (its index row intact): the lookup
+    # skipped it and reused nothing, and the verdict, read from the index alone, was
+    # "hit" (told to a client that asked, and not counted in persist_misses_total)
+    from persist.serve import tenant_serving as ts
+    from persist.serve.explaining import ExplainSlot
+
+    model, tok, _ = tiny("llama")
+    ident = persist.ModelIdentity.of(model, tok)
+    p_toks, q_toks = tokens_for(80, seed=103), tokens_for(80, seed=104)
+    with persist.Store(tmp_path / "s") as store:
+        store.save(prefill(model, p_toks)[0], p_toks, identity=ident)
+        for f in (tmp_path / "s" / "blobs").rglob("*"):
+            if f.is_file():  # bytes flipped in the middle: the header still parses
+                b = bytearray(f.read_bytes())
+                for k in range(len(b) // 2, len(b) // 2 + 64):
+                    b[k] ^= 0xFF
+                f.write_bytes(bytes(b))
+        pc, metrics = _judging(store, ident, None)
+        asked = ExplainSlot()
+        ts._here.asking, ts._here.single = ts.Asking("default", explain=asked), True
+        try:
+            cache, _rest = pc.fetch_nearest_cache("m", [*p_toks, 7, 8])
+            assert cache is None
+            assert asked.verdict is not None and asked.verdict.reason == "damaged"
+            ts._here.asking = ts.Asking("default")  # one that did not ask: counted too
+            pc.insert_cache("m", q_toks, prefill(model, q_toks)[0])
+            cache, _rest = pc.fetch_nearest_cache("m", [*p_toks, 9])
+            assert cache is None
+            pc.flush()
+            assert metrics.misses.labels("damaged")._value.get() == 2
+        finally:
+            ts._here.asking, ts._here.single = None, False
+            pc.close()

@@ -19,6 +19,7 @@ from ...storage.chains import boundary_heads, chain_root, chains
 from ...storage.index import Index
 from ..costs import LOCAL, CostModel
 from ..layer_checks import quantized_start
+from ..skips import skipped_damaged
 from .pull import EvictedError, pull
 from .records import BadValue, Expect, Keys, best_record, open_record
 
@@ -112,6 +113,7 @@ class PrefixPulls:
             self._bad(index, namespace, e)
         except CorruptBlobError as e:  # never a wrong cache: the local answer stands
             self._count(index, namespace, "corrupt_skipped")
+            skipped_damaged()
             log.warning("persist: skipping a damaged shared snapshot: %s", e)
         except StoreFullError as e:  # the disk has no room for it: the local answer stands
             self._count(index, namespace, "full_skipped")
