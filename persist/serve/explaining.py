@@ -89,15 +89,19 @@ class ExplainSlot:
 
 
 def explain_asked(headers: Any) -> bool:
-    """Whether the request asks for its verdict (``X-Persist-Explain``); BadRequest
-    for a value that is neither yes nor no."""
-    value = headers.get(HEADER)
-    if value is None:
-        return False
-    v = value.strip().lower()
-    if v in YES or v in NO:
-        return v in YES
-    raise BadRequest(f"{HEADER} must be 1 or 0 (true or false), not {value!r}")
+    """Whether the request asks for its verdict (``X-Persist-Explain``: 1, true, yes
+    or 0, false, no); BadRequest for a value that is neither, or for headers that
+    disagree."""
+    values = headers.get_all(HEADER) or []
+    said = set()
+    for value in values:
+        v = value.strip().lower()
+        if v not in YES and v not in NO:
+            raise BadRequest(f"{HEADER} must be 1 or 0 (true or false), not {value!r}")
+        said.add(v in YES)
+    if len(said) > 1:  # the first was taken silently (attack r14b)
+        raise BadRequest(f"{HEADER} is sent {len(values)} times and the values disagree")
+    return said == {True}
 
 
 def miss_counter(registry: CollectorRegistry) -> Counter:

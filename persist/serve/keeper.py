@@ -124,8 +124,10 @@ class EvictionKeeper:
 
     def _hold(self) -> None:
         """Wait while a request is in its prompt phase (at most the gate's ``hold``
-        seconds), unless a lookup waits for a copy in flight: a copy beside a prefill
-        slows both (issue 39).  Polled: the gate is another lock."""
+        seconds), unless a lookup waits for a copy in flight or another eviction
+        waits behind this one: a copy beside a prefill slows both (issue 39), but a
+        dropped one is a returning conversation's lost prefix.  Polled: the gate is
+        another lock."""
         gate = self.gate
         if gate is None:
             return
@@ -133,7 +135,14 @@ class EvictionKeeper:
         with self._done:
             self.holding += 1
             try:
-                while gate.prompting and not self._settling and time.monotonic() < deadline:
+                # never while another eviction waits behind: under steady load one
+                # request always prompts, and the ones behind were dropped (r14b)
+                while (
+                    gate.prompting
+                    and not self._settling
+                    and self._queue.empty()
+                    and time.monotonic() < deadline
+                ):
                     self._done.wait(0.005)
             finally:
                 self.holding -= 1

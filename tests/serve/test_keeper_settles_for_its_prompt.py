@@ -113,3 +113,38 @@ def test_a_copy_waits_for_a_prompt_phase_unless_a_lookup_needs_it(tiny: Any) -> 
     finally:
         leave()
         keeper.close()
+
+
+def test_a_held_copy_goes_on_when_another_eviction_waits(tiny: Any) -> None:
+    # attack r14b: under steady load some request is always prompting, each copy was
+    # held its full time and the evictions behind it were dropped ("two are in
+    # flight"): a returning conversation lost its prefix.  A copy holds only while
+    # nothing waits behind it.
+    from persist.serve.quiet import RequestGate
+
+    model, _, _ = tiny("llama")
+    a, b = tokens_for(40, seed=7), tokens_for(40, seed=8)
+    gate = RequestGate(hold=600)
+    tier = HostTier(1 << 30)
+    keeper = EvictionKeeper(tier, gate=gate)
+    leave = gate.enter()
+    try:
+        assert keeper.offer("o", a, prefill(model, a)[0])
+        wait = threading.Event()
+        for _ in range(600):  # bounded: the keeper takes it and holds
+            if keeper.holding:
+                break
+            wait.wait(0.1)
+        assert keeper.holding == 1
+        assert keeper.offer("o", b, prefill(model, b)[0])  # another waits behind it
+        for _ in range(600):  # the first goes on while the request still prompts
+            if tier.peek("o", a + [1])[0] == 40:
+                break
+            wait.wait(0.1)
+        assert tier.peek("o", a + [1])[0] == 40
+        leave()  # the last one, nothing behind it, waited for the prompt phase
+        keeper.settle()
+        assert tier.peek("o", b + [1])[0] == 40 and keeper.dropped == 0
+    finally:
+        leave()
+        keeper.close()
