@@ -157,12 +157,10 @@ class TenantScoping(CountsOnce):
         self, model: Any, ask: Asking, tokens: list[int], have: int, d: Any, damaged: bool,
         hand: Callable[[Any], None],
     ) -> None:  # fmt: skip
-        """Why this lookup reused ``have`` tokens (``serve.explaining``): counted when it
-        is not a hit, and told to a request that asked.  Handed to the writer thread
-        (``serve.judgements``: judged before its next commit, on the store as this
-        lookup saw it), so a miss pays no index reads on the generation thread (issue
-        39); judged here when the request waits for its verdict.  Never fails the
-        request."""
+        """Why this lookup reused ``have`` tokens (``serve.explaining``), counted when
+        not a hit and told to a request that asked: judged by the writer thread
+        (``serve.judgements``; no index reads here, issue 39), or here for a request
+        that waits for its verdict.  Never fails the request."""
         identity = self.identity_for(model)  # type: ignore[attr-defined]
         asked = ask.explain is not None
         if identity is None or not wanted(len(tokens), have, asked):
