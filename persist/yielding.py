@@ -10,10 +10,10 @@ prefill or a restore slow both (issue 39, on an H100: a lookup beside a save
 took 0.4-0.6 s, alone 0.08 s).
 
 ``committing(first, then)`` names work that must read the store before this
-thread's next save commits: a save calls ``before_commit()`` just before its
-commit and ``after_commit()`` once it ended (the write-behind judges lookups'
-verdicts there, against the store their lookups saw, and no lookup begins
-in between: ``serve.judgements``).  No mlx, no numpy: every layer may call it.
+thread's next save commits: a save runs its commit inside ``at_commit()``,
+which calls ``first`` before it and ``then`` once it ended (the write-behind
+judges lookups' verdicts there, against the store their lookups saw, and no
+lookup begins in between: ``serve.judgements``).  No mlx, no numpy: every layer may call it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["after_commit", "before_commit", "committing", "giving_way", "pause"]
+__all__ = ["at_commit", "committing", "giving_way", "pause"]
 
 _local = threading.local()
 
@@ -47,8 +47,8 @@ def pause() -> None:
 
 @contextlib.contextmanager
 def committing(first: Callable[[], None], then: Callable[[], None] | None = None) -> Iterator[None]:
-    """Within this block, this thread's ``before_commit()`` calls ``first`` and its
-    ``after_commit()`` calls ``then``."""
+    """Within this block, this thread's ``at_commit()`` calls ``first`` before a
+    commit and ``then`` once it ended."""
     before = getattr(_local, "first", None), getattr(_local, "then", None)
     _local.first, _local.then = first, then
     try:
@@ -57,16 +57,16 @@ def committing(first: Callable[[], None], then: Callable[[], None] | None = None
         _local.first, _local.then = before
 
 
-def before_commit() -> None:
-    """A save's point just before its commit: the work that must read the store
-    without it runs here (in every thread outside ``committing``: nothing)."""
-    first = getattr(_local, "first", None)
+@contextlib.contextmanager
+def at_commit() -> Iterator[None]:
+    """Around a save's commit: what must read the store without it runs first, and
+    what waits for its end runs after (committed or not); in every thread outside
+    ``committing``, nothing."""
+    first, then = getattr(_local, "first", None), getattr(_local, "then", None)
     if first is not None:
         first()
-
-
-def after_commit() -> None:
-    """A save's point just after its commit ended (committed or not)."""
-    then = getattr(_local, "then", None)
-    if then is not None:
-        then()
+    try:
+        yield
+    finally:
+        if then is not None:
+            then()

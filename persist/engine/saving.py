@@ -34,7 +34,7 @@ from ..storage import retention, writes
 from ..storage.blobs import BlobStore
 from ..storage.index import BlockRef, Index, NewBlob, SnapshotRow
 from ..storage.leases import Lease
-from ..yielding import after_commit, before_commit
+from ..yielding import at_commit
 from .blob_writes import write_blobs
 from .blocks import Plan, chain_root, chains, head_key, plan
 from .layer_checks import (
@@ -117,8 +117,7 @@ def write_and_commit(
                 progress=progress,
                 salt=salt,
             )
-            before_commit()  # what must read the store without this save (serve.judgements)
-            try:
+            with at_commit():  # verdicts read the store without this save (serve.judgements)
                 done = _commit(
                     index,
                     blobs,
@@ -133,8 +132,6 @@ def write_and_commit(
                     budgets=budgets,
                     keep_unpushed=keep_unpushed,
                 )
-            finally:
-                after_commit()
         except BaseException as e:
             # Decide by the index, not by the exception: a Ctrl-C that lands
             # just after the COMMIT must not unlink what the commit references.

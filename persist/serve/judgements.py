@@ -5,16 +5,16 @@ save committed between the two made a miss look like a hit (attack 39h).  The
 generation thread only hands a verdict over (``looking``: from before the
 lookup reads the store until its verdict is handed over, the lookup is open);
 the writer thread runs the verdicts handed over whenever it is between saves,
-and, just before each of its commits (``yielding.before_commit``), waits for
-the open lookups and runs theirs first; a lookup that would begin from then
-until that commit ended (``yielding.after_commit``) waits for it (attack r14:
-one that began there read the store without the save and was judged with it).
-So a miss pays no index reads on the generation thread (issue 39: about 7 ms a
-request on an H100 while a save was being written), and no save of this
-process lands between a lookup and its verdict.  A lookup open longer than
-``bound`` seconds (a restore that hangs on a tier) no longer holds the save
-back: the save commits and that lookup's verdict is dropped, never judged on a
-changed store; so is one that waited ``bound`` seconds for a commit to end.  Commits this process
+and, just before each of its commits (``yielding.at_commit``), waits for the
+open lookups and runs theirs first; a lookup that would begin from then until
+that commit ended waits for it (attack r14: one that began there read the
+store without the save and was judged with it).  So a miss pays no index
+reads on the generation thread (issue 39: about 7 ms a request on an H100
+while a save was being written), and no save of this process lands between a
+lookup and its verdict.  A lookup open longer than ``bound`` seconds (a
+restore that hangs on a tier) no longer holds the save back: the save commits
+and that lookup's verdict is dropped, never judged on a changed store; so is
+one that waited ``bound`` seconds for a commit to end.  Commits this process
 makes on another thread (a lookup's pull from a fleet tier) are not ordered
 here; neither are other processes' saves.
 """
