@@ -152,12 +152,15 @@ _KINDS = {
 }
 
 
-def check_export_target(store_root: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+def check_export_target(
+    store_root: str | os.PathLike[str], path: str | os.PathLike[str], replace: bool = True
+) -> None:
     """ExportTargetError where an export to ``path`` would replace something by its
     rename: a file of the store (its index, a blob: every session, or one, lost), or
     whatever is there that is not a regular file (a FIFO, a device node: as root,
     ``/dev/null`` itself; a link, judged as refused rather than by where it leads).
-    A regular file (an earlier export) is what --force may replace."""
+    A regular file (an earlier export) is what --force may replace; without
+    ``replace`` it is AlreadyExistsError (checked again as the file is placed)."""
     target = Path(os.path.abspath(path))
     root = Path(os.path.realpath(store_root))
     where = Path(os.path.realpath(target.parent)) / target.name  # the folder's links followed
@@ -171,6 +174,8 @@ def check_export_target(store_root: str | os.PathLike[str], path: str | os.PathL
         raise ExportTargetError(path, f"cannot be written there: {e.strerror}") from None
     if not stat.S_ISREG(mode):
         raise ExportTargetError(path, f"{_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}")
+    if not replace:
+        raise already_there(path)
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:

@@ -282,7 +282,7 @@ class Store(StoreReads):
         ExportTargetError: nothing written.  ``replace`` False (``persist export``
         without --force): a file at ``path`` is AlreadyExistsError, even one made
         while the export ran (the file is linked into place, never renamed over)."""
-        from .files import already_there, check_export_target
+        from .files import check_export_target
         from .reading import read_named
         from .transfer import export_row
 
@@ -291,9 +291,8 @@ class Store(StoreReads):
         key = file_key(self.tier_key)  # the operator key tags the file (file_tags)
 
         def write(row: SnapshotRow, refs: list[BlockRef]) -> None:
-            check_export_target(self.root, path)  # a regular file outside the store only
-            if not replace and os.path.lexists(path):  # before any blob is read
-                raise already_there(path)
+            # a regular file outside the store only, checked before any blob is read
+            check_export_target(self.root, path, replace)
             export_row(
                 self.index, self.blobs, row, refs=refs, path=path, format=format,
                 model=model, model_dir=model_dir, key=key, replace=replace,
