@@ -32,6 +32,15 @@ def settled(keeper: EvictionKeeper, prompt: list[int], have: int) -> threading.E
     return done
 
 
+def held(keeper: EvictionKeeper) -> None:
+    """Wait (bounded: 60 s) until the keeper took a copy and holds it."""
+    pause = threading.Event()
+    for _ in range(600):
+        if keeper.holding:
+            return
+        pause.wait(0.1)
+
+
 def test_a_prompt_no_cache_in_flight_serves_does_not_wait(tiny: Any) -> None:
     model, _, _ = tiny("llama")
     kept = tokens_for(40, seed=1)
@@ -93,19 +102,12 @@ def test_a_copy_waits_for_a_prompt_phase_unless_a_lookup_needs_it(tiny: Any) -> 
     leave = gate.enter()
     try:
         assert keeper.offer("o", first, prefill(model, first)[0])
-        deadline = threading.Event()
-        for _ in range(600):  # bounded: the keeper takes it and holds
-            if keeper.holding:
-                break
-            deadline.wait(0.1)
+        held(keeper)
         assert keeper.holding == 1 and tier.peek("o", first + [1])[0] == 0
         assert settled(keeper, first + [1], 0).wait(60)  # needed: copied at once
         assert tier.peek("o", first + [1])[0] == 40
         assert keeper.offer("o", second, prefill(model, second)[0])
-        for _ in range(600):
-            if keeper.holding:
-                break
-            deadline.wait(0.1)
+        held(keeper)
         assert keeper.holding == 1
         leave()  # the prompt phase is over: the held copy goes on
         keeper.settle()
@@ -130,11 +132,8 @@ def test_a_held_copy_goes_on_when_another_eviction_waits(tiny: Any) -> None:
     leave = gate.enter()
     try:
         assert keeper.offer("o", a, prefill(model, a)[0])
+        held(keeper)
         wait = threading.Event()
-        for _ in range(600):  # bounded: the keeper takes it and holds
-            if keeper.holding:
-                break
-            wait.wait(0.1)
         assert keeper.holding == 1
         assert keeper.offer("o", b, prefill(model, b)[0])  # another waits behind it
         for _ in range(600):  # the first goes on while the request still prompts
