@@ -9,6 +9,7 @@
 #   bench/cuda_restore_run.sh e2efull          # the same with 6 sessions x 3 turns
 #   bench/cuda_restore_run.sh serveprobe       # where a serve hit's time goes, in one process
 #   bench/cuda_restore_run.sh pagetests contention e2efull   # round 5: the copy engine's host tier
+#   bench/cuda_restore_run.sh copyprobe missvariants   # round 5, session 15: the direct path's copies
 # Everything it writes goes to $OUT (probe report, logs, bench results).
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -21,6 +22,11 @@ for phase in "$@"; do
   case $phase in
   probe)
     timeout 200 python3 -m bench.cuda_stage_probe "$OUT" 8192 2>&1 | tail -20 ;;
+  copyprobe)
+    # the direct restore's copies: strided, per row, batched; and inside a restore
+    PERSIST_DIRECT_COPIES=batched timeout 240 python3 -m bench.cuda_copy_probe "$OUT" 2>&1 | tail -24
+    PERSIST_DIRECT_COPIES=batched timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider tests/engine/test_no_kernel_path.py \
+      tests/engine/test_batched_copies.py 2>&1 | tee "$OUT/cuda-direct-tests.log" | tail -4 ;;
   procprobe)
     timeout 200 python3 -m bench.cuda_proc_probe "$OUT" 8192 2>&1 | tail -8 ;;
   hosttier)

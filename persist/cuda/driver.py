@@ -10,6 +10,8 @@ run.  Every address crosses as a 64-bit integer (``c_uint64``): without
 from __future__ import annotations
 
 import ctypes
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["Driver"]
@@ -34,6 +36,39 @@ class _Memcpy2D(ctypes.Structure):
         ("dstPitch", ctypes.c_size_t),
         ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
     ]  # fmt: skip
+
+
+class _CopyAttrs(ctypes.Structure):
+    """``CUmemcpyAttributes``: source access order, source and destination location
+    hints (``CUmemLocation``: type, id), flags."""
+
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int), ("srcType", ctypes.c_int), ("srcId", ctypes.c_int),
+        ("dstType", ctypes.c_int), ("dstId", ctypes.c_int), ("flags", ctypes.c_uint),
+    ]  # fmt: skip
+
+
+_ORDER_STREAM, _LOC_DEVICE, _LOC_HOST = (
+    1,
+    1,
+    2,
+)  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, CU_MEM_LOCATION_TYPE_*
+_BATCH_SINCE = 12080  # cuMemcpyBatchAsync came with CUDA 12.8; 13.0 dropped its failIdx
+
+
+def _bind_batch(lib: Any, version: int) -> Callable[..., int] | None:
+    """The driver's batched copy as one signature (CUDA 13's: dsts, srcs, sizes, count,
+    attrs, attr indexes, attr count, stream), or None where this driver has none."""
+    if version < _BATCH_SINCE:
+        return None
+    v2 = getattr(lib, "cuMemcpyBatchAsync_v2", None)
+    if v2 is not None:
+        return v2
+    v1 = getattr(lib, "cuMemcpyBatchAsync", None)
+    if v1 is None:
+        return None
+    fail = ctypes.c_size_t()  # 12.x's extra argument: where a failed batch stopped
+    return lambda d, s, n, c, a, i, na, st: v1(d, s, n, c, a, i, na, ctypes.byref(fail), st)
 
 
 class Driver:
@@ -65,6 +100,15 @@ class Driver:
         ]
         self._2d = self.lib.cuMemcpy2DAsync_v2
         self._2d.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
+        version = ctypes.c_int()
+        self._call("cuDriverGetVersion", ctypes.byref(version))
+        self.version = version.value
+        # pieces' rows in one call per slot (issue 39): set by prove_batch once it
+        # has put bytes where strided copies would
+        self.batch: Callable[..., int] | None = None
+        self._batch = _bind_batch(self.lib, self.version)
+        self._attrs = _CopyAttrs(_ORDER_STREAM, _LOC_HOST, 0, _LOC_DEVICE, 0, 0)
+        self._attr_at = (ctypes.c_size_t * 1)(0)
 
     def _call(self, name: str, *args: Any) -> None:
         rc = getattr(self.lib, name)(*args)
@@ -159,3 +203,58 @@ class Driver:
         rc = self._2d(ctypes.byref(c), stream)
         if rc:
             raise OSError(f"cuMemcpy2DAsync returned CUDA error {rc}")
+
+    def copy_batch_in(self, srcs: Sequence[int], dsts: Sequence[int], sizes: Sequence[int],
+                      stream: int) -> None:  # fmt: skip
+        """Queue ``len(srcs)`` copies from page-locked host memory to device memory on
+        ``stream`` in one driver call (``cuMemcpyBatchAsync``, sources read in stream
+        order); only once ``prove_batch`` has set ``batch``."""
+        n = len(srcs)
+        if self.batch is None:
+            raise OSError("this driver's batched copies are not in use")
+        rc = self.batch(
+            (ctypes.c_uint64 * n)(*dsts), (ctypes.c_uint64 * n)(*srcs),
+            (ctypes.c_size_t * n)(*sizes), ctypes.c_size_t(n), ctypes.byref(self._attrs),
+            self._attr_at, ctypes.c_size_t(1), ctypes.c_void_p(stream),
+        )  # fmt: skip
+        if rc:
+            raise OSError(f"cuMemcpyBatchAsync returned CUDA error {rc}")
+
+    def prove_batch(self, host: memoryview, stream: int) -> bool:
+        """Use batched copies if this driver has them and they put rows where strided
+        copies do: a pattern in ``host`` (page-locked, at least 4 KiB) copied both ways
+        into device memory of the driver's own and read back.  False (strided copies
+        stay) on any difference or error: a call that is new in CUDA 12.8 is not
+        trusted to place a cache's bytes untested."""
+        if self._batch is None or len(host) < 4096:
+            return False
+        dev = ctypes.c_uint64()
+        back = (ctypes.c_uint8 * 8192)()
+        src = ctypes.addressof(ctypes.c_uint8.from_buffer(host))
+        self.make_current()
+        try:
+            self._call("cuMemAlloc_v2", ctypes.byref(dev), ctypes.c_size_t(16384))
+        except OSError:
+            return False
+        try:
+            host[:4096] = bytes((i * 7 + 3) % 251 for i in range(4096))
+            self._call("cuMemsetD8_v2", dev, ctypes.c_ubyte(0), ctypes.c_size_t(16384))
+            self.copy_rows_in(src, dev.value, 1000, 4, 1024, 2048, stream)
+            self.batch = self._batch
+            self.copy_batch_in(
+                [src + r * 1024 for r in range(4)], [dev.value + 8192 + r * 2048 for r in range(4)],
+                [1000] * 4, stream,
+            )  # fmt: skip
+            self.wait_stream(stream)
+            self.copy_out(dev.value, ctypes.addressof(back), 8192)
+            strided = bytes(back)
+            self.copy_out(dev.value + 8192, ctypes.addressof(back), 8192)
+            same = strided == bytes(back) and strided[:1000] == bytes(host[:1000])
+        except OSError as e:
+            logging.getLogger("persist").info("persist: batched copies not used: %s", e)
+            same = False
+        finally:
+            self._call("cuMemFree_v2", dev)
+        if not same:
+            self.batch = None
+        return same

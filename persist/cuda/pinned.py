@@ -309,9 +309,15 @@ class _CudaLane:
         self._busy(slot)
 
     def place(self, slot: int, copies: list[Rows]) -> None:
-        host, copy = self.hosts[slot], self.driver.copy_rows_in
-        for src, dst, width, height, spitch, dpitch in copies:
-            copy(host + src, dst, width, height, spitch, dpitch, self.stream)
+        host, d = self.hosts[slot], self.driver
+        if d.batch is not None:  # every row of the slot's pieces in one driver call
+            rows = [(host + s + r * sp, t + r * dp, w)
+                    for s, t, w, h, sp, dp in copies for r in range(h)]  # fmt: skip
+            d.copy_batch_in([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                            self.stream)  # fmt: skip
+        else:
+            for src, dst, width, height, spitch, dpitch in copies:
+                d.copy_rows_in(host + src, dst, width, height, spitch, dpitch, self.stream)
         self._busy(slot)
 
     def drain(self) -> None:
@@ -372,13 +378,23 @@ def _cuda_ring(
     straight = direct() if straight is None else straight
     buffers = addressing.zeroed if straight else device_buffers
     if not processes:
-        made: list[Lane] = [_CudaLane(driver, _pinned_slots(driver, size)) for _ in range(lanes)]
-        return Ring(made, buffers, scatter, direct=straight)
+        made = [_CudaLane(driver, _pinned_slots(driver, size)) for _ in range(lanes)]
+        _batched(driver, made[0], straight)
+        return Ring(list(made), buffers, scatter, direct=straight)
     readers = Readers(lanes, size)
     try:
         driver.host_register(readers.base, readers.nbytes)
     except BaseException:
         readers.close()
         raise
-    fed: list[Lane] = [_CudaLane(driver, readers.slots[i], readers, i) for i in range(lanes)]
-    return Ring(fed, buffers, scatter, readers, direct=straight)
+    fed = [_CudaLane(driver, readers.slots[i], readers, i) for i in range(lanes)]
+    _batched(driver, fed[0], straight)
+    return Ring(list(fed), buffers, scatter, readers, direct=straight)
+
+
+def _batched(driver: Driver, lane: _CudaLane, straight: bool) -> None:
+    """With PERSIST_DIRECT_COPIES=batched, a direct ring's slots go in one batched
+    call each where the driver's proves right; by default a strided copy per piece
+    (batched copies are not yet measured on a GPU: docs/gpu.md)."""
+    if straight and os.environ.get("PERSIST_DIRECT_COPIES", "") == "batched":
+        driver.prove_batch(memoryview(lane.slots[0]).cast("B"), lane.stream)  # type: ignore[arg-type]
