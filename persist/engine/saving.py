@@ -89,49 +89,62 @@ def write_and_commit(
     so no identity or fingerprint can prove a block unchanged (docs/FORMAT.md).
     ``keep_unpushed`` (a store with tiers): budget eviction keeps named sessions no
     tier holds yet (``retention.UNPUSHED``)."""
-    identity, namespace = target.identity, target.namespace
     toks = snap.tokens or []
     p = plan(snap, block_tokens, dtype_name)
     estimate = sum(s.nbytes for s in p.specs.values())
-    for budget in (budgets.max_bytes, budgets.of(namespace)):
+    for budget in (budgets.max_bytes, budgets.of(target.namespace)):
         if budget is not None and estimate > budget:
             raise StoreFullError(estimate, budget)
-    secret = index.secret(namespace, lambda: os.urandom(32))
+    secret = index.secret(target.namespace, lambda: os.urandom(32))
     assert secret is not None
-    chs = chains(chain_root(secret, identity.digest), toks, block_tokens)
+    chs = chains(chain_root(secret, target.identity.digest), toks, block_tokens)
+    save = _Attempt(index, blobs, p, snap, target, chs, secret, block_tokens, budgets, estimate)
     for _attempt in range(3):
+        done = save.once(progress, keep_unpushed)
+        if done is not None:
+            retention.collect(index, blobs)
+            index.count(target.namespace, saves=1, bytes_written=save.wrote)
+            return done
+    raise StoreBusyError("the store kept collecting blobs this save meant to reuse")
+
+
+@dataclass
+class _Attempt:
+    """One try at writing a save's blobs and committing them (``write_and_commit``
+    tries again where a blob it meant to reuse was collected meanwhile)."""
+
+    index: Index
+    blobs: BlobStore
+    p: Plan
+    snap: Snapshot
+    target: Target
+    chs: list[bytes]
+    secret: bytes
+    block_tokens: int
+    budgets: retention.Budgets
+    estimate: int
+    wrote: int = 0  # bytes of new blobs the committed attempt wrote
+
+    def once(self, progress: Progress | None, keep_unpushed: bool) -> SnapshotRow | None:
+        """The committed row, or None (nothing of this try left behind) where a
+        reused blob died before the commit."""
+        index, blobs = self.index, self.blobs
         written: list[NewBlob] = []
         # held until the pending row is gone: check leaves a save alone while it is
-        lease = _take_lease(blobs, estimate, budgets)
+        lease = _take_lease(blobs, self.estimate, self.budgets)
         salt = lease.salt
         try:
             index.begin_pending(salt)
             refs, tail = write_blobs(
-                index,
-                blobs,
-                p,
-                chs=chs,
-                secret=secret,
-                block_tokens=block_tokens,
-                written=written,
-                progress=progress,
-                salt=salt,
-            )
+                index, blobs, self.p, chs=self.chs, secret=self.secret,
+                block_tokens=self.block_tokens, written=written, progress=progress, salt=salt,
+            )  # fmt: skip
             with at_commit():  # verdicts read the store without this save (serve.judgements)
                 done = _commit(
-                    index,
-                    blobs,
-                    p,
-                    snap=snap,
-                    chs=chs,
-                    refs=refs,
-                    tail=tail,
-                    written=written,
-                    target=target,
-                    salt=salt,
-                    budgets=budgets,
+                    index, blobs, self.p, snap=self.snap, chs=self.chs, refs=refs, tail=tail,
+                    written=written, target=self.target, salt=salt, budgets=self.budgets,
                     keep_unpushed=keep_unpushed,
-                )
+                )  # fmt: skip
         except BaseException as e:
             # Decide by the index, not by the exception: a Ctrl-C that lands
             # just after the COMMIT must not unlink what the commit references.
@@ -142,18 +155,17 @@ def write_and_commit(
                     index.end_pending(salt)
             lease.release()
             if isinstance(e, OSError) and e.errno in DISK_FULL:
-                raise _full(estimate, budgets, e) from e
+                raise _full(self.estimate, self.budgets, e) from e
             raise
         if done is not None:
             lease.release()
-            retention.collect(index, blobs)
-            index.count(namespace, saves=1, bytes_written=sum(b.size for b in written))
+            self.wrote = sum(b.size for b in written)
             return done
         for b in written:  # a reused blob died under us: write everything again
             blobs.delete(b.file)
         index.end_pending(salt)
         lease.release()
-    raise StoreBusyError("the store kept collecting blobs this save meant to reuse")
+        return None
 
 
 def _take_lease(blobs: BlobStore, estimate: int, budgets: retention.Budgets) -> Lease:
