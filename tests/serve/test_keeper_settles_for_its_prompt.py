@@ -6,6 +6,7 @@ real mlx-lm caches; its keep held open by an event."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from persist.engine.host.tier import HostTier
@@ -30,6 +31,17 @@ def settled(keeper: EvictionKeeper, prompt: list[int], have: int) -> threading.E
     done = threading.Event()
     threading.Thread(target=lambda: (keeper.settle(prompt, have), done.set()), daemon=True).start()
     return done
+
+
+def gated(tiny: Any) -> tuple[Any, HostTier, EvictionKeeper, Callable[[], None]]:
+    """A tiny model, a host tier and a keeper behind a request gate that a request
+    has entered (its prompt phase lasts until the returned ``leave``)."""
+    from persist.serve.quiet import RequestGate
+
+    model, _, _ = tiny("llama")
+    gate = RequestGate(hold=600)
+    tier = HostTier(1 << 30)
+    return model, tier, EvictionKeeper(tier, gate=gate), gate.enter()
 
 
 def held(keeper: EvictionKeeper) -> None:
@@ -92,14 +104,8 @@ def test_a_copy_that_would_add_few_tokens_is_not_waited_for(tiny: Any) -> None:
 def test_a_copy_waits_for_a_prompt_phase_unless_a_lookup_needs_it(tiny: Any) -> None:
     # the keeper's copy ran beside the next request's prefill on the GPU (issue 39);
     # held while a request prompts, it starts at once for a lookup that waits for it
-    from persist.serve.quiet import RequestGate
-
-    model, _, _ = tiny("llama")
+    model, tier, keeper, leave = gated(tiny)
     first, second = tokens_for(40, seed=4), tokens_for(40, seed=5)
-    gate = RequestGate(hold=600)
-    tier = HostTier(1 << 30)
-    keeper = EvictionKeeper(tier, gate=gate)
-    leave = gate.enter()
     try:
         assert keeper.offer("o", first, prefill(model, first)[0])
         held(keeper)
@@ -122,14 +128,8 @@ def test_a_held_copy_goes_on_when_another_eviction_waits(tiny: Any) -> None:
     # held its full time and the evictions behind it were dropped ("two are in
     # flight"): a returning conversation lost its prefix.  A copy holds only while
     # nothing waits behind it.
-    from persist.serve.quiet import RequestGate
-
-    model, _, _ = tiny("llama")
+    model, tier, keeper, leave = gated(tiny)
     a, b = tokens_for(40, seed=7), tokens_for(40, seed=8)
-    gate = RequestGate(hold=600)
-    tier = HostTier(1 << 30)
-    keeper = EvictionKeeper(tier, gate=gate)
-    leave = gate.enter()
     try:
         assert keeper.offer("o", a, prefill(model, a)[0])
         held(keeper)
