@@ -47,43 +47,13 @@ TENSORS = LAYERS * 2
 SLOT_PIECES = (8 << 20) // PIECE
 
 
-class _Attrs(ctypes.Structure):
-    """CUmemcpyAttributes: source access order, source and destination location hints, flags."""
-
-    _fields_ = [
-        ("order", ctypes.c_int),
-        ("src_type", ctypes.c_int),
-        ("src_id", ctypes.c_int),
-        ("dst_type", ctypes.c_int),
-        ("dst_id", ctypes.c_int),
-        ("flags", ctypes.c_uint),
-    ]
-
-
 def _pieces(src: int, dsts: list[int]) -> list[tuple[int, int]]:
     """(source address, destination address) of every piece, blob by blob."""
-    out = []
-    for b in range(BLOCKS):
-        for t in range(TENSORS):
-            out.append((src + (b * TENSORS + t) * PIECE, dsts[t] + b * ROW))
-    return out
-
-
-def _batch_fn(d: Driver) -> tuple[Callable[..., int] | None, str]:
-    v = ctypes.c_int()
-    d.lib.cuDriverGetVersion(ctypes.byref(v))
-    for name, nargs in (("cuMemcpyBatchAsync_v2", 8), ("cuMemcpyBatchAsync", 9)):
-        try:
-            fn = getattr(d.lib, name)
-        except AttributeError:
-            continue
-        fail = ctypes.c_size_t()  # 12.8's signature: where a failed batch stopped
-
-        def call(*a: object, _f: Callable[..., int] = fn, _n: int = nargs) -> int:
-            return _f(*(a if _n == 8 else (*a[:-1], ctypes.byref(fail), a[-1])))  # noqa: B023
-
-        return call, f"{name} (driver {v.value})"
-    return None, f"no cuMemcpyBatchAsync (driver {v.value})"
+    return [
+        (src + (b * TENSORS + t) * PIECE, dsts[t] + b * ROW)
+        for b in range(BLOCKS)
+        for t in range(TENSORS)
+    ]
 
 
 def part_a(lines: list[str]) -> None:
@@ -96,10 +66,8 @@ def part_a(lines: list[str]) -> None:
     dsts = [a for _, a in bufs]
     pieces = _pieces(host, dsts)
     streams = [d.stream() for _ in range(8)]
-    batch, batch_name = _batch_fn(d)
-    lines.append(f"batched copies: {batch_name}")
-    attrs = _Attrs(1, 2, 0, 1, 0, 0)  # order STREAM, src HOST, dst DEVICE 0
-    idx = (ctypes.c_size_t * 1)(0)
+    batch = d.prove_batch()  # the driver's own batched copies, checked as a ring checks them
+    lines.append(f"driver {d.version}: batched copies proven: {batch}")
 
     big = addressing.zeroed([TENSORS * BLOCKS * PIECE])[0]  # held until the end
     big_at = big[1]
@@ -118,17 +86,11 @@ def part_a(lines: list[str]) -> None:
                 d.copy_in(a + r * ROW, b + r * PITCH, ROW, s)
 
     def batched(ps: list[tuple[int, int]], s: int) -> None:
-        assert batch is not None
         for i in range(0, len(ps), SLOT_PIECES):
             part = ps[i : i + SLOT_PIECES]
-            n = len(part) * HEADS
-            srcs = (ctypes.c_uint64 * n)(*[a + r * ROW for a, _ in part for r in range(HEADS)])
-            dst = (ctypes.c_uint64 * n)(*[b + r * PITCH for _, b in part for r in range(HEADS)])
-            sizes = (ctypes.c_size_t * n)(*([ROW] * n))
-            rc = batch(dst, srcs, sizes, ctypes.c_size_t(n), ctypes.byref(attrs), idx,
-                       ctypes.c_size_t(1), ctypes.c_void_p(s))  # fmt: skip
-            if rc:
-                raise OSError(f"batched copy returned CUDA error {rc}")
+            srcs = [a + r * ROW for a, _ in part for r in range(HEADS)]
+            dsts = [b + r * PITCH for _, b in part for r in range(HEADS)]
+            d.copy_batch_in(srcs, dsts, [ROW] * len(srcs), s)
 
     def run(fn: Callable[[list[tuple[int, int]], int], None], threads: int) -> tuple[float, float]:
         share = -(-len(pieces) // threads)
@@ -156,7 +118,7 @@ def part_a(lines: list[str]) -> None:
         cases[f"one copy, {threads} thread(s)"] = (one_big, threads)
         cases[f"strided per piece (2048 calls), {threads} thread(s)"] = (strided, threads)
         cases[f"per row (16384 calls), {threads} thread(s)"] = (by_row, threads)
-        if batch is not None:
+        if batch:
             cases[f"batched per slot (128 calls), {threads} thread(s)"] = (batched, threads)
     best: dict[str, tuple[float, float]] = {}
     for _ in range(REPS):
@@ -172,7 +134,7 @@ def part_a(lines: list[str]) -> None:
     for name, (total, issue) in best.items():
         lines.append(f"{name}: {total * 1000:.1f} ms (issuing {issue * 1000:.1f} ms)")
     src = view.reshape(BLOCKS, TENSORS, HEADS, ROW)
-    checks = [("strided", strided), ("batched", batched)] if batch is not None else []
+    checks = [("strided", strided), ("batched", batched)] if batch else []
     for name, fn in checks:  # each into buffers of its own, zeroed, tensors 0 and 1 only
         fresh = addressing.zeroed([HEADS * PITCH] * TENSORS)
         every = _pieces(host, [a for _, a in fresh])
@@ -213,8 +175,8 @@ def part_b(lines: list[str]) -> None:
         spent[0] += time.perf_counter() - t
 
     driver = ring.lanes[0].driver  # type: ignore[attr-defined]
-    proven = driver.batch
-    lines.append(f"batched copies proven on this driver: {proven is not None}")
+    proven = driver.batched
+    lines.append(f"batched copies proven on this driver: {proven}")
     # name -> (Lane.place, batched copies on)
     variants = {
         "as it is": (place, True), "strided per piece": (place, False),
@@ -228,7 +190,7 @@ def part_b(lines: list[str]) -> None:
     for _ in range(REPS):
         for name, (fn, batched) in variants.items():
             lane_cls.place = fn  # type: ignore[method-assign,assignment]
-            driver.batch = proven if batched else None
+            driver.batched = proven and batched
             try:
                 for p in blobs:
                     warm(p)
@@ -238,7 +200,7 @@ def part_b(lines: list[str]) -> None:
                 dt = time.perf_counter() - t
             finally:
                 lane_cls.place = place  # type: ignore[method-assign]
-                driver.batch = proven
+                driver.batched = proven
             best[name] = min(best.get(name, 1e9), dt)
             if fn is timed:
                 placing[name] = min(placing.get(name, 1e9), spent[0])
@@ -255,7 +217,7 @@ def part_b(lines: list[str]) -> None:
     for name, dt in placing.items():
         lines.append(f"{name}: time inside Lane.place, summed over lanes: {dt * 1000:.1f} ms")
     for name, on in (("batched", True), ("strided", False)):  # every byte where it was
-        driver.batch = proven if on else None
+        driver.batched = proven and on
         got = store.restore("s", identity=IDENTITY).cache
         want = llama(8192)
         same = all(
@@ -264,7 +226,7 @@ def part_b(lines: list[str]) -> None:
             for g, w in zip(got, want, strict=True)
         )
         lines.append(f"restore with {name} copies equals the saved cache: {same}")
-    driver.batch = proven
+    driver.batched = proven
     del scratch
 
 
@@ -273,11 +235,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []
     for part in (part_a, part_b):
+        start = len(lines)
         try:
             part(lines)
         except Exception as e:  # report what the other part found
             lines.append(f"{part.__name__} failed: {e!r}")
-        print("\n".join(lines), flush=True)
+        print("\n".join(lines[start:]), flush=True)
     (out / "copy-probe.txt").write_text("\n".join(lines) + "\n")
 
 

@@ -48,11 +48,8 @@ class _CopyAttrs(ctypes.Structure):
     ]  # fmt: skip
 
 
-_ORDER_STREAM, _LOC_DEVICE, _LOC_HOST = (
-    1,
-    1,
-    2,
-)  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, CU_MEM_LOCATION_TYPE_*
+_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+_LOC_DEVICE, _LOC_HOST = 1, 2  # CU_MEM_LOCATION_TYPE_*
 _BATCH_SINCE = 12080  # cuMemcpyBatchAsync came with CUDA 12.8; 13.0 dropped its failIdx
 
 
@@ -103,9 +100,9 @@ class Driver:
         version = ctypes.c_int()
         self._call("cuDriverGetVersion", ctypes.byref(version))
         self.version = version.value
-        # pieces' rows in one call per slot (issue 39): set by prove_batch once it
-        # has put bytes where strided copies would
-        self.batch: Callable[..., int] | None = None
+        # pieces' rows in one call per slot (issue 39): on once prove_batch has seen
+        # the call put bytes where strided copies do
+        self.batched = False
         self._batch = _bind_batch(self.lib, self.version)
         self._attrs = _CopyAttrs(_ORDER_STREAM, _LOC_HOST, 0, _LOC_DEVICE, 0, 0)
         self._attr_at = (ctypes.c_size_t * 1)(0)
@@ -208,11 +205,14 @@ class Driver:
                       stream: int) -> None:  # fmt: skip
         """Queue ``len(srcs)`` copies from page-locked host memory to device memory on
         ``stream`` in one driver call (``cuMemcpyBatchAsync``, sources read in stream
-        order); only once ``prove_batch`` has set ``batch``."""
+        order); only once ``prove_batch`` has turned ``batched`` on.  Nothing to copy
+        (a slot whose pieces keep no byte, past a partial hit's end): no driver call."""
         n = len(srcs)
-        if self.batch is None:
+        if not self.batched or self._batch is None:
             raise OSError("this driver's batched copies are not in use")
-        rc = self.batch(
+        if n == 0:
+            return
+        rc = self._batch(
             (ctypes.c_uint64 * n)(*dsts), (ctypes.c_uint64 * n)(*srcs),
             (ctypes.c_size_t * n)(*sizes), ctypes.c_size_t(n), ctypes.byref(self._attrs),
             self._attr_at, ctypes.c_size_t(1), ctypes.c_void_p(stream),
@@ -220,27 +220,27 @@ class Driver:
         if rc:
             raise OSError(f"cuMemcpyBatchAsync returned CUDA error {rc}")
 
-    def prove_batch(self, host: memoryview, stream: int) -> bool:
-        """Use batched copies if this driver has them and they put rows where strided
-        copies do: a pattern in ``host`` (page-locked, at least 4 KiB) copied both ways
-        into device memory of the driver's own and read back.  False (strided copies
+    def prove_batch(self) -> bool:
+        """Turn ``batched`` on if this driver has batched copies and they put rows where
+        strided copies do: a pattern in page-locked memory copied both ways into
+        device memory, all of the driver's own, and read back.  False (strided copies
         stay) on any difference or error: a call that is new in CUDA 12.8 is not
         trusted to place a cache's bytes untested."""
-        if self._batch is None or len(host) < 4096:
+        if self._batch is None:
             return False
-        dev = ctypes.c_uint64()
-        back = (ctypes.c_uint8 * 8192)()
-        src = ctypes.addressof(ctypes.c_uint8.from_buffer(host))
         self.make_current()
+        dev, back = ctypes.c_uint64(), (ctypes.c_uint8 * 8192)()
         try:
+            src, _ = self.host_alloc(4096)
             self._call("cuMemAlloc_v2", ctypes.byref(dev), ctypes.c_size_t(16384))
-        except OSError:
+        except (OSError, MemoryError):
             return False
+        stream = self.stream()
         try:
-            host[:4096] = bytes((i * 7 + 3) % 251 for i in range(4096))
+            ctypes.memmove(src, bytes((i * 7 + 3) % 251 for i in range(4096)), 4096)
             self._call("cuMemsetD8_v2", dev, ctypes.c_ubyte(0), ctypes.c_size_t(16384))
             self.copy_rows_in(src, dev.value, 1000, 4, 1024, 2048, stream)
-            self.batch = self._batch
+            self.batched = True
             self.copy_batch_in(
                 [src + r * 1024 for r in range(4)], [dev.value + 8192 + r * 2048 for r in range(4)],
                 [1000] * 4, stream,
@@ -249,12 +249,12 @@ class Driver:
             self.copy_out(dev.value, ctypes.addressof(back), 8192)
             strided = bytes(back)
             self.copy_out(dev.value + 8192, ctypes.addressof(back), 8192)
-            same = strided == bytes(back) and strided[:1000] == bytes(host[:1000])
+            self.batched = strided == bytes(back) and strided[:1000] == ctypes.string_at(src, 1000)
         except OSError as e:
             logging.getLogger("persist").info("persist: batched copies not used: %s", e)
-            same = False
+            self.batched = False
         finally:
+            self._call("cuStreamDestroy_v2", ctypes.c_void_p(stream))
             self._call("cuMemFree_v2", dev)
-        if not same:
-            self.batch = None
-        return same
+            self.host_free(src)
+        return self.batched

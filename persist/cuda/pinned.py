@@ -310,11 +310,11 @@ class _CudaLane:
 
     def place(self, slot: int, copies: list[Rows]) -> None:
         host, d = self.hosts[slot], self.driver
-        if d.batch is not None:  # every row of the slot's pieces in one driver call
+        if d.batched:  # every row of the slot's pieces in one driver call
             rows = [(host + s + r * sp, t + r * dp, w)
                     for s, t, w, h, sp, dp in copies for r in range(h)]  # fmt: skip
-            d.copy_batch_in([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
-                            self.stream)  # fmt: skip
+            srcs, dsts, sizes = zip(*rows, strict=True) if rows else ((), (), ())
+            d.copy_batch_in(srcs, dsts, sizes, self.stream)
         else:
             for src, dst, width, height, spitch, dpitch in copies:
                 d.copy_rows_in(host + src, dst, width, height, spitch, dpitch, self.stream)
@@ -378,23 +378,23 @@ def _cuda_ring(
     straight = direct() if straight is None else straight
     buffers = addressing.zeroed if straight else device_buffers
     if not processes:
-        made = [_CudaLane(driver, _pinned_slots(driver, size)) for _ in range(lanes)]
-        _batched(driver, made[0], straight)
-        return Ring(list(made), buffers, scatter, direct=straight)
+        made: list[Lane] = [_CudaLane(driver, _pinned_slots(driver, size)) for _ in range(lanes)]
+        _batched(driver, straight)
+        return Ring(made, buffers, scatter, direct=straight)
     readers = Readers(lanes, size)
     try:
         driver.host_register(readers.base, readers.nbytes)
     except BaseException:
         readers.close()
         raise
-    fed = [_CudaLane(driver, readers.slots[i], readers, i) for i in range(lanes)]
-    _batched(driver, fed[0], straight)
-    return Ring(list(fed), buffers, scatter, readers, direct=straight)
+    fed: list[Lane] = [_CudaLane(driver, readers.slots[i], readers, i) for i in range(lanes)]
+    _batched(driver, straight)
+    return Ring(fed, buffers, scatter, readers, direct=straight)
 
 
-def _batched(driver: Driver, lane: _CudaLane, straight: bool) -> None:
+def _batched(driver: Driver, straight: bool) -> None:
     """With PERSIST_DIRECT_COPIES=batched, a direct ring's slots go in one batched
     call each where the driver's proves right; by default a strided copy per piece
     (batched copies are not yet measured on a GPU: docs/gpu.md)."""
     if straight and os.environ.get("PERSIST_DIRECT_COPIES", "") == "batched":
-        driver.prove_batch(memoryview(lane.slots[0]).cast("B"), lane.stream)  # type: ignore[arg-type]
+        driver.prove_batch()

@@ -22,7 +22,7 @@ class HostDriver:
     """The driver's copies as memmoves in host memory; ``batched`` says which way."""
 
     def __init__(self, batched: bool) -> None:
-        self.batch = (lambda *a: 0) if batched else None
+        self.batched = batched
         self.calls = 0
 
     def stream(self) -> int:
@@ -118,3 +118,23 @@ def test_batched_copies_attributes_are_cuda_s_layout() -> None:
     """CUmemcpyAttributes: an enum, two CUmemLocation (type, id) and flags: 24 bytes."""
     assert ctypes.sizeof(driver_mod._CopyAttrs) == 24
     assert driver_mod._CopyAttrs.flags.offset == 20
+
+
+def test_a_slot_that_keeps_no_byte_makes_no_batched_call() -> None:
+    """A slot of pieces past a partial hit's end has no row to copy: the driver is not
+    asked for a batch of none (and one with rows gets its count and stream)."""
+    seen: list[tuple[Any, ...]] = []
+
+    def call(*a: Any) -> int:
+        seen.append(a)
+        return 0
+
+    d = driver_mod.Driver.__new__(driver_mod.Driver)  # no libcuda here: the binding faked
+    d.batched, d._batch = True, call
+    d._attrs, d._attr_at = driver_mod._CopyAttrs(), (ctypes.c_size_t * 1)(0)
+    d.copy_batch_in([], [], [], 7)
+    assert seen == []
+    d.copy_batch_in([1, 2], [3, 4], [5, 6], 7)
+    (got,) = seen
+    assert list(got[0]) == [3, 4] and list(got[1]) == [1, 2] and list(got[2]) == [5, 6]
+    assert got[3].value == 2 and got[7].value == 7

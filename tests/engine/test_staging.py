@@ -296,13 +296,13 @@ def test_without_the_driver_library_the_host_path_is_taken(
 class FakeDriver:
     """The driver's answers without a GPU: host_alloc from numpy, or refused."""
 
-    batch = None  # no batched copies
+    batched = False  # no batched copies
 
     def __init__(self, refuse: bool) -> None:
         self.refuse = refuse
         self.keep: list[np.ndarray] = []
 
-    def prove_batch(self, host: memoryview, stream: int) -> bool:
+    def prove_batch(self) -> bool:
         return False
 
     def host_alloc(self, n: int) -> tuple[int, int]:
