@@ -102,9 +102,10 @@ def write_and_commit(
     for _attempt in range(3):
         done = save.once(progress, keep_unpushed)
         if done is not None:
+            row, wrote = done
             retention.collect(index, blobs)
-            index.count(target.namespace, saves=1, bytes_written=save.wrote)
-            return done
+            index.count(target.namespace, saves=1, bytes_written=wrote)
+            return row
     raise StoreBusyError("the store kept collecting blobs this save meant to reuse")
 
 
@@ -123,11 +124,12 @@ class _Attempt:
     block_tokens: int
     budgets: retention.Budgets
     estimate: int
-    wrote: int = 0  # bytes of new blobs the committed attempt wrote
 
-    def once(self, progress: Progress | None, keep_unpushed: bool) -> SnapshotRow | None:
-        """The committed row, or None (nothing of this try left behind) where a
-        reused blob died before the commit."""
+    def once(
+        self, progress: Progress | None, keep_unpushed: bool
+    ) -> tuple[SnapshotRow, int] | None:
+        """The committed row and the bytes of the new blobs it wrote, or None (nothing
+        of this try left behind) where a reused blob died before the commit."""
         index, blobs = self.index, self.blobs
         written: list[NewBlob] = []
         # held until the pending row is gone: check leaves a save alone while it is
@@ -159,8 +161,7 @@ class _Attempt:
             raise
         if done is not None:
             lease.release()
-            self.wrote = sum(b.size for b in written)
-            return done
+            return done, sum(b.size for b in written)
         for b in written:  # a reused blob died under us: write everything again
             blobs.delete(b.file)
         index.end_pending(salt)
