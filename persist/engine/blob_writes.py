@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..format.container import write_tensors
@@ -61,13 +63,13 @@ def write_blobs(
             if progress is not None:
                 progress(i + 1, blocks + 1)
         tail = _put(index, secret, b"tail", materialize(p.tail_pieces(n)), writes)
+        hashing.shutdown(wait=True)
+        writes.close()  # every blob on disk (fsynced, renamed) before the commit
     except BaseException:
-        hashing.shutdown(wait=True, cancel_futures=True)
         with contextlib.suppress(BaseException):  # the first error is the one to report
-            writes.close()
+            writes.abandon()  # every write ended and listed: the caller removes them
+        hashing.shutdown(wait=True, cancel_futures=True)
         raise
-    hashing.shutdown(wait=True)
-    writes.close()  # every blob on disk (fsynced, renamed) before the commit
     if progress is not None:
         progress(blocks + 1, blocks + 1)
     return refs, tail
@@ -86,43 +88,105 @@ def _ahead(pool: ThreadPoolExecutor, fn: Callable[[int], T], n: int) -> Iterator
         yield running.popleft().result()
 
 
+@dataclass(eq=False)
+class _Job:
+    """One blob's write: queued, then taken by a writer thread (running) or dropped
+    by a failed save before any thread took it (cancelled)."""
+
+    key: str
+    write: Any
+    size_hint: int
+    state: str = "queued"  # -> "running" | "cancelled"
+    done: threading.Event = field(default_factory=threading.Event)  # set once it ran
+    error: BaseException | None = None
+
+
 class _Writes:
     """The blob writes of one save, WRITERS at a time: one blob is fsynced while
-    the next is written.  ``close`` waits for every write that started and lists
-    it in ``written`` (so a failed save removes it), then raises the first failure."""
+    the next is written.  Each write lists its blob in ``written`` itself, from its
+    thread, so a failed save removes it.  A Ctrl-C can land anywhere on the save's
+    thread (attack r15): inside ``submit`` (the write queued, its future lost), or in
+    a thread join, after which Python 3.11 takes a running thread for ended.  So the
+    save waits on each write's own event, and a failed save cancels the writes no
+    thread has taken yet instead of waiting for them."""
 
     def __init__(self, blobs: BlobStore, salt: str, written: list[NewBlob]) -> None:
         self.blobs, self.salt, self.written = blobs, salt, written
         self.pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="persist-write")
-        self.running: dict[str, Future[tuple[str, int, bytes]]] = {}
+        self.lock = threading.Lock()
+        self.jobs: list[_Job] = []  # every write started
+        self.running: dict[str, _Job] = {}  # started, not yet waited for
 
     def find(self, key: str) -> str | None:
         """The file of a blob of these bytes this save already writes."""
         if key in self.running:
             return self.blobs.file_name(key, self.salt)
-        return next((b.file for b in self.written if b.key == key), None)
+        return next((b.file for b in list(self.written) if b.key == key), None)
 
     def start(self, key: str, write: Any, size_hint: int) -> str:
         if len(self.running) >= 2 * WRITERS:  # bounded: a few blobs' views in flight
             self._settle(next(iter(self.running)))
-        self.running[key] = self.pool.submit(self.blobs.put, key, write, size_hint, self.salt)
+        job = _Job(key, write, size_hint)
+        self.jobs.append(job)  # before the hand-over: a failed save finds it
+        self.running[key] = job
+        self.pool.submit(self._run, job)
         return self.blobs.file_name(key, self.salt)
 
+    def _run(self, job: _Job) -> None:  # on a writer thread
+        with self.lock:
+            if job.state == "cancelled":
+                return
+            job.state = "running"
+        try:
+            file, size, head = self.blobs.put(job.key, job.write, job.size_hint, self.salt)
+            self.written.append(NewBlob(file, job.key, size, head))  # one append: atomic
+        except BaseException as e:
+            job.error = e
+        finally:
+            job.done.set()
+
     def _settle(self, key: str) -> None:
-        file, size, head = self.running.pop(key).result()
-        self.written.append(NewBlob(file, key, size, head))
+        job = self.running[key]
+        job.done.wait()  # interrupted: still listed, the failed save waits for it
+        del self.running[key]
+        if job.error is not None:
+            raise job.error
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        first: BaseException | None = None
-        for key in list(self.running):
-            try:
-                self._settle(key)
-            except BaseException as e:
-                self.running.pop(key, None)
-                first = first or e
+        """Every write done (each was handed over), then the first failure raised."""
+        held = _wait_for(self.jobs)
+        self.pool.shutdown(wait=False)  # its threads end once the queue is empty
+        first = held or next((j.error for j in self.jobs if j.error is not None), None)
+        self.running.clear()
         if first is not None:
             raise first
+
+    def abandon(self) -> None:
+        """A failed save: the writes no thread took are dropped, the running ones
+        waited for (their blobs then in ``written``, for the caller to remove)."""
+        with self.lock:
+            for job in self.jobs:
+                if job.state == "queued":
+                    job.state = "cancelled"
+        held = _wait_for([j for j in self.jobs if j.state == "running"])
+        self.pool.shutdown(wait=False)
+        self.running.clear()
+        if held is not None:
+            raise held
+
+
+def _wait_for(jobs: list[_Job]) -> BaseException | None:
+    """Wait until every job ran, whatever interrupts the wait (a Ctrl-C lands here
+    most, in the last fsyncs; a few blobs at most): the first interrupt, held."""
+    held: BaseException | None = None
+    for job in jobs:
+        while True:
+            try:
+                job.done.wait()
+                break
+            except BaseException as e:
+                held = held or e
+    return held
 
 
 def _put(index: Index, secret: bytes, role: bytes, mats: Hashed, writes: _Writes) -> str:

@@ -24,7 +24,7 @@ from ..policy import stronger_hints
 from ..records import Progress
 from ..storage import full, housekeeping, rates, retention, writes
 from ..storage.check_damage import clear_quarantine
-from ..storage.rows import check_name
+from ..storage.rows import check_name, check_namespace
 from ..storage.types import GcReport, Problem, StoreStats
 
 if TYPE_CHECKING:
@@ -94,6 +94,7 @@ class StoreUpkeep:
     def pin(self, session: str, *, namespace: str = "default", pinned: bool = True) -> None:
         """Pin (or unpin) a session and its checkpoints: pinned entries are never evicted."""
         check_name(session, "session")
+        check_name(namespace, "namespace")
         with self.index.write() as db:
             changed = writes.set_pinned(db, namespace, session, pinned)
         if not changed:
@@ -111,6 +112,7 @@ class StoreUpkeep:
         and ``priority``); both None or 0 clear them.  They order eviction within the
         budget, never exceed it: ``pin`` is the only way to keep an entry for good."""
         check_name(session, "session")
+        check_name(namespace, "namespace")
         ttl_s, prio = check_hints(ttl, priority) or (0.0, 0)
         with self.index.write() as db:
             changed = writes.set_session_hints(db, namespace, session, ttl_s, prio)
@@ -122,6 +124,7 @@ class StoreUpkeep:
     ) -> tuple[bool, tuple[float, int] | None]:
         """(pinned, (ttl, priority) or None) of a session; SessionNotFoundError if none."""
         check_name(session, "session")
+        check_name(namespace, "namespace")
         with self.index.read() as db:
             if (
                 db.execute(
@@ -144,6 +147,7 @@ class StoreUpkeep:
         SessionDeletedError (a SessionNotFoundError) where a fleet delete found only
         tombstones: deleted already."""
         check_name(session, "session")
+        check_name(namespace, "namespace")
         held: list[str] = []
         gone: list[str] = []  # tiers with a fleet delete's tombstone there already
         if fleet:
@@ -196,7 +200,7 @@ class StoreUpkeep:
     def stats(self, namespace: str | None = None) -> StoreStats:
         # Counted over an index, not read row by row (4.4 s at 100,000 sessions): an
         # aggregate, not counts kept by triggers, so there is nothing to drift or repair.
-        entries, sessions, referenced = self.index.tally(namespace)
+        entries, sessions, referenced = self.index.tally(check_namespace(namespace))
         return StoreStats(
             entries=entries,
             sessions=sessions,

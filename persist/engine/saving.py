@@ -92,9 +92,11 @@ def write_and_commit(
     toks = snap.tokens or []
     p = plan(snap, block_tokens, dtype_name)
     estimate = sum(s.nbytes for s in p.specs.values())
-    for budget in (budgets.max_bytes, budgets.of(target.namespace)):
+    for budget, whose in _budgets(budgets, target.namespace):
         if budget is not None and estimate > budget:
-            raise StoreFullError(estimate, budget)
+            raise StoreFullError(
+                estimate, budget, f"snapshot needs {estimate} bytes but {whose} is {budget} bytes"
+            )
     secret = index.secret(target.namespace, lambda: os.urandom(32))
     assert secret is not None
     chs = chains(chain_root(secret, target.identity.digest), toks, block_tokens)
@@ -289,6 +291,14 @@ def _commit(
     return committed
 
 
+def _budgets(budgets: retention.Budgets, namespace: str) -> list[tuple[int | None, str]]:
+    owner = retention.budget_owner(namespace)
+    return [
+        (budgets.max_bytes, "the store's budget"),
+        (budgets.of(namespace), f"namespace {owner!r}'s budget"),
+    ]
+
+
 def _hints(db: Any, t: Target, namespace: str, who: str | None) -> tuple[float, int] | None:
     """The new row's retention hints: the save's own, else its session's (a session
     keeps its hints from turn to turn, and its checkpoints share them)."""
@@ -335,12 +345,13 @@ def _replace_covered(
 ) -> tuple[float, int] | None:
     """Anonymous entries the new one covers (``policy.covers``) go: rows stay
     bounded by distinct prefixes.  Their strongest retention hints, which the new
-    one keeps: it serves their prefixes now."""
+    one keeps: it serves their prefixes now.  A pinned one stays (only unpinning
+    ends a pin; attack r15: it went, its pin not passed on, and gc took the rest)."""
     hints = None
     olds = retention.anonymous_prefixes_of(
         db, namespace, digest, chains=chs, tokens=toks, block=block
     )
-    for old in olds:
+    for old in (o for o in olds if not o.pinned):
         old_toks = unpack_tokens(old.tokens)
         is_prefix = toks[: len(old_toks)] == old_toks
         if policy.covers(len(toks), trimmable, floor, len(old_toks), is_prefix):

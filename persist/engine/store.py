@@ -27,7 +27,7 @@ from ..records import Progress
 from ..storage import retention
 from ..storage.housekeeping import remembered_budget
 from ..storage.index import BlockRef, Index, SnapshotRow
-from ..storage.rows import check_name, store_root
+from ..storage.rows import check_name, check_namespace, store_root
 from ..storage.store_folder import open_folder
 from ..storage.types import EntryInfo
 from .costs import CostModel
@@ -245,14 +245,16 @@ class Store(StoreReads):
     # -- listing and maintenance --------------------------------------------
 
     def sessions(self, namespace: str | None = None) -> list[EntryInfo]:
-        return [self._info(r) for r in self.index.snapshots(namespace, named_only=True)]
+        ns = check_namespace(namespace)
+        return [self._info(r) for r in self.index.snapshots(ns, named_only=True)]
 
     def entries(self, namespace: str | None = None) -> list[EntryInfo]:
         """Every snapshot: sessions, checkpoints and anonymous prefixes."""
-        return [self._info(r) for r in self.index.snapshots(namespace, named_only=False)]
+        ns = check_namespace(namespace)
+        return [self._info(r) for r in self.index.snapshots(ns, named_only=False)]
 
     def entry(self, session: str, *, namespace: str = "default") -> EntryInfo:
-        row = self.index.by_name(namespace, session)
+        row = self.index.by_name(namespace, session)  # names checked there
         if row is None:
             raise SessionNotFoundError(session, namespace)
         return self.index.checked_info(row)  # show: a row failing its checksum is marked

@@ -8,11 +8,9 @@ orphans are deleted, reference counts are recomputed.  No mlx.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import stat
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -23,13 +21,12 @@ from . import full, leases, writes
 from .access import unsafe_part
 from .blobs import FILE_RE, FileBlobs
 from .check_damage import Cutter, damaged, quarantine, repair, still_live, verify_blob
+from .check_tmp import TMP_GRACE_SECONDS, tmp_problems
 from .index import Index
 from .rows import listed_info, row_digest
 from .types import Problem
 
 __all__ = ["check_store", "tidy", "verify_blob", "TMP_GRACE_SECONDS"]
-
-TMP_GRACE_SECONDS = 3600.0  # an older persist's tmp file (no lease) this old is debris
 
 
 def check_store(
@@ -53,7 +50,7 @@ def check_store(
     problems += _reserve(blobs, fix)
     problems += _links(blobs)
     problems += _unsafe_parts(blobs)
-    problems += _tmp(blobs, fix)
+    problems += tmp_problems(blobs, fix)
     # Files first, then blob rows and pending saves in one read transaction:
     # a file listed here is either committed in that view (it has a row) or
     # its save's pending row, registered before the file existed, is there.
@@ -84,7 +81,7 @@ def tidy(index: Index, blobs: FileBlobs) -> list[Problem]:
     saves whose lease is free, dead blobs' files), as ``check --fix`` would, without
     reading a blob: ``persist serve`` runs it at start, so no cron job is needed.
     Saves in flight in other processes (their leases held) are left alone."""
-    problems = _tmp(blobs, True)
+    problems = tmp_problems(blobs, True)
     on_disk = set(blobs.files())  # listed before the rows are read, as check_store
     rows, pending = index.blob_rows_and_pending()
     with index.read() as db:
@@ -105,9 +102,6 @@ def _sqlite(index: Index) -> list[Problem]:
         return []
     hint = "to save what SQLite can still read: sqlite3 index.sqlite .recover > recovered.sql"
     return [Problem("index-corrupt", "index.sqlite", "; ".join(rows[:5]) + "; " + hint)]
-
-
-LEGACY_TMP_RE = re.compile(r"(\d+)-[0-9a-f]{16}\.tmp")
 
 
 def _folders(blobs: FileBlobs, fix: bool) -> list[Problem]:
@@ -190,68 +184,6 @@ def _unsafe_parts(blobs: FileBlobs) -> list[Problem]:
         if why is not None:
             out.append(Problem("unsafe", str(path), f"{why}; a restore refuses it", False))
     return out
-
-
-def _tmp(blobs: FileBlobs, fix: bool) -> list[Problem]:
-    """Partial writes and leases of saves whose lease is free; only names persist
-    writes, only regular files.  A held lease is a save in flight, whatever its pid,
-    PID namespace or clock (``leases``)."""
-    out = []
-    for p in blobs.tmp_files():
-        try:
-            st = p.lstat()
-        except FileNotFoundError:
-            continue  # renamed into place (or removed) while we looked
-        if stat.S_ISLNK(st.st_mode):
-            continue  # reported by _links
-        salt = _tmp_salt(p.name)
-        if salt is None or not stat.S_ISREG(st.st_mode):
-            out.append(Problem("stray-file", str(p), "not a name persist writes; left", False))
-            continue
-        if salt == "" and _legacy_live(p.name, st.st_mtime):
-            continue
-        if salt:
-            with leases.claim(blobs.tmp, salt, remove=False) as free:
-                if not free:
-                    continue  # its save holds the lease
-                if fix:
-                    with contextlib.suppress(FileNotFoundError):
-                        p.unlink()
-        elif fix:
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
-        what = "a dead save's lease" if p.name.endswith(".lease") else "partial write"
-        out.append(Problem("orphan-tmp", str(p), f"{what}, its writer is gone", fix))
-    return out
-
-
-def _tmp_salt(name: str) -> str | None:
-    """The salt whose lease covers a tmp/ entry; "" for an older persist's ``<pid>-``
-    name; None for a name persist does not write."""
-    m = leases.LEASE_RE.fullmatch(name) or leases.SALT_TMP_RE.fullmatch(name)
-    if m is not None:
-        return m.group(1)
-    return "" if LEGACY_TMP_RE.fullmatch(name) else None
-
-
-def _legacy_live(name: str, mtime: float) -> bool:
-    """An older persist's partial write (named by pid, no lease): kept while its pid
-    lives and it is younger than the grace (the only sign such a writer gave)."""
-    m = LEGACY_TMP_RE.fullmatch(name)
-    assert m is not None
-    return _alive(int(m.group(1))) and time.time() - mtime < TMP_GRACE_SECONDS
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _strays(blobs: FileBlobs, fix: bool, rows: Mapping[str, object]) -> list[Problem]:

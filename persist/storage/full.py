@@ -36,6 +36,7 @@ __all__ = [
     "release_reserve",
     "with_room",
     "best_effort",
+    "file_size_limit",
     "dropped",
 ]
 
@@ -74,12 +75,30 @@ def full_disk(e: BaseException, root: Path | None = None) -> bool:
     text = str(e).lower()
     if isinstance(e, sqlite3.Error) and "database or disk is full" in text:
         return True
-    io = (isinstance(e, OSError) and e.errno == errno.EIO) or "disk i/o error" in text
-    if io and root is not None:
+    if not _io_error(e):
+        return False
+    if file_size_limit() is not None:  # SQLite reports EFBIG past it as an I/O error
+        return True
+    if root is not None:
         with contextlib.suppress(OSError):
             st = os.statvfs(root)
             return st.f_bavail * st.f_frsize < RESERVE_BYTES
     return False
+
+
+def _io_error(e: BaseException) -> bool:
+    return (isinstance(e, OSError) and e.errno == errno.EIO) or "disk i/o error" in str(e).lower()
+
+
+def file_size_limit() -> int | None:
+    """This process's file size limit in bytes (``ulimit -f``), None without one.
+    Past it every write fails with EFBIG: this process's full disk (attack r15)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform: no such limit
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
 def disk_full_error(root: Path, e: BaseException) -> StoreFullError:
@@ -148,16 +167,17 @@ def with_room(root: Path, write: Callable[[], T]) -> T:
 
 
 def best_effort(write: Callable[..., object], *args: Any, **kwargs: Any) -> bool:
-    """``write(*args, **kwargs)``, a statistics write: on a full disk it is dropped
-    (counted) instead of failing the read it belongs to; on a read-only store, dropped."""
+    """``write(*args, **kwargs)``, a statistics write: on a full disk or an I/O error
+    of the index it is dropped (counted) instead of failing the read it belongs to (the
+    read had its bytes; attack r15); on a read-only store, dropped."""
     try:
         write(*args, **kwargs)
     except ReadOnlyStoreError:
         return False  # a read-only store serves reads: their statistics are not kept
     except Exception as e:
-        if not full_disk(e):
+        if not (full_disk(e) or _io_error(e)):
             raise
         _dropped["writes"] += 1
-        _log().debug("persist: dropped a statistics write, the disk is full: %s", e)
+        _log().debug("persist: dropped a statistics write (a full disk or its I/O error): %s", e)
         return False
     return True

@@ -25,6 +25,7 @@ from .rows import (
     NewBlob,
     SnapshotRow,
     blob_value,
+    check_name,
     listed_info,
     row_digest,
     row_of,
@@ -192,6 +193,9 @@ class Index(IndexStatistics):
         return row_of(row) if row else None
 
     def by_name(self, namespace: str, name: str) -> SnapshotRow | None:
+        """A session's row; InvalidNameError for a name no row can have (``check_name``)."""
+        check_name(namespace, "namespace")
+        check_name(name, "session")
         with self.read() as db:
             row = db.execute(
                 f"SELECT {SNAPSHOT_COLS} FROM snapshots WHERE namespace = ? AND name = ?",

@@ -67,9 +67,20 @@ def take(tmp: Path) -> Lease:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600)
         except FileExistsError:
             continue
-        if _lock(fd) and _same(fd, path):
-            _mine.add(path)
-            return Lease(salt, path, fd)
+        except BaseException:  # a Ctrl-C as it returned: a new salt's file, ours to remove
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        try:
+            if _lock(fd) and _same(fd, path):
+                _mine.add(path)
+                return Lease(salt, path, fd)
+        except BaseException:  # no lease file left that no one holds (attack r15)
+            _mine.discard(path)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            os.close(fd)
+            raise
         os.close(fd)
     raise OSError(errno.EAGAIN, f"could not take a save's lease in {tmp}")
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
-from .rows import SNAPSHOT_COLS, SnapshotRow, row_of
+from .rows import SNAPSHOT_COLS, SnapshotRow, check_name, check_namespace, row_of
 
 if TYPE_CHECKING:
     from .index import Index
@@ -57,6 +57,9 @@ def stream(
         raise InvalidArgumentError(f"sort must be one of {', '.join(SORTS)}, not {sort!r}")
     if limit is not None and (type(limit) is not int or limit < 0):
         raise InvalidArgumentError(f"limit must be a count >= 0, got {limit!r}")
+    namespace = check_namespace(namespace)
+    if prefix:
+        check_name(prefix, "a session name's prefix")
     page = PAGE if limit is None else max(1, min(PAGE, limit))  # --limit 5 reads 5 rows
     if prefix is not None:
         rows = _prefixed(

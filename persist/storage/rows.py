@@ -16,6 +16,7 @@ from ..errors import InvalidNameError
 from .types import EntryInfo
 
 __all__ = [
+    "check_namespace",
     "SNAPSHOT_COLS",
     "SnapshotRow",
     "NewBlob",
@@ -220,6 +221,11 @@ def check_name(value: Any, what: str) -> str:
     except UnicodeEncodeError:
         raise InvalidNameError(f"{what} must be valid text (it holds a lone surrogate)") from None
     return value
+
+
+def check_namespace(value: str | None) -> str | None:
+    """``check_name`` of a namespace argument where None means every namespace."""
+    return None if value is None else check_name(value, "namespace")
 
 
 def _fits(name: str, forks: bool) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ..errors import CorruptBlobError, StorageError, StoreBusyError, StoreFullError
+from .full import file_size_limit
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -31,6 +32,14 @@ def corruption_is_typed() -> Iterator[None]:
             raise CorruptBlobError("index.sqlite", f"the index is damaged: {e}") from None
         if "database or disk is full" in str(e):  # SQLite could not grow its log or file
             raise StoreFullError(0, 0, f"the disk holding the store is full ({e})") from None
+        limit = file_size_limit()
+        if "disk I/O error" in str(e) and limit is not None:  # EFBIG past ulimit -f
+            raise StoreFullError(
+                0,
+                0,
+                f"the store's index could not grow: this process may write files of "
+                f"{limit} bytes at most (ulimit -f), taken as a full disk ({e})",
+            ) from None
         if "disk I/O error" in str(e):
             raise StorageError("the store's index", OSError(errno.EIO, str(e))) from None
         if "attempt to write a readonly database" in str(e):  # in a read: a read-only view

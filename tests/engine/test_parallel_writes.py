@@ -126,3 +126,97 @@ def test_a_paused_save_hashes_only_a_few_blocks_ahead(
         assert at_pause <= taken + blob_writes.AHEAD  # never further ahead than that
     assert seen_at_pause[0] <= blob_writes.AHEAD < blocks
     store.close()
+
+
+def test_a_ctrl_c_while_the_writes_finish_leaves_nothing(
+    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside attack r15, F1: a save waits longest for its last writes (their fsyncs),
+    so that is where a Ctrl-C lands.  It ended the wait, the save's clean-up removed
+    the blobs listed so far, and the writes still running renamed theirs into place
+    after it: orphan blobs (on an empty store, check said the index was lost).
+    Three blobs, fewer than the writers hold, so the save's only wait is the last."""
+    import os
+    import signal
+    import sys
+
+    store, identity, _, _ = setup(tiny, tmp_path / "s")
+    model, _, _ = tiny("llama")
+    toks = tokens_for(2 * BLOCK + 5, seed=62)
+    cache = prefill(model, toks)[0]
+    before = blob_files(store)
+    real, release, interrupted = FileBlobs.put, threading.Event(), threading.Event()
+
+    def put(self: FileBlobs, *a: Any, **k: Any) -> Any:
+        assert release.wait(30)  # a slow disk: the save's thread waits for this write
+        return real(self, *a, **k)
+
+    def ctrl_c(signum: int, frame: Any) -> None:
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def press_ctrl_c_in_the_last_wait() -> None:
+        for _ in range(3000):
+            frame = sys._current_frames().get(main)
+            while frame is not None and not (
+                frame.f_code.co_name == "close"
+                and frame.f_code.co_filename.endswith("blob_writes.py")
+            ):
+                frame = frame.f_back
+            if frame is not None:
+                os.kill(os.getpid(), signal.SIGINT)
+                interrupted.wait(30)
+                break
+            time.sleep(0.01)
+        release.set()  # the writes finish after the interrupt, as a slow disk's would
+
+    monkeypatch.setattr(FileBlobs, "put", put)
+    old = signal.signal(signal.SIGINT, ctrl_c)
+    presser = threading.Thread(target=press_ctrl_c_in_the_last_wait)
+    try:
+        presser.start()
+        with pytest.raises(KeyboardInterrupt):
+            store.save(cache, toks, identity=identity, session="new")
+    finally:
+        presser.join(60)
+        signal.signal(signal.SIGINT, old)
+    assert interrupted.is_set()
+    for t in threading.enumerate():  # any write still running ends before we look
+        if t.name.startswith("persist-write"):
+            t.join(30)
+    monkeypatch.undo()
+    assert blob_files(store) == before  # every blob the save wrote is gone
+    assert [s.session for s in store.sessions()] == ["kept"]
+    assert store.check() == []
+    store.close()
+
+
+def test_a_ctrl_c_inside_the_hand_over_of_a_write_leaves_nothing(
+    tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside attack r15, F1 again: a Ctrl-C landing in ``submit`` as it starts a writer
+    thread (the write already queued) lost the write's future: it ran, renamed its blob
+    into place, and no one listed it for the clean-up (5 of 150 saves under SIGINTs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store, identity, cache, toks = setup(tiny, tmp_path / "s")
+    before = blob_files(store)
+    pressed = []
+
+    class Interrupted(ThreadPoolExecutor):
+        def _adjust_thread_count(self) -> None:
+            super()._adjust_thread_count()
+            if self._thread_name_prefix == "persist-write" and not pressed:
+                pressed.append(1)
+                raise KeyboardInterrupt  # as the thread started: the write is queued
+
+    monkeypatch.setattr(blob_writes, "ThreadPoolExecutor", Interrupted)
+    with store:
+        with pytest.raises(KeyboardInterrupt):
+            store.save(cache, toks, identity=identity, session="new")
+        assert pressed
+        assert blob_files(store) == before
+        assert store.check() == []

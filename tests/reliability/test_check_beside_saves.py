@@ -79,3 +79,34 @@ def test_blobs_a_save_is_collecting_are_not_problems(
         monkeypatch.setattr(retention, "collect", real_collect)
         assert store.check() == []
         assert store.restore("s", identity=IDENTITY).tokens == new_tokens
+
+
+@pytest.mark.parametrize("fix", [False, True])
+def test_a_save_that_ends_while_check_claims_its_lease_is_not_a_dead_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fix: bool
+) -> None:
+    # attack r15, F2: check listed tmp/ (a save's lease and partial write), the save
+    # then ended as it should (its blob renamed into place, its lease released), and
+    # the claim of a lease no longer there came back free: "a dead save's lease, its
+    # writer is gone" and "partial write" on a healthy store, 19 of 7,256 checks
+    from persist.storage import leases
+
+    root = tmp_path / "store"
+    with persist.Store(root) as store:
+        tmp = store.blobs.tmp
+        lease = leases.take(tmp)
+        partial = tmp / f"{lease.salt}.{'0' * 16}.tmp"
+        partial.write_bytes(b"a blob being written")
+        real = leases.claim
+
+        def claim(*args: Any, **kw: Any) -> Any:  # the save ends just before the claim
+            if lease.fd >= 0:
+                partial.unlink()  # renamed into place
+                lease.release()
+            return real(*args, **kw)
+
+        monkeypatch.setattr(leases, "claim", claim)
+        problems = store.check(fix=fix)
+        assert [p for p in problems if p.kind == "orphan-tmp"] == []
+        monkeypatch.setattr(leases, "claim", real)
+        assert store.check() == []

@@ -187,3 +187,50 @@ def test_a_long_reader_leaves_no_lasting_log(tmp_path: Path) -> None:
     stats = json.loads(persist_cli(root, "stats", "--json").stdout)
     wal = root / "index.sqlite-wal"  # gone once the last connection closed
     assert stats["files"]["wal"] == (wal.stat().st_size if wal.exists() else 0)
+
+
+FILE_LIMIT_CHILD = """
+import resource, sys
+import mlx.core as mx
+import persist
+from tests.golden.cases import IDENTITY
+from tests.reliability.test_full_disk import cache_of, N
+root = sys.argv[1]
+limit = int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # Python ignores SIGXFSZ
+with persist.Store(root) as s:
+    for i in range(1, 40):
+        try:
+            s.save(cache_of(i)[0], list(range(N)), identity=IDENTITY, session=f"s{i}")
+        except persist.StoreFullError:
+            pass  # typed: the file size limit is this process's full disk
+    for name in ["s0", *(e.session for e in s.sessions())]:
+        r = s.restore(name, identity=IDENTITY)
+        c = r.cache[0]
+        want = cache_of(int(name[1:]))[1]
+        assert mx.array_equal(c.keys[..., : c.offset, :], want[0]), name
+print("ok")
+"""
+
+
+def test_a_file_size_limit_is_a_full_disk_and_reads_go_on(tmp_path: Path) -> None:
+    """Outside attack r15, F5: under ``ulimit -f`` (EFBIG) a save failed as SQLite's
+    "disk I/O error" (StorageError, not StoreFullError) and so did the restore of a
+    committed session: its statistics write, best effort for a full disk only."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, pythonpath
+
+    root = tmp_path / "store"
+    with persist.Store(root) as s:
+        s.save(cache_of(0)[0], list(range(N)), identity=IDENTITY, session="s0")
+    limit = 300 << 10  # the attack's `ulimit -f 300`
+    out = subprocess.run(
+        [sys.executable, "-c", FILE_LIMIT_CHILD, str(root), str(limit)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": pythonpath()},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    with persist.Store(root) as s:
+        assert {p.kind for p in s.check()} <= {"stale-pending"}  # a refused save's row

@@ -206,3 +206,37 @@ def test_serve_removes_what_killed_writers_left(tiny: Any, tmp_path: Path, besid
         r"removed [1-9]\d* leftovers of interrupted saves", (tmp_path / "log").read_text()
     )
     assert_nothing_lost(tiny, root, kept, saved=True)
+
+
+@pytest.mark.parametrize("where", ["open", "lock"])
+def test_a_ctrl_c_while_a_lease_is_taken_leaves_no_lease_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # attack r15: a Ctrl-C as the lease file was made left it in tmp/, held by no one
+    # ("a dead save's lease, its writer is gone" beside a live process)
+    from persist.storage import leases
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    real_open, real_lock = os.open, leases._lock
+
+    def opened(path: Any, *a: Any, **k: Any) -> int:
+        fd = real_open(path, *a, **k)
+        if str(path).endswith(".lease"):
+            raise KeyboardInterrupt  # as the call returned: the file is there
+        return fd
+
+    def locked(fd: int) -> bool:
+        real_lock(fd)
+        raise KeyboardInterrupt
+
+    if where == "open":
+        monkeypatch.setattr(leases.os, "open", opened)
+    else:
+        monkeypatch.setattr(leases, "_lock", locked)
+    with pytest.raises(KeyboardInterrupt):
+        leases.take(tmp)
+    monkeypatch.undo()
+    assert list(tmp.iterdir()) == []
+    lease = leases.take(tmp)  # and the next one is taken as ever
+    lease.release()

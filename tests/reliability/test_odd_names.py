@@ -105,3 +105,59 @@ def test_a_header_that_is_not_json_is_reported_as_not_json(tmp_path: Path, body:
         persist.load_file(path)
     out = persist_cli(tmp_path / "store", "inspect", str(path), check=False)
     assert out.returncode == 1 and "not JSON" in out.stderr, out
+
+
+BAD = "\ud800"  # a lone surrogate: what a shell's invalid UTF-8 becomes in argv
+CALLS = {
+    "entry": lambda s, c, t: s.entry("a", namespace=BAD),
+    "entry (name)": lambda s, c, t: s.entry(BAD),
+    "pin": lambda s, c, t: s.pin("a", namespace=BAD),
+    "retain": lambda s, c, t: s.retain("a", ttl=60, namespace=BAD),
+    "retention": lambda s, c, t: s.retention("a", namespace=BAD),
+    "delete": lambda s, c, t: s.delete("a", namespace=BAD),
+    "has_session": lambda s, c, t: s.has_session("a", namespace=BAD),
+    "sessions": lambda s, c, t: list(s.sessions(namespace=BAD)),
+    "entries": lambda s, c, t: list(s.entries(namespace=BAD)),
+    "count": lambda s, c, t: s.count(namespace=BAD, lookups=1),
+    "stats": lambda s, c, t: s.stats(namespace=BAD),
+    "restore": lambda s, c, t: s.restore("a", identity=IDENTITY, namespace=BAD),
+    "export": lambda s, c, t: s.export("a", t, namespace=BAD),
+    "save": lambda s, c, t: s.save(c, list(range(40)), identity=IDENTITY, namespace=BAD),
+    "lookup": lambda s, c, t: s.lookup(list(range(40)), identity=IDENTITY, namespace=BAD),
+    "find": lambda s, c, t: s.find(list(range(40)), identity=IDENTITY, namespace=BAD),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_a_namespace_that_is_not_text_is_a_typed_error(tmp_path: Path, call: str) -> None:
+    """Outside attack r15, F4: a namespace holding a lone surrogate reached SQLite
+    unchecked in pin, retain, delete and entry (an untyped UnicodeEncodeError:
+    `persist rm s --namespace $'\\xff'` exited 3, "a bug in persist")."""
+    root = tmp_path / "store"
+    saved(root, "a")
+    c = mc.KVCache()
+    c.update_and_fetch(*kvs(1, 40))
+    with persist.Store(root) as s:
+        with pytest.raises(persist.errors.InvalidNameError):
+            CALLS[call](s, [c], tmp_path / "out.persist")
+        assert [e.session for e in s.sessions()] == ["a"]  # nothing lost
+        assert s.check() == []
+
+
+@pytest.mark.parametrize(
+    "args", [["rm", "s"], ["show", "s"], ["ls"], ["pin", "s"], ["stats"]], ids=" ".join
+)
+def test_invalid_utf8_in_a_namespace_argument_exits_1(tmp_path: Path, args: list[str]) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import pythonpath
+
+    saved(tmp_path / "store", "s")
+    out = subprocess.run(
+        [sys.executable, "-m", "persist", *args, "--namespace", b"\xff"],
+        env={**os.environ, "PERSIST_HOME": str(tmp_path / "store"), "PYTHONPATH": pythonpath()},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 1 and "namespace must be valid text" in out.stderr, out

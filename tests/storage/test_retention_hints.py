@@ -146,3 +146,36 @@ def test_a_prefix_that_covers_a_hinted_one_keeps_its_hints(tmp_path: Path) -> No
         ).fetchall()
         assert got == [(80, 3600.0, 2)]
         assert s.check() == []
+
+
+def test_a_pinned_prefix_is_not_replaced_by_the_longer_entry_that_covers_it(
+    tmp_path: Path,
+) -> None:
+    """Outside attack r15, F3: a pinned anonymous prefix was replaced by the unpinned
+    entry that covers it (its pin was not passed on, hints were) and gc then evicted
+    that one: the pinned prefix was gone.  Only unpinning ends a pin, so a pinned entry
+    is never covered away; the longer one is kept beside it, unpinned."""
+    with persist.Store(tmp_path / "s", block_tokens=16) as s:
+        toks = [1000 + k for k in range(64)]
+        pinned = s.save([kv(64, 1)], toks, identity=IDENTITY, pin=True)
+        s.save([kv(80, 1)], [*toks, *range(16)], identity=IDENTITY)  # covers it
+        s.gc(max_bytes=0)
+        kept = [(e.id, e.tokens, e.pinned) for e in s.entries()]
+        assert kept == [(pinned.id, 64, True)]
+        hit = s.lookup([*toks, 5], identity=IDENTITY)
+        assert hit is not None and hit.entry.id == pinned.id and hit.tokens == toks
+        assert s.check() == []
+
+
+def test_a_save_over_a_namespace_budget_names_that_budget(tmp_path: Path) -> None:
+    # attack r15: "the store budget is 50000 bytes" for a namespace's budget of 50000
+    from persist.storage.retention import Budgets
+
+    with persist.Store(tmp_path / "s", block_tokens=16) as s:
+        s.budgets = Budgets(max_bytes=None, per_namespace={"team": 1000})
+        with pytest.raises(persist.StoreFullError, match=r"namespace 'team'.s budget is 1000"):
+            s.save([kv(64, 1)], list(range(64)), identity=IDENTITY, namespace="team")
+        s.budgets = Budgets(max_bytes=1000)
+        with pytest.raises(persist.StoreFullError, match=r"the store's budget is 1000"):
+            s.save([kv(64, 1)], list(range(64)), identity=IDENTITY, namespace="team")
+        assert list(s.entries(namespace="team")) == []
