@@ -88,7 +88,8 @@ def export_cmd(
     default=None,
     metavar="PATH_OR_REPO",
     help="The model the file is for (folder or repo id): an mlx-lm prompt cache's, "
-    "which it records nowhere; a persist file's model is checked against it.",
+    "whose own name for its model must be this one; a persist file's model is checked "
+    "against it.",
 )
 @click.option("--tokens", default=None, help="For an mlx-lm file: the token ids it covers, 1,2,3.")
 @click.option(
@@ -107,6 +108,12 @@ def export_cmd(
     help="A purely recurrent cache records no position count, so its tokens cannot be "
     "checked: store it anyway, restorable by its name only, never serving another prompt.",
 )
+@click.option(
+    "--trust-model",
+    is_flag=True,
+    help="For an mlx-lm file: take --model's word for the model it was computed with, "
+    "though the file names one not on this machine or another.",
+)
 @_namespace
 @_force
 @store_option
@@ -119,6 +126,7 @@ def import_cmd(
     prompt: str | None,
     chat: bool,
     unverified_tokens: bool,
+    trust_model: bool,
     namespace: str,
     force: bool,
     store_dir: Path | None,
@@ -132,7 +140,8 @@ def import_cmd(
     export under the key writes. Without a key it is trusted as written: its
     tokens are believed, so import only files you trust. An mlx-lm prompt cache
     (save_prompt_cache, mlx_lm.cache_prompt) carries neither: give --model and
-    the --prompt (or --tokens) it was computed from.
+    the --prompt (or --tokens) it was computed from. The model such a file names
+    (cache_prompt and export write it) must be --model's, unless --trust-model.
 
     \b
     Example:
@@ -156,6 +165,7 @@ def import_cmd(
             model=model,
             unverified_tokens=unverified_tokens,
             chat_tokens=templated,
+            trust_model=trust_model,
         )
         committed(f"session {e.session!r} was imported ({e.tokens} tokens)")
     emit(

@@ -2,11 +2,13 @@
 
 mlx-lm's ``save_prompt_cache`` (and ``mlx_lm.cache_prompt``) writes a
 safetensors file whose metadata names each layer's class and holds no tokens
-and no model identity.  Reading one, persist validates the container first,
-maps class names only to the mlx-lm cache classes it has codecs for (never a
-name looked up anywhere else), and checks every layer through its codec; the
-caller must say which tokens the cache covers and for which model, since
-nothing in the file can vouch for either (``transfer``).  Writing one goes
+and no model identity, only the model's name as it was given (``model``, where
+``cache_prompt`` and ``persist export`` write it).  Reading one, persist
+validates the container first, maps class names only to the mlx-lm cache
+classes it has codecs for (never a name looked up anywhere else), and checks
+every layer through its codec; the caller must say which tokens the cache
+covers and for which model (``transfer``), and the model the file names must
+be that one (``check_named_model``).  Writing one goes
 through mlx-lm's own writer, so ``load_prompt_cache`` reads it, then the atomic
 rename.
 """
@@ -20,7 +22,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptBlobError, PersistError, UnknownKindError, UnsupportedFormatError
+from ..errors import (
+    CorruptBlobError,
+    IdentityMismatchError,
+    ModelNotFoundError,
+    PersistError,
+    UnknownKindError,
+    UnsupportedFormatError,
+)
 from ..format.container import read_header
 from ..format.manifest import is_mlx_lm_metadata
 from ..format.opening import open_regular, user_reads
@@ -30,6 +39,7 @@ from .files import user_writes
 __all__ = [
     "is_mlx_lm",
     "read_mlx_lm",
+    "check_named_model",
     "write_mlx_lm",
     "mlx_lm_classes_only",
     "mlx_lm_metadata",
@@ -211,3 +221,48 @@ def mlx_lm_metadata(user: dict[str, str], model: str) -> dict[str, str]:
     reads: ``model`` (compared as a string with its --model, or loaded when that is
     not given) and ``tokenizer_config`` (JSON); the session's own metadata beside."""
     return {**user, "model": model, "tokenizer_config": json.dumps({})}
+
+
+def check_named_model(named: str | None, identity: Any, where: str) -> None:
+    """The model an mlx-lm file names must be ``identity``'s (a ModelIdentity): the
+    same folder here, or one of the same weights, config and tokenizer (cache
+    settings aside: the file's caches carry them).  Outside attack r15: a file of
+    model A imported for model B of the same shapes was served to B's prompts.  A
+    file that names no model is the caller's word alone; one that names a model not
+    on this machine is refused, ModelNotFoundError (``trust_model`` skips this)."""
+    if not named:
+        return
+    folder = _named_folder(named)
+    if folder is None:
+        raise ModelNotFoundError(
+            f"{where} was computed with the model {named!r}, which is not on this machine, "
+            f"so nothing can check that it is the model given ({identity.display()}); if it "
+            "is, import it with --trust-model (trust_model=True)"
+        )
+    mine = _named_folder(identity.source) if identity.source else None
+    if mine is not None and mine.resolve() == folder.resolve():
+        return
+    from ..identity import ModelIdentity
+
+    theirs = ModelIdentity.from_path(folder)
+    fields = [f for f in theirs.diff(identity) if not f.startswith("cache_config")]
+    if fields:
+        raise IdentityMismatchError(
+            f"{where} (computed with {named})", fields, theirs.display(), identity.display()
+        )
+
+
+def _named_folder(named: str) -> Path | None:
+    """The folder a model's name means on this machine: the folder itself, or a repo
+    id's snapshot in the Hugging Face cache (never downloaded); None where neither is."""
+    path = Path(os.path.expanduser(named))
+    if path.is_dir():
+        return path
+    from ..apps.hub import looks_like_repo, resolve_model  # the hub's cache rules
+
+    if not looks_like_repo(named):
+        return None
+    try:
+        return resolve_model(named, download=False)
+    except PersistError:
+        return None

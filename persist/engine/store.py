@@ -320,6 +320,7 @@ class Store(StoreReads):
         model: Any = None,
         unverified_tokens: bool = False,
         chat_tokens: Sequence[int] | None = None,
+        trust_model: bool = False,
     ) -> EntryInfo:
         """Store a file as a session (named after the file unless ``session``).
 
@@ -335,7 +336,9 @@ class Store(StoreReads):
         with no offset (purely recurrent) cannot vouch for any token list: it
         is refused unless ``unverified_tokens`` (``Store.save``).
         ``chat_tokens`` (the text's tokens with the chat template) only let the
-        error say when those are the ones that fit.
+        error say when those are the ones that fit.  The model an mlx-lm file names
+        (``mlx_lm.cache_prompt`` and ``export`` write it) must be ``identity``'s, and
+        on this machine to be compared, unless ``trust_model``.
         """
         from .transfer import read_importable
 
@@ -347,6 +350,7 @@ class Store(StoreReads):
             unverified_tokens=unverified_tokens,
             chat_tokens=chat_tokens,
             key=file_key(self.tier_key),
+            trust_model=trust_model,
         )
         name = session if session is not None else Path(path).name.split(".")[0]
         return self.save(

@@ -25,6 +25,7 @@ from ..identity import ModelIdentity
 from .cache_fit import check_fits, check_quantized
 from .files import load_file, save_file
 from .mlx_lm_files import (
+    check_named_model,
     is_mlx_lm,
     mlx_lm_classes_only,
     mlx_lm_metadata,
@@ -69,11 +70,14 @@ def read_importable(
     unverified_tokens: bool = False,
     chat_tokens: Sequence[int] | None = None,
     key: bytes | None = None,
+    trust_model: bool = False,
 ) -> Importable:
     """A persist file as it is, or an mlx-lm prompt cache with the caller's tokens and
     model (whose own caches it must fit, ``check_fits``, when ``model`` is given).
     A persist file's model must be ``identity``'s (its cache settings are the file's
-    own), and under ``key`` (the operator key) it must carry that key's tag."""
+    own), and under ``key`` (the operator key) it must carry that key's tag.  The model
+    an mlx-lm file names must be ``identity``'s unless ``trust_model``
+    (``check_named_model``)."""
     if not is_mlx_lm(path):
         loaded = load_file(path, key=key)
         if loaded.identity is None or loaded.tokens is None:
@@ -94,6 +98,8 @@ def read_importable(
             "the model; give both (persist import FILE --model DIR --prompt TEXT)"
         )
     cache, metadata = read_mlx_lm(path)
+    if not trust_model:
+        check_named_model(metadata.get("model"), identity, str(path))
     _one_row(cache, str(path))
     check_quantized(cache, identity, str(path))
     if model is not None:

@@ -154,3 +154,64 @@ def test_a_cache_prompt_file_imports_with_chat(tiny: Any, model_dir: Any, tmp_pa
     la, ga = continue_run(model, got.cache, NEXT)
     lb, gb = continue_run(model, fresh, NEXT)
     assert ga == gb and all(raw(a) == raw(b) for a, b in zip(la, lb, strict=True))
+
+
+def _named_file(tiny: Any, tmp: Path, named: str) -> tuple[Path, list[int]]:
+    """A prompt-cache file of the llama variant whose metadata names ``named`` as its
+    model, as mlx_lm.cache_prompt and persist export --format mlx-lm write it."""
+    model, _, _ = tiny("llama")
+    ids = tokens_for(40, seed=7)
+    cache, _ = prefill(model, ids)
+    path = tmp / "named.safetensors"
+    save_prompt_cache(str(path), cache, {"model": named})
+    return path, ids
+
+
+def test_an_import_under_a_model_other_than_the_one_the_file_names_is_refused(
+    tiny: Any, model_dir: Any, tmp_path: Path
+) -> None:
+    """Outside attack r15 (a wrong cache): a file whose metadata names model A, imported
+    with --model B of the same shapes and other weights, was stored under B's identity
+    and served to B's lookups (logits off by up to 5).  The layouts fit; the file's own
+    word for its model was never read."""
+    from persist.apps.demo import make_model
+
+    a = model_dir("llama")
+    b = tmp_path / "llama-other-weights"
+    make_model(b, "llama", seed=7)
+    path, ids = _named_file(tiny, tmp_path, str(a))
+    home, toks = tmp_path / "home", ",".join(map(str, ids))
+    out = cli(home, "import", str(path), "--model", str(b), "--tokens", toks)
+    assert out.returncode == 1 and "weights" in out.stderr and str(a) in out.stderr, out.stderr
+    assert cli(home, "ls", "--all", "--json").stdout.strip() == "[]"
+    # the model it names: imported; a model it names that is not here: refused, unless
+    # the user vouches for --model (--trust-model)
+    assert cli(home, "import", str(path), "--model", str(a), "--tokens", toks).returncode == 0
+    gone, _ = _named_file(tiny, tmp_path, "/nowhere/on/this/machine/model")
+    out = cli(home, "import", str(gone), "--model", str(a), "--tokens", toks, "--session", "x")
+    assert out.returncode == 1 and "--trust-model" in out.stderr, out.stderr
+    out = cli(
+        home, "import", str(gone), "--model", str(a), "--tokens", toks, "--session", "x",
+        "--trust-model",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_library_import_reads_the_model_the_file_names(
+    tiny: Any, model_dir: Any, tmp_path: Path
+) -> None:
+    from persist.apps.demo import make_model
+
+    b = tmp_path / "llama-other-weights"
+    make_model(b, "llama", seed=7)
+    from mlx_lm import load
+
+    other, otok = load(str(b))
+    ident = persist.ModelIdentity.of(other, otok, path=b)
+    path, ids = _named_file(tiny, tmp_path, str(model_dir("llama")))
+    with persist.Store(tmp_path / "s") as store:
+        with pytest.raises(persist.IdentityMismatchError, match="weights"):
+            store.import_file(path, identity=ident, tokens=ids, model=other)
+        assert store.entries() == []
+        store.import_file(path, identity=ident, tokens=ids, model=other, trust_model=True)
+        assert len(store.sessions()) == 1
