@@ -99,7 +99,7 @@ def serve(
     from .prefill_rates import measure_prefills
     from .quiet import RequestGate
     from .stats_writer import StatsWriter
-    from .tenant_metrics import count_by_tenant, tenancy_line
+    from .tenant_metrics import budget_line, count_by_tenant, tenancy_line
     from .tenant_serving import TenantGenerator, scoped_cache, tagging_batches, tenant_handler
     from .warm_start import first_forward, warmer
 
@@ -192,6 +192,9 @@ def serve(
             log.warning("persist: store %s is read-only: serving, saving nothing", store.root)
         level, line = tenancy_line(tenancy, shared)
         log.log(level, line)
+        over = budget_line(tenancy, tenant_max_bytes, store.budgets.max_bytes)
+        if over is not None:
+            log.warning(over)
         if not honour:
             log.warning("persist: retention hints in requests are ignored: tenants share the "
                         "store's budget (give --tenant-max-bytes to honour them)")  # fmt: skip

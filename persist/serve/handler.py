@@ -192,6 +192,8 @@ class PersistHandler(APIHandler):
             problem = (411, "send the body with a Content-Length (no Transfer-Encoding)")
         elif length is None:
             problem = (411, "a Content-Length header is required")
+        elif len(self.headers.get_all("Content-Length") or []) > 1:  # RFC 9112 6.3
+            problem = (400, "the Content-Length header was given more than once")
         elif not (length.strip().isascii() and length.strip().isdigit()):
             problem = (400, f"Content-Length must be a number of bytes, not {length!r}")
         elif int(length) > limit:

@@ -12,7 +12,7 @@ copies it, on a stream of its own
 (``handoff.writer_stream``).  Safe for the reason the write-behind is: an
 evaluated MLX array never changes, and mlx-lm no longer holds an evicted cache.
 
-A lookup first waits for the hand-overs in flight that could serve it
+A lookup first waits for its own owner's hand-overs in flight that could serve it
 (``settle``, given its prompt and what memory already gives it): the host tier
 answers as if the keep had been made in place.  A prompt that none of them
 serves ``gain`` tokens further than memory (a store block), or half of what
@@ -68,7 +68,8 @@ class EvictionKeeper:
         self._settling = 0  # lookups waiting for a copy in flight: it starts at once
         self._queue: queue.Queue[Kept | None] = queue.Queue(size)
         self._lock = threading.Lock()
-        self._inflight: dict[int, np.ndarray] = {}  # each hand-over's tokens, by its number
+        # each hand-over's owner and tokens, by its number
+        self._inflight: dict[int, tuple[str, np.ndarray]] = {}
         self._done = threading.Condition(self._lock)
         self._next = 0
         self._thread = threading.Thread(target=self._run, name="persist-keeper", daemon=True)
@@ -85,7 +86,7 @@ class EvictionKeeper:
         caches already wait.  Never blocks the caller."""
         with self._lock:
             n, self._next = self._next, self._next + 1
-            self._inflight[n] = np.asarray(tokens, dtype=np.int64)
+            self._inflight[n] = (owner, np.asarray(tokens, dtype=np.int64))
         try:
             self._queue.put_nowait((n, owner, list(tokens), list(cache), hints))
             return True
@@ -94,31 +95,37 @@ class EvictionKeeper:
             self.dropped += 1
             return False
 
-    def settle(self, prompt: Sequence[int] | None = None, have: int = 0) -> None:
+    def settle(
+        self, prompt: Sequence[int] | None = None, have: int = 0, owner: str | None = None
+    ) -> None:
         """Wait until every cache handed over is kept (or refused); given a lookup's
-        ``prompt`` and the ``have`` tokens memory already gives it, only for the
-        hand-overs that share more of the prompt than that."""
+        ``prompt``, its ``owner`` (the host tier's: namespace and model) and the
+        ``have`` tokens memory already gives it, only for that owner's hand-overs
+        that share more of the prompt than that.  Never another owner's: the wait
+        told a tenant whether another's evicted prompt began as it guessed (r15)."""
         if prompt is None:
             self._queue.join()
             return
         toks = np.asarray(prompt, dtype=np.int64)
         with self._done:
-            if not self._serving(toks, have):
+            if not self._serving(toks, have, owner):
                 return
             self._settling += 1  # a copy held for a prompt phase starts now
             self._done.notify_all()
             try:
-                self._done.wait_for(lambda: not self._serving(toks, have))
+                self._done.wait_for(lambda: not self._serving(toks, have, owner))
             finally:
                 self._settling -= 1
 
-    def _serving(self, toks: np.ndarray, have: int) -> bool:
-        """Is a hand-over in flight that serves ``toks`` far enough past ``have``: by
-        ``gain`` tokens, or by half of what memory leaves to prefill when that is less
-        (a short prompt's whole conversation is worth its short copy)?"""
+    def _serving(self, toks: np.ndarray, have: int, owner: str | None) -> bool:
+        """Is a hand-over of ``owner`` in flight that serves ``toks`` far enough past
+        ``have``: by ``gain`` tokens, or by half of what memory leaves to prefill when
+        that is less (a short prompt's whole conversation is worth its short copy)?"""
         want = have + max(1, min(self.gain, (len(toks) - have) // 2))
-        for kept in self._inflight.values():
-            if min(len(kept), len(toks)) >= want and np.array_equal(kept[:want], toks[:want]):
+        for whose, kept in self._inflight.values():
+            if whose != owner or min(len(kept), len(toks)) < want:
+                continue
+            if np.array_equal(kept[:want], toks[:want]):
                 return True
         return False
 

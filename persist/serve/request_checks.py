@@ -202,12 +202,29 @@ def _check_mark(path: str, body: dict[str, Any], allowed: bool) -> None:
             "this request has none",
             "persist",
         )
+    last = messages[-1]
+    if last.get("role") != "user" or not _has_text(last.get("content")):
+        raise BadRequest(  # mlx-lm splits no system segment off it (attack r15: ignored)
+            "persist.public_system: mlx-lm splits a chat's system block off only when its "
+            "last message is the user's, with text: this request's is not",
+            "persist",
+        )
     if body.get("chat_template_kwargs"):  # a template may render them in the system block
         raise BadRequest(
             "persist.public_system: a request with chat_template_kwargs is never public "
             "(a template may render them in the system block)",
             "persist",
         )
+
+
+def _has_text(content: Any) -> bool:
+    """A message's content holds text (an empty one renders as the template's empty
+    user turn: mlx-lm then finds no end to the system block)."""
+    if isinstance(content, str):
+        return content != ""
+    return isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") == "text" and bool(p.get("text")) for p in content
+    )
 
 
 def _optional(body: dict[str, Any], name: str, kind: type, label: str | None = None) -> None:

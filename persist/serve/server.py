@@ -172,7 +172,8 @@ class PersistentPromptCache(LRUPromptCache):
             return cache, rest
         probe = m.probe() if m is not None else None
         if self._keeper is not None:  # the host tier as if evictions were kept in place
-            self._keeper.settle(tokens, have)  # only those that could serve this prompt
+            # only this owner's copies that could serve this prompt
+            self._keeper.settle(tokens, have, self._owner(identity, ns))
         try:
             # after memory, one order for every tier: host RAM, the fleet, the index
             # (engine.lookup_order); a host copy is made only if it is the longest

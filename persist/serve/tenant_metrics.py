@@ -36,6 +36,7 @@ __all__ = [
     "count_by_tenant",
     "one_lookup",
     "tenancy_line",
+    "budget_line",
     "tenant_of",
 ]
 
@@ -218,4 +219,30 @@ def tenancy_line(tenants: Tenants, shared: str | None) -> tuple[int, str]:
         f"persist serve: single-tenant: every client shares namespace {tenants.namespace!r}"
         f"{fleet} (cached_tokens and timing tell a client what others sent); set --api-keys "
         f"or --tenant-header to keep tenants apart, or send cache_salt{public}"
+    )
+
+
+def budget_line(tenants: Tenants, tenant_max: int | None, store_max: int | None) -> str | None:
+    """A warning for the start when the tenants' budgets add up past the store's: a
+    tenant within its budget then finds the store full once others filled it, and its
+    saves are refused (attack r15).  With keys the tenants are counted (the public
+    namespace is one more where prefixes are shared); by header they are not, so the
+    line says how many fit.  None when they fit, or either budget is unset."""
+    if not tenants.multi or tenant_max is None or store_max is None or tenant_max <= 0:
+        return None
+    if tenants.keys:
+        n = len(set(tenants.keys.values())) + int(bool(tenants.public or tenants.marks))
+        if n * tenant_max <= store_max:
+            return None
+        return (
+            f"persist serve: {n} tenants x --tenant-max-bytes {tenant_max} is "
+            f"{n * tenant_max} bytes, past the store's budget of {store_max}: once the "
+            "store is full a tenant within its own budget has its saves refused (give "
+            f"--max-bytes {n * tenant_max} or more)"
+        )
+    fit = store_max // tenant_max
+    return (
+        f"persist serve: the store's budget of {store_max} bytes holds {fit} tenants at "
+        f"--tenant-max-bytes {tenant_max}; past that, a tenant within its own budget has "
+        "its saves refused once the store is full"
     )

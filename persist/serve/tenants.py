@@ -109,10 +109,10 @@ class Tenants:
         AccessDeniedError (401) without a valid key or the header; InvalidArgumentError
         (400) for a header value that is no tenant name."""
         if self.keys:
-            return self._by_key(headers.get("Authorization"))
+            return self._by_key(_once(headers, "Authorization"))
         if self.header is None:
             return None
-        value = headers.get(self.header)
+        value = _once(headers, self.header)
         if value is None:
             raise AccessDeniedError(f"the {self.header} header is required")
         if not TENANT.fullmatch(value):
@@ -301,3 +301,13 @@ def _read(path: str | Path, what: str, limit: int) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InvalidArgumentError(f"the {what} file {path} is not UTF-8 text: {e}") from None
+
+
+def _once(headers: Mapping[str, str] | Any, name: str) -> str | None:
+    """A header that says who sends the request, given at most once: InvalidArgumentError
+    (400) for two (attack r15: the first won, and behind a gateway that appends its
+    value instead of replacing the client's, the client chose its tenant)."""
+    values = headers.get_all(name) if hasattr(headers, "get_all") else None
+    if values is not None and len(values) > 1:
+        raise InvalidArgumentError(f"the {name} header was given more than once")
+    return headers.get(name)

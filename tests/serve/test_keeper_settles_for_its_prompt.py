@@ -27,9 +27,13 @@ class HeldTier(HostTier):
         return super().keep(*args, **kw)
 
 
-def settled(keeper: EvictionKeeper, prompt: list[int], have: int) -> threading.Event:
+def settled(
+    keeper: EvictionKeeper, prompt: list[int], have: int, owner: str = "o"
+) -> threading.Event:
     done = threading.Event()
-    threading.Thread(target=lambda: (keeper.settle(prompt, have), done.set()), daemon=True).start()
+    threading.Thread(
+        target=lambda: (keeper.settle(prompt, have, owner), done.set()), daemon=True
+    ).start()
     return done
 
 
@@ -146,4 +150,27 @@ def test_a_held_copy_goes_on_when_another_eviction_waits(tiny: Any) -> None:
         assert tier.peek("o", b + [1])[0] == 40 and keeper.dropped == 0
     finally:
         leave()
+        keeper.close()
+
+
+def test_a_lookup_never_waits_for_another_tenants_copy(tiny: Any) -> None:
+    """Outside attack r15, F1: a lookup waited for any copy in flight that shared its
+    prompt's first tokens, whoever's it was: the wait (0.4 s a 1 GiB copy) told a
+    tenant, digit by digit, whether another tenant's evicted prompt began as it
+    guessed.  Only copies of the lookup's own owner (namespace and model) count."""
+    model, _, _ = tiny("llama")
+    kept = tokens_for(40, seed=1)
+    tier = HeldTier()
+    keeper = EvictionKeeper(tier)
+    try:
+        assert keeper.offer("alice", kept, prefill(model, kept)[0])
+        assert tier.started.wait(60)
+        probe = kept[:30] + [7, 8]  # the copy would serve 30 of its tokens
+        assert settled(keeper, probe, 10, owner="bob").wait(30)  # not alice's: no wait
+        theirs = settled(keeper, probe, 10, owner="alice")
+        assert not theirs.wait(0.5)  # alice's own lookup waits for her copy
+        tier.go.set()
+        assert theirs.wait(60)
+    finally:
+        tier.go.set()
         keeper.close()

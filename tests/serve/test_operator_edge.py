@@ -346,3 +346,13 @@ def test_image_urls_are_not_fetched_for_a_text_model(shared_server: Server) -> N
     post(shared_server, "/v1/chat/completions", body)
     assert get(shared_server, "/health")[0] == 200
     assert marker not in Path(shared_server.log.name).read_text(errors="replace")
+
+
+def test_a_content_length_given_twice_is_400(shared_server: Server) -> None:
+    # attack r15: two Content-Length headers (39, then 5) were taken, the first used;
+    # RFC 9112 6.3 makes differing ones an error (a request-smuggling seam behind a proxy)
+    body = b'{"prompt": "a", "max_tokens": 2}'
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(body)
+    answer = raw(shared_server.port, head + b"Content-Length: 5\r\n\r\n" + body)
+    assert answer.startswith(b"HTTP/1.0 400") or answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert b"Content-Length" in answer

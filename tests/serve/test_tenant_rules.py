@@ -207,7 +207,15 @@ SYSTEM_FIRST = [{"role": "system", "content": "s"}, {"role": "user", "content": 
      ("/v1/completions", {"prompt": "p", "persist": {"public_system": True}}),
      ("/v1/chat/completions", {"messages": SYSTEM_FIRST[1:], "persist": {"public_system": True}}),
      ("/v1/chat/completions", {"messages": SYSTEM_FIRST, "persist": {"public_system": True},
-                               "chat_template_kwargs": {"date_string": "x"}})],
+                               "chat_template_kwargs": {"date_string": "x"}}),
+     # attack r15, F4: mlx-lm splits no system segment off these; the mark was ignored
+     ("/v1/chat/completions", {"messages": [*SYSTEM_FIRST, {"role": "assistant", "content": "a"}],
+                               "persist": {"public_system": True}}),
+     ("/v1/chat/completions", {"messages": SYSTEM_FIRST[:1], "persist": {"public_system": True}}),
+     ("/v1/chat/completions", {"messages": [SYSTEM_FIRST[0], {"role": "user", "content": ""}],
+                               "persist": {"public_system": True}}),
+     ("/v1/chat/completions", {"messages": [SYSTEM_FIRST[0], {"role": "user", "content": []}],
+                               "persist": {"public_system": True}})],
 )  # fmt: skip
 def test_a_public_mark_that_cannot_be_honoured_is_a_bad_request(
     path: str, body: dict[str, Any]
@@ -319,3 +327,44 @@ def test_mlx_lm_sizes_below_one_are_refused_in_every_spelling() -> None:
             check_sizes(bad)
     check_sizes(["--prefill-step-size", "1", "--prompt-concurrency", "2", "--kv-bits", "4"])
     check_sizes(["--prefill-step-size", "many"])  # mlx-lm's own argparse refuses it
+
+
+def test_a_tenant_header_or_key_given_twice_is_refused(tmp_path: Path) -> None:
+    """Outside attack r15, F3: a request with ``X-Tenant: alice`` and then ``X-Tenant:
+    mallory`` was served as alice (the first won): behind a gateway that appends its
+    value instead of replacing the client's, a client picks its tenant."""
+    from email.message import Message
+
+    def headers(name: str, *values: str) -> Message:
+        m = Message()
+        for v in values:
+            m[name] = v
+        return m
+
+    t = tenants_from("ns", header="X-Tenant")
+    assert t.tenant(headers("X-Tenant", "alice")) == "alice"
+    for twice in (("alice", "mallory"), ("alice", "alice")):
+        with pytest.raises(InvalidArgumentError, match="more than once"):
+            t.tenant(headers("X-Tenant", *twice))
+    k = rules(tmp_path, f"{KEY} acme\n{OTHER_KEY} globex\n")
+    with pytest.raises(InvalidArgumentError, match="more than once"):
+        k.tenant(headers("Authorization", f"Bearer {OTHER_KEY}", f"Bearer {KEY}"))
+
+
+def test_tenant_budgets_past_the_stores_are_warned_of(tmp_path: Path) -> None:
+    """Outside attack r15, F2: with 3 keys, --tenant-max-bytes 300K and --max-bytes 300K,
+    one tenant filled the store inside its own budget and every other tenant's save was
+    refused for good.  The rule stands (the store's budget is a disk's); the start line
+    says when the tenants' budgets add up past it."""
+    from persist.serve.tenant_metrics import budget_line
+
+    keys = rules(tmp_path, f"{KEY} acme\n{OTHER_KEY} globex\n{'i' * 16} initech\n")
+    line = budget_line(keys, 300_000, 300_000)
+    assert line is not None and "3 tenants" in line and "900000" in line, line
+    assert budget_line(keys, 100_000, 300_000) is None  # they fit
+    assert budget_line(keys, 100_000, None) is None  # no store budget
+    assert budget_line(keys, None, 300_000) is None  # no tenant budgets
+    header = tenants_from("ns", header="X-Tenant")
+    line = budget_line(header, 100_000, 300_000)
+    assert line is not None and "3 tenants" in line, line  # how many fit: tenants unknown
+    assert budget_line(Tenants("ns"), 100_000, 300_000) is None  # single-tenant
