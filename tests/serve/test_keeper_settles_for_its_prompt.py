@@ -57,14 +57,21 @@ def held(keeper: EvictionKeeper) -> None:
         pause.wait(0.1)
 
 
-def test_a_prompt_no_cache_in_flight_serves_does_not_wait(tiny: Any) -> None:
+def copying(tiny: Any, owner: str) -> tuple[list[int], HeldTier, EvictionKeeper]:
+    """40 tokens' cache of ``owner`` handed to a keeper whose copy has started and is
+    held (``tier.go`` lets it finish)."""
     model, _, _ = tiny("llama")
     kept = tokens_for(40, seed=1)
     tier = HeldTier()
     keeper = EvictionKeeper(tier)
+    assert keeper.offer(owner, kept, prefill(model, kept)[0])
+    assert tier.started.wait(60)
+    return kept, tier, keeper
+
+
+def test_a_prompt_no_cache_in_flight_serves_does_not_wait(tiny: Any) -> None:
+    kept, tier, keeper = copying(tiny, "o")
     try:
-        assert keeper.offer("o", kept, prefill(model, kept)[0])
-        assert tier.started.wait(60)
         other = tokens_for(40, seed=2)  # shares nothing with the kept tokens
         assert settled(keeper, other, 0).wait(30)
         # memory already gives 20 of the kept tokens' prefix, and the prompt goes
@@ -158,13 +165,8 @@ def test_a_lookup_never_waits_for_another_tenants_copy(tiny: Any) -> None:
     prompt's first tokens, whoever's it was: the wait (0.4 s a 1 GiB copy) told a
     tenant, digit by digit, whether another tenant's evicted prompt began as it
     guessed.  Only copies of the lookup's own owner (namespace and model) count."""
-    model, _, _ = tiny("llama")
-    kept = tokens_for(40, seed=1)
-    tier = HeldTier()
-    keeper = EvictionKeeper(tier)
+    kept, tier, keeper = copying(tiny, "alice")
     try:
-        assert keeper.offer("alice", kept, prefill(model, kept)[0])
-        assert tier.started.wait(60)
         probe = kept[:30] + [7, 8]  # the copy would serve 30 of its tokens
         assert settled(keeper, probe, 10, owner="bob").wait(30)  # not alice's: no wait
         theirs = settled(keeper, probe, 10, owner="alice")
