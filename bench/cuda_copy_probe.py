@@ -152,7 +152,7 @@ def part_b(lines: list[str]) -> None:
     root = Path(tempfile.mkdtemp(prefix="copyprobe-"))
     store = persist.Store(root / "store")
     store.save(llama(8192), list(range(8192)), identity=IDENTITY, session="s")
-    blobs = sorted(p for p in (root / "store").rglob("*") if p.is_file())
+    blobs = sorted((root / "store" / "blobs").rglob("*.safetensors"))  # not the reserve
     ring = pinned.data_path().ring
     assert ring is not None and ring.direct, "the direct path is not this machine's default"
     lane_cls = type(ring.lanes[0])
