@@ -36,6 +36,8 @@ ALLOWED: dict[str, set[str]] = {
     "yielding": set(),
     # folders only their owner may change (the store and the digest memo share it)
     "private_files": set(),
+    # where a model's name leads: a folder, or a repo id in the Hugging Face cache
+    "model_folders": BASE,
     "weights_memo": {"private_files"},
     # weights hashed as the format stores them; the memo only for models persist loaded
     "provenance": BASE | {"format", "weights_memo"},
@@ -62,6 +64,7 @@ ALLOWED: dict[str, set[str]] = {
         "cuda",
         "marks",
         "yielding",
+        "model_folders",
     },
     "apps": BASE
     | {
@@ -74,6 +77,7 @@ ALLOWED: dict[str, set[str]] = {
         "storage",
         "engine",
         "caches",
+        "model_folders",
     },
     # persist serve: mlx-lm's server over the engine
     "serve": BASE | {"identity", "provenance", "codecs", "storage", "engine", "apps", "yielding"},

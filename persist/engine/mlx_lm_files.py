@@ -34,6 +34,7 @@ from ..format.container import read_header
 from ..format.manifest import is_mlx_lm_metadata
 from ..format.opening import open_regular, user_reads
 from ..format.sink import fsync_dir, place, tmp_beside
+from ..model_folders import looks_like_repo, model_folder
 from .files import user_writes
 
 __all__ = [
@@ -258,11 +259,9 @@ def _named_folder(named: str) -> Path | None:
     path = Path(os.path.expanduser(named))
     if path.is_dir():
         return path
-    from ..apps.hub import looks_like_repo, resolve_model  # the hub's cache rules
-
     if not looks_like_repo(named):
         return None
     try:
-        return resolve_model(named, download=False)
+        return model_folder(named, download=False)
     except PersistError:
         return None
