@@ -86,10 +86,7 @@ class StoreUpkeep:
         return bool(self.tiers) or self.index.has_tier_history()
 
     def has_session(self, session: str, *, namespace: str = "default") -> bool:
-        return (
-            self.index.by_name(check_name(namespace, "namespace"), check_name(session, "session"))
-            is not None
-        )
+        return self.index.by_name(namespace, session) is not None  # names checked there
 
     def pin(self, session: str, *, namespace: str = "default", pinned: bool = True) -> None:
         """Pin (or unpin) a session and its checkpoints: pinned entries are never evicted."""
