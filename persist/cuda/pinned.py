@@ -24,8 +24,6 @@ reading into MLX buffers, with the reason kept for ``persist stats``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -37,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import addressing
+from .cuda_lane import CudaLane, Rows, pinned_slots
 from .driver import Driver
 from .kernels import Placed, device_buffers, scatter
 from .readers import Readers
@@ -102,7 +101,6 @@ class Lane(Protocol):
 Buffers = Callable[[list[int]], list[tuple[mx.array, int]]]
 # a staging buffer, the pieces in it to put in place (done on return)
 Scatter = Callable[[mx.array, list[Placed]], None]
-Rows = tuple[int, int, int, int, int, int]  # src offset, dst, width, height, spitch, dpitch
 
 
 class Ring:
@@ -276,80 +274,6 @@ def backend() -> str:
     return "cuda" if cuda is not None and cuda.is_available() else "metal"
 
 
-class _CudaLane:
-    """A lane on the copy engine: two pinned slots, a stream of its own, an event per
-    slot; with ``readers``, its reader process fills the slots (``send``, ``answer``)."""
-
-    def __init__(
-        self, driver: Driver, slots: list[np.ndarray], readers: Readers | None = None, i: int = 0
-    ) -> None:
-        self.driver, self.slots = driver, slots
-        self.hosts = [int(s.ctypes.data) for s in slots]
-        self.stream = driver.stream()
-        self.events = [driver.event(), driver.event()]
-        self.pending = [False, False]
-        self.turn = 0
-        self.readers, self.i = readers, i
-        if readers is not None:
-            self.send = functools.partial(readers.send, i)
-            self.answer = readers.answer
-
-    def enter(self) -> None:
-        self.driver.make_current()
-        if self.readers is not None:
-            self.readers.ready(self.i)
-
-    def take(self) -> int:
-        i, self.turn = self.turn, self.turn ^ 1
-        self.settle(i)
-        return i
-
-    def put(self, slot: int, dst: int, n: int) -> None:
-        self.driver.copy_in(self.hosts[slot], dst, n, self.stream)
-        self._busy(slot)
-
-    def place(self, slot: int, copies: list[Rows]) -> None:
-        host, d = self.hosts[slot], self.driver
-        if d.batched:  # every row of the slot's pieces in one driver call
-            rows = [(host + s + r * sp, t + r * dp, w)
-                    for s, t, w, h, sp, dp in copies for r in range(h)]  # fmt: skip
-            srcs, dsts, sizes = zip(*rows, strict=True) if rows else ((), (), ())
-            d.copy_batch_in(srcs, dsts, sizes, self.stream)
-        else:
-            for src, dst, width, height, spitch, dpitch in copies:
-                d.copy_rows_in(host + src, dst, width, height, spitch, dpitch, self.stream)
-        self._busy(slot)
-
-    def drain(self) -> None:
-        self.driver.make_current()
-        self.driver.wait_stream(self.stream)
-        self.pending = [False, False]
-
-    def current(self) -> None:
-        self.driver.make_current()
-
-    def fetch(self, slot: int, src: int, n: int) -> None:
-        self.driver.copy_out_async(src, self.hosts[slot], n, self.stream)
-        self._busy(slot)
-
-    def settle(self, slot: int) -> None:
-        if self.pending[slot]:
-            self.driver.wait_event(self.events[slot])
-            self.pending[slot] = False
-
-    def _busy(self, slot: int) -> None:
-        """The slot is in use until the copy just queued on the stream is done."""
-        self.driver.record(self.events[slot], self.stream)
-        self.pending[slot] = True
-
-
-def _pinned_slots(driver: Driver, size: int) -> list[np.ndarray]:
-    return [
-        np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(driver.host_alloc(size)[0]))
-        for _ in range(2)
-    ]
-
-
 # the GPU ran its tests bit for bit and it peaks at 1.00x the cache, staging at 1.99x
 # (bench/results/cuda-first-call-r8.md); its addresses come from a PTX kernel, not
 # DLPack, which moved every array it touched to managed memory (round 5)
@@ -377,8 +301,12 @@ def _cuda_ring(
     mx.eval(mx.zeros(1))  # MLX's CUDA context exists before the driver allocates in it
     straight = direct() if straight is None else straight
     buffers = addressing.zeroed if straight else device_buffers
+    # PERSIST_DIRECT_ISSUE=serial: one lane issues its placement copies at a time
+    issuing = threading.Lock() if os.environ.get("PERSIST_DIRECT_ISSUE") == "serial" else None
     if not processes:
-        made: list[Lane] = [_CudaLane(driver, _pinned_slots(driver, size)) for _ in range(lanes)]
+        made: list[Lane] = [
+            CudaLane(driver, pinned_slots(driver, size), issuing=issuing) for _ in range(lanes)
+        ]
         _batched(driver, straight)
         return Ring(made, buffers, scatter, direct=straight)
     readers = Readers(lanes, size)
@@ -387,14 +315,15 @@ def _cuda_ring(
     except BaseException:
         readers.close()
         raise
-    fed: list[Lane] = [_CudaLane(driver, readers.slots[i], readers, i) for i in range(lanes)]
+    fed: list[Lane] = [
+        CudaLane(driver, readers.slots[i], readers, i, issuing) for i in range(lanes)
+    ]
     _batched(driver, straight)
     return Ring(fed, buffers, scatter, readers, direct=straight)
 
 
 def _batched(driver: Driver, straight: bool) -> None:
     """With PERSIST_DIRECT_COPIES=batched, a direct ring's slots go in one batched
-    call each where the driver's proves right; by default a strided copy per piece
-    (batched copies are not yet measured on a GPU: docs/gpu.md)."""
+    call each where the driver's proves right; by default a strided copy per piece."""
     if straight and os.environ.get("PERSIST_DIRECT_COPIES", "") == "batched":
         driver.prove_batch()

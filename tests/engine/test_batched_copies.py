@@ -7,6 +7,8 @@ H100 runs check the engine: bench/cuda_copy_probe)."""
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -14,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from persist.cuda import driver as driver_mod
-from persist.cuda.pinned import Placed, _CudaLane
+from persist.cuda.cuda_lane import CudaLane
+from persist.cuda.pinned import Placed
 from persist.engine.staged import restore as staging
 
 
@@ -75,7 +78,7 @@ def _place(case: tuple[Any, ...], batched: bool) -> tuple[list[bytes], int]:
         off += data.nbytes
     slot = np.concatenate(src_parts)
     d = HostDriver(batched)
-    lane = _CudaLane(d, [slot, slot.copy()])  # type: ignore[arg-type]
+    lane = CudaLane(d, [slot, slot.copy()])  # type: ignore[arg-type]
     lane.place(0, [c for p in placed for c in staging.placement(p)])
     return [o.tobytes() for o in outs], d.calls
 
@@ -87,6 +90,41 @@ def test_a_batched_slot_puts_every_byte_where_strided_copies_do(case: tuple[Any,
     batched, calls = _place(case, batched=True)
     assert batched == strided
     assert calls <= 1  # one driver call for the whole slot (none where nothing is kept)
+
+
+class _Counting(HostDriver):
+    """Copies that take a while, counting how many run at once."""
+
+    def __init__(self) -> None:
+        super().__init__(batched=False)
+        self.now = self.most = 0
+        self.lock = threading.Lock()
+
+    def copy_rows_in(self, src: int, dst: int, w: int, h: int, sp: int, dp: int, s: int) -> None:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        time.sleep(0.02)  # long enough for the other lane to call in, were it let
+        with self.lock:
+            self.now -= 1
+
+
+def test_lanes_sharing_an_issuing_lock_call_the_driver_one_at_a_time() -> None:
+    d, issuing = _Counting(), threading.Lock()
+    slot = np.zeros(64, dtype=np.uint8)
+    lanes = [CudaLane(d, [slot, slot.copy()], issuing=issuing) for _ in range(3)]  # type: ignore[arg-type]
+    start = threading.Barrier(3)
+
+    def place(lane: CudaLane) -> None:
+        start.wait()
+        lane.place(0, [(0, slot.ctypes.data, 8, 1, 8, 8)] * 3)
+
+    threads = [threading.Thread(target=place, args=(lane,)) for lane in lanes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert d.most == 1
 
 
 class _Lib:

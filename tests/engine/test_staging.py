@@ -287,7 +287,7 @@ def test_without_the_driver_library_the_host_path_is_taken(
     def no_lib(name: str) -> Any:
         raise OSError(f"{name}: cannot open shared object file")
 
-    monkeypatch.setattr(pinned.ctypes, "CDLL", no_lib)
+    monkeypatch.setattr(ctypes, "CDLL", no_lib)
     got = pinned.data_path()
     assert got.path == HOST and got.ring is None
     assert "CUDA driver API unavailable (libcuda.so.1: cannot open" in got.reason
