@@ -182,6 +182,18 @@ def part_b(lines: list[str]) -> None:
         with issuing:
             place(self, slot, copies)  # type: ignore[arg-type]
 
+    streams = [lane.stream for lane in ring.lanes]  # type: ignore[attr-defined]
+
+    def one_stream(self: object, slot: int, copies: list[tuple[int, ...]]) -> None:
+        # every lane's copies on lane 0's stream: do eight streams cost the copy
+        # engine more than they overlap?
+        self.stream = streams[0]  # type: ignore[attr-defined]
+        place(self, slot, copies)  # type: ignore[arg-type]
+
+    def one_stream_one_issuer(self: object, slot: int, copies: list[tuple[int, ...]]) -> None:
+        with issuing:
+            one_stream(self, slot, copies)
+
     driver = ring.lanes[0].driver  # type: ignore[attr-defined]
     proven = driver.batched
     lines.append(f"batched copies proven on this driver: {proven}")
@@ -192,6 +204,8 @@ def part_b(lines: list[str]) -> None:
         "as it is, place timed": (timed, True), "strided, place timed": (timed, False),
         "strided, one lane issuing at a time": (one_issuer, False),
         "batched, one lane issuing at a time": (one_issuer, True),
+        "strided, one stream": (one_stream, False),
+        "strided, one stream, one lane issuing at a time": (one_stream_one_issuer, False),
     }  # fmt: skip
     best: dict[str, float] = {}
     placing: dict[str, float] = {}
@@ -211,6 +225,8 @@ def part_b(lines: list[str]) -> None:
             finally:
                 lane_cls.place = place  # type: ignore[method-assign]
                 driver.batched = proven
+                for lane, stream in zip(ring.lanes, streams, strict=True):
+                    lane.stream = stream  # type: ignore[attr-defined]
             best[name] = min(best.get(name, 1e9), dt)
             if fn is timed:
                 placing[name] = min(placing.get(name, 1e9), spent[0])
