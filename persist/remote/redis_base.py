@@ -20,6 +20,8 @@ from ..errors import InvalidArgumentError, PersistError
 from .blob_marks import BlobMarks
 from .redis_cluster import cluster_client
 from .redis_reads import Reader
+from .refusals import Refusals
+from .urls import shown_url
 
 __all__ = ["RedisConnection", "TierUnavailable", "namespace_tag", "SCHEMES", "CLUSTER_SCHEMES"]
 
@@ -54,7 +56,8 @@ class RedisConnection:
     ) -> None:
         if not url.startswith(SCHEMES + CLUSTER_SCHEMES):
             raise InvalidArgumentError(
-                f"a shared tier URL starts with {' or '.join(SCHEMES + CLUSTER_SCHEMES)}: {url!r}"
+                f"a shared tier URL starts with {' or '.join(SCHEMES + CLUSTER_SCHEMES)}: "
+                f"{shown_url(url)!r}"
             )
         try:
             import redis
@@ -63,24 +66,26 @@ class RedisConnection:
             raise PersistError(
                 'a shared tier needs redis-py: pip install "mlx-persist[shared]"'
             ) from None
-        self.url = url.replace("valkey", "redis", 1)
+        given = url.replace("valkey", "redis", 1)
+        self.url = shown_url(given)  # what messages show: never its password
         self._redis = redis
-        self.cluster = self.url.startswith(CLUSTER_SCHEMES)
+        self.cluster = given.startswith(CLUSTER_SCHEMES)
         timeouts: dict[str, Any] = {
             "socket_connect_timeout": connect_timeout_s,
             "socket_timeout": 2 * connect_timeout_s,
         }
         if self.cluster:  # the cluster's slot map is asked for on first use, not here
             self._client_: Any = None
-            self._connect = lambda: cluster_client(self.url, timeouts)
+            self._connect = lambda: cluster_client(given, timeouts)
         else:
-            self._client_ = _from_url(redis, self.url, timeouts)
+            self._client_ = _from_url(redis, given, timeouts)
         self.ttl_s, self.retry_after_s, self.clock = ttl_s, retry_after_s, clock
         self._down_until = 0.0
         self.counters: dict[str, int] = {}
         self._lock = threading.Lock()
         self._reads = Reader(redis, lambda: self._client, self.cluster, self._count)
         self.marks = BlobMarks()
+        self.refusals = Refusals(f"shared tier {self.url}")
 
     # -- the breaker -------------------------------------------------------
 
@@ -93,6 +98,7 @@ class RedisConnection:
         except self._redis.exceptions.NoPermissionError as e:
             # an ACL confines this user to other namespaces: a refusal, not an outage
             self._count("denied")
+            self.refusals.note(self.clock(), what, str(e))
             refused = TierUnavailable(f"shared tier {self.url} refused {what}: {e}")
             refused.denied = True
             raise refused from None
@@ -102,6 +108,7 @@ class RedisConnection:
             # the server answered (out of memory, a value of another type): this
             # operation failed, the server is not down
             self._count("errors")
+            self.refusals.note(self.clock(), what, str(e))
             raise TierUnavailable(f"shared tier {self.url} refused {what}: {e}") from None
         except (self._redis.RedisError, self._redis.exceptions.RedisClusterException) as e:
             raise self._outage(what, e) from None
@@ -143,7 +150,7 @@ def _from_url(redis: Any, url: str, timeouts: dict[str, Any]) -> Any:
         return redis.Redis.from_url(url, **timeouts)
     except ValueError as e:
         raise InvalidArgumentError(
-            f"the shared tier URL {url!r} is not redis://host:port/db: {e}"
+            f"the shared tier URL {shown_url(url)!r} is not redis://host:port/db: {e}"
         ) from None
 
 

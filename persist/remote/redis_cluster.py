@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from .urls import shown_url
 
 __all__ = ["cluster_client"]
 
@@ -27,7 +28,8 @@ def cluster_client(url: str, timeouts: dict[str, Any]) -> Any:
         host, _, port = h.strip().rpartition(":")
         if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
             raise InvalidArgumentError(
-                f"a cluster node is host:port (a port from 1 to 65535), not {h!r} in {url!r}"
+                "a cluster node is host:port (a port from 1 to 65535), not "
+                f"{h.rpartition('@')[2]!r} in {shown_url(url)!r}"
             )
         nodes.append(ClusterNode(host, int(port)))
     return RedisCluster(

@@ -34,6 +34,7 @@ from .blob_marks import BlobMarks
 from .pointer_swap import POINTER_BYTES, SessionMoved
 from .redis_reads import SECRET_BYTES, fetch_all, secret_value
 from .redis_tier import MAX_VALUE, RECOVER_BATCH, RECOVER_RECORDS, TierUnavailable, namespace_tag
+from .refusals import Refusals
 
 __all__ = ["S3Tier"]
 
@@ -71,6 +72,7 @@ class S3Tier:
             ) from None
         bucket, _, prefix = url[len("s3://") :].partition("/")
         self.url, self._obstore = url, obstore
+        self.refusals = Refusals(f"cold tier {url}")
         options: Any = {
             "connect_timeout": f"{connect_timeout_s}s",
             "timeout": f"{4 * connect_timeout_s}s",
@@ -103,10 +105,12 @@ class S3Tier:
             return None
         except (ex.PermissionDeniedError, ex.UnauthenticatedError) as e:
             self._count("denied")
+            self.refusals.note(self.clock(), what, brief(e))
             raise TierUnavailable(f"cold tier {self.url} refused {what}: {brief(e)}") from None
         except Exception as e:
             if not _outage(e):  # the server answered about this one key: no breaker
                 self._count("refused")
+                self.refusals.note(self.clock(), what, brief(e))
                 raise TierUnavailable(f"cold tier {self.url} refused {what}: {brief(e)}") from None
             if self._down_until == 0.0:  # network, timeouts, a 5xx: an outage
                 log.warning("persist: cold tier %s failed (%s): %s", self.url, what, brief(e))

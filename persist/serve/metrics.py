@@ -270,6 +270,11 @@ class ServeMetrics:
             for t in self.store.tiers
         }
 
+    def tier_refusals(self) -> dict[str, int]:
+        """Operations each tier refused (``remote/refusals``): each failed, no breaker."""
+        refusals = {t.name: getattr(t.tier, "refusals", None) for t in self.store.tiers}
+        return {name: r.total if r is not None else 0 for name, r in refusals.items()}
+
     def store_reachable(self) -> bool:
         """The index answers within LOCK_WAIT seconds and the folder is writable (a
         store opened read-only is served without writing: its index answering is all)."""
@@ -333,6 +338,9 @@ class ServeMetrics:
             + ", ".join(f"{s} {n}" for s, n in hits.items())
             + f"; {saved} caches persisted, {int(self.value('persist_write_queue_drops_total'))}"
             f" dropped, {errors} write errors"
+            + "".join(
+                f", {n} refused by the {t} tier" for t, n in self.tier_refusals().items() if n
+            )
         )
 
 

@@ -26,6 +26,7 @@ class Scraped(Protocol):
     def queue(self) -> tuple[int, int]: ...
     def generation_alive(self) -> bool: ...
     def tiers(self) -> dict[str, str]: ...
+    def tier_refusals(self) -> dict[str, int]: ...
     def read_store_bytes(self) -> int: ...
 
 
@@ -68,6 +69,14 @@ class ScrapeGauges:
         for name, state in m.tiers().items():
             up.add_metric([name], int(state == "up"))
         yield up
+        refused = CounterMetricFamily(
+            "persist_tier_refusals",
+            "Operations a tier answered no to (out of memory, an ACL): each failed.",
+            labels=["tier"],
+        )
+        for name, n in m.tier_refusals().items():
+            refused.add_metric([name], n)
+        yield refused
         yield _gauge("persist_store_bytes", "Bytes the store holds on disk.", m.read_store_bytes())
         if m.host is not None:
             got = m.host.stats()

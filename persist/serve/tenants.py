@@ -32,6 +32,7 @@ from typing import Any
 
 from ..errors import AccessDeniedError, InvalidArgumentError
 from ..storage.retention import PARTITION
+from ..storage.rows import MAX_NAME
 from .option_files import read_option_file
 
 __all__ = [
@@ -44,7 +45,10 @@ __all__ = [
     "tenants_from",
 ]
 
+MAX_TENANT = 128
 TENANT = re.compile(r"[A-Za-z0-9._@:+=-]{1,128}")  # a tenant name: a plain key, any tier
+TENANT_MARK, PUBLIC = "/tenant:", "/public"  # NS/tenant:T is T's namespace, NS/public all's
+SALT_HEX = 32  # hex digits of a salt's hash in its partition's name (NS/salt:HEX)
 MIN_KEY, MAX_KEY = 16, 512  # an API key's characters
 MAX_SALT = 256  # cache_salt characters (vLLM takes any string; a bound keeps bodies sane)
 MAX_KEYS = 100_000
@@ -102,7 +106,7 @@ class Tenants:
 
     @property
     def public_namespace(self) -> str:
-        return f"{self.namespace}/public"
+        return f"{self.namespace}{PUBLIC}"
 
     def tenant(self, headers: Mapping[str, str] | Any) -> str | None:
         """The tenant of a request with these headers (None: single-tenant).
@@ -138,7 +142,7 @@ class Tenants:
     def namespace_for(self, tenant: str | None, salt: Any = None) -> str:
         """The namespace of a tenant's caches, partitioned by ``salt`` (a request's
         ``cache_salt``; InvalidArgumentError when it is no string of 1..256 characters)."""
-        ns = self.namespace if tenant is None else f"{self.namespace}/tenant:{tenant}"
+        ns = self.namespace if tenant is None else f"{self.namespace}{TENANT_MARK}{tenant}"
         if salt is None:
             return ns
         if not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT:
@@ -150,7 +154,7 @@ class Tenants:
         except UnicodeEncodeError:
             raise InvalidArgumentError("cache_salt must be valid text") from None
         # a partition of the tenant's namespace: within its budget in every tier
-        return f"{ns}{PARTITION}{hashlib.sha256(raw).hexdigest()[:32]}"
+        return f"{ns}{PARTITION}{hashlib.sha256(raw).hexdigest()[:SALT_HEX]}"
 
     def is_public(self, messages: Any, tools: Any) -> bool:
         """Whether a chat request's leading system messages (with its tools) are a
@@ -178,6 +182,7 @@ def tenants_from(
             f"--namespace {namespace!r} may not hold {PARTITION!r}: it marks a cache_salt's "
             "partition, and every tenant would share one budget"
         )
+    _check_base(namespace, multi=api_keys is not None or header is not None)
     if api_keys is not None and header is not None:
         raise InvalidArgumentError(
             "give --api-keys or --tenant-header, not both: the key names the tenant"
@@ -191,6 +196,24 @@ def tenants_from(
         load_public(public_prefix) if public_prefix is not None else frozenset(),
         public_marks,
     )
+
+
+def _check_base(namespace: str, multi: bool) -> None:
+    """InvalidArgumentError for a ``--namespace`` that is a tenant's or the public one
+    (its clients would share that tenant's caches, or write into what every tenant
+    reads), or too long for the namespaces made from it (``namespace_for``)."""
+    if TENANT_MARK in namespace or namespace.endswith(PUBLIC):
+        raise InvalidArgumentError(
+            f"--namespace {namespace[:80]!r} may not hold {TENANT_MARK!r} nor end in {PUBLIC!r}: "
+            "those are a tenant's namespaces and the public one"
+        )
+    longest = len(TENANT_MARK) + MAX_TENANT if multi else 0
+    most = MAX_NAME - longest - len(PARTITION) - SALT_HEX
+    if len(namespace) > most:
+        raise InvalidArgumentError(
+            f"--namespace is {len(namespace)} characters; at most {most} here, so that every "
+            f"tenant's and salt's namespace fits in {MAX_NAME}"
+        )
 
 
 def load_keys(path: str | Path) -> dict[bytes, str]:

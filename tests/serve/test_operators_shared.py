@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bench.servers import Server
-from tests.serve.servers import TURN1, TURN2, get, hits, metrics
+from tests.serve.servers import TURN1, TURN2, get, hits, metrics, written
 from tests.tiers.conftest import RedisServer
 
 
@@ -61,3 +61,27 @@ def test_shared_hits_bytes_and_the_breaker(model_dir: Any, redis: Any, tmp_path:
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_tier_that_refuses_is_told_on_metrics_the_log_and_the_stop_line(
+    model_dir: Any, redis: Any, tmp_path: Path
+) -> None:
+    """Redis out of memory under its default policy (noeviction) refuses every push:
+    no breaker opens (the server answers), so the log, /metrics and the stop line
+    must say so (found from outside: all three were silent)."""
+    r = redis.client()
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", str(int(r.info("memory")["used_memory"]) + 4096))
+    log = tmp_path / "a.log"
+    a = serve(model_dir("llama"), tmp_path / "a", redis.url, log)
+    try:
+        a.chat(TURN1)
+        written(a)
+        got = metrics(a)
+        assert got[("persist_tier_refusals_total", (("tier", "shared"),))] > 0
+        assert got[("persist_tier_up", (("tier", "shared"),))] == 1  # answered: no breaker
+    finally:
+        a.stop()
+    text = log.read_text()
+    assert "refused" in text and "maxmemory" in text
+    assert "refused by the shared tier" in text

@@ -13,6 +13,7 @@ import persist
 from persist.errors import InvalidArgumentError, PersistError
 from persist.serve.tenant_metrics import TenantCounts, tenancy_line, tenant_of
 from persist.serve.tenants import AccessDeniedError, Tenants, load_keys, load_public, tenants_from
+from persist.storage.rows import MAX_NAME
 from tests.helpers import persist_cli
 
 KEY = "k" * 16
@@ -116,6 +117,30 @@ def test_a_base_namespace_holding_the_partition_mark_is_refused() -> None:
     ``x``: all tenants would share one budget."""
     with pytest.raises(InvalidArgumentError, match="/salt:"):
         tenants_from("x/salt:y")
+
+
+@pytest.mark.parametrize(
+    "namespace", ["default/tenant:alice", "x/tenant:", "default/public", "a/b/public"]
+)
+def test_a_base_namespace_that_is_a_tenants_or_the_public_one_is_refused(namespace: str) -> None:
+    """Found from outside: a single-tenant server on ``--namespace default/tenant:alice``
+    served alice's caches to every client of it, and one on ``default/public`` wrote
+    every client's prompts into the namespace all tenants read."""
+    for options in ({}, {"header": "X-Tenant"}):
+        with pytest.raises(InvalidArgumentError, match="--namespace"):
+            tenants_from(namespace, **options)
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_a_base_namespace_too_long_for_its_partitions_is_refused(multi: bool) -> None:
+    """Found from outside: an 900-character ``--namespace`` started, and every tenant
+    whose salted namespace passed the store's 1,024 characters was never saved."""
+    options = {"header": "X-Tenant"} if multi else {}
+    longest = MAX_NAME - len("/tenant:") - 128 - len("/salt:") - 32 if multi else MAX_NAME - 38
+    fits = tenants_from("n" * longest, **options)
+    assert len(fits.namespace_for("t" * 128 if multi else None, "salt")) == MAX_NAME
+    with pytest.raises(InvalidArgumentError, match="at most"):
+        tenants_from("n" * (longest + 1), **options)
 
 
 def test_namespaces_never_collide() -> None:

@@ -21,6 +21,7 @@ from tests.helpers import (
     tokens_for,
 )
 from tests.tiers.conftest import Clock
+from tests.tiers.test_acl_recipe import RECIPE
 
 FAMILIES = {"llama": 300, "qwen3_next": 300, "gemma3": 100}
 
@@ -150,7 +151,7 @@ def test_an_acl_confines_a_tenant_to_its_prefix(
     with persist.Store(tmp_path / "admin", shared=redis_server.url) as admin:
         admin.save(cache, toks, identity=ident, session="s", namespace="b")
     pattern = f"~{RedisTier.prefix('a')}*"
-    redis_server.client().execute_command("ACL", "SETUSER", "alice", "on", ">pw", pattern, "+@all")
+    redis_server.client().execute_command("ACL", "SETUSER", "alice", "on", ">pw", pattern, *RECIPE)
     alice = redis_server.url.replace("redis://", "redis://alice:pw@")
     with persist.Store(tmp_path / "alice", shared=alice) as store:
         store.save(cache, toks, identity=ident, session="mine", namespace="a")  # allowed

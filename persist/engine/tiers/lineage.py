@@ -61,6 +61,7 @@ from typing import Any, NamedTuple
 
 from ...errors import PersistError, SessionUnreachableError
 from ...format.tokens import unpack_tokens
+from ...remote.urls import shown_url
 from ...storage.rows import MAX_FORKS, fork_name  # past MAX_FORKS a push fails, not scans on
 from .records import BadValue, Expect, Keys, open_record
 
@@ -84,13 +85,6 @@ class RepairDeclined(PersistError):
     """A stale session pointer left as it is: the tier no longer holds the value the
     repair read (a newer push got there first), or a version no older than the one
     the repair would write (``stale_held``)."""
-
-
-def shown_url(url: str) -> str:
-    """A tier's URL without its credentials (``redis://:PASSWORD@host``), for messages."""
-    scheme, sep, rest = url.partition("://")
-    host, at, path = rest.partition("/")
-    return f"{scheme}{sep}{host.rpartition('@')[2]}{at}{path}"
 
 
 class Held(NamedTuple):

@@ -56,8 +56,17 @@ def namespace_secret(
 def _recovered(shared: Shared, index: Index, namespace: str) -> bytes | None:
     """A secret the tier lost, from one of its records (the first that opens: a bad one
     is a counted miss, and the search is bounded, ``recovery_records``), else from the
-    cold tier (S3 evicts nothing)."""
-    for value in shared.tier.recovery_records(namespace):
+    cold tier (S3 evicts nothing).  A search the tier's ACL refuses (docs/fleet.md's
+    recipe refuses SCAN: it lists every tenant's key names) finds nothing: the caller
+    plants a secret again, and a store whose own differs rechains at the tier's edge."""
+    try:
+        found = list(shared.tier.recovery_records(namespace))
+    except TierUnavailable as e:
+        if not e.denied:
+            raise
+        index.count(namespace, **{f"{shared.name}_recovery_refused": 1})
+        found = []
+    for value in found:
         try:
             body = open_record(shared.keys, value, Expect(namespace))
             secret = body.get("secret")
