@@ -3,6 +3,7 @@ is that key's failure, never an outage for the whole store (moto's server)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,11 @@ def test_every_valid_session_name_round_trips_through_s3(
 
 
 def test_one_refused_key_never_opens_the_breaker(
-    tiny: Any, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny: Any,
+    s3_server: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """An object store that refuses one path (before the name encoding, obstore's
     parser refused `../x`) fails that push only; the next save still reaches S3."""
@@ -52,11 +57,15 @@ def test_one_refused_key_never_opens_the_breaker(
         return path + "//" if parts[-1] == object_name("bad") else path  # unparseable
 
     monkeypatch.setattr(S3Tier, "_path", refusing)
+    caplog.set_level(logging.WARNING, logger="persist")
     with persist.Store(tmp_path / "a", cold=s3_server.url) as a:
         a.save(cache, toks, identity=ident, session="bad")  # the local save stands
         a.save(cache, toks, identity=ident, session="q")
         assert a.cold is not None and a.cold.tier.counters.get("refused", 0) >= 1
         assert a.cold.tier.counters.get("errors", 0) == 0
+        told = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(told) == 1 and told[0].startswith(f"persist: cold tier {s3_server.url}")
+        assert a.cold.tier.refusals.total == a.cold.tier.counters["refused"]
         assert a.sync(namespace="default")["failed"] == 1  # `bad` only, and said so
     with persist.Store(tmp_path / "b", cold=s3_server.url) as b:
         assert b.restore("q", identity=ident).tokens == toks
