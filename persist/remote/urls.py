@@ -1,5 +1,5 @@
 """A tier's URL as messages show it: without its credentials
-(``redis://user:PASSWORD@host`` -> ``redis://host``), so no log line, error or
+(``redis://user:PASSWORD@host`` -> ``redis://***@host``), so no log line, error or
 report of persist's carries a password.  No mlx."""
 
 from __future__ import annotations
@@ -12,4 +12,5 @@ def shown_url(url: str) -> str:
     scheme and the last ``@`` goes (a password may hold ``/``, ``,`` or ``@``; a
     cluster URL has them before its first host only)."""
     scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}{rest.rpartition('@')[2]}"
+    _, at, hosts = rest.rpartition("@")
+    return f"{scheme}{sep}{'***@' if at else ''}{hosts}"

@@ -14,7 +14,8 @@ import json
 import logging
 import time
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+
+from ..remote.urls import shown_url
 
 __all__ = ["JsonFormatter", "use_log_format", "start_line", "stop_line", "redact"]
 
@@ -47,18 +48,8 @@ def use_log_format(fmt: str) -> None:
 
 
 def redact(url: str | None) -> str:
-    """A tier URL without its user and password (redis://:secret@host keeps host only)."""
-    if not url:
-        return "off"
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "(unparsable URL)"
-    if parts.password is None and parts.username is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    """A tier URL without its user and password (``remote/urls.shown_url``), or "off"."""
+    return shown_url(url) if url else "off"
 
 
 def _size(n: float) -> str:

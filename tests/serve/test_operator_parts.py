@@ -141,6 +141,13 @@ def test_tier_urls_are_logged_without_passwords() -> None:
     assert redact("rediss://user:pw@h/1") == "rediss://***@h/1"
     assert redact("s3://bucket/prefix") == "s3://bucket/prefix"
     assert redact(None) == "off"
+    # found in round 5: a cluster URL with credentials raised ValueError at start, and a
+    # password holding "/" was shown whole
+    assert (
+        redact("redis+cluster://u:pw@h1:7000,h2:7000/0") == "redis+cluster://***@h1:7000,h2:7000/0"
+    )
+    assert redact("redis://:p/w@h:1/0") == "redis://***@h:1/0"
+    assert redact("redis://u:p@[::1]:6379/0") == "redis://***@[::1]:6379/0"
 
 
 def test_json_log_lines() -> None:
