@@ -96,6 +96,7 @@ def serve(
     from .http_edge import serve_until_signal
     from .logs import start_line, stop_line, use_log_format
     from .model_identity import track_identities
+    from .penalty_context import patch as penalties_see_the_cache
     from .prefill_rates import measure_prefills
     from .quiet import RequestGate
     from .stats_writer import StatsWriter
@@ -127,6 +128,7 @@ def serve(
     # counters and prefill rates written off the generation thread (serve.stats_writer)
     stats = StatsWriter(store, on_error=lambda e: metrics.store_failed(e, counter=True))
     measure_prefills(server, stats, lambda model: by_model.get(id(model)))
+    penalties_see_the_cache(server)
     metrics.misses = miss_counter(metrics.registry)
     honour = not tenancy.multi or tenant_max_bytes is not None  # serve.hints: budgets
     budget = host_budget(host_cache)

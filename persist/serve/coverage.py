@@ -8,6 +8,10 @@ the draft's after a fully accepted round, often cover one position less
 than the key.  Kept under that key, or trimmed from it to a shared prefix,
 such a cache is a position short and the next turn answers differently.
 Here every layer is cut to the shortest and the key to what they cover.
+
+Handed out, a cache always leaves a token to feed (``one_short``): mlx-lm's trie
+hands out an exact hit with nothing left to prefill, which its batch loop and
+its one-request path both fail on (attack r17b).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 from ..codecs import facts_of
 
-__all__ = ["covered_key"]
+__all__ = ["covered_key", "one_short"]
 
 
 def covered_key(tokens: Sequence[int], cache: Sequence[Any]) -> list[int] | None:
@@ -51,3 +55,15 @@ def _cut(cache: Any, n: int) -> bool:
     if not callable(trimmable) or not trimmable():
         return False
     return int(cache.trim(n)) == n
+
+
+def one_short(cache: list[Any], tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+    """An exact hit of ``tokens`` cut back one token, and that token to feed; a miss
+    (None, every token) where a layer cannot be cut (recurrent state, a ring past its
+    window): the tiers behind memory keep one token to feed themselves."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+    if not can_trim_prompt_cache(cache):
+        return None, list(tokens)
+    trim_prompt_cache(cache, 1)
+    return cache, list(tokens[-1:])

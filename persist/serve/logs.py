@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from ..remote.urls import shown_url
+from ..engine.tiers.lineage import shown_url
 
 __all__ = ["JsonFormatter", "use_log_format", "start_line", "stop_line", "redact"]
 

@@ -14,7 +14,9 @@ from typing import Any
 
 from .. import provenance
 from ..engine.cache_fit import refuse_unfit_kv_bits
+from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
+from .drafts import draft_problem
 
 __all__ = ["cache_config_of", "track_identities"]
 
@@ -47,6 +49,18 @@ def track_identities(
 
     def _load(self: Any, model_path: Any, adapter_path: Any = None, draft: Any = None) -> None:
         real_load(self, model_path, adapter_path, draft)
+        try:
+            _track(self, model_path, adapter_path)
+        except BaseException:
+            # what cannot be served is not kept loaded: the next request for it would
+            # find its key loaded and be served with no identity, or served wrong
+            self.reset()
+            raise
+
+    def _track(self: Any, model_path: Any, adapter_path: Any) -> None:
+        problem = draft_problem(self.model, self.draft_model)
+        if problem is not None:
+            raise InvalidArgumentError(problem)
         config: dict[str, Any] = cache_config_of(self.cli_args)
         # local directories let the weights digest be remembered across restarts:
         # stamped now, before any code but mlx-lm's loader touched the model (an

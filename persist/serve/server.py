@@ -34,7 +34,7 @@ from ..engine.store import Store
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
 from ..yielding import committing, giving_way
-from .coverage import covered_key
+from .coverage import covered_key, one_short
 from .handoff import handed_off, writer_stream
 from .hints import HintedKeys, Hints
 from .judgements import Judgements
@@ -42,6 +42,7 @@ from .keeper import EvictionKeeper
 from .kept_keys import KeptKeys
 from .memory_order import HintedOrder
 from .metrics import ServeMetrics
+from .penalty_context import note
 from .quiet import RequestGate
 from .stats_writer import StatsWriter
 from .tenants import Scoped
@@ -138,12 +139,16 @@ class PersistentPromptCache(LRUPromptCache):
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = super().fetch_nearest_cache(model, tokens)
+        if cache is not None and not rest and tokens:
+            cache, rest = one_short(cache, tokens)
         if cache is not None:  # mlx-lm may have cut it, with each class's own trim
             cache = cut_clean(cache)
             if not self._served(model, cache):
                 cache, rest = None, list(tokens)
         with self._on_thread("lookup"):
-            return self._nearer(model, tokens, cache, rest)
+            cache, rest = self._nearer(model, tokens, cache, rest)
+        note(cache, tokens[: len(tokens) - len(rest)])  # what penalties look back over
+        return cache, rest
 
     def _served(self, model: Any, cache: Any) -> bool:
         """May memory's cache (mlx-lm may have cut it) be handed out?  The servable

@@ -24,6 +24,7 @@ from ..engine.store import Store
 from ..engine.warm import warm
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
+from .drafts import draft_problem
 
 __all__ = ["first_forward", "warmer"]
 
@@ -107,19 +108,12 @@ def first_forward(model_provider: Any) -> float | None:
 
 
 def check_draft(model_provider: Any) -> None:
-    """InvalidArgumentError for a draft model beside a model whose cache cannot be
-    trimmed: mlx-lm's speculative decoding refuses such a cache in every request (a
-    500 each, attack 39h); refused at start, as other setups that serve nothing are."""
-    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
-
-    if getattr(model_provider, "draft_model", None) is None:
-        return
-    if not can_trim_prompt_cache(make_prompt_cache(model_provider.model)):
-        raise InvalidArgumentError(
-            "--draft-model needs a model whose prompt cache can be trimmed (mlx-lm's "
-            "speculative decoding refuses every request otherwise); this model's cache "
-            "has layers that cannot be (recurrent state): serve it without a draft model"
-        )
+    """InvalidArgumentError for a draft model mlx-lm's speculative decoding cannot serve
+    exactly beside this model (``drafts``); refused at start, as other setups that
+    serve nothing or serve wrong are."""
+    problem = draft_problem(model_provider.model, getattr(model_provider, "draft_model", None))
+    if problem is not None:
+        raise InvalidArgumentError(problem)
 
 
 def batched(model: Any, ids: list[int], step: int) -> int:

@@ -74,7 +74,7 @@ PINNED = {
     "_make_sampler": "called: serve/generation.py check_sampling",
     "_make_logits_processors": "called: serve/generation.py check_sampling",
     "ModelProvider": "its _load replaced: serve/model_identity.py",
-    "stream_generate": "replaced: serve/prefill_rates.py",
+    "stream_generate": "replaced: serve/prefill_rates.py, serve/penalty_context.py",
     "BatchGenerator": "subclassed and replaced: serve/prefill_rates.py",
     "LRUPromptCache": "replaced by a factory of PersistentPromptCache: serve/server.py",
     "scan_cache_dir": "wrapped: serve/handler.py models_without_hf_cache",
@@ -135,10 +135,11 @@ def test_the_model_provider_load_persist_replaces() -> None:
 
 
 def test_the_generation_functions_persist_measures() -> None:
-    # the server calls stream_generate with model= and prompt_cache= keywords, which
-    # prefill_rates reads; each response carries prompt_tokens and prompt_tps
+    # the server calls stream_generate with model=, prompt_cache= and logits_processors=
+    # keywords, which prefill_rates and penalty_context read; each response carries
+    # prompt_tokens and prompt_tps
     (call,) = calls_to(server.ResponseGenerator._serve_single, "stream_generate")
-    assert {"model", "prompt_cache"} <= {k.arg for k in call.keywords}
+    assert {"model", "prompt_cache", "logits_processors"} <= {k.arg for k in call.keywords}
     fields = {f.name for f in dataclasses.fields(generate.GenerationResponse)}
     assert {"prompt_tokens", "prompt_tps"} <= fields
     b = server.BatchGenerator

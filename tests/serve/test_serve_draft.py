@@ -11,6 +11,7 @@ its own memory, so it is no oracle) and the same request on a fresh server.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +151,48 @@ def test_a_draft_beside_an_untrimmable_model_is_refused_at_start(
     )  # fmt: skip
     assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
     assert "--draft-model" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("main", "draft"), [("gemma3", "llama"), ("llama", "gemma3")])
+def test_a_draft_beside_a_sliding_window_model_is_refused_at_start(
+    main: str, draft: str, model_dir: Any, tmp_path: Path
+) -> None:
+    """Attack r17b: past its window a ring cannot be trimmed, and mlx-lm's speculative
+    decoding then trims nothing (silently): the rejected draft tokens stayed in every
+    layer, and gemma3 answered wrong greedy tokens from its first token on."""
+    from tests.helpers import persist_cli
+
+    out = persist_cli(
+        tmp_path / "home", "serve", "--model", str(model_dir(main)), "--store",
+        str(tmp_path / "s"), "--port", "0", "--draft-model", str(model_dir(draft)),
+        check=False,
+    )  # fmt: skip
+    assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
+    assert "--draft-model" in out.stderr and "window" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_requests_draft_beside_a_sliding_window_model_is_refused(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    """The same with a request's own draft model (--allowed-models): refused every
+    time, never served with the draft; the model alone still is."""
+    from tests.serve.servers import post
+
+    ring, plain = model_dir("gemma3"), model_dir("llama_hd64")
+    srv = Server(
+        [
+            "persist", "serve", "--model", str(model_dir("llama")), "--store",
+            str(tmp_path / "s"), "--allowed-models", f"{ring},{plain}",
+        ],
+        tmp_path / "serve.log",
+    )  # fmt: skip
+    try:
+        asked = {"model": str(ring), "draft_model": str(plain), "max_tokens": 4}
+        for _ in range(2):  # the second is refused too, not served by the loaded pair
+            code, body = post(srv, "/v1/completions", {**asked, "prompt": "one two three"})
+            assert code >= 400 and "window" in json.dumps(body), (code, body)
+        code, body = post(srv, "/v1/completions", {"model": str(ring), "prompt": "a b"})
+        assert code == 200, (code, body)
+    finally:
+        srv.stop()

@@ -15,6 +15,10 @@ import pytest
 
 from tests.tools import need
 
+# docs/fleet.md's Redis ACL for a tenant: every command but the admin ones, the dangerous
+# ones (FLUSHALL, KEYS, CONFIG, ...) and the two that read key names outside its pattern
+RECIPE = ("+@all", "-@admin", "-@dangerous", "-scan", "-randomkey")
+
 
 def free_port() -> int:
     with socket.socket() as s:

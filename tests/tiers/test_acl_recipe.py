@@ -15,10 +15,8 @@ import pytest
 import persist
 from persist.remote.redis_tier import RedisTier
 from tests.helpers import assert_same_state, live_state, prefill, tokens_for
+from tests.tiers.conftest import RECIPE
 
-# docs/fleet.md: every command but the admin ones, the dangerous ones (FLUSHALL, KEYS,
-# CONFIG, ...) and the two that read key names outside the user's pattern
-RECIPE = ("+@all", "-@admin", "-@dangerous", "-scan", "-randomkey")
 REFUSED = [
     ("ACL", "SETUSER", "alice", "~*"),
     ("FLUSHALL",),

@@ -20,8 +20,7 @@ from tests.helpers import (
     run_child,
     tokens_for,
 )
-from tests.tiers.conftest import Clock
-from tests.tiers.test_acl_recipe import RECIPE
+from tests.tiers.conftest import RECIPE, Clock
 
 FAMILIES = {"llama": 300, "qwen3_next": 300, "gemma3": 100}
 

@@ -1,0 +1,65 @@
+"""A request with penalties (presence, repetition, frequency) answers on a cache hit
+what a fresh server answers: the penalties look back over the cached tokens too.
+
+Found from outside (attack r17b): mlx-lm's one-request path (a request with a
+``seed``, every request under ``--kv-bits`` or a draft model) hands generation only
+the uncached rest of the prompt, so a penalty's look-back missed the cached tokens
+and a hit, from memory or from the store after a restart, answered other tokens
+than a fresh prefill.  The oracle is a fresh server given the same request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.servers import Server
+from tests.serve.servers import post
+
+BASE = "Some shared prefix text that repeats 0123456789 abcdefghij. " * 2
+TURN2 = BASE + "abc"
+PENALTIES = [
+    {"presence_penalty": 2.0},
+    {"repetition_penalty": 1.8, "repetition_context_size": 40},
+    {"frequency_penalty": 2.0},
+]
+
+
+def serve(model: Path, store: Path, log: Path) -> Server:
+    return Server(["persist", "serve", "--model", str(model), "--store", str(store)], log)
+
+
+def ids(resp: dict[str, Any]) -> list[Any]:
+    return [(c["id"], c["logprob"]) for c in resp["choices"][0]["logprobs"]["content"]]
+
+
+@pytest.mark.parametrize("penalty", PENALTIES, ids=lambda p: next(iter(p)))
+def test_a_hit_with_penalties_answers_as_a_fresh_server(
+    penalty: dict[str, Any], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from persist.apps.demo import make_model
+
+    model = make_model(tmp_path_factory.mktemp("pen") / "m", "llama", dtype="float32", seed=0)
+    body = {"temperature": 0, "max_tokens": 8, "logprobs": True, "seed": 1, **penalty}
+    fresh = serve(model, tmp_path / "fresh", tmp_path / "fresh.log")
+    try:
+        code, want = post(fresh, "/v1/completions", {**body, "prompt": TURN2})
+        assert code == 200, want
+    finally:
+        fresh.stop()
+    srv = serve(model, tmp_path / "s", tmp_path / "s.log")
+    try:
+        post(srv, "/v1/completions", {**body, "prompt": BASE})
+        code, memory = post(srv, "/v1/completions", {**body, "prompt": TURN2})
+        assert code == 200 and memory["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        srv.stop()
+    again = serve(model, tmp_path / "s", tmp_path / "again.log")  # the store serves it
+    try:
+        code, stored = post(again, "/v1/completions", {**body, "prompt": TURN2})
+        assert code == 200 and stored["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        again.stop()
+    assert ids(memory) == ids(want)
+    assert ids(stored) == ids(want)
