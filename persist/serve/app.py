@@ -260,9 +260,10 @@ def check_sizes(server_args: Sequence[str]) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(add_help=False)
-    for name in AT_LEAST_ONE:
+    for name in (*AT_LEAST_ONE, "--prompt-cache-bytes"):
         parser.add_argument(name)
     known, _ = parser.parse_known_args(list(server_args))
+    _check_bytes(known.prompt_cache_bytes)
     for name in AT_LEAST_ONE:
         raw = getattr(known, name.lstrip("-").replace("-", "_"))
         try:
@@ -274,6 +275,24 @@ def check_sizes(server_args: Sequence[str]) -> None:
                 f"{name} {value} serves nothing: at least 1 (mlx-lm's server would hang "
                 "on its first request or fail every one)"
             )
+
+
+def _check_bytes(raw: str | None) -> None:
+    """InvalidArgumentError for a ``--prompt-cache-bytes`` mlx-lm's size parser cannot
+    read: it raised KeyError or decimal's error (a traceback, attack r17b)."""
+    if raw is None:
+        return
+    from mlx_lm.utils import _parse_size
+
+    try:
+        if _parse_size(raw) >= 0:
+            return
+    except Exception:  # KeyError for a unit it lacks, InvalidOperation for no number
+        pass
+    raise InvalidArgumentError(
+        f"--prompt-cache-bytes {raw[:40]!r} is not a size: a number of bytes, or one "
+        "with M, G, MB or GB (mlx-lm's units: no K, no T)"
+    )
 
 
 def host_budget(host_cache: int | None) -> int:

@@ -328,6 +328,10 @@ def test_a_public_cut_never_holds_private_text(tiny: Any) -> None:
         ("--prefill-step-size", "-1", "--prefill-step-size"),
         ("--prompt-concurrency", "0", "--prompt-concurrency"),
         ("--decode-concurrency", "0", "--decode-concurrency"),
+        # attack r17b: mlx-lm's size parser raised KeyError (a traceback) on these
+        ("--prompt-cache-bytes", "300K", "--prompt-cache-bytes"),
+        ("--prompt-cache-bytes", "-1", "--prompt-cache-bytes"),
+        ("--prompt-cache-bytes", "lots", "--prompt-cache-bytes"),
     ],
 )
 def test_serve_refuses_options_that_serve_nothing(
@@ -352,6 +356,10 @@ def test_mlx_lm_sizes_below_one_are_refused_in_every_spelling() -> None:
             check_sizes(bad)
     check_sizes(["--prefill-step-size", "1", "--prompt-concurrency", "2", "--kv-bits", "4"])
     check_sizes(["--prefill-step-size", "many"])  # mlx-lm's own argparse refuses it
+    check_sizes(["--prompt-cache-bytes", "300M", "--prompt-cache-bytes=2GB"])
+    for size in ("300K", "1.5T", "", "-2", "1e9", "x"):
+        with pytest.raises(persist.InvalidArgumentError, match="--prompt-cache-bytes"):
+            check_sizes([f"--prompt-cache-bytes={size}"])
 
 
 def test_a_tenant_header_or_key_given_twice_is_refused(tmp_path: Path) -> None:
