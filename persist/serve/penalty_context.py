@@ -6,9 +6,11 @@ only the uncached rest of the prompt; the penalties' logits processors (presence
 repetition, frequency: each looks back over the last N tokens) see what
 generation was handed, so on a hit they missed the cached tokens and answered
 other tokens than a fresh prefill (attack r17b).  mlx-lm's batched path hands
-them every token already.  Here the prompt cache notes, on its thread, which
-cache a lookup handed out and the tokens it covers (``note``), and mlx-lm's
-``stream_generate`` given that cache has every processor see those tokens first.
+them every token already; its speculative decoding shows them none of the prompt
+but its last token, hit or not, so there nothing changes.  Here the prompt cache
+notes, on its thread, which cache a lookup handed out and the tokens it covers
+(``note``), and mlx-lm's ``stream_generate`` given that cache has every processor
+see those tokens first.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ def patch(server: Any) -> None:
         seen, _last.seen = getattr(_last, "seen", None), None
         processors = kwargs.get("logits_processors")
         cache = kwargs.get("prompt_cache")
-        if processors and seen is not None and seen[0] == id(cache) and seen[1]:
+        # speculative decoding shows its processors no prompt token but the last, fresh
+        # or not: a hit is already what a fresh prefill is there
+        spec = kwargs.get("draft_model") is not None
+        if processors and not spec and seen is not None and seen[0] == id(cache) and seen[1]:
             import mlx.core as mx
 
             before = mx.array(seen[1])

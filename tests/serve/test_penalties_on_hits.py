@@ -26,8 +26,8 @@ PENALTIES = [
 ]
 
 
-def serve(model: Path, store: Path, log: Path) -> Server:
-    return Server(["persist", "serve", "--model", str(model), "--store", str(store)], log)
+def serve(model: Path, store: Path, log: Path, *extra: str) -> Server:
+    return Server(["persist", "serve", "--model", str(model), "--store", str(store), *extra], log)
 
 
 def ids(resp: dict[str, Any]) -> list[Any]:
@@ -63,3 +63,30 @@ def test_a_hit_with_penalties_answers_as_a_fresh_server(
         again.stop()
     assert ids(memory) == ids(want)
     assert ids(stored) == ids(want)
+
+
+def test_a_hit_with_penalties_and_a_draft_answers_as_a_fresh_server(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """mlx-lm's speculative decoding shows its penalties no prompt token but the last,
+    fresh or not: a hit must not show them the cached ones either."""
+    from persist.apps.demo import make_model
+
+    root = tmp_path_factory.mktemp("pen_draft")
+    model = make_model(root / "m", "llama", dtype="float32", seed=0)
+    draft = ("--draft-model", str(make_model(root / "d", "llama", dtype="float32", seed=3)))
+    body = {"temperature": 0, "max_tokens": 8, "logprobs": True, "presence_penalty": 2.0}
+    fresh = serve(model, tmp_path / "fresh", tmp_path / "fresh.log", *draft)
+    try:
+        code, want = post(fresh, "/v1/completions", {**body, "prompt": TURN2})
+        assert code == 200, want
+    finally:
+        fresh.stop()
+    srv = serve(model, tmp_path / "s", tmp_path / "s.log", *draft)
+    try:
+        post(srv, "/v1/completions", {**body, "prompt": BASE})
+        code, memory = post(srv, "/v1/completions", {**body, "prompt": TURN2})
+        assert code == 200 and memory["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        srv.stop()
+    assert ids(memory) == ids(want)
