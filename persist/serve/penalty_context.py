@@ -28,7 +28,10 @@ _last = threading.local()  # (id of the cache a lookup handed out, the tokens it
 
 def note(cache: Any, covered: Sequence[int]) -> None:
     """The lookup on this thread handed out ``cache`` (None: none) covering ``covered``."""
-    _last.seen = (id(cache), list(covered[-LOOK_BACK:])) if cache is not None else None
+    # a vision prompt's key holds an image's hash (a negative id) where its tokens were:
+    # no ids to show, so such a hit keeps mlx-lm's own behaviour
+    tokens = list(covered[-LOOK_BACK:])
+    _last.seen = (id(cache), tokens) if cache is not None and min(tokens, default=0) >= 0 else None
 
 
 def patch(server: Any) -> None:
