@@ -42,6 +42,7 @@ from ..errors import AccessDeniedError
 from .explaining import ExplainSlot, judge, judged, wanted
 from .generation import GuardedGenerator
 from .hints import SaveHints, save_hints, split_at_marks
+from .penalty_context import note
 from .request_checks import BadRequest
 from .tenant_metrics import Counts, CountsOnce, one_lookup
 from .tenants import Scoped, Tenants
@@ -147,6 +148,7 @@ class TenantScoping(CountsOnce):
                 self.metrics.outcomes.count_once(seen, len(tokens), have)
             damaged = damaged_skips() > skips  # a row the index offers failed its checks
             self._judge(model, ask, tokens, have, decision, damaged, hand)
+            note(cache, tokens[:have])  # the one handed out, not the last looked up
             return cache, rest
         finally:
             # one lookup per request in /metrics by tenant (serve.tenant_metrics)

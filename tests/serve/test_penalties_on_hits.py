@@ -90,3 +90,43 @@ def test_a_hit_with_penalties_and_a_draft_answers_as_a_fresh_server(
     finally:
         srv.stop()
     assert ids(memory) == ids(want)
+
+
+def test_a_hit_beside_a_public_prefix_answers_as_a_fresh_server(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Outside attack r17c: with a public prefix a request is looked up twice (its own
+    namespace, then the public one); the second lookup's note of what it covered
+    replaced the first's, so when the own hit was the one handed out its penalties
+    missed the cached tokens again."""
+    import json
+
+    from persist.apps.demo import make_model
+
+    model = make_model(tmp_path_factory.mktemp("pen_pub") / "m", "llama", dtype="float32", seed=0)
+    public = "2222222222 HHHHHHHH 22 HH. Acme support agent: qwvk. " + "Answer briefly. " * 4
+    other = public[: len(public) // 2] + "Completely different tail of another system prompt."
+    listed = tmp_path / "public.json"
+    listed.write_text(json.dumps([{"messages": [{"role": "system", "content": public}]}]))
+    ask = {"temperature": 0, "max_tokens": 8, "logprobs": True, "seed": 3,
+           "logit_bias": {"50": 4.0}, "frequency_penalty": 0.5,
+           "frequency_context_size": 1000}  # fmt: skip
+    first = {**ask, "messages": [{"role": "system", "content": other},
+                                 {"role": "user", "content": "hello"}]}  # fmt: skip
+    second = {**ask, "messages": [{"role": "system", "content": public},
+                                  {"role": "user", "content": "where is my order"}]}  # fmt: skip
+    opts = ("--public-prefix", str(listed))
+    fresh = serve(model, tmp_path / "fresh", tmp_path / "fresh.log", *opts)
+    try:
+        code, want = post(fresh, "/v1/chat/completions", second)
+        assert code == 200, want
+    finally:
+        fresh.stop()
+    srv = serve(model, tmp_path / "s", tmp_path / "s.log", *opts)
+    try:
+        post(srv, "/v1/chat/completions", first)
+        code, got = post(srv, "/v1/chat/completions", second)
+        assert code == 200 and got["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        srv.stop()
+    assert ids(got) == ids(want)
