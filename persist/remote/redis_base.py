@@ -21,7 +21,7 @@ from .blob_marks import BlobMarks
 from .redis_cluster import cluster_client
 from .redis_reads import Reader
 from .refusals import Refusals
-from .urls import shown_url
+from .urls import scrubbed, shown_url
 
 __all__ = ["RedisConnection", "TierUnavailable", "namespace_tag", "SCHEMES", "CLUSTER_SCHEMES"]
 
@@ -150,7 +150,8 @@ def _from_url(redis: Any, url: str, timeouts: dict[str, Any]) -> Any:
         return redis.Redis.from_url(url, **timeouts)
     except ValueError as e:
         raise InvalidArgumentError(
-            f"the shared tier URL {shown_url(url)!r} is not redis://host:port/db: {e}"
+            f"the shared tier URL {shown_url(url)!r} is not redis://host:port/db: "
+            f"{scrubbed(str(e), url)}"
         ) from None
 
 

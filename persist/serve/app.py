@@ -260,10 +260,13 @@ def check_sizes(server_args: Sequence[str]) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(add_help=False)
-    for name in (*AT_LEAST_ONE, "--prompt-cache-bytes"):
+    for name in AT_LEAST_ONE:
         parser.add_argument(name)
+    # every occurrence: mlx-lm's argparse converts each one it is given (attack r17c)
+    parser.add_argument("--prompt-cache-bytes", action="append", default=[])
     known, _ = parser.parse_known_args(list(server_args))
-    _check_bytes(known.prompt_cache_bytes)
+    for raw in known.prompt_cache_bytes:
+        _check_bytes(raw)
     for name in AT_LEAST_ONE:
         raw = getattr(known, name.lstrip("-").replace("-", "_"))
         try:
@@ -277,11 +280,9 @@ def check_sizes(server_args: Sequence[str]) -> None:
             )
 
 
-def _check_bytes(raw: str | None) -> None:
+def _check_bytes(raw: str) -> None:
     """InvalidArgumentError for a ``--prompt-cache-bytes`` mlx-lm's size parser cannot
     read: it raised KeyError or decimal's error (a traceback, attack r17b)."""
-    if raw is None:
-        return
     from mlx_lm.utils import _parse_size
 
     try:

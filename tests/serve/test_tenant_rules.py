@@ -360,6 +360,8 @@ def test_mlx_lm_sizes_below_one_are_refused_in_every_spelling() -> None:
     for size in ("300K", "1.5T", "", "-2", "1e9", "x"):
         with pytest.raises(persist.InvalidArgumentError, match="--prompt-cache-bytes"):
             check_sizes([f"--prompt-cache-bytes={size}"])
+    with pytest.raises(persist.InvalidArgumentError, match="300K"):  # the first of two too
+        check_sizes(["--prompt-cache-bytes", "300K", "--prompt-cache-bytes", "1G"])
 
 
 def test_a_tenant_header_or_key_given_twice_is_refused(tmp_path: Path) -> None:

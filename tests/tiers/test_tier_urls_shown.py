@@ -40,3 +40,24 @@ def test_a_refusal_never_shows_the_password(
         assert store.shared is not None and store.shared.tier.counters.get("denied")
     said = [r.getMessage() for r in caplog.records]
     assert said and not any("sekr3t" in m for m in said), said
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6399/0?password=SECRETpw",
+        "redis://:SECRETpw/ab@127.0.0.1:6399/0",
+        "redis://:SECRETpw#ab@127.0.0.1:6399/0",
+        "redis://:ab?SECRETpw@127.0.0.1:6399/0",
+        "redis://user/x:SECRETpw@127.0.0.1:6399/0",
+        "redis+cluster://u:SECRETpw,x@127.0.0.1:7000,127.0.0.1:7001",
+        "redis+cluster://u:SECRETpw@127.0.0.1:notaport",
+    ],
+)
+def test_a_url_refused_never_shows_its_password(url: str) -> None:
+    """Outside attack r17c: the refusal of a URL redis-py cannot read quoted what
+    urlparse made of it, the password included."""
+    with pytest.raises(persist.PersistError) as got:
+        tier = RedisConnection(url)
+        tier._call("ping", lambda: tier._client.ping())  # a cluster's client is made here
+    assert "SECRETpw" not in str(got.value), str(got.value)
