@@ -82,6 +82,11 @@ def test_the_server_refuses_a_group_the_heads_do_not_divide_when_it_loads(
             self.model, self.tokenizer = load(path)[:2]
             self.model_key = (path, adapter, draft)
 
+        def reset(self) -> None:  # mlx-lm's: what the refusal leaves loaded is dropped
+            self.model_key = self.model = None
+
     track_identities(types.SimpleNamespace(ModelProvider=Provider))
+    provider = Provider()
     with pytest.raises(persist.InvalidArgumentError, match="kv_group_size=32"):
-        Provider()._load(str(d))
+        provider._load(str(d))
+    assert provider.model_key is None  # the next request loads (and is refused) again

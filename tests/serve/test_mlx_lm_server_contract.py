@@ -73,7 +73,7 @@ PINNED = {
     "ResponseGenerator": "subclassed (serve/generation.py) and replaced",
     "_make_sampler": "called: serve/generation.py check_sampling",
     "_make_logits_processors": "called: serve/generation.py check_sampling",
-    "ModelProvider": "its _load replaced: serve/model_identity.py",
+    "ModelProvider": "its _load replaced, its reset called: serve/model_identity.py",
     "stream_generate": "replaced: serve/prefill_rates.py, serve/penalty_context.py",
     "BatchGenerator": "subclassed and replaced: serve/prefill_rates.py",
     "LRUPromptCache": "replaced by a factory of PersistentPromptCache: serve/server.py",
@@ -131,6 +131,8 @@ def test_the_model_provider_load_persist_replaces() -> None:
     # persist's _load calls the real one as real_load(self, model_path, adapter_path, draft)
     assert params(p._load)[:4] == ["self", "model_path", "adapter_path", "draft_model_path"]
     assert {"model", "tokenizer", "draft_model", "model_key"} <= self_assigned(p._load)
+    # a load persist refuses is undone with it (serve/model_identity.py)
+    assert params(p.reset) == ["self"] and "model_key" in self_assigned(p.reset)
     assert {"cli_args", "is_distributed"} <= self_assigned(p.__init__)
 
 
