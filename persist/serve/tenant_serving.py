@@ -3,19 +3,18 @@
 mlx-lm's server keys its prompt cache by model only, and its generation
 thread never says which request an insert belongs to.  So:
 
-- the handler (``tenant_handler``) answers 401 before the body is read
-  when the request has no valid key, and hangs the request's namespace
-  (tenant plus ``cache_salt``) on mlx-lm's ``CompletionRequest``;
+- the handler (``tenant_handler``) answers 401 before the body is read when the
+  request has no valid key, and hangs its namespace (tenant plus ``cache_salt``)
+  on mlx-lm's ``CompletionRequest``;
 - the generator (``TenantGenerator``) notes, on the generation thread, the
   namespace (and public prefix length) of the request it is preparing,
   right before mlx-lm fetches that request's cache;
 - the batch generator (``TaggingBatchGenerator``) remembers each sequence's
   namespace by its uid and tags every cache it hands back for an insert
   (``Tagged``); a request served alone inserts on the thread that noted it;
-- the prompt cache (``TenantPromptCache``) looks up and inserts under a
-  ``Scoped`` key (model, namespace): mlx-lm's trie, the host tier, the
-  store and the shared tiers all key by it.  An insert whose namespace is
-  unknown is dropped, never filed under another.
+- the prompt cache (``TenantPromptCache``) looks up and inserts under a ``Scoped``
+  key (model, namespace): mlx-lm's trie, the host tier, the store and the shared
+  tiers all key by it.  An insert whose namespace is unknown is dropped.
 
 A request whose leading system messages are a public prefix
 (``--public-prefix``) reads its system segment (mlx-lm's own cut, so the
@@ -146,8 +145,8 @@ class TenantScoping(CountsOnce):
                     served_public = True
             if self.metrics is not None:
                 self.metrics.outcomes.count_once(seen, len(tokens), have)
-            damaged = damaged_skips() > skips  # a row the index offers failed its checks
-            self._judge(model, ask, tokens, have, decision, damaged, hand)
+            # damaged: a row the index offered failed its checks
+            self._judge(model, ask, tokens, have, decision, damaged_skips() > skips, hand)
             note(cache, tokens[:have])  # the one handed out, not the last looked up
             return cache, rest
         finally:

@@ -24,7 +24,6 @@ from ..engine.store import Store
 from ..engine.warm import warm
 from ..errors import InvalidArgumentError
 from ..identity import ModelIdentity
-from .drafts import draft_problem
 
 __all__ = ["first_forward", "warmer"]
 
@@ -89,7 +88,6 @@ def first_forward(model_provider: Any) -> float | None:
         model = model_provider.model
         if model is None:
             return None
-        check_draft(model_provider)
         args = model_provider.cli_args
         step = int(getattr(args, "prefill_step_size", 0) or 2048)
         gpu = mx.default_device() != mx.cpu
@@ -100,20 +98,12 @@ def first_forward(model_provider: Any) -> float | None:
         else:  # mlx-lm serves this model (or these options) one request at a time
             alone(model, ids, step)
     except InvalidArgumentError:
-        raise  # options this model cannot serve (kv_bits on rings): refused at start
+        raise  # options this model cannot serve (kv_bits on rings, a draft beside rings:
+        # the loader refuses them, serve/model_identity): refused at start
     except Exception as e:
         log.warning("persist: the first forward pass at start failed: %s", e)
         return None
     return time.perf_counter() - t0
-
-
-def check_draft(model_provider: Any) -> None:
-    """InvalidArgumentError for a draft model mlx-lm's speculative decoding cannot serve
-    exactly beside this model (``drafts``); refused at start, as other setups that
-    serve nothing or serve wrong are."""
-    problem = draft_problem(model_provider.model, getattr(model_provider, "draft_model", None))
-    if problem is not None:
-        raise InvalidArgumentError(problem)
 
 
 def batched(model: Any, ids: list[int], step: int) -> int:

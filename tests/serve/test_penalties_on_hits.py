@@ -30,6 +30,29 @@ def serve(model: Path, store: Path, log: Path, *extra: str) -> Server:
     return Server(["persist", "serve", "--model", str(model), "--store", str(store), *extra], log)
 
 
+def answer(model: Path, store: Path, path: str, body: dict[str, Any], *opts: str) -> Any:
+    """``body``'s answer from a server on ``store``, started for it and stopped."""
+    srv = serve(model, store, store.with_suffix(".log"), *opts)
+    try:
+        code, got = post(srv, path, body)
+        assert code == 200, got
+        return got
+    finally:
+        srv.stop()
+
+
+def hit(model: Path, store: Path, path: str, first: Any, then: Any, *opts: str) -> Any:
+    """``then``'s answer right after ``first`` on one server: a hit from memory."""
+    srv = serve(model, store, store.with_suffix(".log"), *opts)
+    try:
+        post(srv, path, first)
+        code, got = post(srv, path, then)
+        assert code == 200 and got["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        return got
+    finally:
+        srv.stop()
+
+
 def ids(resp: dict[str, Any]) -> list[Any]:
     return [(c["id"], c["logprob"]) for c in resp["choices"][0]["logprobs"]["content"]]
 
@@ -42,19 +65,9 @@ def test_a_hit_with_penalties_answers_as_a_fresh_server(
 
     model = make_model(tmp_path_factory.mktemp("pen") / "m", "llama", dtype="float32", seed=0)
     body = {"temperature": 0, "max_tokens": 8, "logprobs": True, "seed": 1, **penalty}
-    fresh = serve(model, tmp_path / "fresh", tmp_path / "fresh.log")
-    try:
-        code, want = post(fresh, "/v1/completions", {**body, "prompt": TURN2})
-        assert code == 200, want
-    finally:
-        fresh.stop()
-    srv = serve(model, tmp_path / "s", tmp_path / "s.log")
-    try:
-        post(srv, "/v1/completions", {**body, "prompt": BASE})
-        code, memory = post(srv, "/v1/completions", {**body, "prompt": TURN2})
-        assert code == 200 and memory["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    finally:
-        srv.stop()
+    want = answer(model, tmp_path / "fresh", "/v1/completions", {**body, "prompt": TURN2})
+    first, then = {**body, "prompt": BASE}, {**body, "prompt": TURN2}
+    memory = hit(model, tmp_path / "s", "/v1/completions", first, then)
     again = serve(model, tmp_path / "s", tmp_path / "again.log")  # the store serves it
     try:
         code, stored = post(again, "/v1/completions", {**body, "prompt": TURN2})
@@ -76,19 +89,9 @@ def test_a_hit_with_penalties_and_a_draft_answers_as_a_fresh_server(
     model = make_model(root / "m", "llama", dtype="float32", seed=0)
     draft = ("--draft-model", str(make_model(root / "d", "llama", dtype="float32", seed=3)))
     body = {"temperature": 0, "max_tokens": 8, "logprobs": True, "presence_penalty": 2.0}
-    fresh = serve(model, tmp_path / "fresh", tmp_path / "fresh.log", *draft)
-    try:
-        code, want = post(fresh, "/v1/completions", {**body, "prompt": TURN2})
-        assert code == 200, want
-    finally:
-        fresh.stop()
-    srv = serve(model, tmp_path / "s", tmp_path / "s.log", *draft)
-    try:
-        post(srv, "/v1/completions", {**body, "prompt": BASE})
-        code, memory = post(srv, "/v1/completions", {**body, "prompt": TURN2})
-        assert code == 200 and memory["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    finally:
-        srv.stop()
+    want = answer(model, tmp_path / "fresh", "/v1/completions", {**body, "prompt": TURN2}, *draft)
+    first, then = {**body, "prompt": BASE}, {**body, "prompt": TURN2}
+    memory = hit(model, tmp_path / "s", "/v1/completions", first, then, *draft)
     assert ids(memory) == ids(want)
 
 
@@ -116,17 +119,6 @@ def test_a_hit_beside_a_public_prefix_answers_as_a_fresh_server(
     second = {**ask, "messages": [{"role": "system", "content": public},
                                   {"role": "user", "content": "where is my order"}]}  # fmt: skip
     opts = ("--public-prefix", str(listed))
-    fresh = serve(model, tmp_path / "fresh", tmp_path / "fresh.log", *opts)
-    try:
-        code, want = post(fresh, "/v1/chat/completions", second)
-        assert code == 200, want
-    finally:
-        fresh.stop()
-    srv = serve(model, tmp_path / "s", tmp_path / "s.log", *opts)
-    try:
-        post(srv, "/v1/chat/completions", first)
-        code, got = post(srv, "/v1/chat/completions", second)
-        assert code == 200 and got["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    finally:
-        srv.stop()
+    want = answer(model, tmp_path / "fresh", "/v1/chat/completions", second, *opts)
+    got = hit(model, tmp_path / "s", "/v1/chat/completions", first, second, *opts)
     assert ids(got) == ids(want)
